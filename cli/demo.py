@@ -1,0 +1,22 @@
+"""``opdcache demo``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def demo(
+    workdir: Annotated[Path, typer.Option("--workdir", help="Where the demo writes models/, prompts/ and caches/.")] = Path("opdcache-demo"),
+    seed: Annotated[int, typer.Option(help="Seed of prompts, sampling and training.")] = 0,
+) -> None:
+    """Run the whole pipeline on the embedded task, on CPU, with tiny local models (no network)."""
+    from opdcache.demo.pipeline import DemoConfig, run_demo
+
+    run_demo(DemoConfig(workdir=workdir, seed=seed))
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(demo)

@@ -1,0 +1,62 @@
+"""The ``opdcache`` command: a thin Typer adapter over the library.
+
+Each command lives in its own module and calls one library function. Library errors become one-line
+messages here, with exit codes 0 (ok), 1 (a check failed), 2 (bad usage or input). Tracebacks never show
+local variables (they may hold tokens or data).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from opdcache.errors import (ConfigError, ConsistencyError, InputError, MissingDependencyError, OpdcacheError,
+                             ResumeError, TokenizerMismatchError)
+
+app = typer.Typer(
+    name="opdcache", no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
+    help="Offline on-policy distillation caches: build, score, check, share, and train from them.",
+)
+
+USAGE_ERRORS = (ConfigError, ResumeError, InputError, TokenizerMismatchError, ConsistencyError, MissingDependencyError)
+
+
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    from opdcache.cli import demo, hub, info, validate
+
+    for module in (demo, validate, info, hub):
+        module.register(app)
+    _registered = True
+
+
+def main(argv: list[str] | None = None) -> None:
+    _register()
+    try:
+        code = app(args=argv, standalone_mode=False)  # click returns a typer.Exit's code here
+    except OpdcacheError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2 if isinstance(exc, USAGE_ERRORS) else 1)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # click usage errors arrive here in non-standalone mode
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""``opdcache validate CACHE``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from opdcache.cli.options import CachePath
+
+
+def validate(
+    cache: CachePath,
+    quick: Annotated[bool, typer.Option("--quick", help="Check files, sizes, hashes and schemas only; skip the per-row checks.")] = False,
+) -> None:
+    """Check a cache against its manifest, its schema and the data invariants. Exit 1 on any problem."""
+    from opdcache.validate import validate as run
+
+    problems = run(cache, quick=quick)
+    for p in problems:
+        typer.echo(str(p))
+    errors = [p for p in problems if not p.warning]
+    if errors:
+        typer.echo(f"{cache}: INVALID ({len(errors)} problems)")
+        raise typer.Exit(1)
+    typer.echo(f"{cache}: ok{' (quick)' if quick else ''}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(validate)

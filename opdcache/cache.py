@@ -1,0 +1,285 @@
+"""A cache directory: its layout, the resumable shard-by-shard job that fills a table, and read access.
+
+Layout (DESIGN.md section 3)::
+
+    <cache>/opdcache.json                     manifest, written last
+    <cache>/README.md                         dataset card with `configs:` for datasets.load_dataset
+    <cache>/<sft|rollouts>/part-i-of-n.parquet
+    <cache>/teachers/<slug>/part-i-of-n.parquet   row-aligned with the rollout shard of the same index
+    <cache>/teachers/<slug>/head.safetensors      (hidden store) / svd.safetensors (svd store)
+
+A :class:`TableJob` owns one table. Its settings are hashed into a config fingerprint that a job file
+records at the start; a restarted job compares fingerprints and refuses with the difference shown, or
+writes only the shards that are missing. Shards are split across workers by index
+(``i % num_workers == worker_index``), so any launcher can run them in parallel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from opdcache import manifest as M
+from opdcache import schema as S
+from opdcache import shards
+from opdcache.errors import ConfigError, ManifestError, ResumeError
+from opdcache.fingerprint import config_fingerprint
+
+JOB_FILE = "_opdcache_job.json"
+
+
+# ---------------------------------------------------------------- workers
+
+
+def worker_from_env(num_workers: int | None = None, worker_index: int | None = None) -> tuple[int, int]:
+    """(num_workers, worker_index), defaulting to a SLURM job array, then torchrun's RANK/WORLD_SIZE, then (1, 0)."""
+    env = os.environ
+    if num_workers is None:
+        for key in ("SLURM_ARRAY_TASK_COUNT", "WORLD_SIZE"):
+            if env.get(key):
+                num_workers = int(env[key])
+                break
+        else:
+            num_workers = 1
+    if worker_index is None:
+        if env.get("SLURM_ARRAY_TASK_ID") and env.get("SLURM_ARRAY_TASK_COUNT"):
+            worker_index = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
+        elif env.get("RANK"):
+            worker_index = int(env["RANK"])
+        else:
+            worker_index = 0
+    if num_workers < 1:
+        raise ConfigError(f"--num-workers must be at least 1, got {num_workers}")
+    if not 0 <= worker_index < num_workers:
+        raise ConfigError(f"--worker-index must be between 0 and {num_workers - 1}, got {worker_index}")
+    return num_workers, worker_index
+
+
+def shards_for_worker(num_shards: int, num_workers: int, worker_index: int) -> list[int]:
+    return [i for i in range(num_shards) if i % num_workers == worker_index]
+
+
+# ---------------------------------------------------------------- config diffs
+
+
+def _flatten(obj, prefix: str = "") -> dict:
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: obj}
+
+
+def config_diff(old: dict, new: dict) -> list[str]:
+    """Readable lines naming each setting that differs: 'sampling.temperature: 0.8 -> 1.0'."""
+    a, b = _flatten(old), _flatten(new)
+    lines = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key, "<unset>") != b.get(key, "<unset>"):
+            lines.append(f"{key}: {json.dumps(a.get(key, '<unset>'))} -> {json.dumps(b.get(key, '<unset>'))}")
+    return lines
+
+
+# ---------------------------------------------------------------- the job
+
+
+@dataclass
+class TableJob:
+    """Fills one table of a cache, shard by shard, resumably."""
+
+    root: Path
+    table: str  # "sft", "rollouts" or "teachers/<slug>"
+    kind: str
+    params: S.StoreParams
+    config: dict  # everything that determines the content; hashed into the fingerprint
+    num_shards: int
+    parent_fingerprint: str | None = None
+    fingerprint: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        if self.num_shards < 1:
+            raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
+        full = {"table": self.table, "kind": self.kind, "params": self.params.to_dict(), "num_shards": self.num_shards,
+                "format_version": S.FORMAT_VERSION, **self.config}
+        self.config = full
+        self.fingerprint = config_fingerprint(full, self.parent_fingerprint)
+
+    @property
+    def dir(self) -> Path:
+        return self.root / self.table
+
+    def shard_path(self, index: int) -> Path:
+        return self.dir / shards.shard_name(index, self.num_shards)
+
+    def _job_record(self) -> dict:
+        return {"config_fingerprint": self.fingerprint, "parent_fingerprint": self.parent_fingerprint, "config": self.config}
+
+    def begin(self) -> None:
+        """Record this job's settings, or check them against a partial run's; refuse a change."""
+        if M.exists(self.root):
+            done = M.load(self.root)["tables"].get(self.table)
+            if done is not None:
+                self._refuse_if_changed(done["config"], done["config_fingerprint"], "the finished cache")
+        job_file = self.dir / JOB_FILE
+        if job_file.is_file():
+            old = json.loads(job_file.read_text())
+            self._refuse_if_changed(old["config"], old["config_fingerprint"], "the partial run")
+        else:
+            shards.write_json_atomic(job_file, json.dumps(self._job_record(), indent=2, sort_keys=True) + "\n")
+
+    def _refuse_if_changed(self, old_config: dict, old_fp: str, what: str) -> None:
+        if old_fp == self.fingerprint:
+            return
+        diff = config_diff(old_config, self.config) or [f"parent cache fingerprint changed (now {self.parent_fingerprint})"]
+        raise ResumeError(
+            f"{self.dir} holds {what} with different settings; refusing to mix them:\n  "
+            + "\n  ".join(diff)
+            + f"\nRerun with the original settings to resume, or write to a new --out directory (or delete {self.dir})."
+        )
+
+    def is_done(self, index: int) -> bool:
+        return self.shard_path(index).is_file()
+
+    def pending(self, num_workers: int = 1, worker_index: int = 0) -> list[int]:
+        return [i for i in shards_for_worker(self.num_shards, num_workers, worker_index) if not self.is_done(i)]
+
+    def write_shard(self, index: int, records: Sequence[dict]) -> shards.ShardInfo:
+        table = shards.build_table(self.kind, self.params, records, self.fingerprint)
+        return shards.write_table_atomic(table, self.shard_path(index), self.root)
+
+    def all_done(self) -> bool:
+        return all(self.is_done(i) for i in range(self.num_shards))
+
+    def shard_infos(self) -> list[dict]:
+        """Re-read every shard's size and hash from disk (the manifest never trusts memory)."""
+        infos = []
+        for i in range(self.num_shards):
+            path = self.shard_path(i)
+            meta = shards.open_parquet(path).metadata
+            rows = meta.num_rows
+            tokens = shards.table_tokens(shards.read_table(path, [_token_column(self.kind)]))
+            infos.append(shards.ShardInfo(
+                path=path.relative_to(self.root).as_posix(), rows=rows, tokens=tokens,
+                bytes=path.stat().st_size, sha256=_sha256(path),
+            ).to_dict())
+        return infos
+
+    def table_entry(self, **extra) -> dict:
+        if not self.all_done():
+            missing = [i for i in range(self.num_shards) if not self.is_done(i)]
+            raise ManifestError(f"{self.table}: shards {missing} are not written yet; run the remaining workers first")
+        entry = {
+            "kind": self.kind, "params": self.params.to_dict(), "config": self.config,
+            "config_fingerprint": self.fingerprint, "shards": self.shard_infos(),
+        }
+        entry.update({k: v for k, v in extra.items() if v is not None})
+        return entry
+
+    def finish(self, manifest: dict) -> None:
+        """Write the manifest (last), then drop the job file."""
+        M.save(self.root, manifest)
+        job_file = self.dir / JOB_FILE
+        if job_file.exists():
+            job_file.unlink()
+
+
+def _token_column(kind: str) -> str:
+    return "logprobs" if kind == "teacher" else "response_ids"
+
+
+def _sha256(path: Path) -> str:
+    from opdcache.fingerprint import sha256_file
+
+    return sha256_file(path)
+
+
+def run_table_job(
+    job: TableJob,
+    make_shard: Callable[[int], Sequence[dict]],
+    num_workers: int = 1,
+    worker_index: int = 0,
+    on_shard: Callable[[int, shards.ShardInfo], None] | None = None,
+) -> list[int]:
+    """Write this worker's missing shards; return the indices written."""
+    job.begin()
+    written = []
+    for index in job.pending(num_workers, worker_index):
+        info = job.write_shard(index, make_shard(index))
+        written.append(index)
+        if on_shard is not None:
+            on_shard(index, info)
+    return written
+
+
+# ---------------------------------------------------------------- reading a cache
+
+
+class Cache:
+    """A finished cache on local disk: its manifest and its tables' shard paths."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise ManifestError(f"{self.root} does not exist or is not a directory")
+        self.manifest = M.load(self.root)
+
+    @property
+    def kind(self) -> str:
+        return self.manifest["kind"]
+
+    @property
+    def base_table(self) -> str:
+        return self.kind  # "sft" or "rollouts"
+
+    @property
+    def teachers(self) -> list[str]:
+        return sorted(t.split("/", 1)[1] for t in self.manifest["tables"] if t.startswith("teachers/"))
+
+    def table(self, name: str) -> dict:
+        tables = self.manifest["tables"]
+        if name not in tables:
+            if not name.startswith("teachers/") and f"teachers/{name}" in tables:
+                return tables[f"teachers/{name}"]
+            raise ManifestError(f"{self.root} has no table {name!r}; it has {', '.join(sorted(tables))}")
+        return tables[name]
+
+    def params(self, name: str) -> S.StoreParams:
+        return S.StoreParams.from_dict(self.table(name)["params"])
+
+    def shard_paths(self, name: str) -> list[Path]:
+        return [self.root / s["path"] for s in self.table(name)["shards"]]
+
+    def teacher_table(self, slug: str | None) -> str:
+        if slug is None:
+            if len(self.teachers) != 1:
+                raise ConfigError(f"--teacher is needed: the cache has teachers {self.teachers or 'none'}")
+            slug = self.teachers[0]
+        name = f"teachers/{slug}"
+        if name not in self.manifest["tables"]:
+            raise ConfigError(f"--teacher {slug!r} not in the cache; it has {', '.join(self.teachers) or 'no teachers'}")
+        return name
+
+
+def finalize_table(job: TableJob, tokenizer: dict | None = None, lineage: dict | None = None, **entry_extra) -> dict:
+    """Add the finished table to the manifest (creating it for a base table): card first, manifest last.
+
+    ``tokenizer`` and ``lineage`` are needed when the manifest does not exist yet (the base table).
+    Safe to call from every worker: it does nothing until all shards exist, and rewriting gives the same content.
+    """
+    from opdcache import card
+
+    if M.exists(job.root):
+        manifest = M.load(job.root)
+    else:
+        if job.kind == "teacher":
+            raise ManifestError(f"{job.root} has no manifest: score a finished rollouts or sft cache")
+        manifest = M.new_manifest(job.kind, tokenizer or {}, lineage)
+    manifest["tables"][job.table] = job.table_entry(**entry_extra)
+    card.write(job.root, manifest)
+    job.finish(manifest)
+    return manifest

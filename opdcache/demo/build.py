@@ -1,0 +1,75 @@
+"""Trains the demo's shipped models from scratch: ``python -m opdcache.demo.build [--out DIR]``.
+
+The weights under ``opdcache/demo/weights/`` were produced by this script (seed 0, 2 CPU cores):
+
+* ``teacher``: Qwen3-architecture, trained on ground-truth traces of the ``train`` split (``columns`` style);
+* ``teacher_carry``: the same architecture and data in the ``carry`` trace style (teacher-consistency ablation);
+* ``student``: the base student, Llama-architecture and smaller, given only a short warm-up on the same traces
+  so it knows the format but not the procedure (clearly weaker: it starts the OPD pipeline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+WEIGHTS = Path(__file__).parent / "weights"
+RECIPES = {
+    "teacher": dict(role="teacher", style="columns", steps=600, lr=3e-3),
+    "teacher_carry": dict(role="teacher", style="carry", steps=600, lr=3e-3),
+    "student": dict(role="student", style="columns", steps=150, lr=3e-3),
+}
+
+
+def training_pairs(tokenizer, style: str, n: int = 20000, seed: int = 0):
+    from opdcache.demo import task
+    from opdcache.evaluate import chat_prompt_ids
+
+    pairs = []
+    for p in task.problems("train", n, seed=seed):
+        response = tokenizer(task.solution(p, style), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        pairs.append((chat_prompt_ids(tokenizer, p.prompt), response))
+    return pairs
+
+
+def build(name: str, out: Path, seed: int = 0, progress: bool = True) -> dict:
+    import torch
+
+    from opdcache.demo import models
+    from opdcache.evaluate import evaluate_accuracy
+    from opdcache.sft import SFTConfig, train_sft
+
+    recipe = RECIPES[name]
+    torch.manual_seed(seed)
+    tokenizer = models.build_tokenizer()
+    model = models.new_model(recipe["role"], seed=seed)
+    start = time.perf_counter()
+    train_sft(model, training_pairs(tokenizer, recipe["style"], seed=seed),
+              SFTConfig(steps=recipe["steps"], batch_size=64, lr=recipe["lr"], warmup=30, seed=seed), pad_id=tokenizer.pad_token_id,
+              progress=progress)
+    seconds = time.perf_counter() - start
+    result = evaluate_accuracy(model, tokenizer, n=500)
+    models.save(model, tokenizer, out / name)
+    report = {"model": name, **recipe, "train_seconds": round(seconds, 1), "heldout_accuracy": result.accuracy,
+              "heldout_n": result.n, "params": sum(p.numel() for p in model.parameters())}
+    (out / name / "build_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=WEIGHTS)
+    parser.add_argument("--only", choices=sorted(RECIPES), action="append")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(2)
+    for name in args.only or RECIPES:
+        print(json.dumps(build(name, args.out, args.seed)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The exceptions opdcache raises.
+
+One base class, so callers can catch everything of ours at once, and subclasses
+that also inherit the matching built-in, so generic handlers keep working.
+Only the CLI turns these into one-line messages and exit codes.
+"""
+
+from __future__ import annotations
+
+
+class OpdcacheError(Exception):
+    """Base class of every error opdcache raises on purpose."""
+
+
+class ConfigError(OpdcacheError, ValueError):
+    """A setting is invalid (the message names the flag or field and the value)."""
+
+
+class SchemaError(OpdcacheError, ValueError):
+    """Data does not match the declared format (wrong column, type, length or version)."""
+
+
+class ManifestError(OpdcacheError, ValueError):
+    """The manifest `opdcache.json` is missing, unreadable or inconsistent."""
+
+
+class ResumeError(OpdcacheError, ValueError):
+    """A job was restarted with settings that differ from the partial cache on disk."""
+
+
+class TokenizerMismatchError(OpdcacheError, ValueError):
+    """Two models that must share a tokenizer do not."""
+
+
+class ConsistencyError(OpdcacheError, ValueError):
+    """The scoring teacher is not the teacher pi_ref was fine-tuned from."""
+
+
+class InputError(OpdcacheError, ValueError):
+    """Input data (prompts, a dataset) is malformed."""
+
+
+class MissingDependencyError(OpdcacheError, ImportError):
+    """An optional dependency is needed for the requested feature."""

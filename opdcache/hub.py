@@ -1,0 +1,61 @@
+"""Sharing caches on the Hugging Face Hub with the real ``huggingface_hub`` client.
+
+``push`` validates the cache, uploads the shards and side files with the resumable large-folder upload,
+then the dataset card and, last, the manifest, so a reader never sees a manifest that lists shards not yet
+uploaded. ``pull`` downloads a snapshot and validates it. The token comes from ``HF_TOKEN`` or the stored
+login and is never printed or written anywhere by opdcache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opdcache import manifest as M
+from opdcache.errors import OpdcacheError
+
+_LAST = ("README.md", M.MANIFEST_NAME)
+
+
+class HubError(OpdcacheError, RuntimeError):
+    """A push or pull could not complete."""
+
+
+def _api(token: str | None):
+    from huggingface_hub import HfApi
+
+    return HfApi(token=token)
+
+
+def push(root: str | Path, repo_id: str, private: bool = False, token: str | None = None, revision: str | None = None) -> str:
+    """Upload a valid cache to a Hub dataset repo; return the repo URL."""
+    from opdcache import card
+    from opdcache.validate import validate
+
+    root = Path(root)
+    errors = [p for p in validate(root, quick=True) if not p.warning]
+    if errors:
+        raise HubError(f"refusing to push an invalid cache ({len(errors)} problems; first: {errors[0]}); run `opdcache validate {root}`")
+    manifest = M.load(root)
+    card.write(root, manifest)
+    api = _api(token)
+    url = api.create_repo(repo_id, repo_type="dataset", private=private, exist_ok=True)
+    ignore = list(_LAST) + [".*", "**/.*", "**/_opdcache_job.json"]
+    api.upload_large_folder(repo_id=repo_id, folder_path=str(root), repo_type="dataset", revision=revision, ignore_patterns=ignore)
+    for name in _LAST:  # card, then the manifest: its presence on the Hub means the upload is complete
+        api.upload_file(path_or_fileobj=str(root / name), path_in_repo=name, repo_id=repo_id, repo_type="dataset",
+                        revision=revision, commit_message=f"opdcache: {name}")
+    return str(url)
+
+
+def pull(repo_id: str, out: str | Path, token: str | None = None, revision: str | None = None) -> Path:
+    """Download a cache from the Hub into ``out`` and validate it; raise if it is incomplete or corrupt."""
+    from huggingface_hub import snapshot_download
+
+    from opdcache.validate import validate
+
+    out = Path(out)
+    snapshot_download(repo_id=repo_id, repo_type="dataset", local_dir=str(out), token=token, revision=revision)
+    errors = [p for p in validate(out) if not p.warning]
+    if errors:
+        raise HubError(f"downloaded cache {repo_id} is invalid ({len(errors)} problems; first: {errors[0]})")
+    return out

@@ -1,0 +1,77 @@
+"""``opdcache info``: what a cache holds -- rows, tokens, stores, bytes per token per store, lineage."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from opdcache import schema as S
+from opdcache import shards
+from opdcache.cache import Cache
+
+
+def store_bytes(cache: Cache, table: str) -> dict[str, int]:
+    """Compressed bytes on disk of each store of a table, from the Parquet column-chunk sizes."""
+    entry = cache.table(table)
+    kind = entry["kind"]
+    store_of = {c.name: c.store for c in S.columns(kind)}
+    sizes: dict[str, int] = defaultdict(int)
+    for path in cache.shard_paths(table):
+        meta = shards.open_parquet(path).metadata
+        for rg in range(meta.num_row_groups):
+            group = meta.row_group(rg)
+            for c in range(group.num_columns):
+                col = group.column(c)
+                sizes[store_of.get(col.path_in_schema.split(".")[0], "other")] += col.total_compressed_size
+    return dict(sizes)
+
+
+def summary(root: str | Path) -> dict:
+    cache = Cache(root)
+    m = cache.manifest
+    tables = {}
+    for name, entry in sorted(m["tables"].items()):
+        rows = sum(s["rows"] for s in entry["shards"])
+        tokens = sum(s["tokens"] for s in entry["shards"])
+        nbytes = sum(s["bytes"] for s in entry["shards"])
+        per_store = store_bytes(cache, name)
+        tables[name] = {
+            "kind": entry["kind"], "shards": len(entry["shards"]), "rows": rows, "tokens": tokens, "bytes": nbytes,
+            "stores": list(entry["params"]["stores"]),
+            "bytes_per_token": {k: v / tokens for k, v in sorted(per_store.items())} if tokens else {},
+            "model": (entry.get("model") or {}).get("name_or_path"),
+            "model_fingerprint": (entry.get("model") or {}).get("fingerprint"),
+            "consistency": (entry.get("consistency") or {}).get("verdict"),
+        }
+    return {
+        "path": str(root), "kind": m["kind"], "format_version": m["format_version"], "opdcache_version": m["opdcache_version"],
+        "created": m["created"], "tokenizer": m["tokenizer"]["fingerprint"], "lineage": m["lineage"], "tables": tables,
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def render(info: dict) -> str:
+    lines = [
+        f"cache      {info['path']}",
+        f"kind       {info['kind']} (format v{info['format_version']}, written by opdcache {info['opdcache_version']} at {info['created']})",
+        f"tokenizer  {info['tokenizer'][:16]}",
+    ]
+    sft = info["lineage"].get("sft_teacher")
+    lines.append(f"lineage    pi_ref fine-tuned on teacher {sft['name_or_path']} ({sft['fingerprint'][:16]})" if sft
+                 else "lineage    pi_ref's SFT teacher unknown (no lineage recorded)")
+    header = f"{'table':<28} {'shards':>6} {'rows':>9} {'tokens':>11} {'size':>10}  bytes/token by store"
+    lines += ["", header, "-" * len(header)]
+    for name, t in info["tables"].items():
+        bpt = ", ".join(f"{k} {v:.1f}" for k, v in t["bytes_per_token"].items())
+        lines.append(f"{name:<28} {t['shards']:>6} {t['rows']:>9,} {t['tokens']:>11,} {_fmt_bytes(t['bytes']):>10}  {bpt}")
+        if t["model"]:
+            extra = f"  consistency: {t['consistency']}" if t["consistency"] else ""
+            lines.append(f"{'':<28} model {t['model']} ({(t['model_fingerprint'] or '')[:16]}){extra}")
+    return "\n".join(lines)

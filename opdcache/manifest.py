@@ -1,0 +1,161 @@
+"""The manifest ``opdcache.json``: what a cache holds and what produced it.
+
+Written last, atomically: its presence means every table it lists is complete. Adding a teacher
+to a cache rewrites it (atomically) with one more table. Its JSON Schema is built here and frozen in
+``schemas/manifest-v1.schema.json``; a test compares the two.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+
+import jsonschema
+
+from opdcache import __version__
+from opdcache import schema as S
+from opdcache.errors import ManifestError
+from opdcache.fingerprint import canonical_json
+from opdcache.shards import write_json_atomic
+
+MANIFEST_NAME = "opdcache.json"
+
+_SHA = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
+_MODEL = {
+    "type": "object",
+    "required": ["name_or_path", "fingerprint"],
+    "properties": {
+        "name_or_path": {"type": "string"},
+        "revision": {"type": ["string", "null"]},
+        "fingerprint": _SHA,
+        "dtype": {"type": ["string", "null"]},
+        "quantization": {"type": ["string", "null"]},
+        "engine": {"type": ["string", "null"]},
+        "engine_version": {"type": ["string", "null"]},
+        "logprobs_mode": {"type": ["string", "null"]},
+    },
+}
+_SHARD = {
+    "type": "object",
+    "required": ["path", "rows", "tokens", "bytes", "sha256"],
+    "additionalProperties": False,
+    "properties": {
+        "path": {"type": "string"},
+        "rows": {"type": "integer", "minimum": 0},
+        "tokens": {"type": "integer", "minimum": 0},
+        "bytes": {"type": "integer", "minimum": 0},
+        "sha256": _SHA,
+    },
+}
+_FILE = {
+    "type": "object",
+    "required": ["bytes", "sha256"],
+    "properties": {"bytes": {"type": "integer", "minimum": 0}, "sha256": _SHA},
+}
+_TABLE = {
+    "type": "object",
+    "required": ["kind", "params", "config", "config_fingerprint", "shards"],
+    "properties": {
+        "kind": {"enum": list(S.TABLE_KINDS)},
+        "params": {"type": "object"},
+        "config": {"type": "object"},
+        "config_fingerprint": _SHA,
+        "model": _MODEL,
+        "shards": {"type": "array", "items": _SHARD},
+        "files": {"type": "object", "additionalProperties": _FILE},
+        "consistency": {"type": "object"},
+        "svd": {"type": "object"},
+        "stats": {"type": "object"},
+    },
+}
+
+
+def json_schema() -> dict:
+    """JSON Schema (draft 2020-12) of the manifest, format v1."""
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "opdcache manifest (opdcache.json), format v1",
+        "type": "object",
+        "required": ["format", "format_version", "kind", "opdcache_version", "created", "tokenizer", "tables", "lineage"],
+        "properties": {
+            "format": {"const": S.FORMAT_NAME},
+            "format_version": {"const": S.FORMAT_VERSION},
+            "kind": {"enum": ["sft", "rollouts"]},
+            "opdcache_version": {"type": "string"},
+            "created": {"type": "string"},
+            "tokenizer": {
+                "type": "object",
+                "required": ["fingerprint"],
+                "properties": {"fingerprint": _SHA, "name_or_path": {"type": "string"}, "chat_template_sha256": {"type": ["string", "null"]}},
+            },
+            "tables": {"type": "object", "additionalProperties": _TABLE, "minProperties": 1},
+            "lineage": {
+                "type": "object",
+                "description": "sft_teacher: the teacher pi_ref was fine-tuned on (papers/000 teacher consistency); parent: the fingerprint of the cache this one was built from",
+                "properties": {"sft_teacher": {"oneOf": [{"type": "null"}, _MODEL]}, "parent_fingerprint": {"type": ["string", "null"]}},
+            },
+        },
+    }
+
+
+def new_manifest(kind: str, tokenizer: dict, lineage: dict | None = None) -> dict:
+    return {
+        "format": S.FORMAT_NAME,
+        "format_version": S.FORMAT_VERSION,
+        "kind": kind,
+        "opdcache_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "tokenizer": tokenizer,
+        "tables": {},
+        "lineage": lineage or {"sft_teacher": None, "parent_fingerprint": None},
+    }
+
+
+def check(manifest: dict, where: str = MANIFEST_NAME) -> dict:
+    if not isinstance(manifest, dict) or manifest.get("format") != S.FORMAT_NAME:
+        raise ManifestError(f"{where}: not an opdcache manifest (no \"format\": \"{S.FORMAT_NAME}\")")
+    version = manifest.get("format_version")
+    if version != S.FORMAT_VERSION:
+        raise ManifestError(
+            f"{where}: format version {version}, this opdcache {__version__} reads version {S.FORMAT_VERSION}; "
+            "install the opdcache version that wrote it, or rebuild the cache"
+        )
+    try:
+        jsonschema.validate(manifest, json_schema())
+    except jsonschema.ValidationError as exc:
+        path = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
+        raise ManifestError(f"{where}: {path}: {exc.message}") from None
+    return manifest
+
+
+def manifest_path(root: str | Path) -> Path:
+    return Path(root) / MANIFEST_NAME
+
+
+def exists(root: str | Path) -> bool:
+    return manifest_path(root).is_file()
+
+
+def load(root: str | Path) -> dict:
+    path = manifest_path(root)
+    if not path.is_file():
+        raise ManifestError(
+            f"{root} has no {MANIFEST_NAME}: the cache is incomplete (a job is still running or was stopped; "
+            "rerun it to resume) or this is not an opdcache cache"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"{path}: invalid JSON ({exc})") from None
+    return check(data, str(path))
+
+
+def save(root: str | Path, manifest: dict) -> None:
+    check(manifest)
+    write_json_atomic(manifest_path(root), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def content_view(manifest: dict) -> str:
+    """The manifest without its creation time: equal for caches with equal content."""
+    return canonical_json({k: v for k, v in manifest.items() if k != "created"})

@@ -1,0 +1,103 @@
+"""Supervised fine-tuning on (prompt ids, response ids) pairs: the minimal SFT stage of the pipeline.
+
+The loss is the mean token cross-entropy over response tokens only (papers/000 eq. 6). Used to train
+the demo teacher on ground-truth traces and, by ``opdcache sft``, to turn a base student into pi_ref on
+teacher trajectories.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Settings of a supervised fine-tuning run."""
+
+    steps: int = 500
+    """Optimizer steps."""
+    batch_size: int = 64
+    """Sequences per step."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
+    warmup: int = 20
+    """Warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    seed: int = 0
+    """Seed of the batch order and dropout."""
+
+    def __post_init__(self) -> None:
+        from opdcache.errors import ConfigError
+
+        if self.steps < 1:
+            raise ConfigError(f"--steps must be at least 1, got {self.steps}")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+
+
+def collate_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int):
+    """Right-padded input ids [B, L], attention mask [B, L] and labels [B, L] (-100 outside responses)."""
+    import torch
+
+    length = max(len(p) + len(r) for p, r in pairs)
+    input_ids = torch.full((len(pairs), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(pairs), length), -100, dtype=torch.long)
+    mask = torch.zeros((len(pairs), length), dtype=torch.long)
+    for i, (p, r) in enumerate(pairs):
+        seq = np.concatenate([np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64)])
+        input_ids[i, : len(seq)] = torch.from_numpy(seq)
+        mask[i, : len(seq)] = 1
+        labels[i, len(p): len(seq)] = torch.from_numpy(np.asarray(r, dtype=np.int64))
+    return input_ids, mask, labels
+
+
+def train_sft(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], config: SFTConfig, pad_id: int, progress: bool = False) -> list[float]:
+    """Fine-tune ``model`` in place on ``pairs``; return the loss of every step."""
+    import torch
+    import torch.nn.functional as F
+
+    from opdcache.progress import bar
+
+    rng = random.Random(config.seed)
+    torch.manual_seed(config.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
+
+    def lr_at(step: int) -> float:
+        if step < config.warmup:
+            return (step + 1) / config.warmup
+        t = (step - config.warmup) / max(1, config.steps - config.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    model.train()
+    order: list[int] = []
+    losses = []
+    with bar(total=config.steps, desc="sft", unit="step", enabled=progress) as pbar:
+        for step in range(config.steps):
+            if len(order) < config.batch_size:
+                fresh = list(range(len(pairs)))
+                rng.shuffle(fresh)
+                order.extend(fresh)
+            batch = [pairs[i] for i in order[: config.batch_size]]
+            del order[: config.batch_size]
+            input_ids, mask, labels = collate_pairs(batch, pad_id)
+            logits = model(input_ids=input_ids, attention_mask=mask).logits
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            pbar.update(1)
+            pbar.set_postfix(loss=f"{losses[-1]:.4f}")
+    model.eval()
+    return losses

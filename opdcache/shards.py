@@ -1,0 +1,281 @@
+"""The only module that reads and writes Parquet.
+
+Writing: records (dicts of numpy arrays) become an Arrow table built from flat buffers and offsets
+(no per-token Python objects), checked against the declared schema, and written to a temporary name,
+fsynced, and renamed, so a file under its final name is always complete. The bytes depend only on the
+data and the schema, never on the time or the process, so a rerun reproduces the same sha256.
+
+Reading: shards come back as Arrow tables, and per-token columns as one flat numpy array plus row
+offsets, zero-copy where Arrow allows.
+
+Encodings were chosen by measurement (benchmarks/bench_storage.py, BENCHMARKS.md): floats and 16-bit
+hidden-state bit patterns use BYTE_STREAM_SPLIT, everything is zstd-compressed, dictionaries only for
+strings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from opdcache import schema as S
+from opdcache.errors import SchemaError
+
+COMPRESSION = "zstd"
+COMPRESSION_LEVEL = 3
+ROW_GROUP_TARGET_BYTES = 8 << 20  # uncompressed Arrow bytes per row group: streaming-friendly, still seekable
+ROW_GROUP_MAX_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What the manifest records of one shard."""
+
+    path: str  # relative to the cache root, POSIX separators
+    rows: int
+    tokens: int  # response tokens (per-token positions) in the shard
+    bytes: int
+    sha256: str
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "rows": self.rows, "tokens": self.tokens, "bytes": self.bytes, "sha256": self.sha256}
+
+
+def shard_name(index: int, total: int) -> str:
+    return f"part-{index:05d}-of-{total:05d}.parquet"
+
+
+# ---------------------------------------------------------------- building tables
+
+
+def _list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.Array:
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(arrays) if arrays else np.zeros(0)
+    if pa.types.is_fixed_size_list(value_type):
+        width = value_type.list_size
+        elem = value_type.value_type
+        values = pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1), type=elem), width)
+    else:
+        values = pa.array(flat, type=value_type)
+    return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), values)
+
+
+def _as_vectors(value, width: int, name: str, row: int) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != 2 or arr.shape[1] != width:
+        raise SchemaError(f"column {name!r} row {row}: expected shape [tokens, {width}], got {list(arr.shape)}")
+    return arr
+
+
+def build_table(kind: str, params: S.StoreParams, records: Sequence[dict], config_fingerprint: str = "") -> pa.Table:
+    """Records (one dict per sequence, numpy arrays for per-token values) -> a checked Arrow table."""
+    schema = S.arrow_schema(kind, params, config_fingerprint)
+    cols = S.columns(kind, params)
+    names = {c.name for c in cols}
+    for i, rec in enumerate(records):
+        extra = set(rec) - names
+        if extra:
+            raise SchemaError(f"row {i}: columns {sorted(extra)} are not in the {kind} schema for stores {list(params.stores)}")
+    arrays = []
+    lengths = None  # per-row token count, fixed by the first per-token column
+    for col, field in zip(cols, schema):
+        if col.shape == "row":
+            values = [rec.get(col.name) for rec in records]
+            if not col.nullable and any(v is None for v in values):
+                row = next(i for i, v in enumerate(values) if v is None)
+                raise SchemaError(f"row {row}: required column {col.name!r} is missing")
+            if field.type == pa.list_(pa.int32()):
+                arrays.append(_list_array([np.asarray(v, dtype=np.int32) for v in values], pa.int32()))
+            else:
+                arrays.append(pa.array(values, type=field.type))
+            continue
+        per_row = []
+        for i, rec in enumerate(records):
+            if col.name not in rec:
+                raise SchemaError(f"row {i}: required column {col.name!r} is missing")
+            if col.shape == "token":
+                arr = np.asarray(rec[col.name])
+                if arr.ndim != 1:
+                    raise SchemaError(f"column {col.name!r} row {i}: expected a 1-D array, got shape {list(arr.shape)}")
+            else:
+                arr = _as_vectors(rec[col.name], field.type.value_type.list_size, col.name, i)
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                bad = int(np.flatnonzero(~np.isfinite(arr.reshape(len(arr), -1)).all(axis=-1))[0])
+                raise SchemaError(f"column {col.name!r} row {i} position {bad}: non-finite value {arr.reshape(len(arr), -1)[bad].tolist()[:4]}")
+            per_row.append(arr)
+        row_lengths = [len(a) for a in per_row]
+        if kind != "teacher":
+            expected = [len(rec["response_ids"]) for rec in records]
+        else:
+            expected = lengths if lengths is not None else row_lengths
+        for i, (got, want) in enumerate(zip(row_lengths, expected)):
+            if got != want:
+                raise SchemaError(f"column {col.name!r} row {i}: {got} positions, but the row has {want} response tokens")
+        lengths = expected
+        arrays.append(_list_array(per_row, field.type.value_type))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def table_tokens(table: pa.Table) -> int:
+    """Response tokens in a table: positions of its first per-token column."""
+    for name in ("response_ids", "logprobs"):
+        if name in table.column_names:
+            return int(pc.sum(pc.list_value_length(table[name])).as_py() or 0)
+    return 0
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _encodings(schema: pa.Schema) -> dict[str, str]:
+    """Column path -> encoding: BYTE_STREAM_SPLIT for floats and 16-bit float bit patterns."""
+    enc = {}
+    for field in schema:
+        typ, path = field.type, field.name
+        while pa.types.is_list(typ) or pa.types.is_fixed_size_list(typ):
+            typ, path = typ.value_type, path + ".list.element"
+        if pa.types.is_floating(typ) or (typ == pa.uint16() and field.metadata and S.FIELD_DTYPE in field.metadata):
+            enc[path] = "BYTE_STREAM_SPLIT"
+    return enc
+
+
+def _row_group_rows(table: pa.Table) -> int:
+    if table.num_rows == 0:
+        return 1
+    per_row = max(1, table.nbytes // table.num_rows)
+    return int(max(1, min(ROW_GROUP_MAX_ROWS, ROW_GROUP_TARGET_BYTES // per_row)))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_table_atomic(table: pa.Table, path: str | os.PathLike, root: str | os.PathLike) -> ShardInfo:
+    """Write ``table`` to ``path`` via a temporary name, fsync, rename; return what the manifest needs."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    encodings = _encodings(table.schema)
+    dict_cols = [f.name for f in table.schema if f.type == pa.string()]
+    try:
+        with open(tmp, "wb") as f:
+            pq.write_table(
+                table, f,
+                row_group_size=_row_group_rows(table),
+                compression=COMPRESSION, compression_level=COMPRESSION_LEVEL,
+                use_dictionary=dict_cols, column_encoding=encodings or None,
+                write_statistics=False,  # min/max of list elements is useless and costs bytes
+                store_schema=True,
+            )
+            f.flush()
+            os.fsync(f.fileno())
+        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+        size = tmp.stat().st_size
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return ShardInfo(
+        path=path.relative_to(root).as_posix(), rows=table.num_rows, tokens=table_tokens(table), bytes=size, sha256=digest
+    )
+
+
+def write_json_atomic(path: str | os.PathLike, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def is_temporary(path: Path) -> bool:
+    return path.name.startswith(".") and ".tmp-" in path.name
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_schema(path: str | os.PathLike) -> pa.Schema:
+    return pq.read_schema(path)
+
+
+def read_table(path: str | os.PathLike, columns: Iterable[str] | None = None) -> pa.Table:
+    return pq.read_table(path, columns=list(columns) if columns is not None else None, memory_map=True)
+
+
+def open_parquet(path: str | os.PathLike) -> pq.ParquetFile:
+    return pq.ParquetFile(path, memory_map=True)
+
+
+def list_offsets(array: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Row offsets [rows + 1] of a list column, starting at 0."""
+    arr = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
+    offsets = arr.offsets.to_numpy()
+    return offsets - offsets[0]
+
+
+def token_values(array: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A per-token column as one flat numpy array: shape [tokens] or [tokens, width].
+
+    Zero-copy when the column has no nulls in its values (always true for what opdcache writes).
+    16-bit float bit patterns come back as uint16; use :func:`hidden_to_torch` for a typed tensor.
+    """
+    arr = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
+    flat = arr.flatten()
+    if pa.types.is_fixed_size_list(flat.type):
+        width = flat.type.list_size
+        inner = flat.flatten()
+        return inner.to_numpy(zero_copy_only=False).reshape(-1, width)
+    return flat.to_numpy(zero_copy_only=False)
+
+
+def hidden_dtype_of(field: pa.Field) -> str:
+    if field.metadata and S.FIELD_DTYPE in field.metadata:
+        return field.metadata[S.FIELD_DTYPE].decode()
+    return "float32"
+
+
+def hidden_to_torch(values, hidden_dtype: str):
+    """uint16 bit patterns (or float32) -> a torch tensor of the stored dtype, without changing a bit."""
+    import torch
+
+    import warnings
+
+    with warnings.catch_warnings():  # Arrow buffers are read-only; we never write through these tensors
+        warnings.simplefilter("ignore", UserWarning)
+        if hidden_dtype == "float32":
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        target = {"bfloat16": torch.bfloat16, "float16": torch.float16}[hidden_dtype]
+        return torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).view(target)
+
+
+def hidden_to_numpy(tensor) -> np.ndarray:
+    """A torch hidden-state tensor -> what the hidden column stores (float32, or raw 16-bit patterns)."""
+    import torch
+
+    tensor = tensor.detach().cpu()
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        return tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
+    return tensor.to(torch.float32).numpy()

@@ -1,0 +1,303 @@
+"""``opdcache validate``: check a cache against its manifest, its declared schema and the data invariants.
+
+Every problem is collected (never the first only) with the file, row and column it concerns. File-level
+checks: missing, extra, truncated or altered shards (size and sha256), row and token counts, each shard's
+schema, format version and config fingerprint, leftover temporary files and unfinished tables.
+Row-level checks (skipped by ``quick``): per-token lengths, teacher/rollout row alignment by ``id``, top-k
+invariants (k unique in-vocabulary ids, finite non-positive log-probs sorted descending), log-probs finite
+and not above 0, agreement between the log-prob and top-k stores, and, for hidden stores, the teacher
+log-prob of each sampled token reconstructed from hidden state and head.
+
+All row checks are vectorised over a shard's flat buffers; no per-token Python loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from opdcache import manifest as M
+from opdcache import schema as S
+from opdcache import shards
+from opdcache.errors import ManifestError, SchemaError
+from opdcache.fingerprint import sha256_file
+
+MAX_ROWS_LISTED = 5  # per (file, column, check); the rest are counted
+LOGPROB_TOL = 1e-4  # agreement between two stores of the same float32 log-prob
+# hidden-state reconstruction (float32 matmul) vs the stored log-prob (the teacher's own kernels, its dtype)
+HIDDEN_TOL = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 1e-1}
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    message: str
+    row: int | None = None
+    column: str | None = None
+    warning: bool = False  # harmless (e.g. a leftover temporary file); does not fail validation
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.row is not None:
+            where += f" row {self.row}"
+        if self.column is not None:
+            where += f" column {self.column}"
+        return f"{'warning' if self.warning else 'error'}: {where}: {self.message}"
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+
+    def add(self, file: str, message: str, row: int | None = None, column: str | None = None, warning: bool = False) -> None:
+        self.problems.append(Problem(file, message, row, column, warning))
+
+    def rows(self, file: str, column: str, bad_rows: np.ndarray, message: str) -> None:
+        """Record a failed per-row check: the first few rows by number, then a count of the rest."""
+        bad_rows = np.unique(bad_rows)
+        for r in bad_rows[:MAX_ROWS_LISTED]:
+            self.add(file, message, int(r), column)
+        if len(bad_rows) > MAX_ROWS_LISTED:
+            self.add(file, f"{message} (and {len(bad_rows) - MAX_ROWS_LISTED} more rows)", None, column)
+
+
+def validate(root: str | Path, quick: bool = False) -> list[Problem]:
+    """All problems found in the cache at ``root`` (an empty list means it is valid)."""
+    root = Path(root)
+    out = _Collector()
+    try:
+        manifest = M.load(root)
+    except ManifestError as exc:
+        out.add(M.MANIFEST_NAME, str(exc))
+        return out.problems
+    tables = manifest["tables"]
+    base_name = manifest["kind"]
+    if base_name not in tables:
+        out.add(M.MANIFEST_NAME, f"no {base_name!r} table although the cache kind is {base_name!r}")
+        return out.problems
+    _check_stray_files(root, tables, out)
+    base_lengths: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # shard index -> (ids, response lengths)
+    base = tables[base_name]
+    for name in [base_name] + sorted(t for t in tables if t != base_name):
+        entry = tables[name]
+        params = S.StoreParams.from_dict(entry["params"])
+        if name != base_name and len(entry["shards"]) != len(base["shards"]):
+            out.add(name, f"{len(entry['shards'])} shards, but {base_name} has {len(base['shards'])}; teacher shards must align 1:1")
+        for index, info in enumerate(entry["shards"]):
+            path = root / info["path"]
+            if not _check_file(path, info, entry, params, out):
+                continue
+            if quick:
+                continue
+            table = shards.read_table(path)
+            if name == base_name:
+                base_lengths[index] = _check_base_rows(info["path"], table, entry, out)
+            else:
+                _check_teacher_rows(root, info["path"], table, entry, params, base_lengths.get(index),
+                                    root / base["shards"][index]["path"] if index < len(base["shards"]) else None, out)
+    return out.problems
+
+
+def _check_stray_files(root: Path, tables: dict, out: _Collector) -> None:
+    listed = {s["path"] for t in tables.values() for s in t["shards"]}
+    table_dirs = {root / name for name in tables}
+    for path in sorted(root.rglob("*")):
+        if not path.is_file():
+            continue
+        rel = path.relative_to(root).as_posix()
+        if shards.is_temporary(path):
+            out.add(rel, "leftover temporary file from an interrupted write (safe to delete)", warning=True)
+        elif path.suffix == ".parquet" and rel not in listed:
+            if path.parent in table_dirs:
+                out.add(rel, "extra shard: not listed in the manifest")
+            else:
+                out.add(rel, "shard of a table the manifest does not list (an unfinished or abandoned job?)", warning=True)
+
+
+def _check_file(path: Path, info: dict, entry: dict, params: S.StoreParams, out: _Collector) -> bool:
+    rel = info["path"]
+    if not path.is_file():
+        out.add(rel, "missing shard: listed in the manifest but not on disk")
+        return False
+    size = path.stat().st_size
+    if size != info["bytes"]:
+        out.add(rel, f"size is {size} bytes, the manifest says {info['bytes']} (truncated or replaced)")
+        return False
+    digest = sha256_file(path)
+    if digest != info["sha256"]:
+        out.add(rel, f"sha256 {digest[:12]}... does not match the manifest's {info['sha256'][:12]}... (corrupted)")
+        return False
+    try:
+        pf = shards.open_parquet(path)
+        schema = pf.schema_arrow
+        kind, file_params, _ = S.params_from_schema(schema)
+    except (SchemaError, pa.ArrowException, OSError) as exc:
+        out.add(rel, f"unreadable shard: {exc}")
+        return False
+    expected = S.arrow_schema(entry["kind"], params, entry["config_fingerprint"])
+    if kind != entry["kind"] or file_params != params:
+        out.add(rel, f"shard declares kind {kind!r} with {file_params.to_dict()}, the manifest says {entry['kind']!r} with {params.to_dict()}")
+        return False
+    if not schema.remove_metadata().equals(expected.remove_metadata(), check_metadata=False):
+        got = {f.name: str(f.type) for f in schema}
+        want = {f.name: str(f.type) for f in expected}
+        diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
+        out.add(rel, "schema differs from the declared format: " + ", ".join(f"{k}: {got.get(k, 'absent')} (expected {want.get(k, 'absent')})" for k in diff))
+        return False
+    fp = (schema.metadata or {}).get(S.META_CONFIG_FP, b"").decode()
+    if fp != entry["config_fingerprint"]:
+        out.add(rel, f"config fingerprint {fp[:12]}... differs from the table's {entry['config_fingerprint'][:12]}... (a shard from another run)")
+    if pf.metadata.num_rows != info["rows"]:
+        out.add(rel, f"{pf.metadata.num_rows} rows, the manifest says {info['rows']}")
+        return False
+    return True
+
+
+def _row_of(offsets: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    return np.searchsorted(offsets, positions, side="right") - 1
+
+
+def _check_logprobs(file: str, column: str, values: np.ndarray, offsets: np.ndarray, out: _Collector) -> None:
+    flat = values.reshape(len(values), -1)
+    bad = ~np.isfinite(flat).all(axis=1)
+    if bad.any():
+        out.rows(file, column, _row_of(offsets, np.flatnonzero(bad)), "non-finite log-prob")
+    above = (flat > 0).any(axis=1) & ~bad
+    if above.any():
+        out.rows(file, column, _row_of(offsets, np.flatnonzero(above)), "log-prob above 0")
+
+
+def _check_topk(file: str, prefix: str, ids: np.ndarray, lps: np.ndarray, offsets: np.ndarray, vocab: int | None, out: _Collector) -> None:
+    """ids, lps: [tokens, k]."""
+    col_ids, col_lps = f"{prefix}_ids", f"{prefix}_logprobs"
+    if vocab is not None:
+        bad = ((ids < 0) | (ids >= vocab)).any(axis=1)
+        if bad.any():
+            out.rows(file, col_ids, _row_of(offsets, np.flatnonzero(bad)), f"token id outside the vocabulary [0, {vocab})")
+    srt = np.sort(ids, axis=1)
+    dup = (np.diff(srt, axis=1) == 0).any(axis=1)
+    if dup.any():
+        out.rows(file, col_ids, _row_of(offsets, np.flatnonzero(dup)), "duplicate token ids in a top-k row")
+    _check_logprobs(file, col_lps, lps, offsets, out)
+    unsorted = (np.diff(lps, axis=1) > 0).any(axis=1)
+    if unsorted.any():
+        out.rows(file, col_lps, _row_of(offsets, np.flatnonzero(unsorted)), "top-k log-probs not sorted descending")
+    mass = np.exp(lps.astype(np.float64)).sum(axis=1)
+    over = mass > 1 + 1e-3
+    if over.any():
+        out.rows(file, col_lps, _row_of(offsets, np.flatnonzero(over)), "top-k probabilities sum to more than 1")
+
+
+def _check_against_topk(file: str, column: str, sampled: np.ndarray, sampled_lp: np.ndarray, ids: np.ndarray,
+                        lps: np.ndarray, offsets: np.ndarray, out: _Collector) -> None:
+    """The sampled token's log-prob must equal its top-k entry, or lie below the k-th when outside top-k."""
+    hit = ids == sampled[:, None]
+    inside = hit.any(axis=1)
+    at = np.where(inside, lps[np.arange(len(ids)), hit.argmax(axis=1)], np.nan)
+    mismatch = inside & (np.abs(at - sampled_lp) > LOGPROB_TOL)
+    if mismatch.any():
+        out.rows(file, column, _row_of(offsets, np.flatnonzero(mismatch)), "log-prob of the sampled token disagrees with its top-k entry")
+    above_kth = ~inside & (sampled_lp > lps[:, -1] + LOGPROB_TOL)
+    if above_kth.any():
+        out.rows(file, column, _row_of(offsets, np.flatnonzero(above_kth)), "sampled token is outside the top-k but more likely than the k-th")
+
+
+def _check_base_rows(file: str, table: pa.Table, entry: dict, out: _Collector):
+    vocab = entry["config"].get("vocab_size")
+    offsets = shards.list_offsets(table["response_ids"])
+    response = shards.token_values(table["response_ids"])
+    if vocab is not None:
+        bad = (response < 0) | (response >= vocab)
+        if bad.any():
+            out.rows(file, "response_ids", _row_of(offsets, np.flatnonzero(bad)), f"token id outside the vocabulary [0, {vocab})")
+    finish = table["finish_reason"].to_pylist()
+    bad_finish = [i for i, f in enumerate(finish) if f not in S.FINISH_REASONS]
+    if bad_finish:
+        out.rows(file, "finish_reason", np.array(bad_finish), f"finish_reason must be one of {S.FINISH_REASONS}")
+    for name in ("sampling_logprobs", "ref_logprobs"):
+        if name in table.column_names:
+            _check_lengths(file, name, table, offsets, out)
+            _check_logprobs(file, name, shards.token_values(table[name]), offsets, out)
+    if "ref_topk_ids" in table.column_names:
+        ids, lps = shards.token_values(table["ref_topk_ids"]), shards.token_values(table["ref_topk_logprobs"])
+        _check_lengths(file, "ref_topk_ids", table, offsets, out)
+        _check_topk(file, "ref_topk", ids, lps, offsets, vocab, out)
+        _check_against_topk(file, "ref_logprobs", response, shards.token_values(table["ref_logprobs"]), ids, lps, offsets, out)
+    if "mc_ids" in table.column_names:
+        _check_lengths(file, "mc_ids", table, offsets, out)
+        mc = shards.token_values(table["mc_ids"])
+        if vocab is not None and ((mc < 0) | (mc >= vocab)).any():
+            out.rows(file, "mc_ids", _row_of(offsets, np.flatnonzero(((mc < 0) | (mc >= vocab)).any(axis=1))), f"token id outside the vocabulary [0, {vocab})")
+        _check_logprobs(file, "mc_sampling_logprobs", shards.token_values(table["mc_sampling_logprobs"]), offsets, out)
+    return np.asarray(table["id"].to_pylist(), dtype=object), np.diff(offsets), response, offsets
+
+
+def _check_lengths(file: str, name: str, table: pa.Table, offsets: np.ndarray, out: _Collector, lengths: np.ndarray | None = None) -> None:
+    want = np.diff(offsets) if lengths is None else lengths
+    got = np.diff(shards.list_offsets(table[name]))
+    bad = np.flatnonzero(got != want)
+    if len(bad):
+        out.rows(file, name, bad, "per-token column length differs from the number of response tokens")
+
+
+def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, params: S.StoreParams, base, base_path, out: _Collector) -> None:
+    if base is None:
+        if base_path is None or not base_path.is_file():
+            out.add(file, "no matching rollout shard to align with")
+            return
+        base = _check_base_rows(str(base_path.relative_to(root)), shards.read_table(base_path), {"config": {}}, _Collector())
+    ids, lengths, response, base_offsets = base
+    teacher_ids = np.asarray(table["id"].to_pylist(), dtype=object)
+    if len(teacher_ids) != len(ids):
+        out.add(file, f"{len(teacher_ids)} rows but the rollout shard has {len(ids)}; teacher shards must be row-aligned")
+        return
+    misaligned = np.flatnonzero(teacher_ids != ids)
+    if len(misaligned):
+        out.rows(file, "id", misaligned, "id differs from the rollout row at the same position (rows misaligned)")
+        return
+    offsets = shards.list_offsets(table["logprobs"])
+    for name in [c.name for c in S.columns("teacher", params) if c.shape != "row"]:
+        _check_lengths(file, name, table, base_offsets, out, lengths)
+    if not (np.diff(offsets) == lengths).all():
+        return
+    logprobs = shards.token_values(table["logprobs"])
+    _check_logprobs(file, "logprobs", logprobs, offsets, out)
+    lse = shards.token_values(table["logsumexp"])
+    if not np.isfinite(lse).all():
+        out.rows(file, "logsumexp", _row_of(offsets, np.flatnonzero(~np.isfinite(lse))), "non-finite logsumexp")
+    vocab = entry["config"].get("vocab_size")
+    if "topk_ids" in table.column_names:
+        ids_k, lps_k = shards.token_values(table["topk_ids"]), shards.token_values(table["topk_logprobs"])
+        _check_topk(file, "topk", ids_k, lps_k, offsets, vocab, out)
+        _check_against_topk(file, "logprobs", response, logprobs, ids_k, lps_k, offsets, out)
+    for name in ("ref_topk_logprobs", "mc_logprobs"):
+        if name in table.column_names:
+            _check_logprobs(file, name, shards.token_values(table[name]), offsets, out)
+    if "hidden" in table.column_names:
+        _check_hidden(root, file, table, entry, response, logprobs, offsets, out)
+
+
+def _check_hidden(root: Path, file: str, table: pa.Table, entry: dict, response: np.ndarray, logprobs: np.ndarray,
+                  offsets: np.ndarray, out: _Collector) -> None:
+    """Reconstruct T_t = log_softmax(hidden @ W.T + b)[a_t] from the stored hidden state and head; compare."""
+    import torch
+
+    from opdcache.heads import load_head, token_logprobs_from_hidden
+
+    head_path = root / Path(file).parent / "head.safetensors"
+    if not head_path.is_file():
+        out.add(file, "hidden store without head.safetensors next to it")
+        return
+    head = load_head(head_path)
+    dtype = shards.hidden_dtype_of(table.schema.field("hidden"))
+    tol = HIDDEN_TOL[dtype]
+    hidden = shards.hidden_to_torch(shards.token_values(table["hidden"]), dtype)
+    rebuilt = token_logprobs_from_hidden(hidden, head, torch.from_numpy(response.astype(np.int64))).numpy()
+    bad = np.abs(rebuilt - logprobs) > tol
+    if bad.any():
+        worst = float(np.abs(rebuilt - logprobs).max())
+        out.rows(file, "hidden", _row_of(offsets, np.flatnonzero(bad)),
+                 f"log-prob rebuilt from hidden state and head differs from the stored log-prob (max |diff| {worst:.2e} > {tol} for {dtype})")

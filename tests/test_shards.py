@@ -1,0 +1,112 @@
+"""Every column type round-trips exactly, and users' tools (pyarrow, datasets, DuckDB) read the shards."""
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from opdcache import schema as S
+from opdcache import shards
+from opdcache.cache import Cache
+from opdcache.errors import SchemaError
+from synth import make_cache, rollout_rows
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_hidden_states_round_trip_bit_exact(tmp_path, dtype):
+    torch_dtype = getattr(torch, dtype)
+    hidden = (torch.randn(7, 24) * 100).to(torch_dtype)
+    hidden[0, :4] = torch.tensor([float("1e-38"), -0.0, 65504, 3.0e-5]).to(torch_dtype)
+    params = S.StoreParams(stores=("logprob", "hidden"), hidden_size=24, hidden_dtype=dtype)
+    rec = dict(id="r", logprobs=-np.ones(7, np.float32), logsumexp=np.zeros(7, np.float32), hidden=shards.hidden_to_numpy(hidden))
+    info = shards.write_table_atomic(shards.build_table("teacher", params, [rec]), tmp_path / "t.parquet", tmp_path)
+    table = shards.read_table(tmp_path / info.path)
+    back = shards.hidden_to_torch(shards.token_values(table["hidden"]), shards.hidden_dtype_of(table.schema.field("hidden")))
+    assert back.dtype == torch_dtype
+    assert torch.equal(back.view(torch.int16 if dtype != "float32" else torch.int32),
+                       hidden.view(torch.int16 if dtype != "float32" else torch.int32))
+
+
+def test_every_rollout_column_round_trips(tmp_path):
+    rows = rollout_rows(0, n_rows=5)
+    params = S.StoreParams(stores=("base", "ref_topk", "mc", "task"), ref_top_k=4, mc_samples=3)
+    shards.write_table_atomic(shards.build_table("rollouts", params, rows), tmp_path / "r.parquet", tmp_path)
+    table = shards.read_table(tmp_path / "r.parquet")
+    offsets = shards.list_offsets(table["response_ids"])
+    for name in ("response_ids", "sampling_logprobs", "ref_logprobs", "ref_topk_ids", "ref_topk_logprobs", "mc_ids", "mc_sampling_logprobs"):
+        flat = shards.token_values(table[name])
+        for i, row in enumerate(rows):
+            np.testing.assert_array_equal(flat[offsets[i]: offsets[i + 1]], row[name])
+    for name in ("id", "prompt_index", "sample_index", "finish_reason", "answer", "reward", "metadata"):
+        assert table[name].to_pylist() == [r[name] for r in rows]
+    assert table["prompt_ids"].to_pylist() == [r["prompt_ids"].tolist() for r in rows]
+
+
+def test_shard_metadata_makes_a_lone_shard_self_describing(synth_cache):
+    path = Cache(synth_cache).shard_paths("teachers/synth")[0]
+    kind, params, version = S.params_from_schema(pq.read_schema(path))
+    assert kind == "teacher" and params.hidden_dtype == "bfloat16" and version == 1
+    assert pq.read_schema(path).metadata[S.META_CONFIG_FP] == Cache(synth_cache).table("teachers/synth")["config_fingerprint"].encode()
+
+
+def test_floats_use_byte_stream_split(synth_cache):
+    path = Cache(synth_cache).shard_paths("teachers/synth")[0]
+    meta = pq.ParquetFile(path).metadata.row_group(0)
+    enc = {meta.column(i).path_in_schema.split(".")[0]: meta.column(i).encodings for i in range(meta.num_columns)}
+    assert "BYTE_STREAM_SPLIT" in enc["logprobs"] and "BYTE_STREAM_SPLIT" in enc["hidden"]
+    assert meta.column(0).compression == "ZSTD"
+
+
+def test_non_finite_values_are_never_written(tmp_path):
+    rows = rollout_rows(0, n_rows=2)
+    rows[1]["ref_logprobs"] = rows[1]["ref_logprobs"].copy()
+    rows[1]["ref_logprobs"][0] = np.nan
+    params = S.StoreParams(stores=("base", "ref_topk", "mc", "task"), ref_top_k=4, mc_samples=3)
+    with pytest.raises(SchemaError, match="column 'ref_logprobs' row 1 position 0: non-finite value"):
+        shards.build_table("rollouts", params, rows)
+
+
+def test_length_and_shape_errors_name_row_and_column():
+    rows = rollout_rows(0, n_rows=2)
+    params = S.StoreParams(stores=("base", "ref_topk", "mc", "task"), ref_top_k=4, mc_samples=3)
+    bad = [dict(r) for r in rows]
+    bad[1]["sampling_logprobs"] = bad[1]["sampling_logprobs"][:-1]
+    with pytest.raises(SchemaError, match="column 'sampling_logprobs' row 1: .* positions, but the row has"):
+        shards.build_table("rollouts", params, bad)
+    bad = [dict(r) for r in rows]
+    bad[0]["ref_topk_ids"] = bad[0]["ref_topk_ids"][:, :2]
+    with pytest.raises(SchemaError, match=r"column 'ref_topk_ids' row 0: expected shape \[tokens, 4\]"):
+        shards.build_table("rollouts", params, bad)
+    bad = [dict(r) for r in rows]
+    bad[0]["surprise"] = 1
+    with pytest.raises(SchemaError, match=r"row 0: columns \['surprise'\] are not in the rollouts schema"):
+        shards.build_table("rollouts", params, bad)
+
+
+def test_datasets_reads_every_shard_and_column(synth_cache):
+    import datasets
+
+    cache = Cache(synth_cache)
+    for config, table in (("rollouts", "rollouts"), ("teacher-synth", "teachers/synth")):
+        ds = datasets.load_dataset(str(synth_cache), config, split="train")
+        direct = pq.read_table(cache.shard_paths(table))
+        assert ds.num_rows == direct.num_rows
+        assert set(ds.column_names) == set(direct.column_names)
+        np_ds = ds.with_format("numpy")
+        for name in direct.column_names:
+            assert ds[name] == direct[name].to_pylist(), name
+        assert np_ds[0]["id"] == direct["id"][0].as_py()
+
+
+def test_duckdb_queries_a_shard_with_plain_sql(synth_cache):
+    duckdb = pytest.importorskip("duckdb")
+    path = Cache(synth_cache).shard_paths("rollouts")[0]
+    tokens, rows, stops = duckdb.sql(
+        f"SELECT sum(len(response_ids)), count(*), count(*) FILTER (WHERE finish_reason = 'stop') FROM '{path}'"
+    ).fetchall()[0]
+    table = pq.read_table(path)
+    assert rows == table.num_rows
+    assert tokens == sum(len(r) for r in table["response_ids"].to_pylist())
+    assert stops == table["finish_reason"].to_pylist().count("stop")
+    worst = duckdb.sql(f"SELECT id, list_min(ref_logprobs) AS m FROM '{path}' ORDER BY m LIMIT 1").fetchall()[0]
+    assert worst[1] == min(min(r) for r in table["ref_logprobs"].to_pylist())

@@ -1,0 +1,141 @@
+"""`opdcache validate` names every problem (file, row, column) and exits 1; a clean cache exits 0."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from opdcache import manifest as M
+from opdcache import schema as S
+from opdcache import shards
+from opdcache.cache import Cache
+from opdcache.cli.main import main
+from opdcache.validate import validate
+from synth import rollout_rows
+
+
+def _cli(args, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    return exit_.value.code, capsys.readouterr().out
+
+
+def _rewrite_shard(cache_root, table, index, mutate):
+    """Replace a shard with mutated data and patch the manifest so only the data checks can catch it."""
+    cache = Cache(cache_root)
+    path = cache.shard_paths(table)[index]
+    entry = cache.table(table)
+    t = shards.read_table(path).to_pylist()
+    mutate(t)
+    params = S.StoreParams.from_dict(entry["params"])
+    records = [{k: (np.asarray(v) if isinstance(v, list) else v) for k, v in row.items()} for row in t]
+    info = shards.write_table_atomic(shards.build_table(entry["kind"], params, records, entry["config_fingerprint"]), path, cache_root)
+    m = cache.manifest
+    m["tables"][table]["shards"][index] = info.to_dict()
+    M.save(cache_root, m)
+
+
+def test_clean_cache_exits_0(synth_cache, capsys):
+    code, out = _cli(["validate", str(synth_cache)], capsys)
+    assert code == 0
+    assert out.strip().endswith(": ok")
+
+
+def test_flipped_byte(synth_cache, capsys):
+    path = Cache(synth_cache).shard_paths("rollouts")[1]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    code, out = _cli(["validate", str(synth_cache)], capsys)
+    assert code == 1
+    assert "rollouts/part-00001-of-00003.parquet: sha256" in out and "(corrupted)" in out
+
+
+def test_truncated_shard(synth_cache, capsys):
+    path = Cache(synth_cache).shard_paths("teachers/synth")[0]
+    path.write_bytes(path.read_bytes()[:-100])
+    code, out = _cli(["validate", "--quick", str(synth_cache)], capsys)
+    assert code == 1 and "teachers/synth/part-00000-of-00003.parquet: size is" in out and "truncated" in out
+
+
+def test_deleted_shard(synth_cache, capsys):
+    Cache(synth_cache).shard_paths("rollouts")[2].unlink()
+    code, out = _cli(["validate", str(synth_cache)], capsys)
+    assert code == 1 and "rollouts/part-00002-of-00003.parquet: missing shard" in out
+
+
+def test_extra_shard(synth_cache, capsys):
+    src = Cache(synth_cache).shard_paths("rollouts")[0]
+    shutil.copy(src, src.with_name("part-00003-of-00003.parquet"))
+    code, out = _cli(["validate", str(synth_cache)], capsys)
+    assert code == 1 and "rollouts/part-00003-of-00003.parquet: extra shard" in out
+
+
+def test_wrong_row_count(synth_cache, capsys):
+    m = M.load(synth_cache)
+    m["tables"]["rollouts"]["shards"][0]["rows"] += 1
+    M.save(synth_cache, m)
+    code, out = _cli(["validate", str(synth_cache)], capsys)
+    assert code == 1 and "rollouts/part-00000-of-00003.parquet: 6 rows, the manifest says 7" in out
+
+
+def test_shard_with_another_schema(synth_cache, capsys):
+    cache = Cache(synth_cache)
+    path = cache.shard_paths("rollouts")[0]
+    params = S.StoreParams(stores=("base", "task"))
+    rows = [{k: v for k, v in r.items() if not k.startswith(("ref_topk", "mc_"))} for r in rollout_rows(0)]
+    info = shards.write_table_atomic(shards.build_table("rollouts", params, rows), path, synth_cache)
+    m = cache.manifest
+    m["tables"]["rollouts"]["shards"][0] = info.to_dict()
+    M.save(synth_cache, m)
+    code, out = _cli(["validate", str(synth_cache)], capsys)
+    assert code == 1 and "rollouts/part-00000-of-00003.parquet: shard declares kind 'rollouts'" in out
+
+
+def test_row_level_problems_name_row_and_column(synth_cache):
+    def break_rows(rows):
+        rows[2]["ref_topk_ids"][0][1] = rows[2]["ref_topk_ids"][0][0]  # duplicate id
+        rows[3]["ref_topk_logprobs"][0] = rows[3]["ref_topk_logprobs"][0][::-1]  # ascending
+        rows[4]["sampling_logprobs"][0] = 0.5  # above 0
+    _rewrite_shard(synth_cache, "rollouts", 0, break_rows)
+    text = "\n".join(map(str, validate(synth_cache)))
+    assert "rollouts/part-00000-of-00003.parquet row 2 column ref_topk_ids: duplicate token ids" in text
+    assert "row 3 column ref_topk_logprobs: top-k log-probs not sorted descending" in text
+    assert "row 4 column sampling_logprobs: log-prob above 0" in text
+    # quick mode skips exactly these checks
+    assert validate(synth_cache, quick=True) == []
+
+
+def test_teacher_rows_misaligned_or_inconsistent(synth_cache):
+    _rewrite_shard(synth_cache, "teachers/synth", 1, lambda rows: rows.reverse())
+    text = "\n".join(map(str, validate(synth_cache)))
+    assert "teachers/synth/part-00001-of-00003.parquet row 0 column id: id differs from the rollout row" in text
+
+
+def test_hidden_state_reconstruction_is_checked(synth_cache):
+    def shift(rows):
+        rows[0]["logprobs"][0] -= 0.5
+    _rewrite_shard(synth_cache, "teachers/synth", 0, shift)
+    text = "\n".join(map(str, validate(synth_cache)))
+    assert "row 0 column hidden: log-prob rebuilt from hidden state and head differs" in text
+
+
+def test_missing_or_foreign_manifest(tmp_path, capsys):
+    code, out = _cli(["validate", str(tmp_path)], capsys)
+    assert code == 1 and "has no opdcache.json: the cache is incomplete" in out
+    (tmp_path / "opdcache.json").write_text(json.dumps({"format": "opdcache", "format_version": 9}))
+    code, out = _cli(["validate", str(tmp_path)], capsys)
+    assert code == 1 and "format version 9, this opdcache 0.1.0 reads version 1" in out
+
+
+def test_info_reports_stores_and_bytes_per_token(synth_cache, capsys):
+    code, out = _cli(["info", str(synth_cache)], capsys)
+    assert code == 0
+    assert "teachers/synth" in out and "hidden" in out and "bytes/token" in out
+    code, out = _cli(["info", "--json", str(synth_cache)], capsys)
+    data = json.loads(out)
+    t = data["tables"]["teachers/synth"]
+    assert t["rows"] == 18 and set(t["bytes_per_token"]) == {"base", "logprob", "topk", "hidden"}
+    # bf16 hidden of width 16: 32 raw bytes per token; zstd may shrink it but not below 0.
+    assert 0 < t["bytes_per_token"]["hidden"] <= 32 * 1.2
