@@ -1,6 +1,7 @@
 """Sharing caches on the Hugging Face Hub with the real ``huggingface_hub`` client.
 
-``push`` validates the cache, uploads the shards and side files with the resumable large-folder upload,
+``push`` validates the cache, uploads the shards and side files with the client's resumable folder upload
+(``upload_large_folder`` before huggingface_hub 2, ``upload_folder`` from 2 on, which resumes by itself),
 then the dataset card and, last, the manifest, so a reader never sees a manifest that lists shards not yet
 uploaded. ``pull`` downloads a snapshot and validates it. The token comes from ``HF_TOKEN`` or the stored
 login and is never printed or written anywhere by opdcache.
@@ -40,7 +41,11 @@ def push(root: str | Path, repo_id: str, private: bool = False, token: str | Non
     api = _api(token)
     url = api.create_repo(repo_id, repo_type="dataset", private=private, exist_ok=True)
     ignore = list(_LAST) + [".*", "**/.*", "**/_opdcache_job.json"]
-    api.upload_large_folder(repo_id=repo_id, folder_path=str(root), repo_type="dataset", revision=revision, ignore_patterns=ignore)
+    if hasattr(api, "upload_large_folder"):  # huggingface_hub < 2: the resumable multi-commit uploader
+        api.upload_large_folder(repo_id=repo_id, folder_path=str(root), repo_type="dataset", revision=revision, ignore_patterns=ignore)
+    else:  # huggingface_hub >= 2: upload_folder itself resumes (committed files skipped, data deduplicated)
+        api.upload_folder(repo_id=repo_id, folder_path=str(root), repo_type="dataset", revision=revision, ignore_patterns=ignore,
+                          commit_message="opdcache: shards")
     for name in _LAST:  # card, then the manifest: its presence on the Hub means the upload is complete
         api.upload_file(path_or_fileobj=str(root / name), path_in_repo=name, repo_id=repo_id, repo_type="dataset",
                         revision=revision, commit_message=f"opdcache: {name}")

@@ -244,11 +244,10 @@ def _check_lengths(file: str, name: str, table: pa.Table, offsets: np.ndarray, o
 
 
 def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, params: S.StoreParams, base, base_path, out: _Collector) -> None:
-    if base is None:
-        if base_path is None or not base_path.is_file():
-            out.add(file, "no matching rollout shard to align with")
-            return
-        base = _check_base_rows(str(base_path.relative_to(root)), shards.read_table(base_path), {"config": {}}, _Collector())
+    if base is None:  # the rollout shard failed its own checks (already reported) or does not exist
+        if base_path is None:
+            out.add(file, "no rollout shard of the same index to align with")
+        return
     ids, lengths, response, base_offsets = base
     teacher_ids = np.asarray(table["id"].to_pylist(), dtype=object)
     if len(teacher_ids) != len(ids):

@@ -34,14 +34,14 @@ def training_pairs(tokenizer, style: str, n: int = 20000, seed: int = 0):
     return pairs
 
 
-def build(name: str, out: Path, seed: int = 0, progress: bool = True) -> dict:
+def build(name: str, out: Path, seed: int = 0, progress: bool = True, steps: int | None = None) -> dict:
     import torch
 
     from opdcache.demo import models
     from opdcache.evaluate import evaluate_accuracy
     from opdcache.sft import SFTConfig, train_sft
 
-    recipe = RECIPES[name]
+    recipe = dict(RECIPES[name], **({"steps": steps} if steps else {}))
     torch.manual_seed(seed)
     tokenizer = models.build_tokenizer()
     model = models.new_model(recipe["role"], seed=seed)
@@ -63,12 +63,13 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=WEIGHTS)
     parser.add_argument("--only", choices=sorted(RECIPES), action="append")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=None, help="override the recipe's steps (for quick checks)")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(2)
     for name in args.only or RECIPES:
-        print(json.dumps(build(name, args.out, args.seed)))
+        print(json.dumps(build(name, args.out, args.seed, steps=args.steps)))
 
 
 if __name__ == "__main__":
