@@ -14,3 +14,32 @@ Token = Annotated[Optional[str], typer.Option("--token", help="Hub token; defaul
 Revision = Annotated[Optional[str], typer.Option("--revision", help="Hub branch or commit.")]
 NumWorkers = Annotated[Optional[int], typer.Option("--num-workers", help="Workers sharing the job (default: SLURM array size, torchrun WORLD_SIZE, or 1).", show_default=False)]
 WorkerIndex = Annotated[Optional[int], typer.Option("--worker-index", help="This worker's index in [0, num-workers) (default: SLURM array index, torchrun RANK, or 0).", show_default=False)]
+
+# ---- models and engines
+ModelPath = Annotated[Path, typer.Option("--model", help="Local Hugging Face model directory.", show_default=False)]
+Backend = Annotated[str, typer.Option("--backend", help="transformers (exact reference, any device) or vllm (fast engine).")]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16.")]
+Device = Annotated[str, typer.Option("--device", help="transformers backend: auto, cpu, cuda, cuda:N.")]
+Quantize = Annotated[Optional[str], typer.Option("--quantize", help="Low-bit weights: int8 (transformers, CPU) or a vLLM method (fp8, awq, ...).", show_default=False)]
+Deterministic = Annotated[bool, typer.Option("--deterministic", help="Bit-identical scores whatever the batch (scores one sequence at a time).")]
+TensorParallel = Annotated[int, typer.Option("--tensor-parallel-size", help="vllm: GPUs per model.")]
+GpuMemory = Annotated[float, typer.Option("--gpu-memory-utilization", help="vllm: fraction of device memory the engine may reserve.")]
+NumShards = Annotated[int, typer.Option("--num-shards", help="Shards of the table: the unit of resume and of parallel work.")]
+Progress = Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Progress bars (default: only on a terminal).", show_default=False)]
+
+# ---- prompts
+Prompts = Annotated[Path, typer.Option("--prompts", help="Prompts: .jsonl, .parquet, or a datasets directory.", show_default=False)]
+PromptField = Annotated[str, typer.Option("--prompt-field", help="Field with the user message.")]
+MessagesField = Annotated[Optional[str], typer.Option("--messages-field", help="Field with a list of chat messages (overrides --prompt-field).", show_default=False)]
+AnswerField = Annotated[str, typer.Option("--answer-field", help="Field with the reference answer (optional in the data).")]
+ChatTemplate = Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Apply the tokenizer's chat template.")]
+Strict = Annotated[bool, typer.Option("--strict", help="Stop at the first malformed prompt row instead of skipping it.")]
+Limit = Annotated[Optional[int], typer.Option("--limit", help="Read at most this many prompt rows.", show_default=False)]
+Reward = Annotated[Optional[str], typer.Option("--reward", help="Fill the reward column with a checker: exact or addition.", show_default=False)]
+
+# ---- sampling
+Samples = Annotated[int, typer.Option("--samples", help="Samples per prompt.")]
+Temperature = Annotated[float, typer.Option("--temperature", help="Sampling temperature (0 = greedy).")]
+TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Maximum response length; longer ones end with finish_reason=length.")]
+Seed = Annotated[int, typer.Option("--seed", help="Random seed.")]

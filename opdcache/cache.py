@@ -98,6 +98,7 @@ class TableJob:
     config: dict  # everything that determines the content; hashed into the fingerprint
     num_shards: int
     parent_fingerprint: str | None = None
+    meta: dict = field(default_factory=dict)  # what finalize records besides shards (model, lineage, ...); not hashed
     fingerprint: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -117,7 +118,23 @@ class TableJob:
         return self.dir / shards.shard_name(index, self.num_shards)
 
     def _job_record(self) -> dict:
-        return {"config_fingerprint": self.fingerprint, "parent_fingerprint": self.parent_fingerprint, "config": self.config}
+        return {"config_fingerprint": self.fingerprint, "parent_fingerprint": self.parent_fingerprint, "config": self.config,
+                "meta": self.meta}
+
+    @classmethod
+    def from_job_file(cls, root: str | os.PathLike, table: str) -> "TableJob":
+        """Rebuild a running job from the record it left, e.g. to finalize after all workers are done."""
+        path = Path(root) / table / JOB_FILE
+        if not path.is_file():
+            raise ManifestError(f"no job in progress for {table!r} under {root} ({path} is missing)")
+        rec = json.loads(path.read_text())
+        cfg = dict(rec["config"])
+        job = cls(Path(root), cfg.pop("table"), cfg.pop("kind"), S.StoreParams.from_dict(cfg.pop("params")),
+                  {k: v for k, v in cfg.items() if k not in ("num_shards", "format_version")}, cfg["num_shards"],
+                  rec["parent_fingerprint"], rec.get("meta", {}))
+        if job.fingerprint != rec["config_fingerprint"]:
+            raise ManifestError(f"{path} is inconsistent (its fingerprint does not match its config); rerun the job")
+        return job
 
     def begin(self) -> None:
         """Record this job's settings, or check them against a partial run's; refuse a change."""
@@ -268,11 +285,18 @@ class Cache:
 def finalize_table(job: TableJob, tokenizer: dict | None = None, lineage: dict | None = None, **entry_extra) -> dict:
     """Add the finished table to the manifest (creating it for a base table): card first, manifest last.
 
-    ``tokenizer`` and ``lineage`` are needed when the manifest does not exist yet (the base table).
-    Safe to call from every worker: it does nothing until all shards exist, and rewriting gives the same content.
+    ``tokenizer`` and ``lineage`` are needed when the manifest does not exist yet (the base table); they and
+    the table's extra entries default to what the job recorded in ``job.meta``.
+    Safe to call from every worker: it refuses until all shards exist, and rewriting gives the same content.
     """
     from opdcache import card
 
+    meta = dict(job.meta)
+    tokenizer = tokenizer or meta.pop("tokenizer", None)
+    lineage = lineage or meta.pop("lineage", None)
+    meta.pop("tokenizer", None)
+    meta.pop("lineage", None)
+    entry_extra = {**meta, **entry_extra}
     if M.exists(job.root):
         manifest = M.load(job.root)
     else:

@@ -1,0 +1,64 @@
+"""``opdcache score-teacher`` and ``opdcache finalize``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from opdcache.cli import options as O
+
+
+def score_teacher(
+    cache: O.CachePath,
+    teacher: Annotated[Path, typer.Option("--teacher", help="Teacher model directory.", show_default=False)],
+    store: Annotated[str, typer.Option("--store", help="Comma-separated stores: logprob (always), topk, hidden, svd.")] = "logprob",
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Width of the teacher's top-k store.", show_default=False)] = None,
+    svd_rank: Annotated[Optional[int], typer.Option("--svd-rank", help="Rank of the svd store.", show_default=False)] = None,
+    svd_method: Annotated[str, typer.Option("--svd-method", help="naive, importance or prob-weighted (papers/002).")] = "importance",
+    name: Annotated[Optional[str], typer.Option("--name", help="Teacher table name (default: the teacher directory's name).", show_default=False)] = None,
+    allow_inconsistent_teacher: Annotated[bool, typer.Option("--allow-inconsistent-teacher", help="Score even if this is not pi_ref's SFT teacher.")] = False,
+    backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", deterministic: O.Deterministic = False,
+    tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85,
+    num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
+) -> None:
+    """Score a rollouts cache with a teacher, once, into teachers/<name>/ (row-aligned)."""
+    from opdcache.rollouts import EngineConfig
+    from opdcache.scoring import ScoreJob, run_score
+
+    job = ScoreJob(cache=cache, teacher=teacher, stores=tuple(s.strip() for s in store.split(",") if s.strip()), top_k=top_k,
+                   svd_rank=svd_rank, svd_method=svd_method, slug=name, allow_inconsistent_teacher=allow_inconsistent_teacher,
+                   engine=EngineConfig(backend=backend, dtype=dtype, device=device, deterministic=deterministic,
+                                       tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization),
+                   num_workers=num_workers, worker_index=worker_index, progress=progress)
+    result = run_score(job)
+    c = result["consistency"]
+    typer.echo(f"teacher consistency: {c['verdict']} ({c['note']})")
+    if result["svd"]:
+        for method, d in result["svd"]["distortion"].items():
+            typer.echo(f"svd {method:<13} rank {d['rank']}: mean KL {d['mean_kl']:.4f} nats, top-1 agreement {d['top1_agreement']:.1%}")
+    state = "cache updated" if result["finished"] else "shards written; other workers still to finish (then run finalize)"
+    typer.echo(f"teachers/{result['slug']}: wrote shards {result['written'] or 'none (all present)'}; {state}")
+
+
+def finalize(cache: O.CachePath,
+             table: Annotated[str, typer.Option("--table", help="rollouts, sft, or teachers/<name>.")] = "rollouts") -> None:
+    """Write the manifest after all workers of a job are done (any worker that finishes last does it too)."""
+    from opdcache.cache import TableJob, finalize_table
+
+    job = TableJob.from_job_file(cache, table)
+    svd_path = job.dir / "svd.safetensors"
+    if svd_path.is_file() and "svd" not in job.meta:
+        from safetensors import safe_open
+
+        with safe_open(str(svd_path), "pt") as f:
+            job.meta["svd"] = json.loads(f.metadata()["info"])
+    finalize_table(job)
+    typer.echo(f"{cache}: {table} finalized")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("score-teacher")(score_teacher)
+    app.command()(finalize)

@@ -1,0 +1,106 @@
+"""The contract every engine meets: generate with log-probs, and score given token ids.
+
+Column meanings are fixed here, whatever the engine (opdcache/schema.py documents them):
+
+* ``sampling_logprobs``: log q(a_t), q = softmax(logits / temperature) restricted to the top-p nucleus and
+  renormalised -- the distribution the token was actually drawn from (0 for greedy decoding);
+* ``ref_logprobs``, teacher ``logprobs``: log softmax(logits)[a_t] at temperature 1, no top-p;
+* top-k values are temperature-1 log-probs, most likely first; MC samples are drawn from q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from opdcache.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How responses are sampled."""
+
+    temperature: float = 0.8
+    """Softmax temperature of the sampling distribution (0 = greedy)."""
+    top_p: float = 1.0
+    """Nucleus: sample from the smallest set of tokens whose probability reaches top_p."""
+    max_new_tokens: int = 256
+    """Responses are cut here, with finish_reason 'length'."""
+    samples: int = 1
+    """Samples per prompt."""
+    seed: int = 0
+    """Seed; each sample has its own random stream derived from (seed, prompt, sample index)."""
+    ref_top_k: int | None = None
+    """Store pi_ref's top-k at each position (temperature 1)."""
+    mc_samples: int | None = None
+    """Extra next-token samples per position from the sampling distribution, not rolled out (papers/001 section 6.1)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.temperature <= 10:
+            raise ConfigError(f"--temperature must be between 0 and 10, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.samples < 1:
+            raise ConfigError(f"--samples must be at least 1, got {self.samples}")
+        if self.ref_top_k is not None and not 1 <= self.ref_top_k <= 1024:
+            raise ConfigError(f"--ref-top-k must be between 1 and 1024, got {self.ref_top_k}")
+        if self.mc_samples is not None and not 1 <= self.mc_samples <= 256:
+            raise ConfigError(f"--mc-samples must be between 1 and 256, got {self.mc_samples}")
+
+
+@dataclass
+class Generation:
+    """One sampled response with its per-token values (arrays of length T, or [T, k] / [T, m])."""
+
+    response_ids: np.ndarray
+    finish_reason: str
+    sampling_logprobs: np.ndarray
+    ref_logprobs: np.ndarray
+    ref_topk_ids: np.ndarray | None = None
+    ref_topk_logprobs: np.ndarray | None = None
+    mc_ids: np.ndarray | None = None
+    mc_sampling_logprobs: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt_ids: Sequence[int]
+    seed: int  # the sample's own random stream
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    ref_topk_ids: np.ndarray | None = None  # [T, k]: also return the scorer's log-probs at these ids
+    mc_ids: np.ndarray | None = None  # [T, m]
+
+
+@dataclass
+class Scores:
+    """Scorer values for one sequence, all at temperature 1, aligned with response_ids."""
+
+    logprobs: np.ndarray  # [T]
+    logsumexp: np.ndarray  # [T]
+    topk_ids: np.ndarray | None = None  # [T, k]
+    topk_logprobs: np.ndarray | None = None
+    ref_topk_logprobs: np.ndarray | None = None  # [T, k_ref]
+    mc_logprobs: np.ndarray | None = None  # [T, m]
+    hidden: object | None = None  # torch.Tensor [T, H] in the model's dtype
+
+
+class Backend(Protocol):
+    name: str
+    version: str
+    vocab_size: int
+    max_length: int
+
+    def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingConfig) -> list[Generation]: ...
+
+    def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False) -> list[Scores]: ...
+
+    def model_info(self) -> dict: ...

@@ -1,0 +1,311 @@
+"""The transformers engine: the exact reference, on any device.
+
+Generation runs its own sampling loop over the model's KV cache, so every stored number is computed
+from the logits the token was drawn from: temperature and top-p for ``sampling_logprobs``, temperature 1
+for ``ref_logprobs`` and top-k. Each sample draws from its own random stream (seeded from the sample's id),
+so a sample does not depend on which batch it ran in.
+
+Scoring runs the decoder once over prompt + response (right-padded, length-sorted batches under a
+token budget) and computes logits only at response positions, in blocks of positions sized so that no
+[batch, length, vocabulary] float32 tensor is ever materialised. ``deterministic=True`` scores each
+sequence on its own, with deterministic kernels, so its stored values are bit-identical whatever batch
+or order it arrives in.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores
+from opdcache.errors import ConfigError
+
+LOGIT_BLOCK_BYTES = 256 << 20  # float32 logits per block of positions
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
+
+
+def load_model(path: str | Path, dtype: str = "auto", device: str = "auto", quantize: str | None = None):
+    """Load a local HF causal LM for inference; ``quantize='int8'`` applies dynamic int8 linear layers (CPU)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"{path} is not a local Hugging Face model directory (no config.json); opdcache never downloads models")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(dev).eval()
+    if quantize is not None:
+        if quantize != "int8":
+            raise ConfigError(f"--quantize must be int8 on the transformers backend, got {quantize!r}")
+        if dev.type != "cpu":
+            raise ConfigError("--quantize int8 on the transformers backend is CPU-only (torch dynamic quantisation); use --backend vllm on GPUs")
+        model = model.float()
+        from torch.ao.quantization import quantize_dynamic
+
+        head = model.get_output_embeddings()
+        model = quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        # keep the unembedding exact: quantising it would change what every stored log-prob means
+        model.set_output_embeddings(head) if hasattr(model, "set_output_embeddings") else None
+    return model
+
+
+def _base(model):
+    return getattr(model, model.base_model_prefix)
+
+
+def logits_from_hidden(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's own logits for final hidden states [N, H], in float32 (soft-capping and scaling applied)."""
+    logits = model.get_output_embeddings()(hidden).float()
+    cfg = model.config
+    scale = getattr(cfg, "logit_scale", None)
+    if scale is not None:
+        logits = logits * scale
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _top_p_mask(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Logits with tokens outside the top-p nucleus set to -inf (the most likely token always kept)."""
+    if top_p >= 1.0:
+        return scaled
+    probs_sorted, order = torch.softmax(scaled, -1).sort(-1, descending=True)
+    drop_sorted = probs_sorted.cumsum(-1) - probs_sorted >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return scaled.masked_fill(drop, float("-inf"))
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """log q for q = softmax(logits / T) restricted to the top-p nucleus, renormalised. [B, V] float32."""
+    return torch.log_softmax(_top_p_mask(logits / temperature, top_p), -1)
+
+
+@contextmanager
+def _deterministic(enabled: bool):
+    if not enabled:
+        yield
+        return
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+class TransformersBackend:
+    name = "transformers"
+
+    def __init__(self, model_path: str | Path, dtype: str = "auto", device: str = "auto", quantize: str | None = None,
+                 deterministic: bool = False, max_batch_tokens: int = 16384, generate_batch_size: int = 64):
+        import transformers
+
+        self.path = Path(model_path)
+        self.version = transformers.__version__
+        self.model = load_model(model_path, dtype, device, quantize)
+        self.device = next(self.model.parameters()).device
+        self.dtype = str(next(self.model.get_output_embeddings().parameters()).dtype).replace("torch.", "")
+        self.quantize = quantize
+        self.deterministic = deterministic
+        self.max_batch_tokens = max_batch_tokens
+        self.generate_batch_size = generate_batch_size
+        cfg = self.model.config
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.max_length = int(getattr(cfg, "max_position_embeddings", 1 << 20))
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+
+    def model_info(self) -> dict:
+        return {"engine": self.name, "engine_version": self.version, "dtype": self.dtype, "quantization": self.quantize}
+
+    # ------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingConfig) -> list[Generation]:
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        out: list[Generation | None] = [None] * len(requests)
+        for start in range(0, len(order), self.generate_batch_size):
+            idx = order[start: start + self.generate_batch_size]
+            for i, gen in zip(idx, self._generate_batch([requests[i] for i in idx], sampling)):
+                out[i] = gen
+        return out  # type: ignore[return-value]
+
+    def _generate_batch(self, requests: Sequence[GenerateRequest], s: SamplingConfig) -> list[Generation]:
+        B = len(requests)
+        lengths = [len(r.prompt_ids) for r in requests]
+        L = max(lengths)
+        input_ids = torch.zeros((B, L), dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        for b, r in enumerate(requests):  # left padding: every row's next token goes at the same column
+            input_ids[b, L - lengths[b]:] = torch.as_tensor(r.prompt_ids)
+            mask[b, L - lengths[b]:] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        position = (mask.cumsum(-1) - 1).clamp(min=0)
+        gens = [torch.Generator().manual_seed(r.seed) for r in requests]
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[:, -1].float()
+        next_pos = position[:, -1:] + 1
+        done = torch.zeros(B, dtype=torch.bool)
+        steps: dict[str, list[torch.Tensor]] = {k: [] for k in ("tok", "slp", "rlp", "kid", "klp", "mid", "mlp")}
+        finish = ["length"] * B
+        n_tokens = [0] * B
+        for t in range(s.max_new_tokens):
+            logits = logits.cpu()
+            ref_logp = torch.log_softmax(logits, -1)  # [B, V], temperature 1
+            if s.temperature == 0:
+                tok = ref_logp.argmax(-1)
+                samp_logp = torch.full_like(ref_logp, float("-inf")).scatter(-1, tok[:, None], 0.0)
+            else:
+                samp_logp = sampling_logprobs(logits, s.temperature, s.top_p)
+                gumbel = torch.stack([-torch.log(-torch.log(torch.rand(logits.shape[-1], generator=g).clamp_min(1e-20))) for g in gens])
+                tok = (samp_logp + gumbel).argmax(-1)
+            steps["tok"].append(tok)
+            steps["slp"].append(samp_logp.gather(-1, tok[:, None]).squeeze(-1))
+            steps["rlp"].append(ref_logp.gather(-1, tok[:, None]).squeeze(-1))
+            if s.ref_top_k:
+                klp, kid = ref_logp.topk(s.ref_top_k, -1)
+                steps["kid"].append(kid)
+                steps["klp"].append(klp)
+            if s.mc_samples:
+                probs = samp_logp.exp()
+                mid = torch.stack([torch.multinomial(probs[b], s.mc_samples, replacement=True, generator=gens[b]) for b in range(B)])
+                steps["mid"].append(mid)
+                steps["mlp"].append(samp_logp.gather(-1, mid))
+            for b in range(B):
+                if not done[b]:
+                    n_tokens[b] += 1
+                    if int(tok[b]) in self.eos_ids:
+                        done[b] = True
+                        finish[b] = "stop"
+            if bool(done.all()) or t == s.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            out = self.model(input_ids=tok[:, None].to(self.device), attention_mask=mask, position_ids=next_pos,
+                             past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[:, -1].float()
+            next_pos = next_pos + 1
+        stacked = {k: torch.stack(v, 1).numpy() for k, v in steps.items() if v}  # [B, steps, ...]
+        gens_out = []
+        for b in range(B):
+            T = n_tokens[b]
+            g = Generation(
+                response_ids=stacked["tok"][b, :T].astype(np.int32), finish_reason=finish[b],
+                sampling_logprobs=stacked["slp"][b, :T].astype(np.float32), ref_logprobs=np.minimum(stacked["rlp"][b, :T], 0).astype(np.float32),
+            )
+            if s.ref_top_k:
+                g.ref_topk_ids = stacked["kid"][b, :T].astype(np.int32)
+                g.ref_topk_logprobs = np.minimum(stacked["klp"][b, :T], 0).astype(np.float32)
+            if s.mc_samples:
+                g.mc_ids = stacked["mid"][b, :T].astype(np.int32)
+                g.mc_sampling_logprobs = stacked["mlp"][b, :T].astype(np.float32)
+            gens_out.append(g)
+        return gens_out
+
+    # ------------------------------------------------------------ scoring
+
+    def _batches(self, requests: Sequence[ScoreRequest]) -> list[list[int]]:
+        if self.deterministic:
+            return [[i] for i in range(len(requests))]
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids) + len(requests[i].response_ids))
+        batches, current, longest = [], [], 0
+        for i in order:
+            n = len(requests[i].prompt_ids) + len(requests[i].response_ids)
+            if current and max(longest, n) * (len(current) + 1) > self.max_batch_tokens:
+                batches.append(current)
+                current, longest = [], 0
+            current.append(i)
+            longest = max(longest, n)
+        if current:
+            batches.append(current)
+        return batches
+
+    @torch.no_grad()
+    def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False) -> list[Scores]:
+        out: list[Scores | None] = [None] * len(requests)
+        with _deterministic(self.deterministic):
+            for batch in self._batches(requests):
+                for i, sc in zip(batch, self._score_batch([requests[i] for i in batch], top_k, hidden)):
+                    out[i] = sc
+        return out  # type: ignore[return-value]
+
+    def final_hidden(self, requests: Sequence[ScoreRequest]) -> tuple[torch.Tensor, list[int]]:
+        """Final post-norm hidden states at the response positions, flattened: [sum T, H], and each row's T."""
+        B = len(requests)
+        seqs = [list(r.prompt_ids) + list(r.response_ids) for r in requests]
+        L = max(map(len, seqs))
+        input_ids = torch.zeros((B, L), dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        for b, seq in enumerate(seqs):  # right padding: positions are 0..len-1, causal attention ignores the tail
+            input_ids[b, : len(seq)] = torch.as_tensor(seq)
+            mask[b, : len(seq)] = 1
+        h = _base(self.model)(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state  # [B, L, H]
+        # the value for response token t is predicted at position len(prompt) + t - 1
+        rows = [h[b, len(r.prompt_ids) - 1: len(r.prompt_ids) - 1 + len(r.response_ids)] for b, r in enumerate(requests)]
+        return torch.cat(rows), [len(r.response_ids) for r in requests]
+
+    def _score_batch(self, requests: Sequence[ScoreRequest], top_k: int | None, want_hidden: bool) -> list[Scores]:
+        for r in requests:
+            if len(r.prompt_ids) == 0:
+                raise ConfigError("cannot score a sequence with an empty prompt")
+        hidden_NH, lengths = self.final_hidden(requests)
+        N = hidden_NH.shape[0]
+        sampled = torch.cat([torch.as_tensor(np.asarray(r.response_ids, dtype=np.int64)) for r in requests]).to(self.device)
+        ref_ids = torch.cat([torch.as_tensor(r.ref_topk_ids.astype(np.int64)) for r in requests]).to(self.device) if requests[0].ref_topk_ids is not None else None
+        mc_ids = torch.cat([torch.as_tensor(r.mc_ids.astype(np.int64)) for r in requests]).to(self.device) if requests[0].mc_ids is not None else None
+        block = max(1, LOGIT_BLOCK_BYTES // (4 * self.vocab_size))
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "lse", "kid", "klp", "rk", "mc")}
+        for start in range(0, N, block):
+            sl = slice(start, start + block)
+            logits = logits_from_hidden(self.model, hidden_NH[sl])  # [n, V] float32: the only vocabulary-wide tensor
+            lse = torch.logsumexp(logits, -1)
+            parts["lse"].append(lse)
+            parts["lp"].append(logits.gather(-1, sampled[sl, None]).squeeze(-1) - lse)
+            if top_k:
+                vals, ids = logits.topk(top_k, -1)
+                parts["kid"].append(ids)
+                parts["klp"].append(vals - lse[:, None])
+            if ref_ids is not None:
+                parts["rk"].append(logits.gather(-1, ref_ids[sl]) - lse[:, None])
+            if mc_ids is not None:
+                parts["mc"].append(logits.gather(-1, mc_ids[sl]) - lse[:, None])
+            del logits
+        cat = {k: torch.cat(v).cpu() for k, v in parts.items() if v}
+        result, offset = [], 0
+        hidden_cpu = hidden_NH.detach().cpu() if want_hidden else None
+        for T in lengths:
+            sl = slice(offset, offset + T)
+            sc = Scores(logprobs=cat["lp"][sl].clamp(max=0).numpy(), logsumexp=cat["lse"][sl].numpy())
+            if top_k:
+                sc.topk_ids = cat["kid"][sl].numpy().astype(np.int32)
+                sc.topk_logprobs = cat["klp"][sl].clamp(max=0).numpy()
+            if "rk" in cat:
+                sc.ref_topk_logprobs = cat["rk"][sl].clamp(max=0).numpy()
+            if "mc" in cat:
+                sc.mc_logprobs = cat["mc"][sl].clamp(max=0).numpy()
+            if want_hidden:
+                sc.hidden = hidden_cpu[sl].clone()
+            result.append(sc)
+            offset += T
+        return result

@@ -1,0 +1,101 @@
+"""Model provenance: fingerprints with the facts that change a model's outputs, and SFT lineage.
+
+``opdcache sft`` writes ``opdcache_lineage.json`` into the fine-tuned model's directory, naming the
+teacher whose trajectories it learned from (papers/000, teacher consistency). ``build-rollouts`` reads it
+(or ``--sft-teacher`` for a pi_ref trained elsewhere) into the cache's lineage, and ``score-teacher``
+compares it with the scoring teacher.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from opdcache.errors import ConfigError, TokenizerMismatchError
+from opdcache.fingerprint import model_fingerprint, tokenizer_description, tokenizer_fingerprint
+
+LINEAGE_FILE = "opdcache_lineage.json"
+
+
+def model_info(path: str | Path, **engine) -> dict:
+    """The manifest's record of a model: path, fingerprint, and how it was run."""
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    info = {
+        "name_or_path": str(path),
+        "revision": None,
+        "fingerprint": model_fingerprint(path),
+        "dtype": engine.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype"),
+        "quantization": engine.get("quantization"),
+        "engine": engine.get("engine"),
+        "engine_version": engine.get("engine_version"),
+    }
+    if engine.get("logprobs_mode"):
+        info["logprobs_mode"] = engine["logprobs_mode"]
+    return info
+
+
+def read_sft_lineage(model_dir: str | Path) -> dict | None:
+    path = Path(model_dir) / LINEAGE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_sft_lineage(model_dir: str | Path, sft_teacher: dict, data_fingerprint: str, base_model: dict) -> None:
+    from opdcache.shards import write_json_atomic
+
+    write_json_atomic(Path(model_dir) / LINEAGE_FILE, json.dumps(
+        {"sft_teacher": sft_teacher, "sft_data_fingerprint": data_fingerprint, "base_model": base_model}, indent=2, sort_keys=True) + "\n")
+
+
+def resolve_sft_teacher(pi_ref: str | Path, sft_teacher: str | Path | None) -> dict | None:
+    """pi_ref's SFT teacher: from its lineage file, or from --sft-teacher; both must agree when both exist."""
+    recorded = read_sft_lineage(pi_ref)
+    recorded = recorded["sft_teacher"] if recorded else None
+    if sft_teacher is None:
+        return recorded
+    given = model_info(sft_teacher)
+    if recorded and recorded["fingerprint"] != given["fingerprint"]:
+        raise ConfigError(
+            f"--sft-teacher {sft_teacher} (fingerprint {given['fingerprint'][:12]}) is not the teacher recorded in "
+            f"{pi_ref}/{LINEAGE_FILE} ({recorded['name_or_path']}, {recorded['fingerprint'][:12]}); drop --sft-teacher or fix it"
+        )
+    return given
+
+
+def check_same_tokenizer(expected_fp: str, tokenizer, what: str, expected_tokenizer=None) -> None:
+    """Refuse a tokenizer whose fingerprint differs, saying which special tokens or vocabulary entries differ."""
+    got = tokenizer_fingerprint(tokenizer)
+    if got == expected_fp:
+        return
+    detail = ""
+    if expected_tokenizer is not None:
+        detail = "; " + tokenizer_difference(expected_tokenizer, tokenizer)
+    raise TokenizerMismatchError(
+        f"{what} uses a different tokenizer (fingerprint {got[:12]}, the cache has {expected_fp[:12]}){detail}. "
+        "Teacher and student must share one tokenizer: token ids are compared position by position."
+    )
+
+
+def tokenizer_difference(a, b) -> str:
+    """A short human description of how two tokenizers differ."""
+    da, db = tokenizer_description(a), tokenizer_description(b)
+    parts = []
+    sa, sb = da["special_tokens"], db["special_tokens"]
+    for key in sorted(set(sa) | set(sb)):
+        if sa.get(key) != sb.get(key):
+            parts.append(f"special token {key}: {sa.get(key)!r} vs {sb.get(key)!r}")
+    va, vb = a.get_vocab(), b.get_vocab()
+    only_a = sorted(set(va) - set(vb))
+    only_b = sorted(set(vb) - set(va))
+    moved = sorted(t for t in set(va) & set(vb) if va[t] != vb[t])
+    if only_a:
+        parts.append(f"{len(only_a)} tokens only in the cache's tokenizer (e.g. {only_a[:3]})")
+    if only_b:
+        parts.append(f"{len(only_b)} tokens only in the new one (e.g. {only_b[:3]})")
+    if moved:
+        parts.append(f"{len(moved)} tokens with different ids (e.g. {moved[0]!r}: {va[moved[0]]} vs {vb[moved[0]]})")
+    if da["chat_template"] != db["chat_template"]:
+        parts.append("chat templates differ")
+    if not parts:
+        parts.append("normaliser, pre-tokeniser or merges differ")
+    return "; ".join(parts)

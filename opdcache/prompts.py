@@ -1,0 +1,179 @@
+"""Reading prompts: JSONL, Parquet, or a local ``datasets`` directory, into token ids.
+
+The chat template is applied once, here, and its hash recorded; the ids it gives are the ids stored
+and fed to the engines, never re-tokenised later. Malformed rows (bad JSON, missing or empty field) are
+collected with their line numbers and reasons; prompts too long for the model are skipped and counted;
+duplicates are reported. Nothing is dropped silently: every skipped row is in the errors list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from opdcache.errors import ConfigError, InputError
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    """How prompts are read and turned into token ids."""
+
+    path: Path
+    """JSONL file, Parquet file, or a directory saved with datasets' save_to_disk."""
+    prompt_field: str | None = "prompt"
+    """Field holding the user message (the chat template is applied to it)."""
+    messages_field: str | None = None
+    """Field holding a list of chat messages ({role, content}); overrides prompt_field."""
+    answer_field: str | None = "answer"
+    """Field holding the reference answer, if any (copied to the `answer` column)."""
+    chat_template: bool = True
+    """Apply the tokenizer's chat template (with the generation prompt); otherwise tokenise the raw text."""
+    strict: bool = False
+    """Stop at the first malformed row instead of recording it and going on."""
+    limit: int | None = None
+    """Read at most this many rows."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_field and not self.messages_field:
+            raise ConfigError("give --prompt-field or --messages-field")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"--limit must be at least 1, got {self.limit}")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    index: int  # row (line) number in the input, 0-based
+    prompt_ids: tuple[int, ...]
+    answer: str | None
+    metadata: str | None  # the row's other fields, JSON
+
+
+@dataclass
+class PromptSet:
+    prompts: list[Prompt]
+    errors: list[dict] = field(default_factory=list)  # {"line": 1-based, "reason": ...}
+    too_long: int = 0
+    duplicates: dict[str, list[int]] = field(default_factory=dict)  # prompt hash -> 1-based lines
+    fingerprint: str = ""  # sha256 over the token ids of every kept prompt
+    chat_template_sha256: str | None = None
+
+    def summary(self) -> str:
+        dup_rows = sum(len(v) - 1 for v in self.duplicates.values())
+        return (f"{len(self.prompts)} prompts read; {len(self.errors)} malformed rows skipped; {self.too_long} too long "
+                f"for the model skipped; {dup_rows} duplicate rows kept (reported)")
+
+
+def _rows(path: Path) -> Iterator[tuple[int, dict | None, str | None]]:
+    """(1-based line, row or None, error) for each input row."""
+    if path.is_dir():
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            raise InputError(f"{path} holds several splits ({', '.join(ds)}); point at one split's directory")
+        for i, row in enumerate(ds):
+            yield i + 1, row, None
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            yield i + 1, row, None
+    elif path.suffix in (".jsonl", ".json", ".ndjson"):
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield i + 1, None, f"invalid JSON: {exc.msg} at column {exc.colno}"
+                    continue
+                if not isinstance(row, dict):
+                    yield i + 1, None, f"expected a JSON object, got {type(row).__name__}"
+                    continue
+                yield i + 1, row, None
+    elif not path.exists():
+        raise InputError(f"prompt file {path} does not exist")
+    else:
+        raise InputError(f"cannot read prompts from {path}: use .jsonl, .parquet, or a datasets directory")
+
+
+def _messages(row: dict, cfg: PromptConfig) -> tuple[list[dict] | None, str | None]:
+    if cfg.messages_field:
+        msgs = row.get(cfg.messages_field)
+        if msgs is None:
+            return None, f"missing field {cfg.messages_field!r}"
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+            return None, f"field {cfg.messages_field!r} must be a non-empty list of {{role, content}} messages"
+        if not any(str(m["content"]).strip() for m in msgs):
+            return None, "empty prompt"
+        return msgs, None
+    text = row.get(cfg.prompt_field)
+    if text is None:
+        return None, f"missing field {cfg.prompt_field!r}"
+    if not isinstance(text, str):
+        return None, f"field {cfg.prompt_field!r} must be a string, got {type(text).__name__}"
+    if not text.strip():
+        return None, "empty prompt"
+    return [{"role": "user", "content": text}], None
+
+
+def read_prompts(cfg: PromptConfig, tokenizer, max_prompt_tokens: int | None) -> PromptSet:
+    """Read and tokenise prompts; ``max_prompt_tokens`` is the model's limit minus max new tokens."""
+    template = getattr(tokenizer, "chat_template", None)
+    if cfg.chat_template and not template:
+        raise ConfigError("the tokenizer has no chat template; pass --no-chat-template to tokenise the raw prompt text")
+    out = PromptSet(prompts=[], chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if cfg.chat_template else None)
+    seen: dict[str, list[int]] = defaultdict(list)
+    digest = hashlib.sha256()
+    for line, row, error in _rows(Path(cfg.path)):
+        if cfg.limit is not None and line > cfg.limit:
+            break
+        msgs = None
+        if error is None:
+            msgs, error = _messages(row, cfg)
+        if error is not None:
+            if cfg.strict:
+                raise InputError(f"{cfg.path} line {line}: {error} (drop --strict to skip such rows)")
+            out.errors.append({"line": line, "reason": error})
+            continue
+        if cfg.chat_template:
+            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        else:
+            text = "".join(str(m["content"]) for m in msgs)
+        ids = tuple(tokenizer(text, add_special_tokens=not cfg.chat_template)["input_ids"])
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            out.too_long += 1
+            out.errors.append({"line": line, "reason": f"prompt has {len(ids)} tokens, more than the {max_prompt_tokens} allowed "
+                                                       "(model limit minus --max-new-tokens)"})
+            continue
+        key = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+        seen[key].append(line)
+        extra = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.messages_field, cfg.answer_field)}
+        answer = row.get(cfg.answer_field) if cfg.answer_field else None
+        out.prompts.append(Prompt(line - 1, ids, None if answer is None else str(answer),
+                                  json.dumps(extra, sort_keys=True, default=str) if extra else None))
+        digest.update(key.encode())
+    out.duplicates = {k: v for k, v in seen.items() if len(v) > 1}
+    out.fingerprint = digest.hexdigest()
+    if not out.prompts:
+        raise InputError(f"no usable prompts in {cfg.path}: {out.summary()}"
+                         + (f"; first problem: line {out.errors[0]['line']}: {out.errors[0]['reason']}" if out.errors else ""))
+    return out
+
+
+def write_errors(path: Path, prompts: PromptSet) -> Path | None:
+    """Write the skipped rows and duplicate report next to a cache (errors.jsonl); None when there are none."""
+    if not prompts.errors and not prompts.duplicates:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for e in prompts.errors:
+            f.write(json.dumps(e) + "\n")
+        for lines in prompts.duplicates.values():
+            f.write(json.dumps({"lines": lines, "reason": "duplicate prompt (all copies kept)"}) + "\n")
+    return path

@@ -1,0 +1,242 @@
+"""``build-sft`` and ``build-rollouts``: sample responses with log-probs into a sharded cache.
+
+Both are the same stage with a different role for the model: ``build-sft`` samples the *teacher* on SFT
+prompts (papers/000 eq. 5; the table is ``sft/``), ``build-rollouts`` samples *pi_ref* on OPD prompts
+(papers/000 eq. 7; the table is ``rollouts/`` and carries pi_ref's SFT-teacher lineage).
+
+Prompts are split into ``num_shards`` contiguous blocks; a shard holds every sample of its prompts.
+Each sample draws from its own random stream, seeded from (seed, prompt ids, sample index), so shard
+contents do not depend on worker count, batch size or order, and a resumed job reproduces them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from opdcache import schema as S
+from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig
+from opdcache.cache import TableJob, finalize_table, worker_from_env
+from opdcache.errors import ConfigError
+from opdcache.fingerprint import row_id, tokenizer_fingerprint
+from opdcache.lineage import model_info, resolve_sft_teacher
+from opdcache.progress import bar
+from opdcache.prompts import PromptConfig, PromptSet, read_prompts, write_errors
+
+QUARANTINE_FILE = "quarantine.jsonl"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Which engine runs the model, and how."""
+
+    backend: str = "transformers"
+    """transformers (exact reference, any device) or vllm (fast engine)."""
+    dtype: str = "auto"
+    """auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16."""
+    device: str = "auto"
+    """transformers backend: auto, cpu, cuda, cuda:N."""
+    quantize: str | None = None
+    """Low-bit rollout weights: int8 (transformers, CPU) or a vLLM quantization method (fp8, awq, ...)."""
+    deterministic: bool = False
+    """transformers scoring: bit-identical values whatever the batch (one sequence at a time)."""
+    tensor_parallel_size: int = 1
+    """vllm: GPUs per model."""
+    gpu_memory_utilization: float = 0.85
+    """vllm: fraction of accelerator (or, on CPU, host) memory the engine may reserve."""
+    max_batch_tokens: int = 16384
+    """transformers scoring: padded tokens per batch."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("transformers", "vllm"):
+            raise ConfigError(f"--backend must be transformers or vllm, got {self.backend!r}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def fingerprint_view(self) -> dict:
+        """Settings that change numbers (not memory or batching, except in deterministic mode)."""
+        return {"backend": self.backend, "dtype": self.dtype, "quantize": self.quantize, "tensor_parallel_size": self.tensor_parallel_size}
+
+
+def make_backend(model: str | Path, engine: EngineConfig, **extra):
+    if engine.backend == "vllm":
+        from opdcache.backends.vllm import VLLMBackend
+
+        return VLLMBackend(model, dtype=engine.dtype, quantize=engine.quantize, tensor_parallel_size=engine.tensor_parallel_size,
+                           gpu_memory_utilization=engine.gpu_memory_utilization, **extra)
+    from opdcache.backends.hf import TransformersBackend
+
+    return TransformersBackend(model, dtype=engine.dtype, device=engine.device, quantize=engine.quantize,
+                               deterministic=engine.deterministic, max_batch_tokens=engine.max_batch_tokens)
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    """A build-sft or build-rollouts job."""
+
+    model: Path
+    """The model to sample: the teacher (build-sft) or pi_ref (build-rollouts)."""
+    prompts: PromptConfig
+    """Where the prompts come from and how they are read."""
+    out: Path
+    """The cache directory to write."""
+    kind: str = "rollouts"
+    """sft or rollouts."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """How responses are sampled."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Which engine runs the model."""
+    num_shards: int = 8
+    """Shards of the table (fixed for the life of the cache; the unit of resume and of parallelism)."""
+    reward: str | None = None
+    """Fill the `reward` column with this answer checker (exact, addition) where a row has an answer."""
+    sft_teacher: Path | None = None
+    """build-rollouts: the teacher pi_ref was fine-tuned on, when pi_ref has no opdcache lineage file."""
+    num_workers: int | None = None
+    """Workers sharing the job (default from SLURM / torchrun variables, else 1)."""
+    worker_index: int | None = None
+    """This worker's index."""
+    progress: bool | None = None
+    """Show progress bars (default: only on a terminal)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("sft", "rollouts"):
+            raise ConfigError(f"kind must be sft or rollouts, got {self.kind!r}")
+        if self.kind == "sft" and self.sft_teacher is not None:
+            raise ConfigError("--sft-teacher applies to build-rollouts only")
+        if self.num_shards < 1:
+            raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
+        if self.reward is not None and self.reward not in REWARDS:
+            raise ConfigError(f"--reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
+
+
+@dataclass
+class GenerateResult:
+    out: Path
+    written: list[int]
+    finished: bool
+    prompts: PromptSet
+    quarantined: int
+
+    def summary(self) -> str:
+        state = "cache complete" if self.finished else "shards written; other workers still to finish (then run finalize)"
+        return (f"{self.out}: wrote shards {self.written or 'none (all present)'}; {state}. {self.prompts.summary()}; "
+                f"{self.quarantined} rows quarantined")
+
+
+def sample_seed(seed: int, prompt_ids, sample_index: int) -> int:
+    h = hashlib.sha256(f"{seed}:{row_id(prompt_ids, sample_index)}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def _store_params(kind: str, s: SamplingConfig) -> S.StoreParams:
+    if kind == "sft":
+        return S.StoreParams(stores=("base", "task"))
+    stores = ["base", "task"] + (["ref_topk"] if s.ref_top_k else []) + (["mc"] if s.mc_samples else [])
+    return S.StoreParams(stores=tuple(stores), ref_top_k=s.ref_top_k, mc_samples=s.mc_samples)
+
+
+def _record(kind: str, prompt, sample_index: int, gen: Generation, reward: float | None) -> dict:
+    rec = {
+        "id": row_id(prompt.prompt_ids, sample_index), "prompt_index": prompt.index, "sample_index": sample_index,
+        "prompt_ids": np.asarray(prompt.prompt_ids, dtype=np.int32), "response_ids": gen.response_ids,
+        "finish_reason": gen.finish_reason, "sampling_logprobs": gen.sampling_logprobs,
+        "answer": prompt.answer, "metadata": prompt.metadata, "reward": reward,
+    }
+    if kind == "rollouts":
+        rec["ref_logprobs"] = gen.ref_logprobs
+        if gen.ref_topk_ids is not None:
+            rec["ref_topk_ids"], rec["ref_topk_logprobs"] = gen.ref_topk_ids, gen.ref_topk_logprobs
+        if gen.mc_ids is not None:
+            rec["mc_ids"], rec["mc_sampling_logprobs"] = gen.mc_ids, gen.mc_sampling_logprobs
+    return rec
+
+
+def _check_addition(response: str, answer: str) -> bool:
+    from opdcache.demo.task import is_correct
+
+    return is_correct(response, answer)
+
+
+REWARDS = {
+    "exact": lambda response, answer: response.strip() == answer.strip(),
+    "addition": _check_addition,
+}
+"""Answer checkers for the `reward` column: name -> (decoded response, reference answer) -> correct."""
+
+
+def _non_finite(rec: dict) -> str | None:
+    for name, value in rec.items():
+        if isinstance(value, np.ndarray) and value.dtype.kind == "f" and not np.isfinite(value).all():
+            pos = int(np.flatnonzero(~np.isfinite(value.reshape(len(value), -1)).all(-1))[0])
+            return f"non-finite {name} at position {pos}"
+    return None
+
+
+def run_generate(job: GenerateJob) -> GenerateResult:
+    """Run (or resume) a build-sft / build-rollouts job; the last worker to finish writes the manifest."""
+    from transformers import AutoTokenizer
+
+    num_workers, worker_index = worker_from_env(job.num_workers, job.worker_index)
+    tokenizer = AutoTokenizer.from_pretrained(job.model)
+    backend = make_backend(job.model, job.engine, max_logprobs=max(job.sampling.ref_top_k or 0, 1))
+    prompts = read_prompts(job.prompts, tokenizer, backend.max_length - job.sampling.max_new_tokens)
+    write_errors(job.out / f"{job.kind}_errors.jsonl", prompts)
+    model = model_info(job.model, **backend.model_info())
+    sft_teacher = resolve_sft_teacher(job.model, job.sft_teacher) if job.kind == "rollouts" else None
+    params = _store_params(job.kind, job.sampling)
+    config = {
+        "model": model["fingerprint"], "tokenizer": tokenizer_fingerprint(tokenizer), "prompts": prompts.fingerprint,
+        "chat_template_sha256": prompts.chat_template_sha256, "sampling": asdict(job.sampling),
+        "engine": job.engine.fingerprint_view() | {"engine_version": backend.version}, "vocab_size": backend.vocab_size,
+        "sft_teacher": sft_teacher["fingerprint"] if sft_teacher else None, "reward": job.reward,
+    }
+    tok_info = {"fingerprint": config["tokenizer"], "name_or_path": str(job.model), "chat_template_sha256": prompts.chat_template_sha256}
+    stats = {"prompts": len(prompts.prompts), "malformed": len(prompts.errors) - prompts.too_long, "too_long": prompts.too_long,
+             "duplicate_rows": sum(len(v) - 1 for v in prompts.duplicates.values())}
+    meta = {"tokenizer": tok_info, "lineage": {"sft_teacher": sft_teacher, "parent_fingerprint": None}, "model": model, "stats": stats}
+    table = TableJob(job.out, job.kind, job.kind, params, config, min(job.num_shards, len(prompts.prompts)), meta=meta)
+    n = len(prompts.prompts)
+    bounds = np.linspace(0, n, table.num_shards + 1).astype(int)
+    quarantined = 0
+
+    def make_shard(index: int) -> list[dict]:
+        nonlocal quarantined
+        block = prompts.prompts[bounds[index]: bounds[index + 1]]
+        items = [(p, k) for p in block for k in range(job.sampling.samples)]
+        gens = backend.generate([GenerateRequest(p.prompt_ids, sample_seed(job.sampling.seed, p.prompt_ids, k)) for p, k in items], job.sampling)
+        records, bad = [], []
+        for (p, k), g in zip(items, gens):
+            reward = None
+            if job.reward and p.answer is not None:
+                reward = float(REWARDS[job.reward](tokenizer.decode(g.response_ids, skip_special_tokens=True), p.answer))
+            rec = _record(job.kind, p, k, g, reward)
+            reason = _non_finite(rec)
+            if reason:
+                bad.append({"id": rec["id"], "prompt_index": p.index, "sample_index": k, "reason": reason})
+            else:
+                records.append(rec)
+        if bad:
+            quarantined += len(bad)
+            qpath = job.out / job.kind / QUARANTINE_FILE
+            qpath.parent.mkdir(parents=True, exist_ok=True)
+            with open(qpath, "a") as f:
+                for b in bad:
+                    f.write(json.dumps(b) + "\n")
+        return records
+
+    from opdcache.cache import run_table_job
+
+    with bar(total=len(table.pending(num_workers, worker_index)), desc=f"build-{job.kind}", unit="shard", enabled=job.progress) as pbar:
+        written = run_table_job(table, make_shard, num_workers, worker_index, on_shard=lambda i, info: (
+            pbar.update(1), pbar.set_postfix(rows=info.rows, tokens=info.tokens)))
+    finished = table.all_done()
+    if finished:
+        finalize_table(table)
+    return GenerateResult(job.out, written, finished, prompts, quarantined)

@@ -1,0 +1,233 @@
+"""``score-teacher``: one teacher pass over prompt + response of every rollout, stored next to the rollouts.
+
+The teacher table ``teachers/<slug>/`` is row-aligned 1:1 with the rollout shards. Before any work it
+checks that the teacher shares the cache's tokenizer and, from lineage, that it is the teacher pi_ref was
+fine-tuned on (papers/000 teacher consistency); a mismatch is refused unless allowed, and the decision is
+recorded in the manifest. The hidden store saves the unembedding as ``head.safetensors``; the svd store
+fits its projection on calibration positions first and records its measured distortion.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from opdcache import schema as S
+from opdcache import shards
+from opdcache.backends.base import ScoreRequest
+from opdcache.cache import Cache, TableJob, finalize_table, run_table_job, worker_from_env
+from opdcache.errors import ConfigError, ConsistencyError, SchemaError
+from opdcache.lineage import check_same_tokenizer, model_info
+from opdcache.progress import bar
+from opdcache.rollouts import EngineConfig, make_backend
+
+CALIBRATION_SEQUENCES = 64  # sequences for fitting the svd projection (the first rows of shard 0)
+HELDOUT_SEQUENCES = 64  # the next rows, for measuring its distortion
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    """A score-teacher job."""
+
+    cache: Path
+    """A finished rollouts (or sft) cache."""
+    teacher: Path
+    """The teacher model directory."""
+    stores: tuple[str, ...] = ("logprob",)
+    """Teacher stores: logprob (always), topk, hidden, svd."""
+    top_k: int | None = None
+    """Width of the teacher's own top-k store."""
+    svd_rank: int | None = None
+    """Rank of the svd store."""
+    svd_method: str = "importance"
+    """naive, importance or prob-weighted (papers/002)."""
+    slug: str | None = None
+    """Name of the teacher table (default: the teacher directory's name)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Which engine runs the teacher."""
+    allow_inconsistent_teacher: bool = False
+    """Score even when the teacher is not pi_ref's SFT teacher (recorded in the manifest)."""
+    num_workers: int | None = None
+    """Workers sharing the job."""
+    worker_index: int | None = None
+    """This worker's index."""
+    progress: bool | None = None
+    """Show progress bars (default: only on a terminal)."""
+
+    def __post_init__(self) -> None:
+        stores = tuple(dict.fromkeys(("logprob",) + tuple(self.stores)))
+        object.__setattr__(self, "stores", stores)
+        unknown = set(stores) - set(S.TEACHER_STORES)
+        if unknown:
+            raise ConfigError(f"--store takes {', '.join(S.TEACHER_STORES)}; got {', '.join(sorted(unknown))}")
+        if "topk" in stores and not (self.top_k and 1 <= self.top_k <= 1024):
+            raise ConfigError(f"--top-k must be between 1 and 1024 with --store topk, got {self.top_k}")
+        if "svd" in stores and not (self.svd_rank and self.svd_rank >= 1):
+            raise ConfigError(f"--svd-rank must be a positive integer with --store svd, got {self.svd_rank}")
+        from opdcache.svd import METHODS
+
+        if self.svd_method not in METHODS:
+            raise ConfigError(f"--svd-method must be one of {', '.join(METHODS)}, got {self.svd_method!r}")
+        if self.slug is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.slug):
+            raise ConfigError(f"--name must be letters, digits, '.', '_' or '-', got {self.slug!r}")
+
+    @property
+    def table_slug(self) -> str:
+        return self.slug or re.sub(r"[^A-Za-z0-9._-]+", "-", Path(self.teacher).resolve().name).strip("-") or "teacher"
+
+
+def consistency_verdict(cache_lineage: dict, teacher: dict, allow: bool) -> dict:
+    """Teacher consistency from lineage (papers/000 section 3.3): is this the teacher pi_ref was fine-tuned on?"""
+    sft = cache_lineage.get("sft_teacher")
+    if sft is None:
+        verdict = "unknown"
+        note = "pi_ref has no recorded SFT teacher; run `opdcache check-consistency` for the empirical probe"
+    elif sft["fingerprint"] == teacher["fingerprint"]:
+        verdict, note = "consistent", "the scoring teacher is pi_ref's SFT teacher"
+    else:
+        verdict = "inconsistent"
+        note = f"pi_ref was fine-tuned on {sft['name_or_path']} ({sft['fingerprint'][:12]}), not on this teacher"
+        if not allow:
+            raise ConsistencyError(
+                f"teacher {teacher['name_or_path']} ({teacher['fingerprint'][:12]}) is not pi_ref's SFT teacher: {note}. "
+                "Lightning OPD assumes they are the same model (papers/000 section 3.3); pass --allow-inconsistent-teacher "
+                "to score anyway (the decision is recorded in the manifest)"
+            )
+        note += " (allowed by --allow-inconsistent-teacher)"
+    return {"verdict": verdict, "note": note, "sft_teacher": sft["fingerprint"] if sft else None,
+            "teacher": teacher["fingerprint"], "allowed": verdict != "inconsistent" or allow}
+
+
+def _requests(table, params: S.StoreParams) -> list[ScoreRequest]:
+    offsets = shards.list_offsets(table["response_ids"])
+    response = shards.token_values(table["response_ids"])
+    prompts = table["prompt_ids"].to_pylist()
+    ref = shards.token_values(table["ref_topk_ids"]) if "ref_topk_ids" in table.column_names else None
+    mc = shards.token_values(table["mc_ids"]) if "mc_ids" in table.column_names else None
+    out = []
+    for i, p in enumerate(prompts):
+        sl = slice(offsets[i], offsets[i + 1])
+        out.append(ScoreRequest(p, response[sl], None if ref is None else ref[sl], None if mc is None else mc[sl]))
+    return out
+
+
+def run_score(job: ScoreJob) -> dict:
+    """Run (or resume) score-teacher; return the verdict and what was written."""
+    from transformers import AutoTokenizer
+
+    cache = Cache(job.cache)
+    base = cache.base_table
+    base_entry = cache.table(base)
+    base_params = cache.params(base)
+    num_workers, worker_index = worker_from_env(job.num_workers, job.worker_index)
+    check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], AutoTokenizer.from_pretrained(job.teacher), f"teacher {job.teacher}")
+    teacher_fp_info = model_info(job.teacher)
+    verdict = consistency_verdict(cache.manifest["lineage"], teacher_fp_info, job.allow_inconsistent_teacher)
+    want_hidden = "hidden" in job.stores or "svd" in job.stores
+    engine = job.engine
+    if want_hidden and engine.backend == "vllm":
+        print("note: vLLM offers no final post-norm hidden state at this version; the hidden/svd stores use the transformers engine")
+        engine = EngineConfig(**{**asdict(engine), "backend": "transformers"})
+    backend = make_backend(job.teacher, engine, max_logprobs=max(job.top_k or 0, base_params.ref_top_k or 0, 1))
+    info = model_info(job.teacher, **backend.model_info())
+    hidden_dtype = backend.dtype if want_hidden else None
+    H = None
+    if want_hidden:
+        H = int(backend.model.get_output_embeddings().weight.shape[1])
+    params = S.StoreParams(
+        stores=job.stores, top_k=job.top_k if "topk" in job.stores else None, ref_top_k=base_params.ref_top_k,
+        mc_samples=base_params.mc_samples, hidden_size=H if "hidden" in job.stores else None,
+        hidden_dtype=hidden_dtype if "hidden" in job.stores else None, svd_rank=job.svd_rank if "svd" in job.stores else None,
+    )
+    slug = job.table_slug
+    config = {"teacher": info["fingerprint"], "engine": engine.fingerprint_view() | {"engine_version": backend.version},
+              "deterministic": engine.deterministic, "vocab_size": backend.vocab_size,
+              "svd_method": job.svd_method if "svd" in job.stores else None}
+    table = TableJob(cache.root, f"teachers/{slug}", "teacher", params, config, len(base_entry["shards"]),
+                     parent_fingerprint=base_entry["config_fingerprint"], meta={"model": info, "consistency": verdict})
+    table.begin()
+    table.dir.mkdir(parents=True, exist_ok=True)
+    if "hidden" in job.stores and not (table.dir / "head.safetensors").is_file():
+        from opdcache.heads import head_of, save_head
+
+        save_head(head_of(backend.model), table.dir / "head.safetensors")
+    proj = None
+    if "svd" in job.stores:
+        proj = _svd_projection(job, cache, backend, table)
+        table.meta["svd"] = proj[1]
+        proj = proj[0]
+    base_paths = cache.shard_paths(base)
+
+    def make_shard(index: int) -> list[dict]:
+        rows = shards.read_table(base_paths[index])
+        ids = rows["id"].to_pylist()
+        scores = backend.score(_requests(rows, params), top_k=params.top_k, hidden=want_hidden)
+        records = []
+        for row_id, sc in zip(ids, scores):
+            rec = {"id": row_id, "logprobs": sc.logprobs, "logsumexp": sc.logsumexp}
+            if params.top_k:
+                rec["topk_ids"], rec["topk_logprobs"] = sc.topk_ids, sc.topk_logprobs
+            if params.ref_top_k:
+                rec["ref_topk_logprobs"] = sc.ref_topk_logprobs
+            if params.mc_samples:
+                rec["mc_logprobs"] = sc.mc_logprobs
+            if "hidden" in job.stores:
+                rec["hidden"] = shards.hidden_to_numpy(sc.hidden)
+            if proj is not None:
+                rec["svd"] = proj.encode(sc.hidden).numpy()
+            for name, value in rec.items():
+                if isinstance(value, np.ndarray) and value.dtype.kind == "f" and not np.isfinite(value).all():
+                    raise SchemaError(f"teacher produced non-finite {name} for rollout row {row_id} (shard {index}); "
+                                      "nothing was written for this shard. Check the teacher's dtype (try --dtype float32)")
+            records.append(rec)
+        return records
+
+    with bar(total=len(table.pending(num_workers, worker_index)), desc=f"score-teacher {slug}", unit="shard", enabled=job.progress) as pbar:
+        written = run_table_job(table, make_shard, num_workers, worker_index,
+                                on_shard=lambda i, inf: (pbar.update(1), pbar.set_postfix(tokens=inf.tokens)))
+    finished = table.all_done()
+    if finished:
+        finalize_table(table)
+    return {"slug": slug, "written": written, "finished": finished, "consistency": verdict, "svd": table.meta.get("svd")}
+
+
+def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):
+    """Fit (or reload) the svd projection on the first rows of shard 0; measure every variant on the next rows."""
+    import json
+
+    import torch
+
+    from opdcache import svd
+    from opdcache.backends.hf import TransformersBackend
+
+    path = table.dir / "svd.safetensors"
+    if path.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            info = json.loads(f.metadata()["info"])
+        return svd.load(path), info
+    if not isinstance(backend, TransformersBackend):
+        raise ConfigError("the svd store needs the transformers engine")
+    rows = shards.read_table(cache.shard_paths(cache.base_table)[0])
+    reqs = _requests(rows, S.StoreParams(stores=("base",)))
+    n_cal = min(CALIBRATION_SEQUENCES, max(1, len(reqs) // 2))
+    with torch.no_grad():
+        calib = backend.final_hidden(reqs[:n_cal])[0].float()
+        held = backend.final_hidden(reqs[n_cal: n_cal + HELDOUT_SEQUENCES] or reqs[:n_cal])[0].float()
+    head = backend.model.get_output_embeddings()
+    W, b = head.weight.detach().float(), None if getattr(head, "bias", None) is None else head.bias.detach().float()
+    measured = {}
+    chosen = None
+    for method in svd.METHODS:
+        p = svd.fit(W, b, calib, job.svd_rank, method)
+        measured[method] = svd.distortion(p, W, b, held) | {"rank": job.svd_rank}
+        if method == job.svd_method:
+            chosen = p
+    info = {"method": job.svd_method, "rank": job.svd_rank, "calibration_positions": int(calib.shape[0]),
+            "heldout_positions": int(held.shape[0]), "distortion": measured}
+    svd.save(chosen, path, info)
+    return chosen, info
