@@ -188,6 +188,8 @@ def run_generate(job: GenerateJob) -> GenerateResult:
     backend = make_backend(job.model, job.engine, max_logprobs=max(job.sampling.ref_top_k or 0, 1))
     prompts = read_prompts(job.prompts, tokenizer, backend.max_length - job.sampling.max_new_tokens)
     write_errors(job.out / f"{job.kind}_errors.jsonl", prompts)
+    if not (job.out / "tokenizer").is_dir():  # the cache carries its tokenizer: decode and compare without the model
+        tokenizer.save_pretrained(job.out / "tokenizer")
     model = model_info(job.model, **backend.model_info())
     sft_teacher = resolve_sft_teacher(job.model, job.sft_teacher) if job.kind == "rollouts" else None
     params = _store_params(job.kind, job.sampling)

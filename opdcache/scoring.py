@@ -123,7 +123,9 @@ def run_score(job: ScoreJob) -> dict:
     base_entry = cache.table(base)
     base_params = cache.params(base)
     num_workers, worker_index = worker_from_env(job.num_workers, job.worker_index)
-    check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], AutoTokenizer.from_pretrained(job.teacher), f"teacher {job.teacher}")
+    own = cache.root / "tokenizer"
+    check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], AutoTokenizer.from_pretrained(job.teacher), f"teacher {job.teacher}",
+                         AutoTokenizer.from_pretrained(own) if own.is_dir() else None)
     teacher_fp_info = model_info(job.teacher)
     verdict = consistency_verdict(cache.manifest["lineage"], teacher_fp_info, job.allow_inconsistent_teacher)
     want_hidden = "hidden" in job.stores or "svd" in job.stores

@@ -17,3 +17,34 @@ def synth_cache(tmp_path):
     from synth import make_cache
 
     return make_cache(tmp_path / "cache")
+
+
+DEMO_WEIGHTS = Path(__file__).parent.parent / "opdcache" / "demo" / "weights"
+
+
+@pytest.fixture(scope="session")
+def weights():
+    return DEMO_WEIGHTS
+
+
+@pytest.fixture(scope="session")
+def opd_prompts(tmp_path_factory):
+    from opdcache.demo.task import write_prompts
+
+    return write_prompts(tmp_path_factory.mktemp("prompts") / "opd.jsonl", "opd", 24)
+
+
+@pytest.fixture(scope="session")
+def hf_cache(tmp_path_factory, weights, opd_prompts):
+    """A small rollouts cache from the demo student (lineage: the demo teacher), scored by the teacher in every store."""
+    from opdcache.backends.base import SamplingConfig
+    from opdcache.prompts import PromptConfig
+    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.scoring import ScoreJob, run_score
+
+    out = tmp_path_factory.mktemp("hf") / "cache"
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=out, num_shards=3,
+                             sampling=SamplingConfig(max_new_tokens=40, samples=2, ref_top_k=5, mc_samples=3),
+                             sft_teacher=weights / "teacher", reward="addition"))
+    run_score(ScoreJob(cache=out, teacher=weights / "teacher", stores=("logprob", "topk", "hidden", "svd"), top_k=6, svd_rank=16))
+    return out

@@ -1,0 +1,149 @@
+"""The transformers engine: every stored number means what the schema says, checked against a fresh
+full-vocabulary float32 forward; scoring is exact, and bit-identical across batchings in deterministic mode."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from opdcache import shards
+from opdcache.backends.base import GenerateRequest, SamplingConfig, ScoreRequest
+from opdcache.backends.hf import TransformersBackend, sampling_logprobs
+from opdcache.cache import Cache
+from opdcache.evaluate import chat_prompt_ids
+from opdcache.validate import validate
+
+
+def _full_logits(model, prompt, response):
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    return logits[len(prompt) - 1: len(prompt) - 1 + len(response)]  # [T, V]: position t predicts response[t]
+
+
+@pytest.fixture(scope="module")
+def student(weights):
+    return TransformersBackend(weights / "student", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompts(weights):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(weights / "student")
+    return [chat_prompt_ids(tok, p) for p in ("347+589", "001+002", "999+999", "120+305", "555+445", "010+990", "731+064")]
+
+
+def test_generated_values_mean_what_the_schema_says(student, prompts):
+    # generation values come from incremental (KV-cache) decoding: equal to a full forward up to float32 rounding
+    tol = dict(rtol=1e-5, atol=1e-5)
+    s = SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=30, ref_top_k=4, mc_samples=5)
+    gens = student.generate([GenerateRequest(p, seed=i) for i, p in enumerate(prompts)], s)
+    for p, g in zip(prompts, gens):
+        logits = _full_logits(student.model, p, g.response_ids)
+        ref = torch.log_softmax(logits, -1)
+        q = sampling_logprobs(logits, 0.7, 0.9)
+        resp = torch.as_tensor(g.response_ids, dtype=torch.long)
+        np.testing.assert_allclose(g.ref_logprobs, ref.gather(1, resp[:, None]).squeeze(1), **tol)
+        np.testing.assert_allclose(g.sampling_logprobs, q.gather(1, resp[:, None]).squeeze(1), **tol)
+        assert torch.isfinite(q.gather(1, resp[:, None])).all(), "a sampled token lies outside the top-p nucleus"
+        np.testing.assert_array_equal(g.ref_topk_ids, ref.topk(4, -1).indices.numpy())
+        np.testing.assert_allclose(g.ref_topk_logprobs, ref.topk(4, -1).values.numpy(), **tol)
+        mc = torch.as_tensor(g.mc_ids, dtype=torch.long)
+        np.testing.assert_allclose(g.mc_sampling_logprobs, q.gather(1, mc).numpy(), **tol)
+        assert np.isfinite(g.mc_sampling_logprobs).all()
+        assert g.finish_reason in ("stop", "length")
+        if g.finish_reason == "stop":
+            assert g.response_ids[-1] == 1  # EOS is kept
+
+
+def test_greedy_has_zero_sampling_logprobs_and_follows_argmax(student, prompts):
+    g = student.generate([GenerateRequest(prompts[0], seed=0)], SamplingConfig(temperature=0, max_new_tokens=20))[0]
+    assert (g.sampling_logprobs == 0).all()
+    logits = _full_logits(student.model, prompts[0], g.response_ids)
+    np.testing.assert_array_equal(logits.argmax(-1).numpy(), g.response_ids)
+
+
+def test_cut_responses_keep_finish_reason_length(student, prompts):
+    g = student.generate([GenerateRequest(prompts[0], seed=0)], SamplingConfig(max_new_tokens=3))[0]
+    assert g.finish_reason == "length" and len(g.response_ids) == 3
+
+
+def test_a_sample_does_not_depend_on_its_batch(student, prompts):
+    s = SamplingConfig(temperature=1.0, max_new_tokens=25)
+    alone = student.generate([GenerateRequest(prompts[3], seed=42)], s)[0]
+    batch = student.generate([GenerateRequest(p, seed=i) for i, p in enumerate(prompts)][:3] + [GenerateRequest(prompts[3], seed=42)], s)[-1]
+    np.testing.assert_array_equal(alone.response_ids, batch.response_ids)
+    np.testing.assert_allclose(alone.sampling_logprobs, batch.sampling_logprobs, atol=1e-5)
+
+
+def test_stored_teacher_values_equal_a_fresh_float32_forward(hf_cache, weights):
+    model = AutoModelForCausalLM.from_pretrained(weights / "teacher", dtype=torch.float32).eval()
+    cache = Cache(hf_cache)
+    for rpath, tpath in zip(cache.shard_paths("rollouts"), cache.shard_paths("teachers/teacher")):
+        r, t = shards.read_table(rpath), shards.read_table(tpath)
+        off = shards.list_offsets(r["response_ids"])
+        resp, ref_ids, mc_ids = (shards.token_values(r[c]) for c in ("response_ids", "ref_topk_ids", "mc_ids"))
+        cols = {c: shards.token_values(t[c]) for c in ("logprobs", "logsumexp", "topk_ids", "topk_logprobs", "ref_topk_logprobs", "mc_logprobs")}
+        for i, prompt in enumerate(r["prompt_ids"].to_pylist()):
+            sl = slice(off[i], off[i + 1])
+            logits = _full_logits(model, prompt, resp[sl])
+            logp = torch.log_softmax(logits, -1)
+            np.testing.assert_allclose(cols["logprobs"][sl], logp.gather(1, torch.as_tensor(resp[sl], dtype=torch.long)[:, None]).squeeze(1), atol=1e-5)
+            np.testing.assert_allclose(cols["logsumexp"][sl], torch.logsumexp(logits, -1), atol=1e-5)
+            np.testing.assert_array_equal(cols["topk_ids"][sl], logp.topk(6, -1).indices)
+            np.testing.assert_allclose(cols["topk_logprobs"][sl], logp.topk(6, -1).values, atol=1e-5)
+            np.testing.assert_allclose(cols["ref_topk_logprobs"][sl], logp.gather(1, torch.as_tensor(ref_ids[sl], dtype=torch.long)), atol=1e-5)
+            np.testing.assert_allclose(cols["mc_logprobs"][sl], logp.gather(1, torch.as_tensor(mc_ids[sl], dtype=torch.long)), atol=1e-5)
+
+
+def test_the_scored_cache_validates_including_hidden_reconstruction(hf_cache):
+    assert validate(hf_cache) == []
+    m = Cache(hf_cache).manifest
+    assert m["lineage"]["sft_teacher"]["name_or_path"].endswith("teacher")
+    assert m["tables"]["teachers/teacher"]["consistency"]["verdict"] == "consistent"
+    assert m["tables"]["rollouts"]["model"]["engine"] == "transformers"
+
+
+def test_deterministic_scores_are_bit_identical_across_batchings(hf_cache, weights):
+    backend = TransformersBackend(weights / "teacher", dtype="float32", deterministic=True)
+    rows = shards.read_table(Cache(hf_cache).shard_paths("rollouts")[0])
+    off = shards.list_offsets(rows["response_ids"])
+    resp = shards.token_values(rows["response_ids"])
+    reqs = [ScoreRequest(p, resp[off[i]: off[i + 1]]) for i, p in enumerate(rows["prompt_ids"].to_pylist())]
+    reqs = (reqs * 3)[:32]
+    reference = backend.score(reqs, top_k=5, hidden=True)
+    for size in (1, 7, 32):
+        order = list(range(len(reqs)))
+        random.Random(size).shuffle(order)
+        got = [None] * len(reqs)
+        for start in range(0, len(order), size):
+            chunk = order[start: start + size]
+            for i, sc in zip(chunk, backend.score([reqs[i] for i in chunk], top_k=5, hidden=True)):
+                got[i] = sc
+        for a, b in zip(reference, got):
+            assert a.logprobs.tobytes() == b.logprobs.tobytes()
+            assert a.logsumexp.tobytes() == b.logsumexp.tobytes()
+            assert a.topk_logprobs.tobytes() == b.topk_logprobs.tobytes()
+            assert torch.equal(a.hidden, b.hidden)
+
+
+def test_scoring_never_builds_a_full_logits_tensor(weights, monkeypatch):
+    """Logits are computed in blocks of positions: shrink the block and check every call stays within it."""
+    import opdcache.backends.hf as hf
+
+    backend = TransformersBackend(weights / "teacher", dtype="float32")
+    V = backend.vocab_size
+    monkeypatch.setattr(hf, "LOGIT_BLOCK_BYTES", 4 * V * 5)  # 5 positions per block
+    seen = []
+    original = hf.logits_from_hidden
+    monkeypatch.setattr(hf, "logits_from_hidden", lambda m, h: seen.append(h.shape[0]) or original(m, h))
+    reqs = [ScoreRequest([2, 3, 4], [5, 6, 7, 8, 9, 10, 11]), ScoreRequest([2, 3], [5, 6, 7, 8])]
+    blocked = backend.score(reqs)
+    assert max(seen) == 5 and sum(seen) == 11
+    monkeypatch.setattr(hf, "LOGIT_BLOCK_BYTES", 1 << 30)
+    whole = backend.score(reqs)
+    for a, b in zip(blocked, whole):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)

@@ -1,0 +1,236 @@
+"""build-sft / build-rollouts / score-teacher: bad input, lineage and consistency, tokenizers, workers."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from opdcache import manifest as M
+from opdcache import shards
+from opdcache.backends.base import SamplingConfig
+from opdcache.backends.hf import TransformersBackend
+from opdcache.cache import Cache
+from opdcache.cli.main import main
+from opdcache.errors import ConsistencyError, InputError, TokenizerMismatchError
+from opdcache.fingerprint import sha256_file
+from opdcache.prompts import PromptConfig
+from opdcache.rollouts import GenerateJob, run_generate
+from opdcache.scoring import ScoreJob, run_score
+from opdcache.validate import validate
+
+FAST = SamplingConfig(max_new_tokens=30)
+
+
+def _prompts(path, lines):
+    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    return path
+
+
+def _rows(cache, table="rollouts"):
+    return [r for p in Cache(cache).shard_paths(table) for r in shards.read_table(p).to_pylist()]
+
+
+def test_malformed_rows_go_to_the_errors_file_and_the_rest_is_kept(tmp_path, weights):
+    src = _prompts(tmp_path / "p.jsonl", [
+        {"prompt": "123+456", "answer": "0579"}, "{not json", {"question": "no prompt field"}, {"prompt": "   "},
+        [1, 2], {"prompt": 7}, {"prompt": "123+456", "answer": "0579"}, {"prompt": "900+100", "answer": "1000", "src": "x"},
+    ])
+    res = run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(src), out=tmp_path / "c", num_shards=2, sampling=FAST))
+    errors = [json.loads(l) for l in (tmp_path / "c" / "rollouts_errors.jsonl").read_text().splitlines()]
+    by_line = {e.get("line"): e["reason"] for e in errors if "line" in e}
+    assert by_line[2].startswith("invalid JSON")
+    assert by_line[3] == "missing field 'prompt'"
+    assert by_line[4] == "empty prompt"
+    assert by_line[5] == "expected a JSON object, got list"
+    assert by_line[6] == "field 'prompt' must be a string, got int"
+    assert {"lines": [1, 7], "reason": "duplicate prompt (all copies kept)"} in errors
+    rows = _rows(tmp_path / "c")
+    assert sorted(r["prompt_index"] for r in rows) == [0, 6, 7]
+    assert json.loads([r for r in rows if r["prompt_index"] == 7][0]["metadata"]) == {"src": "x"}
+    assert res.prompts.too_long == 0 and len(res.prompts.errors) == 5
+    assert validate(tmp_path / "c") == []
+
+
+def test_strict_stops_at_the_first_malformed_row(tmp_path, weights):
+    src = _prompts(tmp_path / "p.jsonl", [{"prompt": "123+456"}, {"prompt": ""}])
+    with pytest.raises(InputError, match=r"p.jsonl line 2: empty prompt \(drop --strict to skip such rows\)"):
+        run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(src, strict=True), out=tmp_path / "c", sampling=FAST))
+    assert not (tmp_path / "c" / "opdcache.json").exists()
+
+
+def test_too_long_prompts_are_skipped_and_counted(tmp_path, weights):
+    # the demo models allow 128 positions; with 100 new tokens a prompt may have at most 28
+    src = _prompts(tmp_path / "p.jsonl", [{"prompt": "1+2"}, {"prompt": "1" * 40 + "+2"}])
+    res = run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(src), out=tmp_path / "c", num_shards=1,
+                                   sampling=SamplingConfig(max_new_tokens=100)))
+    assert res.prompts.too_long == 1
+    assert "prompt has 44 tokens, more than the 28 allowed" in (tmp_path / "c" / "rollouts_errors.jsonl").read_text()
+    assert Cache(tmp_path / "c").table("rollouts")["stats"]["too_long"] == 1
+    assert len(_rows(tmp_path / "c")) == 1
+
+
+def test_no_usable_prompts_is_an_error_that_says_why(tmp_path, weights):
+    src = _prompts(tmp_path / "p.jsonl", [{"text": "x"}])
+    with pytest.raises(InputError, match="no usable prompts .* first problem: line 1: missing field 'prompt'"):
+        run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(src), out=tmp_path / "c", sampling=FAST))
+
+
+def test_messages_field_parquet_and_datasets_inputs(tmp_path, weights):
+    import datasets
+
+    rows = [{"msgs": [{"role": "user", "content": "111+222"}], "answer": "0333"}]
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(tmp_path / "p.parquet"))
+    ds.save_to_disk(str(tmp_path / "ds"))
+    ids = []
+    for i, src in enumerate((tmp_path / "p.parquet", tmp_path / "ds")):
+        run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(src, messages_field="msgs"), out=tmp_path / f"c{i}",
+                                 num_shards=1, sampling=FAST))
+        ids.append(_rows(tmp_path / f"c{i}")[0]["prompt_ids"])
+    assert ids[0] == ids[1] and ids[0][0] == 3 and ids[0][-1] == 4  # <|user|> ... <|assistant|>
+
+
+def test_non_finite_rollouts_are_quarantined_with_a_reason(tmp_path, weights, opd_prompts, monkeypatch):
+    original = TransformersBackend.generate
+
+    def poisoned(self, requests, sampling):
+        gens = original(self, requests, sampling)
+        gens[0].ref_logprobs = gens[0].ref_logprobs.copy()
+        gens[0].ref_logprobs[1] = np.nan
+        return gens
+
+    monkeypatch.setattr(TransformersBackend, "generate", poisoned)
+    res = run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=6), out=tmp_path / "c",
+                                   num_shards=2, sampling=FAST))
+    assert res.quarantined == 2  # the first row of each shard
+    q = [json.loads(l) for l in (tmp_path / "c" / "rollouts" / "quarantine.jsonl").read_text().splitlines()]
+    assert [e["reason"] for e in q] == ["non-finite ref_logprobs at position 1"] * 2
+    assert len(_rows(tmp_path / "c")) == 4
+    assert validate(tmp_path / "c") == []
+
+
+def _copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_teacher_with_another_tokenizer_is_refused_naming_the_difference(hf_cache, tmp_path, weights):
+    teacher = _copy_model(weights / "teacher", tmp_path / "t2")
+    cfg = json.loads((teacher / "tokenizer_config.json").read_text())
+    cfg["eos_token"] = "<|pad|>"
+    (teacher / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TokenizerMismatchError, match=r"special token eos_token: '<\|eos\|>' vs '<\|pad\|>'"):
+        run_score(ScoreJob(cache=hf_cache, teacher=teacher, slug="t2"))
+    assert not (hf_cache / "teachers" / "t2").exists()
+
+
+def test_inconsistent_teacher_is_refused_unless_allowed_and_the_decision_recorded(tmp_path, weights, opd_prompts):
+    out = tmp_path / "c"
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=4), out=out, num_shards=1,
+                             sampling=FAST, sft_teacher=weights / "teacher"))
+    with pytest.raises(ConsistencyError, match="is not pi_ref's SFT teacher: pi_ref was fine-tuned on .*teacher.*--allow-inconsistent-teacher"):
+        run_score(ScoreJob(cache=out, teacher=weights / "teacher_carry"))
+    assert "teachers/teacher_carry" not in M.load(out)["tables"]
+    res = run_score(ScoreJob(cache=out, teacher=weights / "teacher_carry", allow_inconsistent_teacher=True))
+    rec = M.load(out)["tables"]["teachers/teacher_carry"]["consistency"]
+    assert rec["verdict"] == "inconsistent" and rec["allowed"] is True and "allowed by --allow-inconsistent-teacher" in rec["note"]
+    assert res["consistency"] == rec
+
+
+def test_without_lineage_the_verdict_is_unknown(tmp_path, weights, opd_prompts):
+    out = tmp_path / "c"
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=3), out=out, num_shards=1, sampling=FAST))
+    assert run_score(ScoreJob(cache=out, teacher=weights / "teacher"))["consistency"]["verdict"] == "unknown"
+
+
+def test_sft_lineage_file_and_conflicting_flag(tmp_path, weights, opd_prompts):
+    from opdcache.errors import ConfigError
+    from opdcache.lineage import model_info, write_sft_lineage
+
+    pi_ref = _copy_model(weights / "student", tmp_path / "pi_ref")
+    write_sft_lineage(pi_ref, model_info(weights / "teacher"), "d" * 64, model_info(weights / "student"))
+    out = tmp_path / "c"
+    run_generate(GenerateJob(model=pi_ref, prompts=PromptConfig(opd_prompts, limit=3), out=out, num_shards=1, sampling=FAST))
+    assert M.load(out)["lineage"]["sft_teacher"]["fingerprint"] == model_info(weights / "teacher")["fingerprint"]
+    with pytest.raises(ConfigError, match="is not the teacher recorded in"):
+        run_generate(GenerateJob(model=pi_ref, prompts=PromptConfig(opd_prompts, limit=3), out=tmp_path / "c2", sampling=FAST,
+                                 sft_teacher=weights / "teacher_carry"))
+
+
+def test_one_two_or_three_workers_give_identical_caches(tmp_path, weights, opd_prompts):
+    hashes, views = [], []
+    for workers in (1, 2, 3):
+        out = tmp_path / f"w{workers}"
+        for w in range(workers):
+            job = GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=9), out=out, num_shards=4,
+                              sampling=SamplingConfig(max_new_tokens=30, ref_top_k=3), num_workers=workers, worker_index=w)
+            res = run_generate(job)
+            assert res.finished == (w == workers - 1)
+        run_score(ScoreJob(cache=out, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=3))
+        hashes.append({p.relative_to(out).as_posix(): sha256_file(p) for p in sorted(out.rglob("*.parquet"))})
+        views.append(M.content_view({**M.load(out), "tables": {k: {**v, "model": None} for k, v in M.load(out)["tables"].items()}}))
+    assert hashes[0] == hashes[1] == hashes[2]
+    assert len(hashes[0]) == 8
+
+
+def test_finalize_command_completes_a_job_whose_workers_are_done(tmp_path, weights, opd_prompts, monkeypatch):
+    import opdcache.rollouts
+
+    out = tmp_path / "c"
+    monkeypatch.setattr(opdcache.rollouts, "finalize_table", lambda job: None)  # as if both workers finished at the same moment
+    for w in range(2):
+        run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=4), out=out, num_shards=2,
+                                 sampling=FAST, num_workers=2, worker_index=w))
+    assert not (out / "opdcache.json").exists()
+    with pytest.raises(SystemExit) as e:
+        main(["finalize", str(out), "--table", "rollouts"])
+    assert e.value.code == 0 and validate(out) == []
+
+
+def test_cli_chain_build_sft_rollouts_score(tmp_path, weights, opd_prompts, capsys):
+    def run(*args):
+        with pytest.raises(SystemExit) as e:
+            main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return e.value.code, captured.out + captured.err
+
+    code, out = run("build-sft", "--teacher", weights / "teacher", "--prompts", opd_prompts, "--out", tmp_path / "sft",
+                    "--limit", "4", "--num-shards", "2", "--max-new-tokens", "40", "--reward", "addition", "--temperature", "0")
+    assert code == 0 and "cache complete" in out
+    sft = _rows(tmp_path / "sft", "sft")
+    assert all(r["reward"] == 1.0 for r in sft)  # the teacher solves the task
+    code, out = run("score-teacher", tmp_path / "nope", "--teacher", weights / "teacher")
+    assert code == 1 and "nope does not exist or is not a directory" in out
+    code, out = run("score-teacher", tmp_path / "sft", "--teacher", weights / "teacher", "--store", "logprob,bogus")
+    assert code == 2 and "--store takes logprob, topk, hidden, svd; got bogus" in out
+
+
+def test_svd_full_rank_is_exact_and_distortion_falls_with_rank():
+    import torch
+
+    from opdcache import svd
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(200, 32, generator=g) * torch.logspace(0, -2, 32)
+    calib = torch.randn(512, 32, generator=g) * 2
+    held = torch.randn(256, 32, generator=g) * 2
+    for method in svd.METHODS:
+        full = svd.fit(W, None, calib, 32, method)
+        torch.testing.assert_close(full.logits(full.encode(held)), held @ W.T, atol=1e-3, rtol=1e-4)
+        d = {r: svd.distortion(svd.fit(W, None, calib, r, method), W, None, held)["mean_kl"] for r in (4, 12, 24, 32)}
+        assert d[4] > d[12] > d[24] >= 0 and d[32] < 1e-6, (method, d)
+    # distortion's chunked KL equals a plain float64 computation
+    p = svd.fit(W, None, calib, 8, "naive")
+    true = torch.log_softmax((held @ W.T).double(), -1)
+    approx = torch.log_softmax(p.logits(p.encode(held)).double(), -1)
+    ref = float((true.exp() * (true - approx)).sum(-1).mean())
+    assert svd.distortion(p, W, None, held)["mean_kl"] == pytest.approx(ref, rel=1e-4)
+
+
+def test_svd_store_records_measured_distortion_per_variant(hf_cache):
+    svd_info = Cache(hf_cache).table("teachers/teacher")["svd"]
+    assert svd_info["method"] == "importance" and svd_info["rank"] == 16
+    for method in ("naive", "importance", "prob-weighted"):
+        d = svd_info["distortion"][method]
+        assert d["mean_kl"] >= 0 and 0 <= d["top1_agreement"] <= 1 and d["positions"] > 0
