@@ -130,20 +130,46 @@ def test_deterministic_scores_are_bit_identical_across_batchings(hf_cache, weigh
             assert torch.equal(a.hidden, b.hidden)
 
 
-def test_scoring_never_builds_a_full_logits_tensor(weights, monkeypatch):
-    """Logits are computed in blocks of positions: shrink the block and check every call stays within it."""
+class _Head:
+    """A stand-in model: an unembedding with bias, and Gemma-style soft-capping."""
+
+    def __init__(self, V, H, softcap=None, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.head = torch.nn.Linear(H, V, bias=True)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.randn(V, H, generator=g))
+            self.head.bias.copy_(torch.randn(V, generator=g))
+        self.config = type("C", (), {"final_logit_softcapping": softcap, "logit_scale": None})()
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+@pytest.mark.parametrize("P, V, k, softcap", [(1, 3001, 5, None), (37, 3001, 20, 30.0), (64, 1024, 1, None), (5, 2048, 7, None)])
+def test_streamed_stats_match_the_plain_full_logits_reference(P, V, k, softcap, monkeypatch):
     import opdcache.backends.hf as hf
 
-    backend = TransformersBackend(weights / "teacher", dtype="float32")
-    V = backend.vocab_size
-    monkeypatch.setattr(hf, "LOGIT_BLOCK_BYTES", 4 * V * 5)  # 5 positions per block
-    seen = []
-    original = hf.logits_from_hidden
-    monkeypatch.setattr(hf, "logits_from_hidden", lambda m, h: seen.append(h.shape[0]) or original(m, h))
-    reqs = [ScoreRequest([2, 3, 4], [5, 6, 7, 8, 9, 10, 11]), ScoreRequest([2, 3], [5, 6, 7, 8])]
-    blocked = backend.score(reqs)
-    assert max(seen) == 5 and sum(seen) == 11
-    monkeypatch.setattr(hf, "LOGIT_BLOCK_BYTES", 1 << 30)
-    whole = backend.score(reqs)
-    for a, b in zip(blocked, whole):
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+    monkeypatch.setattr(hf, "LOGIT_BLOCK_BYTES", 1)  # force the smallest vocabulary slice (1,024 columns)
+    model = _Head(V, 16, softcap)
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(P, 16, generator=g)
+    sampled = torch.randint(0, V, (P,), generator=g)
+    ref_ids = torch.randint(0, V, (P, 4), generator=g)
+    mc_ids = torch.randint(0, V, (P, 3), generator=g)
+    slices = []
+    original = hf._head_transform
+    monkeypatch.setattr(hf, "_head_transform", lambda m: (lambda z: slices.append(z.shape) or original(m)(z)))
+    got = hf.streamed_logit_stats(model, h, sampled, k, ref_ids, mc_ids)
+    assert max(c for _, c in slices) <= 1024 < V or V == 1024  # never a [positions, vocabulary] block
+    with torch.no_grad():  # the plain reference: full logits, full log-softmax
+        logits = h @ model.head.weight.T + model.head.bias
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        logp = torch.log_softmax(logits.double(), -1)
+    torch.testing.assert_close(got["lse"].double(), torch.logsumexp(logits.double(), -1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["lp"].double(), logp.gather(1, sampled[:, None]).squeeze(1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["rk"].double(), logp.gather(1, ref_ids), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["mc"].double(), logp.gather(1, mc_ids), atol=1e-5, rtol=0)
+    top = logp.topk(k, -1)
+    assert torch.equal(got["kid"], top.indices)
+    torch.testing.assert_close(got["klp"].double(), top.values, atol=1e-5, rtol=0)

@@ -24,7 +24,8 @@ import torch
 from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores
 from opdcache.errors import ConfigError
 
-LOGIT_BLOCK_BYTES = 256 << 20  # float32 logits per block of positions
+POSITION_BLOCK = 2048  # positions scored together: enough rows that the head matmul runs at full rate
+LOGIT_BLOCK_BYTES = 8 << 20  # float32 logits per [positions, vocabulary slice] block (8,192 columns at 2,048 positions)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -74,15 +75,81 @@ def _base(model):
 
 def logits_from_hidden(model, hidden: torch.Tensor) -> torch.Tensor:
     """The model's own logits for final hidden states [N, H], in float32 (soft-capping and scaling applied)."""
-    logits = model.get_output_embeddings()(hidden).float()
+    return _head_transform(model)(model.get_output_embeddings()(hidden).float())
+
+
+def _head_transform(model):
+    """Elementwise logit transforms some models apply after the head (scaling, soft-capping)."""
     cfg = model.config
     scale = getattr(cfg, "logit_scale", None)
-    if scale is not None:
-        logits = logits * scale
     cap = getattr(cfg, "final_logit_softcapping", None)
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+
+    def transform(x: torch.Tensor) -> torch.Tensor:
+        if scale is not None:
+            x = x * scale
+        if cap is not None:
+            x = torch.tanh(x / cap) * cap
+        return x
+
+    return transform
+
+
+def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor, top_k: int | None,
+                         ref_ids_PK: torch.Tensor | None = None, mc_ids_PM: torch.Tensor | None = None) -> dict:
+    """Log-prob of the sampled token, logsumexp, top-k and log-probs at given ids, streaming over the vocabulary.
+
+    Logits are computed for all P positions against one slice of the unembedding at a time
+    ([P, C] float32, C chosen so a block stays under LOGIT_BLOCK_BYTES), with an online log-sum-exp
+    (running max m and sum s: lse = m + log s), a running top-k merged slice by slice, and the logits at
+    the requested ids picked up in the slice that holds them. Each element is the model's own logit
+    (head matmul in the model's dtype, then float32 and the model's transforms), so the values equal those
+    of :func:`logits_from_hidden` up to the order of the log-sum-exp additions.
+    """
+    head = model.get_output_embeddings()
+    W, b = head.weight, getattr(head, "bias", None)
+    transform = _head_transform(model)
+    P, V = hidden_PH.shape[0], W.shape[0]
+    C = max(1024, LOGIT_BLOCK_BYTES // (4 * max(P, 1)))
+    dev = hidden_PH.device
+    m = torch.full((P,), float("-inf"), device=dev)
+    s = torch.zeros(P, device=dev)
+    target = torch.empty(P, device=dev)
+    top_vals = torch.full((P, top_k or 0), float("-inf"), device=dev)
+    top_ids = torch.zeros((P, top_k or 0), dtype=torch.long, device=dev)
+    picks = {k: (ids, torch.empty(ids.shape, device=dev)) for k, ids in (("rk", ref_ids_PK), ("mc", mc_ids_PM)) if ids is not None}
+    rows = torch.arange(P, device=dev)
+    for a in range(0, V, C):
+        z = hidden_PH @ W[a: a + C].T  # [P, C] in the model's dtype, as the model's own head computes it
+        if b is not None:
+            z = z + b[a: a + C]
+        z = transform(z.float())
+        cm = z.amax(-1)
+        new_m = torch.maximum(m, cm)
+        hit = (sampled_P >= a) & (sampled_P < a + z.shape[1])
+        target[hit] = z[rows[hit], sampled_P[hit] - a]
+        for ids, out in picks.values():
+            inside = (ids >= a) & (ids < a + z.shape[1])
+            r, c = inside.nonzero(as_tuple=True)
+            out[r, c] = z[r, ids[r, c] - a]
+        if top_k:
+            # only rows whose slice maximum beats their current k-th best can change their top-k
+            r = (cm > top_vals[:, -1]).nonzero(as_tuple=True)[0]
+            if len(r):
+                cv, ci = z[r].topk(min(top_k, z.shape[1]), -1)
+                merged_v, order = torch.cat([top_vals[r], cv], 1).topk(top_k, -1)
+                top_ids[r] = torch.cat([top_ids[r], ci + a], 1).gather(1, order)
+                top_vals[r] = merged_v
+        # exp(z - m) in place, after every read of z. Clamping at -80 changes no float32 sum (each such term is
+        # below 2e-35 while the sum is at least 1) and avoids exp's slow path for underflowing inputs.
+        s = s * torch.exp(m - new_m) + z.sub_(new_m[:, None]).clamp_(min=-80.0).exp_().sum(-1)
+        m = new_m
+    lse = m + torch.log(s)
+    out = {"lse": lse, "lp": target - lse}
+    if top_k:
+        out["kid"], out["klp"] = top_ids, top_vals - lse[:, None]
+    for key, (_, vals) in picks.items():
+        out[key] = vals - lse[:, None]
+    return out
 
 
 def _top_p_mask(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -117,7 +184,7 @@ class TransformersBackend:
     name = "transformers"
 
     def __init__(self, model_path: str | Path, dtype: str = "auto", device: str = "auto", quantize: str | None = None,
-                 deterministic: bool = False, max_batch_tokens: int = 16384, generate_batch_size: int = 64):
+                 deterministic: bool = False, max_batch_tokens: int = 2048, generate_batch_size: int = 64):
         import transformers
 
         self.path = Path(model_path)
@@ -232,7 +299,7 @@ class TransformersBackend:
         batches, current, longest = [], [], 0
         for i in order:
             n = len(requests[i].prompt_ids) + len(requests[i].response_ids)
-            if current and max(longest, n) * (len(current) + 1) > self.max_batch_tokens:
+            if current and max(longest, n) * (len(current) + 1) > self.max_batch_tokens:  # padded tokens
                 batches.append(current)
                 current, longest = [], 0
             current.append(i)
@@ -243,15 +310,33 @@ class TransformersBackend:
 
     @torch.no_grad()
     def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False) -> list[Scores]:
+        """Decoder forwards in small batches (bounded activation memory); their hidden rows are pooled into
+        blocks of POSITION_BLOCK positions for the streamed head pass (a large matmul runs at full rate).
+        In deterministic mode every sequence is its own batch and its own block."""
         out: list[Scores | None] = [None] * len(requests)
+        pending: list[tuple[int, torch.Tensor]] = []
+
+        def flush() -> None:
+            idx = [i for i, _ in pending]
+            for i, sc in zip(idx, self._score_rows([requests[i] for i in idx], torch.cat([h for _, h in pending]), top_k, hidden)):
+                out[i] = sc
+            pending.clear()
+
         with _deterministic(self.deterministic):
             for batch in self._batches(requests):
-                for i, sc in zip(batch, self._score_batch([requests[i] for i in batch], top_k, hidden)):
-                    out[i] = sc
+                hidden_NH, lengths = self.final_hidden([requests[i] for i in batch])
+                pending.extend(zip(batch, torch.split(hidden_NH, lengths)))
+                if self.deterministic or sum(len(h) for _, h in pending) >= POSITION_BLOCK:
+                    flush()
+            if pending:
+                flush()
         return out  # type: ignore[return-value]
 
     def final_hidden(self, requests: Sequence[ScoreRequest]) -> tuple[torch.Tensor, list[int]]:
         """Final post-norm hidden states at the response positions, flattened: [sum T, H], and each row's T."""
+        for r in requests:
+            if len(r.prompt_ids) == 0:
+                raise ConfigError("cannot score a sequence with an empty prompt")
         B = len(requests)
         seqs = [list(r.prompt_ids) + list(r.response_ids) for r in requests]
         L = max(map(len, seqs))
@@ -265,32 +350,19 @@ class TransformersBackend:
         rows = [h[b, len(r.prompt_ids) - 1: len(r.prompt_ids) - 1 + len(r.response_ids)] for b, r in enumerate(requests)]
         return torch.cat(rows), [len(r.response_ids) for r in requests]
 
-    def _score_batch(self, requests: Sequence[ScoreRequest], top_k: int | None, want_hidden: bool) -> list[Scores]:
-        for r in requests:
-            if len(r.prompt_ids) == 0:
-                raise ConfigError("cannot score a sequence with an empty prompt")
-        hidden_NH, lengths = self.final_hidden(requests)
+    def _score_rows(self, requests: Sequence[ScoreRequest], hidden_NH: torch.Tensor, top_k: int | None, want_hidden: bool) -> list[Scores]:
+        lengths = [len(r.response_ids) for r in requests]
         N = hidden_NH.shape[0]
         sampled = torch.cat([torch.as_tensor(np.asarray(r.response_ids, dtype=np.int64)) for r in requests]).to(self.device)
         ref_ids = torch.cat([torch.as_tensor(r.ref_topk_ids.astype(np.int64)) for r in requests]).to(self.device) if requests[0].ref_topk_ids is not None else None
         mc_ids = torch.cat([torch.as_tensor(r.mc_ids.astype(np.int64)) for r in requests]).to(self.device) if requests[0].mc_ids is not None else None
-        block = max(1, LOGIT_BLOCK_BYTES // (4 * self.vocab_size))
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "lse", "kid", "klp", "rk", "mc")}
-        for start in range(0, N, block):
-            sl = slice(start, start + block)
-            logits = logits_from_hidden(self.model, hidden_NH[sl])  # [n, V] float32: the only vocabulary-wide tensor
-            lse = torch.logsumexp(logits, -1)
-            parts["lse"].append(lse)
-            parts["lp"].append(logits.gather(-1, sampled[sl, None]).squeeze(-1) - lse)
-            if top_k:
-                vals, ids = logits.topk(top_k, -1)
-                parts["kid"].append(ids)
-                parts["klp"].append(vals - lse[:, None])
-            if ref_ids is not None:
-                parts["rk"].append(logits.gather(-1, ref_ids[sl]) - lse[:, None])
-            if mc_ids is not None:
-                parts["mc"].append(logits.gather(-1, mc_ids[sl]) - lse[:, None])
-            del logits
+        for start in range(0, N, POSITION_BLOCK):
+            sl = slice(start, start + POSITION_BLOCK)
+            stats = streamed_logit_stats(self.model, hidden_NH[sl], sampled[sl], top_k,
+                                         None if ref_ids is None else ref_ids[sl], None if mc_ids is None else mc_ids[sl])
+            for key, value in stats.items():
+                parts[key].append(value)
         cat = {k: torch.cat(v).cpu() for k, v in parts.items() if v}
         result, offset = [], 0
         hidden_cpu = hidden_NH.detach().cpu() if want_hidden else None
