@@ -1,0 +1,244 @@
+"""A torch DataLoader over a cache: rollouts plus one teacher's stores, as padded training batches.
+
+Usable on its own with any trainer::
+
+    loader = CacheLoader(CacheLoaderConfig(cache="c", teacher="teacher", stores=("logprob", "topk"), batch_size=16))
+    for batch in loader:            # dict of tensors, see `collate`
+        ...
+    state = loader.state_dict()     # resume mid-epoch exactly: loader.load_state_dict(state)
+
+Order: each epoch shuffles the shard order and the rows inside each shard from (seed, epoch), and
+concatenates them, so consecutive rows come from one shard (one shard is decoded at a time). Rank r of
+a world of size W takes every W-th row of that sequence; the rank's rows are cut into batches and batch i
+goes to loader worker i % num_workers, so every row is read exactly once per epoch across ranks and
+workers, and the DataLoader yields batches in a fixed order that a saved count can skip to.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from opdcache import shards
+from opdcache.cache import Cache
+from opdcache.errors import ConfigError
+
+ROLLOUT_COLUMNS = ("prompt_ids", "response_ids", "sampling_logprobs", "ref_logprobs", "ref_topk_ids", "ref_topk_logprobs",
+                   "mc_ids", "mc_sampling_logprobs")
+
+
+@dataclass(frozen=True)
+class CacheLoaderConfig:
+    """What to load and how."""
+
+    cache: Path
+    """Cache directory."""
+    teacher: str | None = None
+    """Teacher table name (teachers/<name>); None loads rollouts only."""
+    stores: tuple[str, ...] = ("logprob",)
+    """Teacher stores to load: logprob, topk, hidden, svd."""
+    rollout_stores: tuple[str, ...] = ("base",)
+    """Rollout stores to load besides the base columns: ref_topk, mc."""
+    batch_size: int = 16
+    """Sequences per batch."""
+    seed: int = 0
+    """Shuffling seed."""
+    shuffle: bool = True
+    """Shuffle shards and rows each epoch."""
+    num_workers: int = 0
+    """DataLoader worker processes."""
+    rank: int | None = None
+    """Distributed rank (default: torch.distributed, then RANK, then 0)."""
+    world_size: int | None = None
+    """Distributed world size (default: torch.distributed, then WORLD_SIZE, then 1)."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.num_workers < 0:
+            raise ConfigError(f"--num-loader-workers must be at least 0, got {self.num_workers}")
+
+
+def _dist() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class _Shard:
+    """One shard's columns as flat numpy arrays plus row offsets (decoded once, sliced per row)."""
+
+    def __init__(self, rollout_path: Path, teacher_path: Path | None, rollout_cols: list[str], teacher_cols: list[str]):
+        r = shards.read_table(rollout_path, rollout_cols)
+        self.offsets = shards.list_offsets(r["response_ids"])
+        self.prompt_offsets = shards.list_offsets(r["prompt_ids"])
+        self.cols = {name: shards.token_values(r[name]) for name in rollout_cols}
+        self.hidden_dtype = None
+        if teacher_path is not None:
+            t = shards.read_table(teacher_path, teacher_cols)
+            for name in teacher_cols:
+                if name == "id":
+                    continue
+                self.cols["teacher_" + name] = shards.token_values(t[name])
+                if name == "hidden":
+                    self.hidden_dtype = shards.hidden_dtype_of(t.schema.field("hidden"))
+
+
+def _pad(rows: list[np.ndarray], length: int, fill=0) -> np.ndarray:
+    out = np.full((len(rows), length) + rows[0].shape[1:], fill, dtype=rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def collate(shard_rows: list[tuple[_Shard, int]]) -> dict[str, torch.Tensor]:
+    """Rows -> padded tensors. Shapes (B sequences, T = longest response, L = longest prompt + response):
+
+    input_ids [B, L] (prompt + response, right-padded), attention_mask [B, L], response_ids [B, T],
+    response_mask [B, T] (1 on real response tokens), logit_positions [B, T] (index in input_ids of the
+    position whose logits predict response token t: prompt length + t - 1), then every loaded per-token
+    column as [B, T] or [B, T, k] (teacher columns prefixed with ``teacher_``; hidden states in their
+    stored dtype). Padding values are 0; use response_mask.
+    """
+    prompts, responses, per_col = [], [], {}
+    for sh, i in shard_rows:
+        a, b = sh.offsets[i], sh.offsets[i + 1]
+        pa, pb = sh.prompt_offsets[i], sh.prompt_offsets[i + 1]
+        prompts.append(sh.cols["prompt_ids"][pa:pb])
+        responses.append(sh.cols["response_ids"][a:b])
+        for name, values in sh.cols.items():
+            if name not in ("prompt_ids", "response_ids"):
+                per_col.setdefault(name, []).append(values[a:b])
+    B = len(shard_rows)
+    T = max(1, max(len(r) for r in responses))
+    L = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    input_ids = np.zeros((B, L), np.int64)
+    attention = np.zeros((B, L), np.int64)
+    positions = np.zeros((B, T), np.int64)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, : len(p)] = p
+        input_ids[i, len(p): len(p) + len(r)] = r
+        attention[i, : len(p) + len(r)] = 1
+        positions[i, : len(r)] = len(p) - 1 + np.arange(len(r))
+    resp = _pad([r.astype(np.int64) for r in responses], T)
+    mask = _pad([np.ones(len(r), np.float32) for r in responses], T)
+    batch = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention),
+             "response_ids": torch.from_numpy(resp), "response_mask": torch.from_numpy(mask),
+             "logit_positions": torch.from_numpy(positions)}
+    hidden_dtype = shard_rows[0][0].hidden_dtype
+    for name, rows in per_col.items():
+        arr = _pad(rows, T)
+        if name == "teacher_hidden":
+            batch[name] = shards.hidden_to_torch(arr, hidden_dtype)
+        else:
+            batch[name] = torch.from_numpy(arr.astype(np.int64) if arr.dtype.kind in "iu" else arr)
+    return batch
+
+
+class CacheDataset(torch.utils.data.IterableDataset):
+    """Yields whole collated batches; use with ``DataLoader(batch_size=None)`` (CacheLoader does)."""
+
+    def __init__(self, config: CacheLoaderConfig):
+        self.config = config
+        cache = Cache(config.cache)
+        base = cache.base_table
+        self.rollout_paths = cache.shard_paths(base)
+        self.rows_per_shard = [s["rows"] for s in cache.table(base)["shards"]]
+        rparams = cache.params(base)
+        cols = ["prompt_ids", "response_ids", "sampling_logprobs"] + (["ref_logprobs"] if base == "rollouts" else [])
+        if "ref_topk" in config.rollout_stores:
+            if not rparams.ref_top_k:
+                raise ConfigError("the cache has no pi_ref top-k (build-rollouts --ref-top-k)")
+            cols += ["ref_topk_ids", "ref_topk_logprobs"]
+        if "mc" in config.rollout_stores:
+            if not rparams.mc_samples:
+                raise ConfigError("the cache has no Monte-Carlo samples (build-rollouts --mc-samples)")
+            cols += ["mc_ids", "mc_sampling_logprobs"]
+        self.rollout_cols = cols
+        self.teacher_paths, self.teacher_cols = None, []
+        if config.teacher is not None:
+            table = cache.teacher_table(config.teacher)
+            tparams = cache.params(table)
+            missing = set(config.stores) - set(tparams.stores)
+            if missing:
+                raise ConfigError(f"teacher {config.teacher!r} has no {', '.join(sorted(missing))} store; it has {', '.join(tparams.stores)}")
+            from opdcache import schema as S
+
+            self.teacher_cols = [c.name for c in S.columns("teacher", tparams) if c.store in config.stores and c.shape != "row"]
+            self.teacher_paths = cache.shard_paths(table)
+        rank, world = _dist()
+        self.rank = config.rank if config.rank is not None else rank
+        self.world = config.world_size if config.world_size is not None else world
+        self.epoch = 0
+        self.start_batch = 0
+
+    def order(self, epoch: int) -> list[tuple[int, int]]:
+        """This rank's (shard, row) sequence for an epoch."""
+        rng = np.random.default_rng([self.config.seed, epoch])
+        shard_order = rng.permutation(len(self.rollout_paths)) if self.config.shuffle else np.arange(len(self.rollout_paths))
+        seq = []
+        for s in shard_order:
+            rows = rng.permutation(self.rows_per_shard[s]) if self.config.shuffle else np.arange(self.rows_per_shard[s])
+            seq.extend((int(s), int(r)) for r in rows)
+        return seq[self.rank:: self.world]
+
+    def batches(self, epoch: int) -> list[list[tuple[int, int]]]:
+        seq = self.order(epoch)
+        bs = self.config.batch_size
+        return [seq[i: i + bs] for i in range(0, len(seq), bs)]
+
+    def __len__(self) -> int:
+        return len(self.batches(self.epoch))
+
+    def _load(self, shard: int, cache: dict) -> _Shard:
+        if shard not in cache:
+            cache.clear()  # one shard decoded at a time per worker
+            cache[shard] = _Shard(self.rollout_paths[shard], None if self.teacher_paths is None else self.teacher_paths[shard],
+                                  self.rollout_cols, self.teacher_cols)
+        return cache[shard]
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        loaded: dict[int, _Shard] = {}
+        for i, batch in enumerate(self.batches(self.epoch)):
+            if i < self.start_batch or i % nw != wid:
+                continue
+            yield collate([(self._load(s, loaded), r) for s, r in batch])
+
+
+class CacheLoader:
+    """A DataLoader over a cache with an exact, resumable position: epoch and batches consumed."""
+
+    def __init__(self, config: CacheLoaderConfig):
+        self.config = config
+        self.dataset = CacheDataset(config)
+        self.epoch = 0
+        self.consumed = 0  # batches of the current epoch already handed out
+
+    def __len__(self) -> int:
+        return len(self.dataset.batches(self.epoch))
+
+    def __iter__(self):
+        self.dataset.epoch, self.dataset.start_batch = self.epoch, self.consumed
+        loader = torch.utils.data.DataLoader(self.dataset, batch_size=None, num_workers=self.config.num_workers,
+                                             persistent_workers=False, prefetch_factor=4 if self.config.num_workers else None)
+        for batch in loader:
+            self.consumed += 1
+            yield batch
+        self.epoch += 1
+        self.consumed = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.config.seed, "batch_size": self.config.batch_size,
+                "rank": self.dataset.rank, "world_size": self.dataset.world}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "batch_size", "world_size"):
+            if state[key] != self.state_dict()[key]:
+                raise ConfigError(f"cannot resume the loader: {key} was {state[key]}, now {self.state_dict()[key]}")
+        self.epoch, self.consumed = state["epoch"], state["consumed"]

@@ -1,0 +1,142 @@
+"""Exact full-vocabulary divergences between student and teacher, computed in vocabulary chunks (papers/002).
+
+Student logits z_s = h_s W_s^T (+ b_s) and teacher logits z_t = h_t W_t^T (+ b_t) exist only one vocabulary
+slice at a time ([N, C]); neither the forward nor the backward ever holds a [tokens, vocabulary] tensor.
+The teacher side is the stored hidden state with ``head.safetensors``, or the svd state z with the svd
+decoder; the student side is fused the same way from the student's final hidden state and its own head.
+
+With q = softmax(z_s) (student), p = softmax(z_t) (teacher), m = (p + q) / 2, per position:
+
+* ``fkl``: KL(p || q) = sum_v p_v (log p_v - log q_v);     d/dz_s = q - p
+* ``rkl``: KL(q || p) = sum_v q_v (log q_v - log p_v);     d/dz_s = q * (log q - log p - KL(q || p))
+* ``jsd``: (KL(p || m) + KL(q || m)) / 2;                   d/dz_s = q * (g - sum_u q_u g_u), g = log(q / m) / 2
+
+Forward: pass 1 computes both log-partitions with an online log-sum-exp; pass 2 accumulates the
+divergence with the final log-partitions (exact for the JSD mixture). Backward: one pass recomputing each
+slice. Values and gradients match :func:`divergence_reference` (naive float64) -- see the parity tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KINDS = ("fkl", "rkl", "jsd")
+DEFAULT_CHUNK = 8192
+
+
+def _logits(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, a: int, c: int) -> torch.Tensor:
+    z = h @ W[a: a + c].T.to(h.dtype)
+    if b is not None:
+        z = z + b[a: a + c].to(h.dtype)
+    return z
+
+
+def _lse(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, chunk: int) -> torch.Tensor:
+    m = torch.full((h.shape[0],), float("-inf"), dtype=h.dtype, device=h.device)
+    s = torch.zeros(h.shape[0], dtype=h.dtype, device=h.device)
+    for a in range(0, W.shape[0], chunk):
+        z = _logits(h, W, b, a, chunk)
+        new_m = torch.maximum(m, z.amax(-1))
+        s = s * torch.exp(m - new_m) + torch.exp(z - new_m[:, None]).sum(-1)
+        m = new_m
+    return m + torch.log(s)
+
+
+def _slice_terms(kind: str, zs: torch.Tensor, zt: torch.Tensor, lse_s: torch.Tensor, lse_t: torch.Tensor):
+    """(log q, log p, q, p) of one slice."""
+    lq, lp = zs - lse_s[:, None], zt - lse_t[:, None]
+    return lq, lp, lq.exp(), lp.exp()
+
+
+def _mixture_log(lq: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    return torch.logaddexp(lq, lp) - torch.log(torch.tensor(2.0, dtype=lq.dtype))
+
+
+class _ChunkedDivergence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hs, Ws, bs, ht, Wt, bt, kind: str, chunk: int):
+        # compute in float32 at least (float64 stays float64 for gradcheck)
+        dtype = torch.float64 if hs.dtype == torch.float64 else torch.float32
+        hs_, ht_ = hs.to(dtype), ht.to(dtype)
+        lse_s, lse_t = _lse(hs_, Ws, bs, chunk), _lse(ht_, Wt, bt, chunk)
+        div = torch.zeros(hs.shape[0], dtype=dtype, device=hs.device)
+        aux = torch.zeros_like(div)  # jsd: sum_v q_v g_v (needed by the backward)
+        for a in range(0, Ws.shape[0], chunk):
+            lq, lp, q, p = _slice_terms(kind, _logits(hs_, Ws, bs, a, chunk), _logits(ht_, Wt, bt, a, chunk), lse_s, lse_t)
+            if kind == "fkl":
+                div += (p * (lp - lq)).sum(-1)
+            elif kind == "rkl":
+                div += (q * (lq - lp)).sum(-1)
+            else:
+                lm = _mixture_log(lq, lp)
+                kl_qm = (q * (lq - lm)).sum(-1)
+                div += 0.5 * ((p * (lp - lm)).sum(-1) + kl_qm)
+                aux += 0.5 * kl_qm
+        if kind == "rkl":
+            aux = div
+        ctx.save_for_backward(hs, Ws, bs if bs is not None else torch.empty(0), ht, Wt, bt if bt is not None else torch.empty(0),
+                              lse_s, lse_t, aux)
+        ctx.kind, ctx.chunk, ctx.has_bs, ctx.has_bt = kind, chunk, bs is not None, bt is not None
+        return div.to(hs.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hs, Ws, bs, ht, Wt, bt, lse_s, lse_t, aux = ctx.saved_tensors
+        bs = bs if ctx.has_bs else None
+        bt = bt if ctx.has_bt else None
+        dtype = lse_s.dtype
+        hs_, ht_ = hs.to(dtype), ht.to(dtype)
+        g = grad_out.to(dtype)
+        need_h, need_W, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_h = torch.zeros_like(hs_) if need_h else None
+        grad_W = torch.zeros(Ws.shape, dtype=dtype, device=Ws.device) if need_W else None
+        grad_b = torch.zeros(Ws.shape[0], dtype=dtype, device=Ws.device) if need_b and bs is not None else None
+        for a in range(0, Ws.shape[0], ctx.chunk):
+            lq, lp, q, p = _slice_terms(ctx.kind, _logits(hs_, Ws, bs, a, ctx.chunk), _logits(ht_, Wt, bt, a, ctx.chunk), lse_s, lse_t)
+            if ctx.kind == "fkl":
+                dz = q - p
+            elif ctx.kind == "rkl":
+                dz = q * (lq - lp - aux[:, None])
+            else:
+                dz = q * (0.5 * (lq - _mixture_log(lq, lp)) - aux[:, None])
+            dz = dz * g[:, None]  # [N, C]
+            if grad_h is not None:
+                grad_h += dz @ Ws[a: a + ctx.chunk].to(dtype)
+            if grad_W is not None:
+                grad_W[a: a + ctx.chunk] += dz.T @ hs_
+            if grad_b is not None:
+                grad_b[a: a + ctx.chunk] += dz.sum(0)
+        return (None if grad_h is None else grad_h.to(hs.dtype), None if grad_W is None else grad_W.to(Ws.dtype),
+                None if grad_b is None else grad_b.to(Ws.dtype), None, None, None, None, None)
+
+
+def chunked_divergence(kind: str, student_hidden_NH: torch.Tensor, student_weight_VH: torch.Tensor, teacher_hidden_NK: torch.Tensor,
+                       teacher_weight_VK: torch.Tensor, student_bias_V: torch.Tensor | None = None,
+                       teacher_bias_V: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Per-position divergence [N] between student and teacher distributions over the full vocabulary.
+
+    Differentiable with respect to the student hidden states, head weight and bias; the teacher is fixed.
+    ``chunk`` is the vocabulary slice width; memory is O(N * chunk), never O(N * V).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if student_weight_VH.shape[0] != teacher_weight_VK.shape[0]:
+        raise ValueError(f"student and teacher vocabularies differ: {student_weight_VH.shape[0]} vs {teacher_weight_VK.shape[0]}")
+    if student_hidden_NH.shape[0] != teacher_hidden_NK.shape[0]:
+        raise ValueError(f"positions differ: {student_hidden_NH.shape[0]} student vs {teacher_hidden_NK.shape[0]} teacher")
+    return _ChunkedDivergence.apply(student_hidden_NH, student_weight_VH, student_bias_V, teacher_hidden_NK.detach(),
+                                    teacher_weight_VK.detach(), None if teacher_bias_V is None else teacher_bias_V.detach(), kind, chunk)
+
+
+def divergence_reference(kind: str, hs, Ws, ht, Wt, bs=None, bt=None) -> torch.Tensor:
+    """The plain implementation: full logits, full softmax, float64. For tests and benchmarks only."""
+    zs = (hs.double() @ Ws.double().T) + (0 if bs is None else bs.double())
+    zt = (ht.double() @ Wt.double().T) + (0 if bt is None else bt.double())
+    lq, lp = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    q, p = lq.exp(), lp.exp()
+    if kind == "fkl":
+        return (p * (lp - lq)).sum(-1)
+    if kind == "rkl":
+        return (q * (lq - lp)).sum(-1)
+    lm = torch.log(0.5 * (p + q))
+    return 0.5 * ((p * (lp - lm)).sum(-1) + (q * (lq - lm)).sum(-1))
