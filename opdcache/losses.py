@@ -1,0 +1,165 @@
+"""Training estimators for on-policy distillation from a cache, and mismatch corrections that compose with them.
+
+Notation (per response token t, all [B, T] unless noted): s_t = log pi_theta(a_t) (student, with gradient),
+T_t = teacher log-prob, b_t = sampling log-prob (the distribution a_t was drawn from), r_t = pi_ref log-prob;
+sg = stop-gradient; mask = response mask. Every estimator returns per-token terms ``[B, T]`` whose
+masked sum, divided once by the number of response tokens, is the loss (:func:`reduce`), so token-level
+weights and sequence-level masks from the corrections multiply the terms before the one division.
+
+* lightning (papers/000 Alg. 1):  A_t = clip(T_t - sg(s_t), -tau, tau);  term_t = -A_t * s_t
+* is (papers/001 eq. 5/7, "A_theta, no clip"):  rho_t = exp(s_t - b_t);  term_t = -rho_t * sg(T_t - s_t)
+* mc (papers/001 section 6.1): the is term averaged over the m cached samples of each position
+* topk_fkl / topk_rkl: KL on a cached top-k support, both distributions renormalised on it, optionally with the
+  remaining mass as one extra "tail" bin
+* full_fkl / full_rkl / jsd: exact full-vocabulary divergences, see opdcache/divergence.py
+
+Corrections (papers/003 section 4.2, papers/004 section 3.2), with log ratio l_t = r_train_t - r_rollout_t:
+
+* token_tis:  weight_t = min(exp(l_t), C)
+* seq_reject: drop a sequence when sum_t K(l_t) > threshold, K1(l) = -l, K3(l) = exp(l) - 1 - l
+* trust_band: geometric-mean ratios per sequence: mismatch w = exp(mean_t l_t) capped at C, and proximal
+  rho = exp(mean_t (s_t - r_train_t)); a sequence whose mean advantage is >= 0 is kept when rho <= 1 + eps_high,
+  one with a negative mean advantage when 1 - eps_low <= rho <= dual_clip (dual clipping of negative samples);
+  kept sequences are weighted by w.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ESTIMATORS = ("lightning", "is", "mc", "topk-fkl", "topk-rkl", "full-fkl", "full-rkl", "jsd")
+
+
+def reduce(terms: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """sum(terms * mask * weights) / number of response tokens (the mask's sum, before any rejection)."""
+    w = mask if weights is None else mask * weights
+    return (terms * w).sum() / mask.sum().clamp_min(1)
+
+
+def lightning_terms(s: torch.Tensor, teacher: torch.Tensor, tau: float) -> tuple[torch.Tensor, dict]:
+    adv = teacher - s.detach()
+    clipped = adv.clamp(-tau, tau)
+    return -clipped * s, {"advantage": adv, "clipped": (adv.abs() > tau).float()}
+
+
+def is_terms(s: torch.Tensor, sampling: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    rho = torch.exp(s - sampling)
+    adv = (teacher - s).detach()
+    return -rho * adv, {"advantage": adv, "rho": rho.detach()}
+
+
+def mc_terms(s_BTM: torch.Tensor, sampling_BTM: torch.Tensor, teacher_BTM: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    rho = torch.exp(s_BTM - sampling_BTM)
+    adv = (teacher_BTM - s_BTM).detach()
+    return (-rho * adv).mean(-1), {"advantage": adv.mean(-1), "rho": rho.detach().mean(-1)}
+
+
+def _support_logprobs(lp_BTK: torch.Tensor, tail: bool) -> torch.Tensor:
+    """Log-probs on the support, renormalised; with ``tail`` the leftover mass is appended as one more bin."""
+    if not tail:
+        return lp_BTK - torch.logsumexp(lp_BTK, -1, keepdim=True)
+    mass = torch.logsumexp(lp_BTK, -1, keepdim=True)
+    rest = torch.log1p(-mass.exp().clamp(max=1 - 1e-6))
+    return torch.cat([lp_BTK, rest], -1)
+
+
+def topk_terms(student_BTK: torch.Tensor, teacher_BTK: torch.Tensor, direction: str, tail: bool = False) -> tuple[torch.Tensor, dict]:
+    """KL on the cached top-k support. student/teacher: log-probs at the support ids (full-vocabulary log-probs)."""
+    lq = _support_logprobs(student_BTK, tail)
+    lp = _support_logprobs(teacher_BTK.detach(), tail)
+    if direction == "fkl":
+        kl = (lp.exp() * (lp - lq)).sum(-1)
+    elif direction == "rkl":
+        kl = (lq.exp() * (lq - lp)).sum(-1)
+    else:
+        raise ValueError(f"direction must be fkl or rkl, got {direction!r}")
+    return kl, {"kl": kl.detach()}
+
+
+@dataclass(frozen=True)
+class Corrections:
+    """Training-inference mismatch corrections; all off by default."""
+
+    tis_cap: float | None = None
+    """Token-level truncated importance weight min(exp(r_train - r_rollout), C) (papers/003 TIS)."""
+    reject_k: str | None = None
+    """Sequence-level rejection on K1 or K3 of the mismatch ratio: 'k1' or 'k3' (papers/003 section 4.2)."""
+    reject_threshold: float = 1.0
+    """Drop a sequence when its summed K exceeds this."""
+    trust_band: bool = False
+    """Sequence-level geometric-mean trust band with dual clipping for negative advantages (papers/004 TBPO)."""
+    band_low: float = 0.2
+    """Trust band: eps_low (negative samples need rho >= 1 - eps_low)."""
+    band_high: float = 0.2
+    """Trust band: eps_high (rho <= 1 + eps_high)."""
+    dual_clip: float = 3.0
+    """Trust band: upper bound on rho for negative samples."""
+    band_cap: float = 2.0
+    """Trust band: cap C of the sequence-level mismatch weight."""
+
+    def __post_init__(self) -> None:
+        from opdcache.errors import ConfigError
+
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ConfigError(f"--tis-cap must be positive, got {self.tis_cap}")
+        if self.reject_k not in (None, "k1", "k3"):
+            raise ConfigError(f"--reject-k must be k1 or k3, got {self.reject_k!r}")
+        if self.dual_clip <= 1 + self.band_high:
+            raise ConfigError(f"--dual-clip must exceed 1 + band_high = {1 + self.band_high}, got {self.dual_clip}")
+
+    @property
+    def active(self) -> bool:
+        return self.tis_cap is not None or self.reject_k is not None or self.trust_band
+
+
+def k1(log_ratio: torch.Tensor) -> torch.Tensor:
+    return -log_ratio
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.exp(log_ratio) - 1 - log_ratio
+
+
+def token_tis_weight(r_train: torch.Tensor, r_rollout: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.exp(r_train - r_rollout).clamp(max=cap).detach()
+
+
+def sequence_reject_mask(r_train: torch.Tensor, r_rollout: torch.Tensor, mask: torch.Tensor, which: str, threshold: float) -> torch.Tensor:
+    """[B] 1.0 for kept sequences, 0.0 for sequences whose summed K1/K3 of the mismatch exceeds ``threshold``."""
+    k = (k1 if which == "k1" else k3)(r_train - r_rollout)
+    return ((k * mask).sum(-1) <= threshold).float()
+
+
+def trust_band_weights(s: torch.Tensor, r_train: torch.Tensor, r_rollout: torch.Tensor, advantage: torch.Tensor, mask: torch.Tensor,
+                       c: Corrections) -> tuple[torch.Tensor, dict]:
+    """[B] sequence weights: 0 outside the band, else the capped geometric-mean mismatch weight."""
+    n = mask.sum(-1).clamp_min(1)
+    w = torch.exp(((r_train - r_rollout) * mask).sum(-1) / n).clamp(max=c.band_cap)
+    rho = torch.exp(((s.detach() - r_train) * mask).sum(-1) / n)
+    adv = (advantage * mask).sum(-1) / n
+    keep_pos = (adv >= 0) & (rho <= 1 + c.band_high)
+    keep_neg = (adv < 0) & (rho >= 1 - c.band_low) & (rho <= c.dual_clip)
+    keep = (keep_pos | keep_neg).float()
+    return (keep * w).detach(), {"band_kept": keep, "seq_mismatch_weight": w, "seq_ratio": rho}
+
+
+def correction_weights(c: Corrections, s: torch.Tensor, r_train: torch.Tensor, r_rollout: torch.Tensor, advantage: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """[B, T] weights multiplying the estimator's terms, and what they did."""
+    weights = torch.ones_like(mask)
+    stats: dict = {}
+    if c.tis_cap is not None:
+        w = token_tis_weight(r_train, r_rollout, c.tis_cap)
+        weights = weights * w
+        stats["tis_clip_fraction"] = ((torch.exp(r_train - r_rollout) > c.tis_cap).float() * mask).sum() / mask.sum().clamp_min(1)
+    if c.reject_k is not None:
+        keep = sequence_reject_mask(r_train, r_rollout, mask, c.reject_k, c.reject_threshold)
+        weights = weights * keep[:, None]
+        stats["rejected_fraction"] = 1 - keep.mean()
+    if c.trust_band:
+        w, band = trust_band_weights(s, r_train, r_rollout, advantage, mask, c)
+        weights = weights * w[:, None]
+        stats["band_rejected_fraction"] = 1 - band["band_kept"].mean()
+    return weights, stats
