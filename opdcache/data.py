@@ -87,6 +87,12 @@ class _Shard:
                 if name == "hidden":
                     self.hidden_dtype = shards.hidden_dtype_of(t.schema.field("hidden"))
 
+    def row(self, i: int) -> dict:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        out = {name: values[a:b] for name, values in self.cols.items() if name != "prompt_ids"}
+        out["prompt_ids"] = self.cols["prompt_ids"][self.prompt_offsets[i]: self.prompt_offsets[i + 1]]
+        return out
+
 
 def _pad(rows: list[np.ndarray], length: int, fill=0) -> np.ndarray:
     out = np.full((len(rows), length) + rows[0].shape[1:], fill, dtype=rows[0].dtype)
@@ -95,25 +101,18 @@ def _pad(rows: list[np.ndarray], length: int, fill=0) -> np.ndarray:
     return out
 
 
-def collate(shard_rows: list[tuple[_Shard, int]]) -> dict[str, torch.Tensor]:
-    """Rows -> padded tensors. Shapes (B sequences, T = longest response, L = longest prompt + response):
+def collate(rows: list[dict], hidden_dtype: str | None = None) -> dict[str, torch.Tensor]:
+    """Rows (dicts of numpy arrays: prompt_ids, response_ids, per-token columns) -> padded tensors.
 
-    input_ids [B, L] (prompt + response, right-padded), attention_mask [B, L], response_ids [B, T],
-    response_mask [B, T] (1 on real response tokens), logit_positions [B, T] (index in input_ids of the
-    position whose logits predict response token t: prompt length + t - 1), then every loaded per-token
-    column as [B, T] or [B, T, k] (teacher columns prefixed with ``teacher_``; hidden states in their
-    stored dtype). Padding values are 0; use response_mask.
+    Shapes (B sequences, T = longest response, L = longest prompt + response): input_ids [B, L] (prompt +
+    response, right-padded), attention_mask [B, L], response_ids [B, T], response_mask [B, T] (1 on real
+    response tokens), logit_positions [B, T] (index in input_ids of the position whose logits predict
+    response token t: prompt length + t - 1), then every per-token column as [B, T] or [B, T, k] (teacher
+    columns prefixed with ``teacher_``; hidden states in their stored dtype). Padding values are 0.
     """
-    prompts, responses, per_col = [], [], {}
-    for sh, i in shard_rows:
-        a, b = sh.offsets[i], sh.offsets[i + 1]
-        pa, pb = sh.prompt_offsets[i], sh.prompt_offsets[i + 1]
-        prompts.append(sh.cols["prompt_ids"][pa:pb])
-        responses.append(sh.cols["response_ids"][a:b])
-        for name, values in sh.cols.items():
-            if name not in ("prompt_ids", "response_ids"):
-                per_col.setdefault(name, []).append(values[a:b])
-    B = len(shard_rows)
+    prompts = [r["prompt_ids"] for r in rows]
+    responses = [r["response_ids"] for r in rows]
+    B = len(rows)
     T = max(1, max(len(r) for r in responses))
     L = max(len(p) + len(r) for p, r in zip(prompts, responses))
     input_ids = np.zeros((B, L), np.int64)
@@ -124,14 +123,14 @@ def collate(shard_rows: list[tuple[_Shard, int]]) -> dict[str, torch.Tensor]:
         input_ids[i, len(p): len(p) + len(r)] = r
         attention[i, : len(p) + len(r)] = 1
         positions[i, : len(r)] = len(p) - 1 + np.arange(len(r))
-    resp = _pad([r.astype(np.int64) for r in responses], T)
-    mask = _pad([np.ones(len(r), np.float32) for r in responses], T)
     batch = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention),
-             "response_ids": torch.from_numpy(resp), "response_mask": torch.from_numpy(mask),
+             "response_ids": torch.from_numpy(_pad([r.astype(np.int64) for r in responses], T)),
+             "response_mask": torch.from_numpy(_pad([np.ones(len(r), np.float32) for r in responses], T)),
              "logit_positions": torch.from_numpy(positions)}
-    hidden_dtype = shard_rows[0][0].hidden_dtype
-    for name, rows in per_col.items():
-        arr = _pad(rows, T)
+    for name in rows[0]:
+        if name in ("prompt_ids", "response_ids"):
+            continue
+        arr = _pad([r[name] for r in rows], T)
         if name == "teacher_hidden":
             batch[name] = shards.hidden_to_torch(arr, hidden_dtype)
         else:
@@ -208,7 +207,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
         for i, batch in enumerate(self.batches(self.epoch)):
             if i < self.start_batch or i % nw != wid:
                 continue
-            yield collate([(self._load(s, loaded), r) for s, r in batch])
+            rows = [self._load(s, loaded).row(r) for s, r in batch]
+            yield collate(rows, next(iter(loaded.values())).hidden_dtype)
 
 
 class CacheLoader:

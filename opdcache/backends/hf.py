@@ -202,6 +202,22 @@ class TransformersBackend:
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
 
+    @classmethod
+    def from_model(cls, model, deterministic: bool = False) -> "TransformersBackend":
+        """Wrap a model already in memory (the online baseline samples from the student being trained)."""
+        import transformers
+
+        self = cls.__new__(cls)
+        self.path, self.version, self.model, self.quantize = None, transformers.__version__, model, None
+        self.device = next(model.parameters()).device
+        self.dtype = str(next(model.get_output_embeddings().parameters()).dtype).replace("torch.", "")
+        self.deterministic, self.max_batch_tokens, self.generate_batch_size = deterministic, 2048, 64
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_length = int(getattr(model.config, "max_position_embeddings", 1 << 20))
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        return self
+
     def model_info(self) -> dict:
         return {"engine": self.name, "engine_version": self.version, "dtype": self.dtype, "quantization": self.quantize}
 

@@ -1,0 +1,54 @@
+"""The standard-OPD baseline's batch source: fresh rollouts of the current student, scored by a live teacher.
+
+Used by ``opdcache train --online --teacher-model MODEL`` for side-by-side comparison with Lightning OPD
+(the same estimator and settings; only where the rollouts and teacher log-probs come from differs).
+Prompts are the cache's prompts, drawn in a seeded order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from opdcache import shards
+from opdcache.backends.base import GenerateRequest, SamplingConfig, ScoreRequest
+from opdcache.backends.hf import TransformersBackend
+from opdcache.cache import Cache
+from opdcache.data import collate
+
+
+class OnlineSource:
+    def __init__(self, cfg, model, device):
+        cache = Cache(cfg.cache)
+        seen, prompts = set(), []
+        for path in cache.shard_paths(cache.base_table):
+            for p in shards.read_table(path, ["prompt_ids"])["prompt_ids"].to_pylist():
+                if tuple(p) not in seen:
+                    seen.add(tuple(p))
+                    prompts.append(p)
+        self.prompts = prompts
+        self.cfg = cfg
+        self.model = model
+        self.student = TransformersBackend.from_model(model)
+        self.teacher = TransformersBackend(cfg.teacher_model, dtype="float32", device=str(device))
+        self.rng = np.random.default_rng(cfg.seed)
+        self.order: list[int] = []
+        self.calls = 0
+
+    def next_batch(self) -> dict:
+        if len(self.order) < self.cfg.batch_size:
+            self.order.extend(self.rng.permutation(len(self.prompts)).tolist())
+        idx, self.order = self.order[: self.cfg.batch_size], self.order[self.cfg.batch_size:]
+        self.calls += 1
+        reqs = [GenerateRequest(self.prompts[i], seed=self.cfg.seed * 1_000_003 + self.calls * 1009 + j) for j, i in enumerate(idx)]
+        was_training = self.model.training
+        self.model.eval()
+        gens = self.student.generate(reqs, SamplingConfig(temperature=self.cfg.temperature, max_new_tokens=self.cfg.max_new_tokens))
+        self.model.train(was_training)
+        scores = self.teacher.score([ScoreRequest(r.prompt_ids, g.response_ids) for r, g in zip(reqs, gens)])
+        rows = [{"prompt_ids": np.asarray(r.prompt_ids), "response_ids": g.response_ids, "sampling_logprobs": g.sampling_logprobs,
+                 "ref_logprobs": g.ref_logprobs, "teacher_logprobs": sc.logprobs} for r, g, sc in zip(reqs, gens, scores)]
+        return collate(rows)
+
+    def state_dict(self) -> dict:
+        return {}

@@ -1,0 +1,379 @@
+"""A minimal Lightning-OPD trainer over a cache (and the standard-OPD ``online`` baseline).
+
+Each step: forward the student on prompt + response of a cached batch, take its log-probs at the
+response tokens, apply the chosen estimator (opdcache/losses.py) and corrections, and update with AdamW
+(papers/000 Table 6 defaults: lr 2e-6 constant, weight decay 0.1, betas 0.9/0.98). No teacher runs: its
+signals come from the cache. ``online=True`` instead samples fresh rollouts from the current student and
+scores them with a live teacher every step, with the same estimator and settings.
+
+Logged every step (metrics.jsonl): loss; mean and std of the per-token importance weight
+pi_theta/pi_ref = exp(s - r) (papers/000 Fig. 3a); advantage (T - s) mean and std; clip fraction;
+K1 = mean(r - s) and K3 = mean(exp(s - r) - 1 - (s - r)), estimates of KL(pi_ref || pi_theta) from pi_ref's samples.
+
+Checkpoints hold model weights (safetensors), optimizer state (safetensors + JSON), loader position and
+RNG state -- no pickle -- and a resumed run reproduces an uninterrupted one exactly (deterministic CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from opdcache import losses as L
+from opdcache.errors import ConfigError
+from opdcache.progress import bar
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of `opdcache train` (also readable from a YAML file; flags override it)."""
+
+    model: Path
+    """pi_ref: the SFT student the run starts from."""
+    cache: Path
+    """The rollouts cache."""
+    out: Path
+    """Output directory: final model, checkpoints, metrics.jsonl."""
+    teacher: str | None = None
+    """Teacher table in the cache (default: the only one)."""
+    loss: str = "lightning"
+    """lightning, is, mc, topk-fkl, topk-rkl, full-fkl, full-rkl or jsd."""
+    steps: int = 150
+    """Optimizer steps (papers/000 Table 6: 150)."""
+    batch_size: int = 16
+    """Sequences per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    lr: float = 2e-6
+    """AdamW learning rate, constant (papers/000 Table 6)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (Table 6)."""
+    beta1: float = 0.9
+    """AdamW beta1 (Table 6)."""
+    beta2: float = 0.98
+    """AdamW beta2 (Table 6)."""
+    tau: float = 5.0
+    """Lightning advantage clip (Alg. 1); Table 6 gives no value, 5 only bounds outliers."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping."""
+    topk_support: str = "teacher"
+    """topk-* losses: the teacher's own top-k ids or pi_ref's ('ref')."""
+    tail: bool = False
+    """topk-* losses: keep the mass outside the support as one extra bin."""
+    chunk: int = 8192
+    """full-* losses: vocabulary slice width."""
+    corrections: L.Corrections = field(default_factory=L.Corrections)
+    """Training-inference mismatch corrections."""
+    seed: int = 0
+    """Seed of the data order and initialisation."""
+    deterministic: bool = False
+    """Deterministic kernels (CPU runs become bit-reproducible, including across a resume)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    stop_after: int | None = None
+    """Stop after this many steps of this invocation, leaving the checkpoint (for tests of resume)."""
+    tensorboard: bool = False
+    """Also write TensorBoard events."""
+    num_loader_workers: int = 0
+    """DataLoader worker processes."""
+    online: bool = False
+    """Standard-OPD baseline: fresh student rollouts scored by a live teacher every step."""
+    teacher_model: Path | None = None
+    """online: the live teacher model."""
+    max_new_tokens: int = 64
+    """online: response length limit."""
+    temperature: float = 0.8
+    """online: sampling temperature."""
+    progress: bool | None = None
+    """Progress bar (default: only on a terminal)."""
+
+    def __post_init__(self) -> None:
+        if self.loss not in L.ESTIMATORS:
+            raise ConfigError(f"--loss must be one of {', '.join(L.ESTIMATORS)}, got {self.loss!r}")
+        for name in ("steps", "batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.topk_support not in ("teacher", "ref"):
+            raise ConfigError(f"--topk-support must be teacher or ref, got {self.topk_support!r}")
+        if self.online and self.teacher_model is None:
+            raise ConfigError("--online needs --teacher-model (the live teacher)")
+        if self.online and self.loss not in ("lightning", "is"):
+            raise ConfigError(f"--online supports --loss lightning or is, got {self.loss!r}")
+
+
+def _stores_for(cfg: TrainConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(teacher stores, rollout stores) the loss needs."""
+    if cfg.loss in ("full-fkl", "full-rkl", "jsd"):
+        return ("logprob", "hidden"), ("base",)
+    if cfg.loss.startswith("topk"):
+        return ("logprob", "topk") if cfg.topk_support == "teacher" else ("logprob",), ("base", "ref_topk") if cfg.topk_support == "ref" else ("base",)
+    if cfg.loss == "mc":
+        return ("logprob",), ("base", "mc")
+    return ("logprob",), ("base",)
+
+
+def _masked_mean_std(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    n = mask.sum().clamp_min(1)
+    mean = (x * mask).sum() / n
+    var = (((x - mean) ** 2) * mask).sum() / n
+    return float(mean), float(var.sqrt())
+
+
+class _StudentForward(torch.nn.Module):
+    """The student's forward up to the response positions: the module DDP wraps (so gradients synchronise)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, logit_positions):
+        base = getattr(self.model, self.model.base_model_prefix)
+        h = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        h = h.gather(1, logit_positions[..., None].expand(-1, -1, h.shape[-1]))  # [B, T, H]
+        return h, torch.log_softmax(self.model.get_output_embeddings()(h).float(), -1)  # [B, T, V]
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if self.ddp and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        self.rank = torch.distributed.get_rank() if self.ddp else 0
+        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(self.device)
+        self.model.train()
+        self.ref_model = None
+        if cfg.corrections.active:  # r_train: the trainer-side pi_ref, frozen
+            self.ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(self.device).eval()
+        self.forward = _StudentForward(self.model)
+        if self.ddp:
+            self.forward = torch.nn.parallel.DistributedDataParallel(self.forward)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
+        self.step = 0
+        self.teacher_head = None
+        if cfg.online:
+            from opdcache.online import OnlineSource
+
+            self.source = OnlineSource(cfg, self.model, self.device)
+        else:
+            from opdcache.cache import Cache
+            from opdcache.data import CacheLoader, CacheLoaderConfig
+
+            stores, rstores = _stores_for(cfg)
+            teacher = Cache(cfg.cache).teacher_table(cfg.teacher).split("/", 1)[1]  # the only teacher when not named
+            self.source = CacheLoader(CacheLoaderConfig(cache=cfg.cache, teacher=teacher, stores=stores, rollout_stores=rstores,
+                                                        batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers))
+            if "hidden" in stores:
+                from opdcache.cache import Cache
+                from opdcache.heads import load_head
+
+                cache = Cache(cfg.cache)
+                self.teacher_head = load_head(cache.root / cache.teacher_table(cfg.teacher) / "head.safetensors")
+        self._iter = None
+
+    # ------------------------------------------------------------ one step
+
+    def _next_batch(self) -> dict:
+        if self.cfg.online:
+            return self.source.next_batch()
+        if self._iter is None:
+            self._iter = iter(self.source)
+        try:
+            return next(self._iter)
+        except StopIteration:
+            self._iter = iter(self.source)
+            return next(self._iter)
+
+    def loss_and_stats(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        cfg = self.cfg
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        mask = batch["response_mask"]
+        h, logp = self.forward(batch["input_ids"], batch["attention_mask"], batch["logit_positions"])
+        s = logp.gather(-1, batch["response_ids"][..., None]).squeeze(-1)
+        teacher = batch.get("teacher_logprobs")
+        stats: dict = {}
+        if cfg.loss == "lightning":
+            terms, st = L.lightning_terms(s, teacher, cfg.tau)
+            stats["clip_fraction"] = float((st["clipped"] * mask).sum() / mask.sum())
+        elif cfg.loss == "is":
+            terms, st = L.is_terms(s, batch["sampling_logprobs"], teacher)
+        elif cfg.loss == "mc":
+            s_m = logp.gather(-1, batch["mc_ids"])
+            terms, st = L.mc_terms(s_m, batch["mc_sampling_logprobs"], batch["teacher_mc_logprobs"])
+        elif cfg.loss.startswith("topk"):
+            ids = batch["teacher_topk_ids"] if cfg.topk_support == "teacher" else batch["ref_topk_ids"]
+            t_lp = batch["teacher_topk_logprobs"] if cfg.topk_support == "teacher" else batch["teacher_ref_topk_logprobs"]
+            terms, st = L.topk_terms(logp.gather(-1, ids), t_lp, cfg.loss.split("-")[1], cfg.tail)
+        else:
+            from opdcache.divergence import chunked_divergence
+
+            sel = mask.bool()
+            head = self.model.get_output_embeddings()
+            div = chunked_divergence(cfg.loss.replace("full-", ""), h[sel], head.weight, batch["teacher_hidden"][sel].float(),
+                                     self.teacher_head.weight.to(self.device).float(), getattr(head, "bias", None),
+                                     None if self.teacher_head.bias is None else self.teacher_head.bias.to(self.device).float(), chunk=cfg.chunk)
+            terms = torch.zeros_like(s).masked_scatter(sel, div.to(s.dtype))
+            st = {"kl": div.detach()}
+        advantage = (teacher - s).detach() if teacher is not None else torch.zeros_like(s)
+        weights = None
+        if cfg.corrections.active:
+            with torch.no_grad():
+                r_train = torch.log_softmax(self.ref_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+                                            .gather(1, batch["logit_positions"][..., None].expand(-1, -1, logp.shape[-1])), -1)
+                r_train = r_train.gather(-1, batch["response_ids"][..., None]).squeeze(-1)
+            weights, cstats = L.correction_weights(cfg.corrections, s, r_train, batch["ref_logprobs"], advantage, mask)
+            stats.update({k: float(v) for k, v in cstats.items()})
+        loss = L.reduce(terms, mask, weights)
+        if "ref_logprobs" in batch:
+            log_ratio = (s - batch["ref_logprobs"]).detach()
+            stats["is_weight_mean"], stats["is_weight_std"] = _masked_mean_std(log_ratio.exp(), mask)
+            stats["k1"] = float(((-log_ratio) * mask).sum() / mask.sum())
+            stats["k3"] = float(((log_ratio.exp() - 1 - log_ratio) * mask).sum() / mask.sum())
+        if teacher is not None:
+            stats["advantage_mean"], stats["advantage_std"] = _masked_mean_std(advantage, mask)
+        stats["tokens"] = int(mask.sum())
+        return loss, stats
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path:
+        from safetensors.torch import save_file
+
+        final = self.cfg.out / "checkpoint"
+        tmp = self.cfg.out / f".checkpoint.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp / "model")
+        tensors, groups = {}, []
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        for p, st in self.opt.state.items():
+            for k, v in st.items():
+                tensors[f"{index[id(p)]}.{k}"] = v.detach().cpu().contiguous() if torch.is_tensor(v) else torch.tensor(v)
+        for g in self.opt.param_groups:
+            groups.append({k: v for k, v in g.items() if k != "params"})
+        tensors["rng.torch"] = torch.get_rng_state()
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        state = {"step": self.step, "param_groups": groups, "config": json.loads(json.dumps(asdict(self.cfg), default=str)),
+                 "loader": None if self.cfg.online else self.source.state_dict()}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        old = self.cfg.out / f".checkpoint.old-{os.getpid()}"
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def maybe_resume(self) -> bool:
+        from safetensors.torch import load_file
+
+        ckpt = self.cfg.out / "checkpoint"
+        if not (ckpt / "trainer_state.json").is_file():
+            return False
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        mine = json.loads(json.dumps(asdict(self.cfg), default=str))
+        ignore = {"stop_after", "steps", "progress", "checkpoint_every", "tensorboard", "num_loader_workers"}
+        diff = sorted(k for k in set(mine) | set(state["config"]) if k not in ignore and mine.get(k) != state["config"].get(k))
+        if diff:
+            changes = ", ".join(f"{k}: {state['config'].get(k)!r} -> {mine.get(k)!r}" for k in diff)
+            raise ConfigError(f"{ckpt} was written with different settings ({changes}); use the original settings to resume, or a new --out")
+        from transformers import AutoModelForCausalLM
+
+        weights = AutoModelForCausalLM.from_pretrained(ckpt / "model", dtype=torch.float32).state_dict()
+        self.model.load_state_dict(weights)
+        tensors = load_file(str(ckpt / "optimizer.safetensors"))
+        params = list(self.model.parameters())
+        for key, value in tensors.items():
+            if key.startswith("rng."):
+                continue
+            i, name = key.split(".", 1)
+            self.opt.state[params[int(i)]][name] = value.to(self.device) if name != "step" else value
+        for g, saved in zip(self.opt.param_groups, state["param_groups"]):
+            g.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
+        torch.set_rng_state(tensors["rng.torch"])
+        self.step = state["step"]
+        if state["loader"] is not None:
+            self.source.load_state_dict(state["loader"])
+        return True
+
+    # ------------------------------------------------------------ the loop
+
+    def fit(self) -> dict:
+        cfg = self.cfg
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        resumed = self.maybe_resume()
+        metrics_path = cfg.out / "metrics.jsonl"
+        kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= self.step] if metrics_path.exists() and resumed else []
+        metrics_path.write_text("".join(l + "\n" for l in kept))
+        writer = None
+        if cfg.tensorboard and self.rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(str(cfg.out / "tensorboard"))
+        start, done_now, last = time.perf_counter(), 0, {}
+        with bar(total=cfg.steps, desc=f"train {cfg.loss}", unit="step", enabled=cfg.progress) as pbar, open(metrics_path, "a") as mf:
+            pbar.update(self.step)
+            while self.step < cfg.steps:
+                self.opt.zero_grad(set_to_none=True)
+                agg: dict = {}
+                for _ in range(cfg.grad_accum):
+                    loss, stats = self.loss_and_stats(self._next_batch())
+                    (loss / cfg.grad_accum).backward()
+                    for k, v in {"loss": loss.item(), **stats}.items():
+                        agg[k] = agg.get(k, 0.0) + v / cfg.grad_accum
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                if not math.isfinite(float(grad_norm)):
+                    raise FloatingPointError(f"non-finite gradient norm at step {self.step + 1}; lower --lr or check the cache with `opdcache validate`")
+                self.opt.step()
+                self.step += 1
+                done_now += 1
+                last = {"step": self.step, **agg, "grad_norm": float(grad_norm), "lr": cfg.lr, "seconds": time.perf_counter() - start}
+                if self.rank == 0:
+                    mf.write(json.dumps(last) + "\n")
+                    mf.flush()
+                    if writer:
+                        for k, v in last.items():
+                            writer.add_scalar(k, v, self.step)
+                pbar.update(1)
+                pbar.set_postfix(loss=f"{agg['loss']:.4f}")
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.rank == 0:
+                    self.save_checkpoint()
+                if cfg.stop_after is not None and done_now >= cfg.stop_after:
+                    return {"stopped_at": self.step, "last": last, "resumed": resumed}
+        if self.rank == 0:
+            self.save_checkpoint()
+            self._save_final()
+        if writer:
+            writer.close()
+        return {"steps": self.step, "last": last, "resumed": resumed, "seconds": time.perf_counter() - start}
+
+    def _save_final(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.model.save_pretrained(self.cfg.out / "model")
+        AutoTokenizer.from_pretrained(self.cfg.model).save_pretrained(self.cfg.out / "model")
+        from opdcache.lineage import read_sft_lineage
+        from opdcache.shards import write_json_atomic
+
+        lineage = read_sft_lineage(self.cfg.model)
+        if lineage:  # the OPD student keeps its SFT lineage
+            write_json_atomic(self.cfg.out / "model" / "opdcache_lineage.json", json.dumps(lineage, indent=2, sort_keys=True))
+
+
+def run_train(cfg: TrainConfig) -> dict:
+    return Trainer(cfg).fit()
