@@ -11,11 +11,13 @@ import typer
 def demo(
     workdir: Annotated[Path, typer.Option("--workdir", help="Where the demo writes models/, prompts/ and caches/.")] = Path("opdcache-demo"),
     seed: Annotated[int, typer.Option(help="Seed of prompts, sampling and training.")] = 0,
+    loss: Annotated[str, typer.Option("--loss", help="Estimator of the OPD stage.")] = "lightning",
+    opd_steps: Annotated[int, typer.Option("--opd-steps", help="Lightning OPD steps.")] = 60,
 ) -> None:
     """Run the whole pipeline on the embedded task, on CPU, with tiny local models (no network)."""
     from opdcache.demo.pipeline import DemoConfig, run_demo
 
-    run_demo(DemoConfig(workdir=workdir, seed=seed))
+    run_demo(DemoConfig(workdir=workdir, seed=seed, loss=loss, opd_steps=opd_steps))
 
 
 def register(app: typer.Typer) -> None:

@@ -50,3 +50,26 @@ def evaluate_accuracy(model, tokenizer, n: int = 200, seed: int = 0, split: str 
     correct = [task.is_correct(t, p.answer) for t, p in zip(texts, problems)]
     return EvalResult(sum(correct) / len(correct), len(correct),
                       tuple((p.prompt, t, c) for p, t, c in list(zip(problems, texts, correct))[:4]))
+
+
+def reverse_kl_to_teacher(student, teacher, tokenizer, n: int = 200, seed: int = 0, split: str = "heldout", max_new_tokens: int = 48) -> float:
+    """Mean per-token KL(pi_student || pi_teacher), exact over the vocabulary at temperature 1, at every
+    position of the student's own greedy responses to ``n`` prompts of ``split``."""
+    import torch
+
+    from opdcache.demo import task
+
+    problems = task.problems(split, n, seed=seed)
+    texts = generate_greedy(student, tokenizer, [p.prompt for p in problems], max_new_tokens)
+    total, count = 0.0, 0
+    for p, text in zip(problems, texts):
+        prompt = chat_prompt_ids(tokenizer, p.prompt)
+        response = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = torch.tensor([prompt + response])
+        with torch.no_grad():
+            sl = slice(len(prompt) - 1, len(prompt) - 1 + len(response))
+            lq = torch.log_softmax(student(ids).logits[0, sl].double(), -1)
+            lp = torch.log_softmax(teacher(ids).logits[0, sl].double(), -1)
+        total += float((lq.exp() * (lq - lp)).sum())
+        count += len(response)
+    return total / max(count, 1)

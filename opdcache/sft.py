@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -101,3 +102,47 @@ def train_sft(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], confi
             pbar.set_postfix(loss=f"{losses[-1]:.4f}")
     model.eval()
     return losses
+
+
+def run_sft(model: Path, data: Path, out: Path, config: SFTConfig, only_correct: bool = False, progress: bool | None = None) -> dict:
+    """``opdcache sft``: fine-tune ``model`` on an SFT cache's trajectories; record the SFT teacher as lineage.
+
+    The output directory is a Hugging Face model whose ``opdcache_lineage.json`` names the teacher that
+    produced the trajectories and the data's fingerprint, so ``build-rollouts`` carries teacher consistency on.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from opdcache import shards
+    from opdcache.cache import Cache
+    from opdcache.errors import ConfigError
+    from opdcache.lineage import check_same_tokenizer, model_info, write_sft_lineage
+
+    hf_logging.disable_progress_bar()
+    cache = Cache(data)
+    if cache.kind != "sft":
+        raise ConfigError(f"--data {data} is a {cache.kind} cache; `opdcache sft` trains on an sft cache from `opdcache build-sft`")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    own = cache.root / "tokenizer"
+    check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], tokenizer, f"model {model}",
+                         AutoTokenizer.from_pretrained(own) if own.is_dir() else None)
+    pairs, skipped = [], 0
+    for path in cache.shard_paths("sft"):
+        t = shards.read_table(path, ["prompt_ids", "response_ids", "reward"])
+        for p, r, reward in zip(t["prompt_ids"].to_pylist(), t["response_ids"].to_pylist(), t["reward"].to_pylist()):
+            if only_correct and reward != 1.0:
+                skipped += 1
+                continue
+            pairs.append((p, r))
+    if not pairs:
+        raise ConfigError(f"no trajectories to train on in {data}" + (" with --only-correct (no row has reward 1)" if only_correct else ""))
+    torch.manual_seed(config.seed)
+    student = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    losses = train_sft(student, pairs, config, pad_id=tokenizer.pad_token_id or 0, progress=progress if progress is not None else False)
+    out = Path(out)
+    student.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    teacher = cache.table("sft")["model"]
+    write_sft_lineage(out, teacher, cache.table("sft")["config_fingerprint"], model_info(model))
+    return {"out": str(out), "pairs": len(pairs), "skipped": skipped, "final_loss": losses[-1], "sft_teacher": teacher["name_or_path"]}

@@ -1,0 +1,94 @@
+"""``opdcache sft`` and ``opdcache train``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from opdcache.cli import options as O
+
+
+def sft(
+    model: O.ModelPath,
+    data: Annotated[Path, typer.Option("--data", help="SFT cache from `opdcache build-sft`.", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", help="Output model directory.", show_default=False)],
+    steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 500,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per step.")] = 64,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (warm-up, cosine decay).")] = 3e-3,
+    only_correct: Annotated[bool, typer.Option("--only-correct", help="Train only on trajectories with reward 1.")] = False,
+    seed: O.Seed = 0, progress: O.Progress = None,
+) -> None:
+    """Supervised fine-tuning on teacher trajectories; the output records its SFT teacher (lineage)."""
+    from opdcache.sft import SFTConfig, run_sft
+
+    result = run_sft(model, data, out, SFTConfig(steps=steps, batch_size=batch_size, lr=lr, seed=seed), only_correct, progress)
+    typer.echo(f"{result['out']}: fine-tuned on {result['pairs']} trajectories of {result['sft_teacher']} (final loss {result['final_loss']:.4f})")
+
+
+def train(
+    model: Annotated[Optional[Path], typer.Option("--model", help="pi_ref (the SFT student).", show_default=False)] = None,
+    cache: Annotated[Optional[Path], typer.Option("--cache", help="Rollouts cache.", show_default=False)] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (resumed if it holds a checkpoint).", show_default=False)] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="YAML file of TrainConfig fields; flags override it.", show_default=False)] = None,
+    teacher: Annotated[Optional[str], typer.Option("--teacher", help="Teacher table name in the cache.", show_default=False)] = None,
+    loss: Annotated[Optional[str], typer.Option("--loss", help="lightning, is, mc, topk-fkl, topk-rkl, full-fkl, full-rkl, jsd.", show_default=False)] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", show_default=False)] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", show_default=False)] = None,
+    grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", show_default=False)] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", show_default=False)] = None,
+    tau: Annotated[Optional[float], typer.Option("--tau", help="Lightning advantage clip.", show_default=False)] = None,
+    tis_cap: Annotated[Optional[float], typer.Option("--tis-cap", help="Token-level truncated IS cap C.", show_default=False)] = None,
+    reject_k: Annotated[Optional[str], typer.Option("--reject-k", help="Sequence rejection estimator: k1 or k3.", show_default=False)] = None,
+    reject_threshold: Annotated[Optional[float], typer.Option("--reject-threshold", show_default=False)] = None,
+    trust_band: Annotated[Optional[bool], typer.Option("--trust-band/--no-trust-band", help="Sequence-level trust band with dual clipping.", show_default=False)] = None,
+    checkpoint_every: Annotated[Optional[int], typer.Option("--checkpoint-every", show_default=False)] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", show_default=False)] = None,
+    deterministic: Annotated[Optional[bool], typer.Option("--deterministic/--no-deterministic", show_default=False)] = None,
+    tensorboard: Annotated[Optional[bool], typer.Option("--tensorboard/--no-tensorboard", show_default=False)] = None,
+    online: Annotated[Optional[bool], typer.Option("--online/--offline", help="Standard-OPD baseline with a live teacher.", show_default=False)] = None,
+    teacher_model: Annotated[Optional[Path], typer.Option("--teacher-model", help="--online: the live teacher.", show_default=False)] = None,
+    stop_after: Annotated[Optional[int], typer.Option("--stop-after", hidden=True)] = None,
+    progress: O.Progress = None,
+) -> None:
+    """Lightning OPD (or another estimator) from a cache: no teacher runs during training."""
+    import yaml
+
+    from opdcache.errors import ConfigError
+    from opdcache.losses import Corrections
+    from opdcache.train import TrainConfig, run_train
+
+    values = yaml.safe_load(config.read_text()) if config else {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {config} must hold a mapping of TrainConfig fields")
+    flags = dict(model=model, cache=cache, out=out, teacher=teacher, loss=loss, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
+                 lr=lr, tau=tau, checkpoint_every=checkpoint_every, seed=seed, deterministic=deterministic, tensorboard=tensorboard,
+                 online=online, teacher_model=teacher_model, stop_after=stop_after, progress=progress)
+    values.update({k: v for k, v in flags.items() if v is not None})
+    corr = dict(values.pop("corrections", {}) or {})
+    corr.update({k: v for k, v in dict(tis_cap=tis_cap, reject_k=reject_k, reject_threshold=reject_threshold, trust_band=trust_band).items() if v is not None})
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"unknown training settings {sorted(unknown)}; see `opdcache train --help`")
+    for required in ("model", "cache", "out"):
+        if values.get(required) is None:
+            raise ConfigError(f"--{required} is required (as a flag or in --config)")
+    for key in ("model", "cache", "out", "teacher_model"):
+        if values.get(key) is not None:
+            values[key] = Path(values[key])
+    cfg = TrainConfig(**values, corrections=Corrections(**corr))
+    if not cfg.online:
+        from opdcache.consistency import lineage_line
+
+        typer.echo(lineage_line(cfg.cache, cfg.teacher))
+    result = run_train(cfg)
+    typer.echo(json.dumps({k: v for k, v in result.items() if k != "last"} | {"last": result["last"]}, default=str))
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(sft)
+    app.command()(train)
