@@ -1,0 +1,94 @@
+"""The trainer: every estimator trains, resume is exact, the CLI reads YAML, DDP runs on CPU (gloo)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from opdcache.cli.main import main
+from opdcache.errors import ConfigError
+from opdcache.losses import ESTIMATORS
+from opdcache.train import TrainConfig, run_train
+
+
+def _weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("loss", ESTIMATORS)
+def test_every_estimator_trains_and_logs(hf_cache, weights, tmp_path, loss):
+    res = run_train(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss=loss, steps=2, batch_size=8, lr=1e-4))
+    metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for key in ("loss", "is_weight_mean", "is_weight_std", "k1", "k3", "grad_norm"):
+        assert all(torch.isfinite(torch.tensor(m[key])) for m in metrics), key
+    assert metrics[0]["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)  # step 1: the student is pi_ref
+    assert (tmp_path / "model" / "config.json").is_file() and res["steps"] == 2
+
+
+def test_killed_and_resumed_run_ends_with_the_same_weights(hf_cache, weights, tmp_path):
+    common = dict(model=weights / "student", cache=hf_cache, loss="lightning", steps=6, batch_size=4, lr=1e-3, deterministic=True, checkpoint_every=2)
+    run_train(TrainConfig(out=tmp_path / "straight", **common))
+    first = run_train(TrainConfig(out=tmp_path / "resumed", stop_after=3, **common))
+    assert first["stopped_at"] == 3
+    second = run_train(TrainConfig(out=tmp_path / "resumed", **common))
+    assert second["resumed"] is True
+    a, b = _weights(tmp_path / "straight" / "model"), _weights(tmp_path / "resumed" / "model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(l)["step"] for l in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the un-checkpointed step 3 was redone, not logged twice
+
+
+def test_resume_with_changed_settings_is_refused(hf_cache, weights, tmp_path):
+    run_train(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, steps=1, batch_size=4))
+    with pytest.raises(ConfigError, match=r"different settings \(lr: 2e-06 -> 0.001\)"):
+        run_train(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, steps=2, batch_size=4, lr=1e-3))
+
+
+def test_cli_reads_yaml_and_flags_override(hf_cache, weights, tmp_path, capsys):
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(f"model: {weights / 'student'}\ncache: {hf_cache}\nloss: is\nsteps: 5\nbatch_size: 4\ncorrections:\n  tis_cap: 2.0\n")
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(cfg), "--out", str(tmp_path / "o"), "--steps", "2"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "teacher consistency: consistent" in out
+    metrics = [json.loads(l) for l in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and "tis_clip_fraction" in metrics[0]
+    cfg.write_text("bogus: 1\n")
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(cfg), "--model", "m", "--cache", "c", "--out", "o"])
+    assert e.value.code == 2 and "unknown training settings ['bogus']" in capsys.readouterr().err
+
+
+def test_sft_command_records_the_teacher_as_lineage(tmp_path, weights, opd_prompts):
+    from opdcache.backends.base import SamplingConfig
+    from opdcache.lineage import model_info, read_sft_lineage
+    from opdcache.prompts import PromptConfig
+    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.sft import SFTConfig, run_sft
+
+    run_generate(GenerateJob(model=weights / "teacher", prompts=PromptConfig(opd_prompts, limit=8), out=tmp_path / "sft", kind="sft",
+                             num_shards=2, sampling=SamplingConfig(max_new_tokens=40), reward="addition"))
+    res = run_sft(weights / "student", tmp_path / "sft", tmp_path / "pi_ref", SFTConfig(steps=3, batch_size=4), only_correct=True)
+    assert res["pairs"] + res["skipped"] == 8
+    lineage = read_sft_lineage(tmp_path / "pi_ref")
+    assert lineage["sft_teacher"]["fingerprint"] == model_info(weights / "teacher")["fingerprint"]
+
+
+@pytest.mark.slow
+def test_ddp_with_two_cpu_processes(hf_cache, weights, tmp_path):
+    script = tmp_path / "ddp.py"
+    script.write_text(
+        "import sys, json\nfrom pathlib import Path\nfrom opdcache.train import TrainConfig, run_train\n"
+        f"r = run_train(TrainConfig(model=Path({str(weights / 'student')!r}), cache=Path({str(hf_cache)!r}), out=Path({str(tmp_path / 'out')!r}), "
+        "steps=2, batch_size=4, lr=1e-3, deterministic=True))\nprint('RESULT', json.dumps(r['steps']))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517", str(script)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("RESULT 2") == 2
+    assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
