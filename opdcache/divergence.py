@@ -11,9 +11,8 @@ With q = softmax(z_s) (student), p = softmax(z_t) (teacher), m = (p + q) / 2, pe
 * ``rkl``: KL(q || p) = sum_v q_v (log q_v - log p_v);     d/dz_s = q * (log q - log p - KL(q || p))
 * ``jsd``: (KL(p || m) + KL(q || m)) / 2;                   d/dz_s = q * (g - sum_u q_u g_u), g = log(q / m) / 2
 
-Forward: pass 1 computes both log-partitions with an online log-sum-exp; pass 2 accumulates the
-divergence with the final log-partitions (exact for the JSD mixture). Backward: one pass recomputing each
-slice. Values and gradients match :func:`divergence_reference` (naive float64) -- see the parity tests.
+Forward: FKL and RKL in one online pass (running maxima, rescaled accumulators); JSD in two (log-partitions
+first, then the mixture terms, which need them). Backward: one pass recomputing each slice. Values and gradients match :func:`divergence_reference` (naive float64) -- see the parity tests.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from __future__ import annotations
 import torch
 
 KINDS = ("fkl", "rkl", "jsd")
-DEFAULT_CHUNK = 8192
+DEFAULT_CHUNK = 4096
 
 
 def _logits(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, a: int, c: int) -> torch.Tensor:
@@ -52,28 +51,52 @@ def _mixture_log(lq: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
     return torch.logaddexp(lq, lp) - torch.log(torch.tensor(2.0, dtype=lq.dtype))
 
 
+def _online_kl(kind: str, hs, Ws, bs, ht, Wt, bt, chunk: int):
+    """One pass over the vocabulary for KL(p || q) or KL(q || p), with running maxima (papers/002's online form).
+
+    KL(p || q) = sum_v p_v (z_t - z_s)_v - lse_t + lse_s; the expectation under p is accumulated as
+    sum_v exp(z_t - m_t)(z_t - z_s) and rescaled whenever the running max m_t grows (and symmetrically for q).
+    """
+    N = hs.shape[0]
+    ms = torch.full((N,), float("-inf"), dtype=hs.dtype, device=hs.device)
+    mt = ms.clone()
+    ss, st, acc = (torch.zeros(N, dtype=hs.dtype, device=hs.device) for _ in range(3))
+    for a in range(0, Ws.shape[0], chunk):
+        zs, zt = _logits(hs, Ws, bs, a, chunk), _logits(ht, Wt, bt, a, chunk)
+        new_s, new_t = torch.maximum(ms, zs.amax(-1)), torch.maximum(mt, zt.amax(-1))
+        es, et = torch.exp(zs - new_s[:, None]), torch.exp(zt - new_t[:, None])
+        ss = ss * torch.exp(ms - new_s) + es.sum(-1)
+        st = st * torch.exp(mt - new_t) + et.sum(-1)
+        if kind == "fkl":
+            acc = acc * torch.exp(mt - new_t) + (et * (zt - zs)).sum(-1)
+        else:
+            acc = acc * torch.exp(ms - new_s) + (es * (zs - zt)).sum(-1)
+        ms, mt = new_s, new_t
+    lse_s, lse_t = ms + torch.log(ss), mt + torch.log(st)
+    if kind == "fkl":
+        return lse_s, lse_t, acc / st - lse_t + lse_s
+    return lse_s, lse_t, acc / ss - lse_s + lse_t
+
+
 class _ChunkedDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hs, Ws, bs, ht, Wt, bt, kind: str, chunk: int):
         # compute in float32 at least (float64 stays float64 for gradcheck)
         dtype = torch.float64 if hs.dtype == torch.float64 else torch.float32
         hs_, ht_ = hs.to(dtype), ht.to(dtype)
-        lse_s, lse_t = _lse(hs_, Ws, bs, chunk), _lse(ht_, Wt, bt, chunk)
-        div = torch.zeros(hs.shape[0], dtype=dtype, device=hs.device)
-        aux = torch.zeros_like(div)  # jsd: sum_v q_v g_v (needed by the backward)
-        for a in range(0, Ws.shape[0], chunk):
-            lq, lp, q, p = _slice_terms(kind, _logits(hs_, Ws, bs, a, chunk), _logits(ht_, Wt, bt, a, chunk), lse_s, lse_t)
-            if kind == "fkl":
-                div += (p * (lp - lq)).sum(-1)
-            elif kind == "rkl":
-                div += (q * (lq - lp)).sum(-1)
-            else:
+        if kind in ("fkl", "rkl"):
+            lse_s, lse_t, div = _online_kl(kind, hs_, Ws, bs, ht_, Wt, bt, chunk)
+            aux = div
+        else:
+            lse_s, lse_t = _lse(hs_, Ws, bs, chunk), _lse(ht_, Wt, bt, chunk)
+            div = torch.zeros(hs.shape[0], dtype=dtype, device=hs.device)
+            aux = torch.zeros_like(div)  # sum_v q_v g_v with g = log(q / m) / 2 (needed by the backward)
+            for a in range(0, Ws.shape[0], chunk):
+                lq, lp, q, p = _slice_terms(kind, _logits(hs_, Ws, bs, a, chunk), _logits(ht_, Wt, bt, a, chunk), lse_s, lse_t)
                 lm = _mixture_log(lq, lp)
                 kl_qm = (q * (lq - lm)).sum(-1)
                 div += 0.5 * ((p * (lp - lm)).sum(-1) + kl_qm)
                 aux += 0.5 * kl_qm
-        if kind == "rkl":
-            aux = div
         ctx.save_for_backward(hs, Ws, bs if bs is not None else torch.empty(0), ht, Wt, bt if bt is not None else torch.empty(0),
                               lse_s, lse_t, aux)
         ctx.kind, ctx.chunk, ctx.has_bs, ctx.has_bt = kind, chunk, bs is not None, bt is not None
@@ -92,14 +115,18 @@ class _ChunkedDivergence(torch.autograd.Function):
         grad_W = torch.zeros(Ws.shape, dtype=dtype, device=Ws.device) if need_W else None
         grad_b = torch.zeros(Ws.shape[0], dtype=dtype, device=Ws.device) if need_b and bs is not None else None
         for a in range(0, Ws.shape[0], ctx.chunk):
-            lq, lp, q, p = _slice_terms(ctx.kind, _logits(hs_, Ws, bs, a, ctx.chunk), _logits(ht_, Wt, bt, a, ctx.chunk), lse_s, lse_t)
+            # in place: one [N, C] buffer per side, so the backward holds ~3 slices at a time
+            lq = _logits(hs_, Ws, bs, a, ctx.chunk).sub_(lse_s[:, None])
+            lp = _logits(ht_, Wt, bt, a, ctx.chunk).sub_(lse_t[:, None])
             if ctx.kind == "fkl":
-                dz = q - p
+                dz = lq.exp_().sub_(lp.exp_())  # q - p
             elif ctx.kind == "rkl":
-                dz = q * (lq - lp - aux[:, None])
+                q = lq.exp()
+                dz = lq.sub_(lp).sub_(aux[:, None]).mul_(q)  # q (log q - log p - KL)
             else:
-                dz = q * (0.5 * (lq - _mixture_log(lq, lp)) - aux[:, None])
-            dz = dz * g[:, None]  # [N, C]
+                q = lq.exp()
+                dz = lq.sub_(_mixture_log(lq, lp)).mul_(0.5).sub_(aux[:, None]).mul_(q)  # q (g - E_q g)
+            dz.mul_(g[:, None])  # [N, C]
             if grad_h is not None:
                 grad_h += dz @ Ws[a: a + ctx.chunk].to(dtype)
             if grad_W is not None:

@@ -1,0 +1,108 @@
+"""Chunked full-vocabulary KL against a naive implementation that materialises the logits, in one run.
+
+Shape (the issue's): vocabulary 151,936, hidden 1,024 (student and teacher), 2,048 tokens, float32, CPU.
+Work: forward + backward of the mean per-token forward KL(p_teacher || q_student) with respect to the
+student's hidden states and head. Each variant runs in its own process; peak memory is the largest
+resident-set size sampled every 2 ms during the work minus the size just before it (inputs allocated).
+On a CUDA machine the same script also reports bf16 figures there and the fraction of matmul peak.
+
+    python benchmarks/bench_divergence.py [--tokens 2048 --vocab 151936 --hidden 1024 --kind fkl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_scoring import PeakRSS  # noqa: E402
+
+
+def naive(kind, hs, Ws, ht, Wt):
+    zs, zt = hs @ Ws.T, ht @ Wt.T  # [N, V] each
+    lq, lp = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    if kind == "fkl":
+        return (lp.exp() * (lp - lq)).sum(-1)
+    if kind == "rkl":
+        return (lq.exp() * (lq - lp)).sum(-1)
+    lm = torch.log(0.5 * (lp.exp() + lq.exp()))
+    return 0.5 * ((lp.exp() * (lp - lm)).sum(-1) + (lq.exp() * (lq - lm)).sum(-1))
+
+
+def run(variant: str, N: int, V: int, H: int, kind: str, device: str, dtype: str, repeats: int) -> dict:
+    from opdcache.divergence import chunked_divergence
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    hs = torch.randn(N, H, generator=g).to(device, dt).requires_grad_()
+    Ws = (torch.randn(V, H, generator=g) * 0.02).to(device, dt).requires_grad_()
+    ht = torch.randn(N, H, generator=g).to(device, dt)
+    Wt = (torch.randn(V, H, generator=g) * 0.02).to(device, dt)
+
+    def step():
+        d = naive(kind, hs, Ws, ht, Wt) if variant == "naive" else chunked_divergence(kind, hs, Ws, ht, Wt)
+        d.float().mean().backward()
+        hs.grad = Ws.grad = None
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    times = []
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    with PeakRSS() as mem:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    peak = (torch.cuda.max_memory_allocated() - base) if device == "cuda" else mem.delta
+    seconds = sorted(times)[len(times) // 2]
+    flops = 6 * 2 * N * V * H  # naive's matmuls: 2 forward, 4 backward-equivalent (grad h, grad W, per side that needs it)
+    return {"variant": variant, "seconds": seconds, "runs": times, "peak_bytes": peak, "tflops_naive_equiv": flops / seconds / 1e12}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=151_936)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--kind", default="fkl")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variant")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    if args.variant:
+        print(json.dumps(run(args.variant, args.tokens, args.vocab, args.hidden, args.kind, args.device, args.dtype, args.repeats)))
+        return
+    configs = [("cpu", "float32")]
+    if torch.cuda.is_available():
+        configs.append(("cuda", "bfloat16"))
+    print(f"{args.kind}: {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}; forward + backward\n")
+    header = f"{'device':<6} {'dtype':<9} {'variant':<8} {'seconds':>8} {'time ratio':>11} {'peak MiB':>9} {'memory ratio':>13}"
+    print(header)
+    print("-" * len(header))
+    for device, dtype in configs:
+        res = {}
+        for v in ("naive", "chunked"):
+            out = subprocess.run([sys.executable, __file__, "--variant", v, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
+                                  "--hidden", str(args.hidden), "--kind", args.kind, "--device", device, "--dtype", dtype,
+                                  "--repeats", str(args.repeats)], capture_output=True, text=True)
+            if out.returncode != 0:
+                print(f"{v} failed: {out.stderr[-1500:]}")
+                continue
+            res[v] = json.loads(out.stdout.strip().splitlines()[-1])
+        for v, r in res.items():
+            print(f"{device:<6} {dtype:<9} {v:<8} {r['seconds']:>8.2f} {r['seconds'] / res['naive']['seconds']:>10.2f}x "
+                  f"{r['peak_bytes'] / 2**20:>9.0f} {r['peak_bytes'] / res['naive']['peak_bytes']:>12.3f}x"
+                  + (f"  ({r['tflops_naive_equiv']:.0f} TFLOP/s naive-equivalent)" if device == "cuda" else ""))
+
+
+if __name__ == "__main__":
+    import torch
+
+    main()
