@@ -48,8 +48,8 @@ class EngineConfig:
     """vllm: GPUs per model."""
     gpu_memory_utilization: float = 0.85
     """vllm: fraction of accelerator (or, on CPU, host) memory the engine may reserve."""
-    max_batch_tokens: int = 16384
-    """transformers scoring: padded tokens per batch."""
+    max_batch_tokens: int = 1024
+    """transformers scoring: padded tokens per decoder batch (activation memory; head blocks are pooled separately)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("transformers", "vllm"):
