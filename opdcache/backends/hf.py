@@ -64,8 +64,8 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "auto", quan
 
         head = model.get_output_embeddings()
         model = quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-        # keep the unembedding exact: quantising it would change what every stored log-prob means
-        model.set_output_embeddings(head) if hasattr(model, "set_output_embeddings") else None
+        # keep the unembedding exact: quantising it too would change what every stored log-prob means
+        model.set_output_embeddings(head)
     return model
 
 
@@ -185,37 +185,27 @@ class TransformersBackend:
 
     def __init__(self, model_path: str | Path, dtype: str = "auto", device: str = "auto", quantize: str | None = None,
                  deterministic: bool = False, max_batch_tokens: int = 1024, generate_batch_size: int = 64):
+        self._attach(load_model(model_path, dtype, device, quantize), deterministic, max_batch_tokens, generate_batch_size)
+        self.path, self.quantize = Path(model_path), quantize
+
+    def _attach(self, model, deterministic: bool, max_batch_tokens: int, generate_batch_size: int) -> None:
         import transformers
 
-        self.path = Path(model_path)
+        self.model, self.path, self.quantize = model, None, None
         self.version = transformers.__version__
-        self.model = load_model(model_path, dtype, device, quantize)
-        self.device = next(self.model.parameters()).device
-        self.dtype = str(next(self.model.get_output_embeddings().parameters()).dtype).replace("torch.", "")
-        self.quantize = quantize
-        self.deterministic = deterministic
-        self.max_batch_tokens = max_batch_tokens
-        self.generate_batch_size = generate_batch_size
-        cfg = self.model.config
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self.max_length = int(getattr(cfg, "max_position_embeddings", 1 << 20))
-        eos = self.model.generation_config.eos_token_id
+        self.device = next(model.parameters()).device
+        self.dtype = str(next(model.get_output_embeddings().parameters()).dtype).replace("torch.", "")
+        self.deterministic, self.max_batch_tokens, self.generate_batch_size = deterministic, max_batch_tokens, generate_batch_size
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_length = int(getattr(model.config, "max_position_embeddings", 1 << 20))
+        eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
 
     @classmethod
     def from_model(cls, model, deterministic: bool = False) -> "TransformersBackend":
         """Wrap a model already in memory (the online baseline samples from the student being trained)."""
-        import transformers
-
         self = cls.__new__(cls)
-        self.path, self.version, self.model, self.quantize = None, transformers.__version__, model, None
-        self.device = next(model.parameters()).device
-        self.dtype = str(next(model.get_output_embeddings().parameters()).dtype).replace("torch.", "")
-        self.deterministic, self.max_batch_tokens, self.generate_batch_size = deterministic, 2048, 64
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.max_length = int(getattr(model.config, "max_position_embeddings", 1 << 20))
-        eos = model.generation_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        self._attach(model, deterministic, 1024, 64)
         return self
 
     def model_info(self) -> dict:
