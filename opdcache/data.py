@@ -27,9 +27,6 @@ from opdcache import shards
 from opdcache.cache import Cache
 from opdcache.errors import ConfigError
 
-ROLLOUT_COLUMNS = ("prompt_ids", "response_ids", "sampling_logprobs", "ref_logprobs", "ref_topk_ids", "ref_topk_logprobs",
-                   "mc_ids", "mc_sampling_logprobs")
-
 
 @dataclass(frozen=True)
 class CacheLoaderConfig:

@@ -41,7 +41,7 @@ def _lse(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, chunk: int) -
     return m + torch.log(s)
 
 
-def _slice_terms(kind: str, zs: torch.Tensor, zt: torch.Tensor, lse_s: torch.Tensor, lse_t: torch.Tensor):
+def _slice_terms(zs: torch.Tensor, zt: torch.Tensor, lse_s: torch.Tensor, lse_t: torch.Tensor):
     """(log q, log p, q, p) of one slice."""
     lq, lp = zs - lse_s[:, None], zt - lse_t[:, None]
     return lq, lp, lq.exp(), lp.exp()
@@ -92,7 +92,7 @@ class _ChunkedDivergence(torch.autograd.Function):
             div = torch.zeros(hs.shape[0], dtype=dtype, device=hs.device)
             aux = torch.zeros_like(div)  # sum_v q_v g_v with g = log(q / m) / 2 (needed by the backward)
             for a in range(0, Ws.shape[0], chunk):
-                lq, lp, q, p = _slice_terms(kind, _logits(hs_, Ws, bs, a, chunk), _logits(ht_, Wt, bt, a, chunk), lse_s, lse_t)
+                lq, lp, q, p = _slice_terms(_logits(hs_, Ws, bs, a, chunk), _logits(ht_, Wt, bt, a, chunk), lse_s, lse_t)
                 lm = _mixture_log(lq, lp)
                 kl_qm = (q * (lq - lm)).sum(-1)
                 div += 0.5 * ((p * (lp - lm)).sum(-1) + kl_qm)

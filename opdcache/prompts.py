@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from opdcache.errors import ConfigError, InputError
+from opdcache.fingerprint import chat_template_hash
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def read_prompts(cfg: PromptConfig, tokenizer, max_prompt_tokens: int | None) ->
     template = getattr(tokenizer, "chat_template", None)
     if cfg.chat_template and not template:
         raise ConfigError("the tokenizer has no chat template; pass --no-chat-template to tokenise the raw prompt text")
-    out = PromptSet(prompts=[], chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if cfg.chat_template else None)
+    out = PromptSet(prompts=[], chat_template_sha256=chat_template_hash(tokenizer) if cfg.chat_template else None)
     seen: dict[str, list[int]] = defaultdict(list)
     digest = hashlib.sha256()
     for line, row, error in _rows(Path(cfg.path)):

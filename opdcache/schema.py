@@ -184,13 +184,6 @@ def columns(kind: str, params: StoreParams | None = None) -> tuple[Column, ...]:
     )
 
 
-def column(kind: str, name: str) -> Column:
-    for c in columns(kind):
-        if c.name == name:
-            return c
-    raise SchemaError(f"table kind {kind!r} has no column {name!r}")
-
-
 def _scalar_type(dtype: str) -> pa.DataType:
     return {
         "int32": pa.int32(), "int64": pa.int64(), "float32": pa.float32(),

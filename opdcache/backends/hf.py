@@ -73,11 +73,6 @@ def _base(model):
     return getattr(model, model.base_model_prefix)
 
 
-def logits_from_hidden(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The model's own logits for final hidden states [N, H], in float32 (soft-capping and scaling applied)."""
-    return _head_transform(model)(model.get_output_embeddings()(hidden).float())
-
-
 def _head_transform(model):
     """Elementwise logit transforms some models apply after the head (scaling, soft-capping)."""
     cfg = model.config
@@ -103,7 +98,7 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     (running max m and sum s: lse = m + log s), a running top-k merged slice by slice, and the logits at
     the requested ids picked up in the slice that holds them. Each element is the model's own logit
     (head matmul in the model's dtype, then float32 and the model's transforms), so the values equal those
-    of :func:`logits_from_hidden` up to the order of the log-sum-exp additions.
+    of ``model(...).logits`` at those positions, up to the order of the log-sum-exp additions.
     """
     head = model.get_output_embeddings()
     W, b = head.weight, getattr(head, "bias", None)
