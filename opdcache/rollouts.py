@@ -235,9 +235,13 @@ def run_generate(job: GenerateJob) -> GenerateResult:
 
     from opdcache.cache import run_table_job
 
-    with bar(total=len(table.pending(num_workers, worker_index)), desc=f"build-{job.kind}", unit="shard", enabled=job.progress) as pbar:
-        written = run_table_job(table, make_shard, num_workers, worker_index, on_shard=lambda i, info: (
-            pbar.update(1), pbar.set_postfix(rows=info.rows, tokens=info.tokens)))
+    try:
+        with bar(total=len(table.pending(num_workers, worker_index)), desc=f"build-{job.kind}", unit="shard", enabled=job.progress) as pbar:
+            written = run_table_job(table, make_shard, num_workers, worker_index, on_shard=lambda i, info: (
+                pbar.update(1), pbar.set_postfix(rows=info.rows, tokens=info.tokens)))
+    finally:
+        if hasattr(backend, "close"):
+            backend.close()
     finished = table.all_done()
     if finished:
         finalize_table(table)

@@ -187,9 +187,13 @@ def run_score(job: ScoreJob) -> dict:
             records.append(rec)
         return records
 
-    with bar(total=len(table.pending(num_workers, worker_index)), desc=f"score-teacher {slug}", unit="shard", enabled=job.progress) as pbar:
-        written = run_table_job(table, make_shard, num_workers, worker_index,
-                                on_shard=lambda i, inf: (pbar.update(1), pbar.set_postfix(tokens=inf.tokens)))
+    try:
+        with bar(total=len(table.pending(num_workers, worker_index)), desc=f"score-teacher {slug}", unit="shard", enabled=job.progress) as pbar:
+            written = run_table_job(table, make_shard, num_workers, worker_index,
+                                    on_shard=lambda i, inf: (pbar.update(1), pbar.set_postfix(tokens=inf.tokens)))
+    finally:
+        if hasattr(backend, "close"):
+            backend.close()
     finished = table.all_done()
     if finished:
         finalize_table(table)

@@ -81,6 +81,14 @@ class VLLMBackend:
         return {"engine": self.name, "engine_version": self.version, "dtype": self.dtype, "quantization": self.quantize,
                 "logprobs_mode": "processed_logprobs (generation), raw_logprobs + raw_logits (scoring)"}
 
+    def close(self) -> None:
+        """Shut the engine processes down now (not at interpreter exit), releasing their memory."""
+        for engine in self._engines.values():
+            core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
+            if core is not None:
+                core.shutdown()
+        self._engines.clear()
+
     def _engine(self, mode: str):
         if mode not in self._engines:
             share = self.gpu_memory_utilization / (2 if mode != "processed_logprobs" else 1)
