@@ -1,10 +1,27 @@
-"""Teacher consistency: the verdict from lineage, in one line (the full empirical probe is `check-consistency`)."""
+"""Teacher consistency (papers/000 section 3.3): is the scoring teacher the one pi_ref was fine-tuned on?
+
+Two independent answers:
+
+* lineage -- the SFT teacher's fingerprint recorded through build-sft → sft → build-rollouts, compared with
+  each scoring teacher's fingerprint (``score-teacher`` records the verdict);
+* an empirical probe that needs no lineage, from values already in the cache: on pi_ref's own rollouts,
+  the per-token log-likelihood gap g_t = r_t - T_t between pi_ref (``ref_logprobs``) and a teacher
+  (``logprobs``), as a token-weighted mean with a 95% bootstrap interval over sequences. pi_ref imitates
+  its SFT teacher, so the consistent teacher is the one with the smallest gap. For two teachers a, b the
+  per-sequence mismatch Delta = sum_t (T_a,t - T_b,t) gives sigma_Delta = sqrt(E[Delta^2]) (Assumption 3.4).
+"""
 
 from __future__ import annotations
 
+from itertools import combinations
 from pathlib import Path
 
+import numpy as np
+
+from opdcache import shards
 from opdcache.cache import Cache
+
+BOOTSTRAP = 1000
 
 
 def lineage_line(cache_root: str | Path, teacher: str | None) -> str:
@@ -13,3 +30,68 @@ def lineage_line(cache_root: str | Path, teacher: str | None) -> str:
     table = cache.table(cache.teacher_table(teacher))
     c = table.get("consistency") or {"verdict": "unknown", "note": "no consistency record"}
     return f"teacher consistency: {c['verdict']} ({c['note']})"
+
+
+def _per_sequence(cache: Cache, table: str, column: str) -> list[np.ndarray]:
+    out = []
+    for path in cache.shard_paths(table):
+        t = shards.read_table(path, [column])
+        values, offsets = shards.token_values(t[column]), shards.list_offsets(t[column])
+        out += [values[offsets[i]: offsets[i + 1]].astype(np.float64) for i in range(len(offsets) - 1)]
+    return out
+
+
+def _gap_stats(sums: np.ndarray, lengths: np.ndarray, seed: int = 0) -> dict:
+    """Token-weighted mean of per-token gaps with a bootstrap (over sequences) 95% interval."""
+    mean = float(sums.sum() / lengths.sum())
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(sums), (BOOTSTRAP, len(sums)))
+    boots = sums[idx].sum(1) / lengths[idx].sum(1)
+    lo, hi = np.quantile(boots, [0.025, 0.975])
+    return {"mean": mean, "ci95": [float(lo), float(hi)], "sequences": int(len(sums)), "tokens": int(lengths.sum())}
+
+
+def check(cache_root: str | Path, teachers: list[str] | None = None, train_teacher: str | None = None) -> dict:
+    """Lineage verdicts, the empirical probe, and which teacher pi_ref looks consistent with."""
+    cache = Cache(cache_root)
+    if cache.kind != "rollouts":
+        raise ValueError(f"{cache_root} is a {cache.kind} cache; consistency is checked on pi_ref rollouts")
+    names = teachers or cache.teachers
+    if not names:
+        raise ValueError(f"{cache_root} has no teacher scores yet; run `opdcache score-teacher` first")
+    ref = _per_sequence(cache, "rollouts", "ref_logprobs")
+    lengths = np.array([len(r) for r in ref], dtype=np.float64)
+    scores = {n: _per_sequence(cache, cache.teacher_table(n), "logprobs") for n in names}
+    report: dict = {"teachers": {}, "pairs": {}}
+    for name in names:
+        entry = cache.table(cache.teacher_table(name))
+        gap_sums = np.array([(r - t).sum() for r, t in zip(ref, scores[name])])
+        report["teachers"][name] = {"lineage": (entry.get("consistency") or {}).get("verdict", "unknown"),
+                                    "gap": _gap_stats(gap_sums, lengths)}
+    for a, b in combinations(names, 2):
+        delta = np.array([(ta - tb).sum() for ta, tb in zip(scores[a], scores[b])])
+        report["pairs"][f"{a} vs {b}"] = {"sigma_delta": float(np.sqrt((delta ** 2).mean())),
+                                         "mean_delta_per_token": float(delta.sum() / lengths.sum())}
+    by_lineage = [n for n, t in report["teachers"].items() if t["lineage"] == "consistent"]
+    empirical = min(names, key=lambda n: report["teachers"][n]["gap"]["mean"]) if len(names) > 1 else None
+    report["consistent_by_lineage"] = by_lineage[0] if by_lineage else None
+    report["consistent_empirically"] = empirical
+    report["consistent_with"] = report["consistent_by_lineage"] or empirical
+    if train_teacher is not None:
+        report["train_teacher"] = train_teacher
+        report["train_teacher_ok"] = report["consistent_with"] in (None, train_teacher)
+    return report
+
+
+def render(report: dict) -> str:
+    lines = [f"{'teacher':<20} {'lineage':<13} {'gap r - T per token (95% CI)':>34} {'tokens':>9}"]
+    for name, t in report["teachers"].items():
+        g = t["gap"]
+        lines.append(f"{name:<20} {t['lineage']:<13} {g['mean']:>12.4f} [{g['ci95'][0]:.4f}, {g['ci95'][1]:.4f}] {g['tokens']:>9,}")
+    for pair, p in report["pairs"].items():
+        lines.append(f"sigma_Delta ({pair}): {p['sigma_delta']:.4f} nats per sequence; mean Delta per token {p['mean_delta_per_token']:+.4f}")
+    lines.append(f"pi_ref looks consistent with: {report['consistent_with'] or 'undetermined (one teacher, no lineage)'}"
+                 f" (lineage: {report['consistent_by_lineage'] or 'none'}; empirical: {report['consistent_empirically'] or 'needs two teachers'})")
+    if "train_teacher" in report:
+        lines.append(f"training teacher {report['train_teacher']}: {'OK' if report['train_teacher_ok'] else 'NOT the consistent teacher'}")
+    return "\n".join(lines)

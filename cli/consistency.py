@@ -1,0 +1,33 @@
+"""``opdcache check-consistency CACHE``."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from opdcache.cli.options import CachePath, JsonOut
+
+
+def check_consistency(
+    cache: CachePath,
+    teacher: Annotated[Optional[list[str]], typer.Option("--teacher", help="Teacher tables to compare (default: all).", show_default=False)] = None,
+    train_teacher: Annotated[Optional[str], typer.Option("--train-teacher", help="The teacher you will train with; exit 1 if pi_ref is not consistent with it.", show_default=False)] = None,
+    as_json: JsonOut = False,
+) -> None:
+    """Which teacher pi_ref is consistent with: lineage, and an empirical probe from the stored scores."""
+    from opdcache.consistency import check, render
+    from opdcache.errors import ConfigError
+
+    try:
+        report = check(cache, teacher, train_teacher)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    typer.echo(json.dumps(report, indent=2) if as_json else render(report))
+    if train_teacher is not None and not report["train_teacher_ok"]:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("check-consistency")(check_consistency)

@@ -1,0 +1,64 @@
+"""check-consistency: the lineage verdict, and the empirical probe without lineage, on two teachers of
+different trace styles with a pi_ref fine-tuned on teacher 1's trajectories."""
+
+import json
+
+import pytest
+
+from opdcache import manifest as M
+from opdcache.backends.base import SamplingConfig
+from opdcache.cli.main import main
+from opdcache.consistency import check
+from opdcache.prompts import PromptConfig
+from opdcache.rollouts import GenerateJob, run_generate
+from opdcache.scoring import ScoreJob, run_score
+from opdcache.sft import SFTConfig, run_sft
+
+
+@pytest.fixture(scope="module")
+def two_teacher_cache(tmp_path_factory, weights, opd_prompts):
+    root = tmp_path_factory.mktemp("consistency")
+    run_generate(GenerateJob(model=weights / "teacher", prompts=PromptConfig(opd_prompts), out=root / "sft", kind="sft", num_shards=2,
+                             sampling=SamplingConfig(temperature=0.8, max_new_tokens=40)))
+    run_sft(weights / "student", root / "sft", root / "pi_ref", SFTConfig(steps=120, batch_size=24, lr=3e-3, warmup=10))
+    cache = root / "rollouts"
+    run_generate(GenerateJob(model=root / "pi_ref", prompts=PromptConfig(opd_prompts), out=cache, num_shards=2,
+                             sampling=SamplingConfig(temperature=1.0, max_new_tokens=40, samples=2)))
+    run_score(ScoreJob(cache=cache, teacher=weights / "teacher"))
+    run_score(ScoreJob(cache=cache, teacher=weights / "teacher_carry", allow_inconsistent_teacher=True))
+    return cache
+
+
+def _cli(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    return e.value.code, capsys.readouterr().out
+
+
+def test_lineage_and_probe_agree_and_flag_teacher_2(two_teacher_cache, capsys):
+    report = check(two_teacher_cache)
+    t1, t2 = report["teachers"]["teacher"], report["teachers"]["teacher_carry"]
+    assert t1["lineage"] == "consistent" and t2["lineage"] == "inconsistent"
+    assert t1["gap"]["ci95"][1] < t2["gap"]["ci95"][0]  # the style pi_ref imitates fits far better, beyond the noise
+    assert report["consistent_by_lineage"] == report["consistent_empirically"] == "teacher"
+    assert report["pairs"]["teacher vs teacher_carry"]["sigma_delta"] > 1.0
+    code, out = _cli(["check-consistency", two_teacher_cache, "--train-teacher", "teacher_carry"], capsys)
+    assert code == 1 and "training teacher teacher_carry: NOT the consistent teacher" in out
+    code, out = _cli(["check-consistency", two_teacher_cache, "--train-teacher", "teacher"], capsys)
+    assert code == 0 and "pi_ref looks consistent with: teacher" in out
+
+
+def test_without_lineage_the_probe_alone_decides(two_teacher_cache, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "nolineage"
+    shutil.copytree(two_teacher_cache, copy)
+    m = M.load(copy)
+    m["lineage"]["sft_teacher"] = None
+    for name in ("teachers/teacher", "teachers/teacher_carry"):
+        m["tables"][name].pop("consistency")
+    M.save(copy, m)
+    report = check(copy)
+    assert report["consistent_by_lineage"] is None and report["consistent_with"] == "teacher"
+    code, out = _cli(["check-consistency", copy, "--train-teacher", "teacher_carry", "--json"], capsys)
+    assert code == 1 and json.loads(out)["consistent_empirically"] == "teacher"
