@@ -38,7 +38,8 @@ def score_teacher(
     typer.echo(f"teacher consistency: {c['verdict']} ({c['note']})")
     if result["svd"]:
         for method, d in result["svd"]["distortion"].items():
-            typer.echo(f"svd {method:<13} rank {d['rank']}: mean KL {d['mean_kl']:.2e} nats, top-1 agreement {d['top1_agreement']:.1%}")
+            typer.echo(f"svd {method:<13} rank {d['rank']}: KL(teacher || rank-{d['rank']} reconstruction) {d['mean_kl']:.2e} nats/position "
+                       f"(mean over {d['positions']} held-out positions, temperature 1), top-1 agreement {d['top1_agreement']:.1%}")
     state = "cache updated" if result["finished"] else "shards written; other workers still to finish (then run finalize)"
     typer.echo(f"teachers/{result['slug']}: wrote shards {result['written'] or 'none (all present)'}; {state}")
 

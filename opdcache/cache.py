@@ -26,7 +26,7 @@ from opdcache import manifest as M
 from opdcache import schema as S
 from opdcache import shards
 from opdcache.errors import ConfigError, ManifestError, ResumeError
-from opdcache.fingerprint import config_fingerprint
+from opdcache.fingerprint import config_fingerprint, sha256_file
 
 JOB_FILE = "_opdcache_job.json"
 
@@ -182,7 +182,7 @@ class TableJob:
             tokens = shards.table_tokens(shards.read_table(path, [_token_column(self.kind)]))
             infos.append(shards.ShardInfo(
                 path=path.relative_to(self.root).as_posix(), rows=rows, tokens=tokens,
-                bytes=path.stat().st_size, sha256=_sha256(path),
+                bytes=path.stat().st_size, sha256=sha256_file(path),
             ).to_dict())
         return infos
 
@@ -209,27 +209,30 @@ def _token_column(kind: str) -> str:
     return "logprobs" if kind == "teacher" else "response_ids"
 
 
-def _sha256(path: Path) -> str:
-    from opdcache.fingerprint import sha256_file
-
-    return sha256_file(path)
-
-
 def run_table_job(
     job: TableJob,
     make_shard: Callable[[int], Sequence[dict]],
     num_workers: int = 1,
     worker_index: int = 0,
-    on_shard: Callable[[int, shards.ShardInfo], None] | None = None,
+    desc: str | None = None,
+    progress: bool | None = None,
+    finalize: bool = False,
 ) -> list[int]:
-    """Write this worker's missing shards; return the indices written."""
+    """Write this worker's missing shards (with a progress bar of shards, rows and response tokens); return
+    the indices written. With ``finalize``, the worker that finds every shard present writes the manifest."""
+    from opdcache.progress import bar
+
     job.begin()
     written = []
-    for index in job.pending(num_workers, worker_index):
-        info = job.write_shard(index, make_shard(index))
-        written.append(index)
-        if on_shard is not None:
-            on_shard(index, info)
+    pending = job.pending(num_workers, worker_index)
+    with bar(total=len(pending), desc=desc or job.table, unit="shard", enabled=progress) as pbar:
+        for index in pending:
+            info = job.write_shard(index, make_shard(index))
+            written.append(index)
+            pbar.update(1)
+            pbar.set_postfix(rows=info.rows, tokens=info.tokens)
+    if finalize and job.all_done():
+        finalize_table(job)
     return written
 
 

@@ -17,7 +17,7 @@ workers, and the DataLoader yields batches in a fixed order that a saved count c
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np

@@ -66,7 +66,7 @@ def render(info: dict) -> str:
     sft = info["lineage"].get("sft_teacher")
     lines.append(f"lineage    pi_ref fine-tuned on teacher {sft['name_or_path']} ({sft['fingerprint'][:16]})" if sft
                  else "lineage    pi_ref's SFT teacher unknown (no lineage recorded)")
-    header = f"{'table':<28} {'shards':>6} {'rows':>9} {'tokens':>11} {'size':>10}  bytes/token by store"
+    header = f"{'table':<28} {'shards':>6} {'rows':>9} {'tokens':>11} {'size':>10}  bytes/token by store (compressed on disk, per response token)"
     lines += ["", header, "-" * len(header)]
     for name, t in info["tables"].items():
         bpt = ", ".join(f"{k} {v:.1f}" for k, v in t["bytes_per_token"].items())

@@ -8,7 +8,6 @@ Prompts are the cache's prompts, drawn in a seeded order.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from opdcache import shards
 from opdcache.backends.base import GenerateRequest, SamplingConfig, ScoreRequest

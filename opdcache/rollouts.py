@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,11 +21,10 @@ import numpy as np
 
 from opdcache import schema as S
 from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig
-from opdcache.cache import TableJob, finalize_table, worker_from_env
+from opdcache.cache import TableJob, run_table_job, worker_from_env
 from opdcache.errors import ConfigError
 from opdcache.fingerprint import row_id, tokenizer_fingerprint
 from opdcache.lineage import model_info, resolve_sft_teacher
-from opdcache.progress import bar
 from opdcache.prompts import PromptConfig, PromptSet, read_prompts, write_errors
 
 QUARANTINE_FILE = "quarantine.jsonl"
@@ -233,16 +233,7 @@ def run_generate(job: GenerateJob) -> GenerateResult:
                     f.write(json.dumps(b) + "\n")
         return records
 
-    from opdcache.cache import run_table_job
-
-    try:
-        with bar(total=len(table.pending(num_workers, worker_index)), desc=f"build-{job.kind}", unit="shard", enabled=job.progress) as pbar:
-            written = run_table_job(table, make_shard, num_workers, worker_index, on_shard=lambda i, info: (
-                pbar.update(1), pbar.set_postfix(rows=info.rows, tokens=info.tokens)))
-    finally:
-        if hasattr(backend, "close"):
-            backend.close()
+    with closing(backend):
+        written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"build-{job.kind}", progress=job.progress, finalize=True)
     finished = table.all_done()
-    if finished:
-        finalize_table(table)
     return GenerateResult(job.out, written, finished, prompts, quarantined)

@@ -10,6 +10,7 @@ fits its projection on calibration positions first and records its measured dist
 from __future__ import annotations
 
 import re
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,10 +19,9 @@ import numpy as np
 from opdcache import schema as S
 from opdcache import shards
 from opdcache.backends.base import ScoreRequest
-from opdcache.cache import Cache, TableJob, finalize_table, run_table_job, worker_from_env
+from opdcache.cache import Cache, TableJob, run_table_job, worker_from_env
 from opdcache.errors import ConfigError, ConsistencyError, SchemaError
 from opdcache.lineage import check_same_tokenizer, model_info
-from opdcache.progress import bar
 from opdcache.rollouts import EngineConfig, make_backend
 
 CALIBRATION_SEQUENCES = 64  # sequences for fitting the svd projection (the first rows of shard 0)
@@ -158,9 +158,7 @@ def run_score(job: ScoreJob) -> dict:
         save_head(head_of(backend.model), table.dir / "head.safetensors")
     proj = None
     if "svd" in job.stores:
-        proj = _svd_projection(job, cache, backend, table)
-        table.meta["svd"] = proj[1]
-        proj = proj[0]
+        proj, table.meta["svd"] = _svd_projection(job, cache, backend, table)
     base_paths = cache.shard_paths(base)
 
     def make_shard(index: int) -> list[dict]:
@@ -187,16 +185,9 @@ def run_score(job: ScoreJob) -> dict:
             records.append(rec)
         return records
 
-    try:
-        with bar(total=len(table.pending(num_workers, worker_index)), desc=f"score-teacher {slug}", unit="shard", enabled=job.progress) as pbar:
-            written = run_table_job(table, make_shard, num_workers, worker_index,
-                                    on_shard=lambda i, inf: (pbar.update(1), pbar.set_postfix(tokens=inf.tokens)))
-    finally:
-        if hasattr(backend, "close"):
-            backend.close()
+    with closing(backend):
+        written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"score-teacher {slug}", progress=job.progress, finalize=True)
     finished = table.all_done()
-    if finished:
-        finalize_table(table)
     return {"slug": slug, "written": written, "finished": finished, "consistency": verdict, "svd": table.meta.get("svd")}
 
 

@@ -60,7 +60,7 @@ def collate_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: 
     return input_ids, mask, labels
 
 
-def train_sft(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], config: SFTConfig, pad_id: int, progress: bool = False) -> list[float]:
+def train_sft(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], config: SFTConfig, pad_id: int, progress: bool | None = None) -> list[float]:
     """Fine-tune ``model`` in place on ``pairs``; return the loss of every step."""
     import torch
     import torch.nn.functional as F
@@ -139,7 +139,7 @@ def run_sft(model: Path, data: Path, out: Path, config: SFTConfig, only_correct:
         raise ConfigError(f"no trajectories to train on in {data}" + (" with --only-correct (no row has reward 1)" if only_correct else ""))
     torch.manual_seed(config.seed)
     student = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    losses = train_sft(student, pairs, config, pad_id=tokenizer.pad_token_id or 0, progress=progress if progress is not None else False)
+    losses = train_sft(student, pairs, config, pad_id=tokenizer.pad_token_id or 0, progress=progress)
     out = Path(out)
     student.save_pretrained(out)
     tokenizer.save_pretrained(out)

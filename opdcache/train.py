@@ -8,7 +8,9 @@ scores them with a live teacher every step, with the same estimator and settings
 
 Logged every step (metrics.jsonl): loss; mean and std of the per-token importance weight
 pi_theta/pi_ref = exp(s - r) (papers/000 Fig. 3a); advantage (T - s) mean and std; clip fraction;
-K1 = mean(r - s) and K3 = mean(exp(s - r) - 1 - (s - r)), estimates of KL(pi_ref || pi_theta) from pi_ref's samples.
+K1 = mean(r - s) and K3 = mean(exp(s - r) - 1 - (s - r)), estimates of KL(pi_ref || pi_theta) from pi_ref's samples;
+``tokens``, response tokens in the step; ``grad_norm``, the total gradient norm before clipping; ``seconds``, wall-clock
+since this invocation started. Token statistics are means over response tokens, averaged over micro-batches.
 
 Checkpoints hold model weights (safetensors), optimizer state (safetensors + JSON), loader position and
 RNG state -- no pickle -- and a resumed run reproduces an uninterrupted one exactly (deterministic CPU).

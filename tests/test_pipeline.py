@@ -175,13 +175,14 @@ def test_one_two_or_three_workers_give_identical_caches(tmp_path, weights, opd_p
 
 
 def test_finalize_command_completes_a_job_whose_workers_are_done(tmp_path, weights, opd_prompts, monkeypatch):
-    import opdcache.rollouts
+    import opdcache.cache
 
     out = tmp_path / "c"
-    monkeypatch.setattr(opdcache.rollouts, "finalize_table", lambda job: None)  # as if both workers finished at the same moment
-    for w in range(2):
-        run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=4), out=out, num_shards=2,
-                                 sampling=FAST, num_workers=2, worker_index=w))
+    with monkeypatch.context() as m:
+        m.setattr(opdcache.cache, "finalize_table", lambda job: None)  # as if both workers finished at the same moment
+        for w in range(2):
+            run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=4), out=out, num_shards=2,
+                                     sampling=FAST, num_workers=2, worker_index=w))
     assert not (out / "opdcache.json").exists()
     with pytest.raises(SystemExit) as e:
         main(["finalize", str(out), "--table", "rollouts"])

@@ -9,7 +9,7 @@ from opdcache import schema as S
 from opdcache import shards
 from opdcache.cache import Cache
 from opdcache.errors import SchemaError
-from synth import make_cache, rollout_rows
+from synth import rollout_rows
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])

@@ -203,6 +203,9 @@ class TransformersBackend:
         self._attach(model, deterministic, 1024, 64)
         return self
 
+    def close(self) -> None:
+        """Nothing to release (the model is freed with the object); here so every engine can be closed alike."""
+
     def model_info(self) -> dict:
         return {"engine": self.name, "engine_version": self.version, "dtype": self.dtype, "quantization": self.quantize}
 
@@ -316,6 +319,7 @@ class TransformersBackend:
         In deterministic mode every sequence is its own batch and its own block."""
         out: list[Scores | None] = [None] * len(requests)
         pending: list[tuple[int, torch.Tensor]] = []
+        pooled = 0  # positions in `pending`
 
         def flush() -> None:
             idx = [i for i, _ in pending]
@@ -327,8 +331,10 @@ class TransformersBackend:
             for batch in self._batches(requests):
                 hidden_NH, lengths = self.final_hidden([requests[i] for i in batch])
                 pending.extend(zip(batch, torch.split(hidden_NH, lengths)))
-                if self.deterministic or sum(len(h) for _, h in pending) >= POSITION_BLOCK:
+                pooled += sum(lengths)
+                if self.deterministic or pooled >= POSITION_BLOCK:
                     flush()
+                    pooled = 0
             if pending:
                 flush()
         return out  # type: ignore[return-value]
