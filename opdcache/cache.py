@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
+
 from opdcache import manifest as M
 from opdcache import schema as S
 from opdcache import shards
@@ -273,6 +275,10 @@ class Cache:
 
     def shard_paths(self, name: str) -> list[Path]:
         return [self.root / s["path"] for s in self.table(name)["shards"]]
+
+    def sequences(self, table: str, column: str) -> list[np.ndarray]:
+        """A per-token column of a whole table, one array per row, in row order over the shards."""
+        return [row for path in self.shard_paths(table) for row in shards.row_values(shards.read_table(path, [column])[column])]
 
     def teacher_table(self, slug: str | None) -> str:
         if slug is None:

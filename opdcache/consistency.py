@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-from opdcache import shards
 from opdcache.cache import Cache
 
 BOOTSTRAP = 1000
@@ -30,15 +29,6 @@ def lineage_line(cache_root: str | Path, teacher: str | None) -> str:
     table = cache.table(cache.teacher_table(teacher))
     c = table.get("consistency") or {"verdict": "unknown", "note": "no consistency record"}
     return f"teacher consistency: {c['verdict']} ({c['note']})"
-
-
-def _per_sequence(cache: Cache, table: str, column: str) -> list[np.ndarray]:
-    out = []
-    for path in cache.shard_paths(table):
-        t = shards.read_table(path, [column])
-        values, offsets = shards.token_values(t[column]), shards.list_offsets(t[column])
-        out += [values[offsets[i]: offsets[i + 1]].astype(np.float64) for i in range(len(offsets) - 1)]
-    return out
 
 
 def _gap_stats(sums: np.ndarray, lengths: np.ndarray, seed: int = 0) -> dict:
@@ -59,9 +49,9 @@ def check(cache_root: str | Path, teachers: list[str] | None = None, train_teach
     names = teachers or cache.teachers
     if not names:
         raise ValueError(f"{cache_root} has no teacher scores yet; run `opdcache score-teacher` first")
-    ref = _per_sequence(cache, "rollouts", "ref_logprobs")
+    ref = [r.astype(np.float64) for r in cache.sequences("rollouts", "ref_logprobs")]
     lengths = np.array([len(r) for r in ref], dtype=np.float64)
-    scores = {n: _per_sequence(cache, cache.teacher_table(n), "logprobs") for n in names}
+    scores = {n: [t.astype(np.float64) for t in cache.sequences(cache.teacher_table(n), "logprobs")] for n in names}
     report: dict = {"teachers": {}, "pairs": {}}
     for name in names:
         entry = cache.table(cache.teacher_table(name))

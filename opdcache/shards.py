@@ -255,6 +255,12 @@ def token_values(array: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return flat.to_numpy(zero_copy_only=False)
 
 
+def row_values(array: pa.ChunkedArray | pa.Array) -> list[np.ndarray]:
+    """A list column as one numpy array per row (views into one flat buffer)."""
+    values, offsets = token_values(array), list_offsets(array)
+    return [values[offsets[i]: offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
 def hidden_dtype_of(field: pa.Field) -> str:
     if field.metadata and S.FIELD_DTYPE in field.metadata:
         return field.metadata[S.FIELD_DTYPE].decode()

@@ -14,6 +14,7 @@ or order it arrives in.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
@@ -63,7 +64,10 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "auto", quan
         from torch.ao.quantization import quantize_dynamic
 
         head = model.get_output_embeddings()
-        model = quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        with warnings.catch_warnings():  # torch >= 2.10 deprecates torch.ao in favour of torchao; it still works, and needs no extra package
+            warnings.filterwarnings("ignore", message=".*quantiz.*deprecated", category=UserWarning)
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            model = quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
         # keep the unembedding exact: quantising it too would change what every stored log-prob means
         model.set_output_embeddings(head)
     return model

@@ -1,0 +1,49 @@
+"""``opdcache mismatch-report CACHE``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from opdcache.cli import options as O
+
+
+def mismatch_report(
+    cache: O.CachePath,
+    model: Annotated[Optional[Path], typer.Option("--model", help="pi_ref's weights for the float32 recomputation (default: the path the cache recorded).", show_default=False)] = None,
+    teacher: Annotated[Optional[list[str]], typer.Option("--teacher", help="Two teacher tables to compare (default: every pair of one teacher's weights scored by different engines).", show_default=False)] = None,
+    rollouts: Annotated[bool, typer.Option("--rollouts/--no-rollouts", help="Recompute pi_ref in float32 and compare with the rollout engine's ref_logprobs.")] = True,
+    out: Annotated[Path, typer.Option("--out", help="Directory for mismatch_report.json and mismatch_hist.png.")] = Path("mismatch-report"),
+    png: Annotated[bool, typer.Option("--png/--no-png", help="Write the |delta| histogram (needs matplotlib).")] = True,
+    worst: Annotated[int, typer.Option("--worst", help="Worst sequences listed per comparison.")] = 5,
+    max_abs_delta: Annotated[Optional[float], typer.Option("--max-abs-delta", help="Exit 1 if any max |delta| exceeds this (nats).", show_default=False)] = None,
+    max_mean_abs_delta: Annotated[Optional[float], typer.Option("--max-mean-abs-delta", help="Exit 1 if any mean |delta| exceeds this (nats).", show_default=False)] = None,
+    max_flip_fraction: Annotated[Optional[float], typer.Option("--max-flip-fraction", help="Exit 1 if the fraction of argmax flips exceeds this.", show_default=False)] = None,
+    max_k3: Annotated[Optional[float], typer.Option("--max-k3", help="Exit 1 if K3 per token exceeds this.", show_default=False)] = None,
+    device: O.Device = "auto",
+    progress: O.Progress = None,
+) -> None:
+    """Training-inference mismatch: delta = log pi_train - log pi_rollout per token (papers/003 eq. 1), and between teacher engines."""
+    from opdcache import mismatch as M
+    from opdcache.shards import write_json_atomic
+
+    rep, sections = M.report(cache, model, teacher, rollouts, worst, device, progress)
+    limits = M.Thresholds(max_abs_delta, max_mean_abs_delta, max_flip_fraction, max_k3)
+    problems = M.crossed(rep, limits)
+    rep["thresholds"] = {k: v for k, v in vars(limits).items()}
+    rep["crossed"] = problems
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "mismatch_report.json", json.dumps(rep, indent=2) + "\n")
+    typer.echo(M.render(rep))
+    typer.echo(f"\nwrote {out / 'mismatch_report.json'}" + (f" and {M.histogram_png(sections, out / 'mismatch_hist.png')}" if png else ""))
+    for line in problems:
+        typer.echo(f"threshold crossed: {line}", err=True)
+    if problems:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("mismatch-report")(mismatch_report)

@@ -1,0 +1,256 @@
+"""Training-inference mismatch (papers/003 eq. 1), measured from a cache.
+
+Two comparisons, each over every stored response token:
+
+* **rollouts**: delta_t = log pi_train(a_t) - log pi_rollout(a_t), where pi_rollout is what the rollout engine
+  stored (``ref_logprobs``: pi_ref at temperature 1, as that engine -- possibly quantised -- computed it) and
+  pi_train a fresh float32 transformers forward of the same pi_ref weights, the trainer's view. Argmax flips
+  compare the rollout engine's most likely token (``ref_topk_ids[:, 0]``, needs ``--ref-top-k``) with the
+  trainer's. K1 = mean(-delta) and K3 = mean(exp(delta) - 1 - delta) estimate KL(pi_rollout || pi_train) per
+  token from the rollout engine's own samples (papers/003 section 4.2).
+* **teacher engines**: two teacher tables of the same teacher weights scored by different engines, dtypes or
+  quantisations: delta_t = logprobs_a - logprobs_b (a = the float32 transformers table when there is one).
+  Argmax flips need both tables' top-k stores. The tokens are pi_ref's samples, not either engine's, so K1 and
+  K3 here are moments of the log-ratio on those tokens rather than KL estimates.
+
+:func:`report` returns plain JSON-able figures; :func:`render` the terminal table; :func:`histogram_png` the
+histogram; :func:`crossed` which thresholds a report crosses (``mismatch-report`` exits 1 on any).
+"""
+
+from __future__ import annotations
+
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from opdcache import shards
+from opdcache.cache import Cache
+from opdcache.errors import ConfigError
+from opdcache.progress import bar
+
+QUANTILES = (0.5, 0.9, 0.99, 0.999)
+HIST_EDGES = np.concatenate([[0.0], np.logspace(-8, 1, 37)])  # |delta| bins: 0, 1e-8 ... 10 (4 per decade)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Limits a pipeline can gate on; None = not checked."""
+
+    max_abs: float | None = None
+    """Largest allowed max |delta| (nats)."""
+    mean_abs: float | None = None
+    """Largest allowed mean |delta| (nats)."""
+    flip_fraction: float | None = None
+    """Largest allowed fraction of positions whose argmax differs."""
+    k3: float | None = None
+    """Largest allowed K3 per token."""
+
+
+@dataclass
+class Section:
+    """One comparison: per-sequence deltas and (optionally) per-sequence argmax flips, with row ids."""
+
+    name: str
+    description: str
+    deltas: list[np.ndarray]
+    ids: list[str]
+    responses: list[np.ndarray]
+    flips: list[np.ndarray] | None = None
+
+    def figures(self, tokenizer=None, worst: int = 5) -> dict:
+        flat = np.concatenate(self.deltas) if self.deltas else np.zeros(0)
+        if flat.size == 0:
+            raise ConfigError(f"{self.name}: no response tokens to compare")
+        a = np.abs(flat)
+        counts, _ = np.histogram(np.minimum(a, HIST_EDGES[-1]), bins=HIST_EDGES)
+        out = {
+            "description": self.description, "sequences": len(self.deltas), "tokens": int(flat.size),
+            "mean_delta": float(flat.mean()), "mean_abs_delta": float(a.mean()), "max_abs_delta": float(a.max()),
+            "abs_delta_quantiles": {str(q): float(np.quantile(a, q)) for q in QUANTILES},
+            "k1": float((-flat).mean()), "k3": float(np.mean(np.expm1(flat) - flat)),
+            "argmax_flip_fraction": None if self.flips is None else float(np.concatenate(self.flips).mean()),
+            "histogram": {"abs_delta_edges": HIST_EDGES.tolist(), "counts": counts.tolist()},
+        }
+        order = np.argsort([-np.abs(d).max() if d.size else 0.0 for d in self.deltas])[:worst]
+        out["worst_sequences"] = [self._worst(int(i), tokenizer) for i in order]
+        return out
+
+    def _worst(self, i: int, tokenizer) -> dict:
+        d, ids = self.deltas[i], self.responses[i]
+        t = int(np.abs(d).argmax())
+        entry = {"id": self.ids[i], "max_abs_delta": float(abs(d[t])), "position": t, "token_id": int(ids[t]),
+                 "sum_abs_delta": float(np.abs(d).sum()), "tokens": int(d.size)}
+        if tokenizer is not None:
+            pieces = [tokenizer.decode([int(x)]) for x in ids]
+            entry["token"] = pieces[t]
+            entry["text"] = "".join(pieces[:t]) + "[[" + pieces[t] + "]]" + "".join(pieces[t + 1:])
+        return entry
+
+
+def _ids(cache: Cache, table: str) -> list[str]:
+    return [i for path in cache.shard_paths(table) for i in shards.read_table(path, ["id"])["id"].to_pylist()]
+
+
+def rollout_section(cache: Cache, model: str | Path | None = None, device: str = "auto", progress: bool | None = None) -> Section:
+    """pi_ref recomputed in float32 by transformers against what the rollout engine stored."""
+    from opdcache.backends.hf import TransformersBackend
+    from opdcache.backends.base import ScoreRequest
+    from opdcache.lineage import model_info
+
+    if cache.kind != "rollouts":
+        raise ConfigError(f"{cache.root} is a {cache.kind} cache; the rollout mismatch needs pi_ref rollouts (ref_logprobs)")
+    recorded = cache.table("rollouts").get("model") or {}
+    path = Path(model) if model is not None else Path(recorded.get("name_or_path", ""))
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"pi_ref's weights are not at {str(path)!r} (the path the cache recorded); pass --model PI_REF")
+    fp = model_info(path)["fingerprint"]
+    if recorded.get("fingerprint") and fp != recorded["fingerprint"]:
+        raise ConfigError(f"--model {path} (fingerprint {fp[:12]}) is not the model that generated the rollouts "
+                          f"({recorded['fingerprint'][:12]}); the mismatch is only meaningful for the same weights")
+    params = cache.params("rollouts")
+    engine = f"{recorded.get('engine', '?')}/{recorded.get('dtype', '?')}" + (f"/{recorded['quantization']}" if recorded.get("quantization") else "")
+    deltas, flips, ids, responses = [], [] if params.ref_top_k else None, [], []
+    backend = TransformersBackend(path, dtype="float32", device=device)
+    with closing(backend), bar(total=len(cache.shard_paths("rollouts")), desc="mismatch: float32 recompute", unit="shard", enabled=progress) as pbar:
+        for path_ in cache.shard_paths("rollouts"):
+            rows = shards.read_table(path_, ["id", "prompt_ids", "response_ids", "ref_logprobs"] + (["ref_topk_ids"] if params.ref_top_k else []))
+            stored = shards.row_values(rows["ref_logprobs"])
+            top = shards.row_values(rows["ref_topk_ids"]) if params.ref_top_k else None
+            reqs = [ScoreRequest(p, r) for p, r in zip(rows["prompt_ids"].to_pylist(), shards.row_values(rows["response_ids"]))]
+            scores = backend.score(reqs, top_k=1)
+            for k, (sc, r) in enumerate(zip(scores, stored)):
+                deltas.append(sc.logprobs.astype(np.float64) - r.astype(np.float64))
+                if flips is not None:
+                    flips.append(sc.topk_ids[:, 0] != top[k][:, 0])
+            ids += rows["id"].to_pylist()
+            responses += [np.asarray(r.response_ids) for r in reqs]
+            pbar.update(1)
+    return Section("rollouts", f"pi_ref: float32 transformers (trainer) - rollout engine ({engine}) on pi_ref's samples",
+                   deltas, ids, responses, flips)
+
+
+def _engine_key(entry: dict) -> tuple:
+    m = entry.get("model") or {}
+    return (m.get("engine"), m.get("dtype"), m.get("quantization"))
+
+
+def engine_pairs(cache: Cache, teachers: list[str] | None = None) -> list[tuple[str, str]]:
+    """Teacher tables to compare: the two given, or every pair of one teacher's weights run differently.
+    Each pair is ordered (reference, other), the reference being a float32 transformers table when there is one."""
+    def rank(slug: str) -> tuple:
+        engine, dtype, quant = _engine_key(cache.table(cache.teacher_table(slug)))
+        return (not (engine == "transformers" and dtype == "float32" and quant is None), slug)
+
+    if teachers:
+        if len(teachers) != 2:
+            raise ConfigError(f"--teacher takes exactly two teacher tables to compare, got {len(teachers)}")
+        for t in teachers:
+            cache.teacher_table(t)
+        return [tuple(sorted(teachers, key=rank))]  # type: ignore[list-item]
+    pairs = []
+    names = cache.teachers
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            ea, eb = cache.table(cache.teacher_table(a)), cache.table(cache.teacher_table(b))
+            same_weights = (ea.get("model") or {}).get("fingerprint") == (eb.get("model") or {}).get("fingerprint")
+            if same_weights and _engine_key(ea) != _engine_key(eb):
+                pairs.append(tuple(sorted((a, b), key=rank)))
+    return pairs  # type: ignore[return-value]
+
+
+def teacher_section(cache: Cache, a: str, b: str) -> Section:
+    ta, tb = cache.teacher_table(a), cache.teacher_table(b)
+    la, lb = cache.sequences(ta, "logprobs"), cache.sequences(tb, "logprobs")
+    flips = None
+    if cache.params(ta).top_k and cache.params(tb).top_k:
+        ka, kb = cache.sequences(ta, "topk_ids"), cache.sequences(tb, "topk_ids")
+        flips = [x[:, 0] != y[:, 0] for x, y in zip(ka, kb)]
+    desc = " - ".join(f"{s} ({'/'.join(str(v) for v in _engine_key(cache.table(t)) if v)})" for s, t in ((a, ta), (b, tb)))
+    return Section(f"teachers {a} vs {b}", f"teacher log-probs: {desc}",
+                   [x.astype(np.float64) - y.astype(np.float64) for x, y in zip(la, lb)],
+                   _ids(cache, cache.base_table), cache.sequences(cache.base_table, "response_ids"), flips)
+
+
+def report(cache_root: str | Path, model: str | Path | None = None, teachers: list[str] | None = None, rollouts: bool = True,
+           worst: int = 5, device: str = "auto", progress: bool | None = None) -> tuple[dict, list[Section]]:
+    """The mismatch figures of a cache, and the sections they came from (for the histogram)."""
+    from transformers import AutoTokenizer
+
+    cache = Cache(cache_root)
+    tok_dir = cache.root / "tokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir) if tok_dir.is_dir() else None
+    sections = []
+    if rollouts and cache.kind == "rollouts":
+        sections.append(rollout_section(cache, model, device, progress))
+    sections += [teacher_section(cache, a, b) for a, b in engine_pairs(cache, teachers)]
+    if not sections:
+        raise ConfigError(f"{cache_root}: nothing to compare (no pi_ref rollouts, and no two teacher tables of one teacher "
+                          "scored by different engines; name two with --teacher A --teacher B)")
+    return {"cache": str(cache.root), "sections": {s.name: s.figures(tokenizer, worst) for s in sections}}, sections
+
+
+def crossed(rep: dict, t: Thresholds) -> list[str]:
+    """Human lines for every threshold a report crosses."""
+    out = []
+    checks = (("max_abs_delta", t.max_abs, "--max-abs-delta"), ("mean_abs_delta", t.mean_abs, "--max-mean-abs-delta"),
+              ("argmax_flip_fraction", t.flip_fraction, "--max-flip-fraction"), ("k3", t.k3, "--max-k3"))
+    for name, fig in rep["sections"].items():
+        for key, limit, flag in checks:
+            value = fig.get(key)
+            if limit is not None and value is not None and value > limit:
+                out.append(f"{name}: {key} {value:.3g} > {flag} {limit:g}")
+    return out
+
+
+def render(rep: dict) -> str:
+    qs = [str(q) for q in QUANTILES]
+    head = f"{'comparison':<34} {'tokens':>9} {'mean|d|':>9} {'max|d|':>9} " + " ".join(f"{'p' + format(float(q) * 100, 'g'):>9}" for q in qs) + \
+        f" {'flips':>8} {'K1':>10} {'K3':>9}"
+    lines = [head]
+    for name, f in rep["sections"].items():
+        flips = "n/a" if f["argmax_flip_fraction"] is None else f"{f['argmax_flip_fraction']:.2%}"
+        lines.append(f"{name[:34]:<34} {f['tokens']:>9,} {f['mean_abs_delta']:>9.2e} {f['max_abs_delta']:>9.2e} "
+                     + " ".join(f"{f['abs_delta_quantiles'][q]:>9.2e}" for q in qs) + f" {flips:>8} {f['k1']:>10.2e} {f['k3']:>9.2e}")
+    for name, f in rep["sections"].items():
+        lines.append(f"\n{name}: {f['description']}")
+        if f["argmax_flip_fraction"] is None:
+            lines.append("  argmax flips: n/a (needs the rollout engine's --ref-top-k, or both teachers' top-k stores)")
+        lines.append("  worst sequences (largest |delta|; the token is in [[ ]]):")
+        for w in f["worst_sequences"]:
+            text = w.get("text", "").replace("\n", "\\n")
+            lines.append(f"    {w['id']}  |d| {w['max_abs_delta']:.3e} at token {w['position']} (id {w['token_id']})  {text[:120]}")
+    return "\n".join(lines)
+
+
+def histogram_png(sections: list[Section], path: str | Path) -> Path:
+    """Histogram of |delta| on log-spaced bins, one series per comparison."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from opdcache.errors import MissingDependencyError
+
+        raise MissingDependencyError("the PNG histogram needs matplotlib: pip install 'opdcache[plot]' (or pass --no-png)") from None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    edges = HIST_EDGES[1:]
+    for s in sections:
+        a = np.abs(np.concatenate(s.deltas))
+        zeros = int((a == 0).sum())
+        ax.hist(np.clip(a[a > 0], edges[0], edges[-1]), bins=edges, histtype="step", linewidth=1.5,
+                label=f"{s.name} ({zeros:,} exact zeros omitted; |delta| < 1e-8 in the first bin)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("|delta| = |log p_train - log p_rollout| (nats)")
+    ax.set_ylabel("tokens")
+    ax.set_title("training-inference mismatch per token")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
