@@ -1,12 +1,13 @@
 """Lightning OPD against standard (online) OPD on the embedded task, same optimizer steps, in one run.
 
 Both start from the same pi_ref (the demo student after SFT on the teacher's trajectories) and use the same
-estimator (lightning), batch size, learning rate and steps. Lightning OPD's wall-clock counts the cache
-construction (build-rollouts + score-teacher) plus training; the online baseline samples fresh rollouts from
-the current student and scores them with the live teacher at every step. Prints the wall-clock ratio and
-both final held-out accuracies.
+estimator, batch size, learning rate and steps (the demo's defaults). Lightning OPD's wall-clock counts the cache
+construction (build-rollouts of the OPD prompts x samples, score-teacher with the stores the estimator needs)
+plus training, which passes over the cached rollouts as many times as the steps need; the online baseline samples
+a fresh batch from the current student and scores it with the live teacher at every step. Prints the wall-clock
+ratio and both final held-out accuracies and reverse KLs.
 
-    python benchmarks/bench_e2e.py [--workdir /tmp/e2e --steps 40]
+    python benchmarks/bench_e2e.py [--workdir /tmp/opdcache-e2e --steps 80 --loss full-rkl]
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from opdcache.backends.base import SamplingConfig
 from opdcache.demo.pipeline import DemoConfig, load, setup
-from opdcache.evaluate import evaluate_accuracy
+from opdcache.evaluate import evaluate_accuracy, reverse_kl_to_teacher
 from opdcache.prompts import PromptConfig
 from opdcache.rollouts import GenerateJob, run_generate
 from opdcache.scoring import ScoreJob, run_score
@@ -28,46 +29,59 @@ from opdcache.train import TrainConfig, run_train
 
 
 def main() -> None:
+    d = DemoConfig()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/opdcache-e2e"))
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=d.opd_steps)
+    parser.add_argument("--batch-size", type=int, default=d.opd_batch_size)
+    parser.add_argument("--lr", type=float, default=d.opd_lr)
+    parser.add_argument("--loss", default=d.loss)
+    parser.add_argument("--n-opd", type=int, default=d.n_opd, help="OPD prompts in the cache")
+    parser.add_argument("--samples", type=int, default=d.samples, help="cached rollouts per prompt")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    cfg = DemoConfig(workdir=args.workdir, n_train=1000, n_opd=args.steps * args.batch_size // 2, n_heldout=300)
+    cfg = DemoConfig(workdir=args.workdir, seed=args.seed, n_opd=args.n_opd)
     paths = setup(cfg)
     w = cfg.workdir
     sft, pi_ref = w / "caches" / "sft", w / "models" / "pi_ref"
     if not (sft / "opdcache.json").is_file():
         run_generate(GenerateJob(model=paths["teacher"], prompts=PromptConfig(paths["prompts_train"]), out=sft, kind="sft", num_shards=4,
-                                 sampling=SamplingConfig(temperature=0.8, max_new_tokens=48)))
+                                 sampling=SamplingConfig(temperature=0.8, max_new_tokens=48, seed=cfg.seed)))
     if not (pi_ref / "config.json").is_file():
-        run_sft(paths["student"], sft, pi_ref, SFTConfig(steps=cfg.sft_steps, batch_size=64, lr=3e-3, warmup=10))
+        run_sft(paths["student"], sft, pi_ref, SFTConfig(steps=cfg.sft_steps, batch_size=64, lr=3e-3, warmup=10, seed=cfg.seed))
+    stores = ("logprob", "hidden") if args.loss in ("full-fkl", "full-rkl", "jsd") else ("logprob",)
+    train = dict(model=pi_ref, loss=args.loss, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=cfg.seed)
 
     t0 = time.perf_counter()  # Lightning OPD: cache construction + training
-    rollouts = w / "caches" / "rollouts"
+    rollouts = w / "caches" / f"rollouts-{time.time_ns()}"
     run_generate(GenerateJob(model=pi_ref, prompts=PromptConfig(paths["prompts_opd"]), out=rollouts, num_shards=4,
-                             sampling=SamplingConfig(temperature=1.0, max_new_tokens=48, samples=2)))
-    run_score(ScoreJob(cache=rollouts, teacher=paths["teacher"]))
+                             sampling=SamplingConfig(temperature=1.0, max_new_tokens=48, samples=args.samples, seed=cfg.seed)))
+    run_score(ScoreJob(cache=rollouts, teacher=paths["teacher"], stores=stores))
     t_cache = time.perf_counter() - t0
-    run_train(TrainConfig(model=pi_ref, cache=rollouts, out=w / "runs" / "lightning", steps=args.steps, batch_size=args.batch_size, lr=args.lr))
+    run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-lightning"), **train))
     t_lightning = time.perf_counter() - t0
 
     t0 = time.perf_counter()  # standard OPD: live rollouts and live teacher at every step
-    run_train(TrainConfig(model=pi_ref, cache=rollouts, out=w / "runs" / "online", steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                          online=True, teacher_model=paths["teacher"], max_new_tokens=48, temperature=1.0))
+    run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-online"), online=True, teacher_model=paths["teacher"],
+                          max_new_tokens=48, temperature=1.0, **train))
     t_online = time.perf_counter() - t0
 
-    acc = {}
-    for name, path in (("pi_ref", pi_ref), ("lightning", w / "runs" / "lightning" / "model"), ("online", w / "runs" / "online" / "model")):
+    teacher, _ = load(paths["teacher"])
+    fig = {}
+    for name, path in (("pi_ref", pi_ref), ("lightning", rollouts.with_name(rollouts.name + "-lightning") / "model"),
+                       ("online", rollouts.with_name(rollouts.name + "-online") / "model")):
         model, tok = load(path)
-        acc[name] = evaluate_accuracy(model, tok, n=cfg.n_heldout).accuracy
-    print(f"\n{args.steps} steps, batch {args.batch_size}, lr {args.lr}, lightning estimator, demo models, 2 CPU threads\n")
-    print(f"{'run':<32} {'wall-clock s':>12} {'held-out accuracy':>18}")
-    print(f"{'pi_ref (start)':<32} {'':>12} {acc['pi_ref']:>17.1%}")
-    print(f"{'Lightning OPD (cache + train)':<32} {t_lightning:>12.1f} {acc['lightning']:>17.1%}   (cache construction {t_cache:.1f}s)")
-    print(f"{'standard OPD (--online)':<32} {t_online:>12.1f} {acc['online']:>17.1%}")
+        fig[name] = (evaluate_accuracy(model, tok, n=cfg.n_heldout, seed=cfg.seed).accuracy,
+                     reverse_kl_to_teacher(model, teacher, tok, n=200, seed=cfg.seed))
+    cached = args.n_opd * args.samples
+    print(f"\n{args.loss}, {args.steps} steps x batch {args.batch_size} ({args.steps * args.batch_size:,} sequences), lr {args.lr:g}, "
+          f"cache {args.n_opd} prompts x {args.samples} = {cached:,} rollouts, demo models, seed {cfg.seed}, 2 CPU threads\n")
+    print(f"{'run':<32} {'wall-clock s':>12} {'held-out accuracy':>18} {'reverse KL':>11}")
+    print(f"{'pi_ref (start)':<32} {'':>12} {fig['pi_ref'][0]:>17.1%} {fig['pi_ref'][1]:>11.4f}")
+    print(f"{'Lightning OPD (cache + train)':<32} {t_lightning:>12.1f} {fig['lightning'][0]:>17.1%} {fig['lightning'][1]:>11.4f}"
+          f"   (cache construction {t_cache:.1f}s)")
+    print(f"{'standard OPD (--online)':<32} {t_online:>12.1f} {fig['online'][0]:>17.1%} {fig['online'][1]:>11.4f}")
     print(f"{'speed-up':<32} {t_online / t_lightning:>11.2f}x")
 
 

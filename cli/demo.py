@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
+
+from opdcache.demo.pipeline import DemoConfig
 
 
 def demo(
     workdir: Annotated[Path, typer.Option("--workdir", help="Where the demo writes models/, prompts/ and caches/.")] = Path("opdcache-demo"),
     seed: Annotated[int, typer.Option(help="Seed of prompts, sampling and training.")] = 0,
-    loss: Annotated[str, typer.Option("--loss", help="Estimator of the OPD stage.")] = "lightning",
-    opd_steps: Annotated[int, typer.Option("--opd-steps", help="OPD optimizer steps.")] = 40,
-    opd_lr: Annotated[float, typer.Option("--opd-lr", help="OPD learning rate.")] = 3e-6,
+    loss: Annotated[str, typer.Option("--loss", help="Estimator of the OPD stage.")] = DemoConfig.loss,
+    opd_steps: Annotated[int, typer.Option("--opd-steps", help="OPD optimizer steps.")] = DemoConfig.opd_steps,
+    opd_lr: Annotated[float, typer.Option("--opd-lr", help="OPD learning rate.")] = DemoConfig.opd_lr,
+    ablation: Annotated[Optional[str], typer.Option("--ablation", help="consistency (teacher 1 vs teacher 2, papers/000 Table 4) or quantized (int8 rollouts with and without corrections).", show_default=False)] = None,
 ) -> None:
     """Run the whole pipeline on the embedded task, on CPU, with tiny local models (no network)."""
-    from opdcache.demo.pipeline import DemoConfig, run_demo
+    from opdcache.demo.pipeline import ABLATIONS, run_demo
+    from opdcache.errors import ConfigError
 
-    run_demo(DemoConfig(workdir=workdir, seed=seed, loss=loss, opd_steps=opd_steps, opd_lr=opd_lr))
+    if ablation is not None and ablation not in ABLATIONS:
+        raise ConfigError(f"--ablation must be one of {', '.join(ABLATIONS)}, got {ablation!r}")
+    cfg = DemoConfig(workdir=workdir, seed=seed, loss=loss, opd_steps=opd_steps, opd_lr=opd_lr)
+    (ABLATIONS[ablation] if ablation else run_demo)(cfg)
 
 
 def register(app: typer.Typer) -> None:

@@ -30,6 +30,7 @@ class OnlineSource:
         self.model = model
         self.student = TransformersBackend.from_model(model)
         self.teacher = TransformersBackend(cfg.teacher_model, dtype="float32", device=str(device))
+        self.want_hidden = cfg.loss in ("full-fkl", "full-rkl", "jsd")  # the live teacher's final hidden states
         self.rng = np.random.default_rng(cfg.seed)
         self.order: list[int] = []
         self.calls = 0
@@ -44,10 +45,13 @@ class OnlineSource:
         self.model.eval()
         gens = self.student.generate(reqs, SamplingConfig(temperature=self.cfg.temperature, max_new_tokens=self.cfg.max_new_tokens))
         self.model.train(was_training)
-        scores = self.teacher.score([ScoreRequest(r.prompt_ids, g.response_ids) for r, g in zip(reqs, gens)])
+        scores = self.teacher.score([ScoreRequest(r.prompt_ids, g.response_ids) for r, g in zip(reqs, gens)], hidden=self.want_hidden)
         rows = [{"prompt_ids": np.asarray(r.prompt_ids), "response_ids": g.response_ids, "sampling_logprobs": g.sampling_logprobs,
                  "ref_logprobs": g.ref_logprobs, "teacher_logprobs": sc.logprobs} for r, g, sc in zip(reqs, gens, scores)]
-        return collate(rows)
+        if self.want_hidden:
+            for row, sc in zip(rows, scores):
+                row["teacher_hidden"] = sc.hidden.float().numpy()
+        return collate(rows, hidden_dtype="float32")
 
     def state_dict(self) -> dict:
         return {}

@@ -269,9 +269,9 @@ def hidden_dtype_of(field: pa.Field) -> str:
 
 def hidden_to_torch(values, hidden_dtype: str):
     """uint16 bit patterns (or float32) -> a torch tensor of the stored dtype, without changing a bit."""
-    import torch
-
     import warnings
+
+    import torch
 
     with warnings.catch_warnings():  # Arrow buffers are read-only; we never write through these tensors
         warnings.simplefilter("ignore", UserWarning)

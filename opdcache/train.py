@@ -108,8 +108,8 @@ class TrainConfig:
             raise ConfigError(f"--topk-support must be teacher or ref, got {self.topk_support!r}")
         if self.online and self.teacher_model is None:
             raise ConfigError("--online needs --teacher-model (the live teacher)")
-        if self.online and self.loss not in ("lightning", "is"):
-            raise ConfigError(f"--online supports --loss lightning or is, got {self.loss!r}")
+        if self.online and self.loss not in ("lightning", "is", "full-fkl", "full-rkl", "jsd"):
+            raise ConfigError(f"--online supports --loss lightning, is, full-fkl, full-rkl or jsd, got {self.loss!r}")
 
 
 def _stores_for(cfg: TrainConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -174,6 +174,10 @@ class Trainer:
             from opdcache.online import OnlineSource
 
             self.source = OnlineSource(cfg, self.model, self.device)
+            if self.source.want_hidden:
+                from opdcache.heads import head_of
+
+                self.teacher_head = head_of(self.source.teacher.model)
         else:
             from opdcache.cache import Cache
             from opdcache.data import CacheLoader, CacheLoaderConfig

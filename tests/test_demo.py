@@ -23,3 +23,25 @@ def test_demo_pipeline_end_to_end_and_rerun_skips(tmp_path):
     assert (w / "runs" / "lightning" / "metrics.jsonl").is_file()
     again = run_demo(cfg)
     assert sum("already done, skipped" in line for line in again.lines) == 5
+
+
+@pytest.mark.slow
+def test_ablations_run_and_report_what_they_measure(tmp_path):
+    from opdcache.demo.pipeline import QUANTIZED_RUNS, run_consistency_ablation, run_quantized_ablation
+
+    cfg = DemoConfig(workdir=tmp_path / "demo", n_train=64, n_opd=24, n_heldout=30, sft_steps=20, opd_steps=2, samples=1)
+    c = run_consistency_ablation(cfg).figures
+    assert c["consistency"]["lineage"] == {"teacher": "consistent", "teacher_carry": "inconsistent"}
+    assert c["consistency"]["empirical"] == "teacher"  # the probe agrees without looking at lineage
+    assert c["consistency"]["gap"]["teacher"] < c["consistency"]["gap"]["teacher_carry"]
+    assert {"opd_teacher", "opd_teacher_carry"} <= set(c)
+    assert json.loads((cfg.workdir / "ablation_consistency.json").read_text())["consistency"]["consistent_with"] == "teacher"
+
+    q = run_quantized_ablation(cfg).figures
+    m = q["mismatch"]
+    assert m["int8"]["mean_abs_delta"] > 100 * m["float32"]["mean_abs_delta"]
+    manifest = json.loads((cfg.workdir / "caches" / "rollouts_int8" / "opdcache.json").read_text())
+    assert manifest["tables"]["rollouts"]["model"]["quantization"] == "int8"
+    logged = {name: json.loads((cfg.workdir / "runs" / f"int8-{name}" / "metrics.jsonl").read_text().splitlines()[-1]) for name in QUANTIZED_RUNS}
+    assert "tis_clip_fraction" in logged["tis"] and "rejected_fraction" in logged["reject-k3"]
+    assert "band_rejected_fraction" in logged["trust-band"] and "tis_clip_fraction" not in logged["none"]

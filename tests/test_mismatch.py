@@ -83,7 +83,7 @@ def test_cli_writes_json_and_png_and_exits_1_on_a_crossed_threshold(int8_cache, 
     with pytest.raises(SystemExit) as e:
         main(["mismatch-report", str(int8_cache), "--out", str(tmp_path / "r2"), "--no-png", "--max-mean-abs-delta", str(limit)])
     assert e.value.code == 1
-    assert f"rollouts: mean_abs_delta" in capsys.readouterr().err
+    assert "rollouts: mean_abs_delta" in capsys.readouterr().err
     assert not (tmp_path / "r2" / "mismatch_hist.png").exists()
 
 

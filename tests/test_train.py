@@ -92,3 +92,21 @@ def test_ddp_with_two_cpu_processes(hf_cache, weights, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("RESULT 2") == 2
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("loss", ["lightning", "full-rkl"])
+def test_online_baseline_samples_from_the_current_student_with_a_live_teacher(hf_cache, weights, tmp_path, loss):
+    run_train(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss=loss, steps=3, batch_size=6, lr=1e-3, online=True,
+                          teacher_model=weights / "teacher", max_new_tokens=24, temperature=1.0))
+    metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    # fresh rollouts every step: the student's log-probs equal the sampling engine's at every step, even after updates
+    assert all(m["is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and m["k1"] == pytest.approx(0.0, abs=1e-4) for m in metrics)
+    assert all(m["tokens"] <= 6 * 24 for m in metrics)
+
+
+def test_online_refuses_a_loss_it_cannot_feed(hf_cache, weights, tmp_path):
+    with pytest.raises(ConfigError, match="--online supports --loss lightning, is, full-fkl, full-rkl or jsd, got 'mc'"):
+        TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss="mc", online=True, teacher_model=weights / "teacher")
+    with pytest.raises(ConfigError, match="--online needs --teacher-model"):
+        TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, online=True)
