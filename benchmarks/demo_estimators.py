@@ -35,7 +35,7 @@ def main() -> None:
         rows["pi_ref"].append(report.figures["pi_ref"] | {"k1": 0.0})
         for loss in args.losses:
             run = cfg.workdir / "runs" / f"est-{loss}-lr{args.lr:g}-s{args.steps}"
-            model = _train(DemoConfig(**{**cfg.__dict__, "loss": loss}), report, p["pi_ref"], p["rollouts"], run)
+            model = _train(DemoConfig(**{**cfg.__dict__, "loss": loss}), report, p["pi_ref"], p["rollouts"], run, teacher="teacher")
             fig = evaluate(f"{loss}", model, p["teacher_model"], cfg, report)
             last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
             rows[loss].append(fig | {"k1": last.get("k1", float("nan"))})

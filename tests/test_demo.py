@@ -42,6 +42,6 @@ def test_ablations_run_and_report_what_they_measure(tmp_path):
     assert m["int8"]["mean_abs_delta"] > 100 * m["float32"]["mean_abs_delta"]
     manifest = json.loads((cfg.workdir / "caches" / "rollouts_int8" / "opdcache.json").read_text())
     assert manifest["tables"]["rollouts"]["model"]["quantization"] == "int8"
-    logged = {name: json.loads((cfg.workdir / "runs" / f"int8-{name}" / "metrics.jsonl").read_text().splitlines()[-1]) for name in QUANTIZED_RUNS}
+    logged = {name: json.loads((cfg.workdir / "runs" / f"int8-{cfg.loss}-{name}" / "metrics.jsonl").read_text().splitlines()[-1]) for name in QUANTIZED_RUNS}
     assert "tis_clip_fraction" in logged["tis"] and "rejected_fraction" in logged["reject-k3"]
     assert "band_rejected_fraction" in logged["trust-band"] and "tis_clip_fraction" not in logged["none"]

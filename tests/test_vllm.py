@@ -79,3 +79,21 @@ def test_both_engines_score_the_same_rollouts_alike(vllm_cache):
     for name in ("logprobs", "logsumexp", "ref_topk_logprobs", "mc_logprobs", "topk_logprobs"):
         assert stats[name]["max"] < TOL, (name, stats[name])
     assert stats["topk_ids_equal_fraction"] > 0.99
+
+
+def test_mismatch_report_measures_vllm_against_transformers(vllm_cache, tmp_path, capsys):
+    """mismatch-report on a cache built by vLLM: its rollouts against the float32 trainer, and its teacher scores
+    against the transformers engine's (the pair is found from the manifest: same teacher weights, other engine)."""
+    from opdcache import mismatch
+    from opdcache.cli.main import main
+
+    rep, _ = mismatch.report(vllm_cache)
+    assert set(rep["sections"]) == {"rollouts", "teachers hf vs vllm"}
+    for fig in rep["sections"].values():
+        assert fig["tokens"] > 0 and 0 < fig["max_abs_delta"] < TOL
+    assert "vllm" in rep["sections"]["rollouts"]["description"]
+    with pytest.raises(SystemExit) as e:
+        main(["mismatch-report", str(vllm_cache), "--out", str(tmp_path), "--max-abs-delta", str(TOL)])
+    out = capsys.readouterr().out
+    print("\n" + out)
+    assert e.value.code == 0 and (tmp_path / "mismatch_hist.png").is_file()

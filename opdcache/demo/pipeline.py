@@ -162,6 +162,13 @@ def _rollouts(cfg: DemoConfig, report: DemoReport, pi_ref: Path, prompts: Path, 
                sampling=SamplingConfig(temperature=1.0, max_new_tokens=48, samples=cfg.samples, seed=cfg.seed, ref_top_k=8, mc_samples=4))).summary())
 
 
+def stores_for(loss: str) -> tuple[str, ...]:
+    """The teacher stores an estimator reads."""
+    if loss in ("full-fkl", "full-rkl", "jsd"):
+        return ("logprob", "hidden")
+    return ("logprob", "topk") if loss.startswith("topk") else ("logprob",)
+
+
 def _score(report: DemoReport, cache: Path, teacher: Path, stores=("logprob", "topk", "hidden", "svd"), allow_inconsistent: bool = False) -> str:
     from opdcache.scoring import ScoreJob
 
@@ -221,7 +228,7 @@ def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
     report = DemoReport()
     start = time.perf_counter()
     p = _prepare(cfg, report)
-    _score(report, p["rollouts"], p["teacher_carry"], stores=("logprob",), allow_inconsistent=True)
+    _score(report, p["rollouts"], p["teacher_carry"], stores=stores_for(cfg.loss), allow_inconsistent=True)
     c = check(p["rollouts"])
     report.figures["consistency"] = {"lineage": {n: t["lineage"] for n, t in c["teachers"].items()},
                                      "gap": {n: t["gap"]["mean"] for n, t in c["teachers"].items()},
@@ -230,7 +237,7 @@ def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
                + ", ".join(f"{n} {g:.4f}" for n, g in report.figures["consistency"]["gap"].items())
                + f"; empirically consistent with: {c['consistent_empirically']}")
     for slug in ("teacher", "teacher_carry"):
-        model = _train(cfg, report, p["pi_ref"], p["rollouts"], cfg.workdir / "runs" / f"consistency-{slug}", teacher=slug)
+        model = _train(cfg, report, p["pi_ref"], p["rollouts"], cfg.workdir / "runs" / f"consistency-{cfg.loss}-{slug}", teacher=slug)
         evaluate(f"opd_{slug}", model, p["teacher_model"], cfg, report)
     f = report.figures
     report.say(f"[result] held-out accuracy: pi_ref {f['pi_ref']['accuracy']:.1%} -> Lightning OPD with teacher 1 (consistent) "
@@ -258,7 +265,7 @@ def run_quantized_ablation(cfg: DemoConfig) -> DemoReport:
     p = _prepare(cfg, report)
     q = cfg.workdir / "caches" / "rollouts_int8"
     _rollouts(cfg, report, p["pi_ref"], p["prompts_opd"], q, quantize="int8")
-    _score(report, q, p["teacher"], stores=("logprob",))
+    _score(report, q, p["teacher"], stores=stores_for(cfg.loss))
     report.figures["mismatch"] = {}
     for name, cache in (("float32", p["rollouts"]), ("int8", q)):
         fig = mismatch.report(cache)[0]["sections"]["rollouts"]
@@ -266,7 +273,7 @@ def run_quantized_ablation(cfg: DemoConfig) -> DemoReport:
         report.say(f"[mismatch-report] {name} rollouts: mean |delta| {fig['mean_abs_delta']:.2e}, max {fig['max_abs_delta']:.2e}, "
                    f"argmax flips {fig['argmax_flip_fraction']:.2%}, K3 {fig['k3']:.2e}")
     for name, corr in QUANTIZED_RUNS.items():
-        model = _train(cfg, report, p["pi_ref"], q, cfg.workdir / "runs" / f"int8-{name}", corrections=Corrections(**corr))
+        model = _train(cfg, report, p["pi_ref"], q, cfg.workdir / "runs" / f"int8-{cfg.loss}-{name}", corrections=Corrections(**corr))
         evaluate(f"int8_{name}", model, p["teacher_model"], cfg, report)
     f = report.figures
     report.say("[result] held-out accuracy: pi_ref {:.1%} -> Lightning OPD from int8 rollouts: ".format(f["pi_ref"]["accuracy"])
