@@ -20,7 +20,7 @@ def test_demo_pipeline_end_to_end_and_rerun_skips(tmp_path):
     manifest = json.loads((w / "caches" / "rollouts" / "opdcache.json").read_text())
     assert set(manifest["tables"]) == {"rollouts", "teachers/teacher"}
     assert manifest["tables"]["teachers/teacher"]["consistency"]["verdict"] == "consistent"
-    assert (w / "runs" / "lightning" / "metrics.jsonl").is_file()
+    assert (w / "runs" / cfg.loss / "metrics.jsonl").is_file()
     again = run_demo(cfg)
     assert sum("already done, skipped" in line for line in again.lines) == 5
 
@@ -35,7 +35,7 @@ def test_ablations_run_and_report_what_they_measure(tmp_path):
     assert c["consistency"]["empirical"] == "teacher"  # the probe agrees without looking at lineage
     assert c["consistency"]["gap"]["teacher"] < c["consistency"]["gap"]["teacher_carry"]
     assert {"opd_teacher", "opd_teacher_carry"} <= set(c)
-    assert json.loads((cfg.workdir / "ablation_consistency.json").read_text())["consistency"]["consistent_with"] == "teacher"
+    assert json.loads((cfg.workdir / f"ablation_consistency_{cfg.loss}.json").read_text())["consistency"]["consistent_with"] == "teacher"
 
     q = run_quantized_ablation(cfg).figures
     m = q["mismatch"]

@@ -242,7 +242,7 @@ def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
     f = report.figures
     report.say(f"[result] held-out accuracy: pi_ref {f['pi_ref']['accuracy']:.1%} -> Lightning OPD with teacher 1 (consistent) "
                f"{f['opd_teacher']['accuracy']:.1%}, with teacher 2 (inconsistent) {f['opd_teacher_carry']['accuracy']:.1%}")
-    return _finish(report, cfg, start, "ablation_consistency.json")
+    return _finish(report, cfg, start, f"ablation_consistency_{cfg.loss}.json")
 
 
 QUANTIZED_RUNS = {
@@ -278,7 +278,7 @@ def run_quantized_ablation(cfg: DemoConfig) -> DemoReport:
     f = report.figures
     report.say("[result] held-out accuracy: pi_ref {:.1%} -> Lightning OPD from int8 rollouts: ".format(f["pi_ref"]["accuracy"])
                + ", ".join(f"{n} {f[f'int8_{n}']['accuracy']:.1%}" for n in QUANTIZED_RUNS))
-    return _finish(report, cfg, start, "ablation_quantized.json")
+    return _finish(report, cfg, start, f"ablation_quantized_{cfg.loss}.json")
 
 
 ABLATIONS = {"consistency": run_consistency_ablation, "quantized": run_quantized_ablation}
