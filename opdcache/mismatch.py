@@ -178,6 +178,8 @@ def report(cache_root: str | Path, model: str | Path | None = None, teachers: li
     """The mismatch figures of a cache, and the sections they came from (for the histogram)."""
     from transformers import AutoTokenizer
 
+    if worst < 0:
+        raise ConfigError(f"--worst must be 0 or more, got {worst}")
     cache = Cache(cache_root)
     tok_dir = cache.root / "tokenizer"
     tokenizer = AutoTokenizer.from_pretrained(tok_dir) if tok_dir.is_dir() else None

@@ -112,5 +112,7 @@ def test_errors_say_how_to_fix(hf_cache, tmp_path, weights):
         MM.report(hf_cache, model=tmp_path)
     with pytest.raises(ConfigError, match="nothing to compare"):
         MM.report(hf_cache, rollouts=False)
+    with pytest.raises(ConfigError, match="--worst must be 0 or more, got -1"):
+        MM.report(hf_cache, worst=-1)
     with pytest.raises(ConfigError, match="exactly two teacher tables"):
         MM.report(hf_cache, teachers=["teacher"])
