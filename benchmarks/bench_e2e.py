@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 
 from opdcache.backends.base import SamplingConfig
-from opdcache.demo.pipeline import DemoConfig, load, setup, stores_for
+from opdcache.demo.pipeline import DemoConfig, load, setup
 from opdcache.evaluate import evaluate_accuracy, reverse_kl_to_teacher
 from opdcache.prompts import PromptConfig
 from opdcache.rollouts import GenerateJob, run_generate
 from opdcache.scoring import ScoreJob, run_score
 from opdcache.sft import SFTConfig, run_sft
-from opdcache.train import TrainConfig, run_train
+from opdcache.train import TrainConfig, run_train, stores_for
 
 
 def main() -> None:
@@ -50,7 +50,7 @@ def main() -> None:
                                  sampling=SamplingConfig(temperature=0.8, max_new_tokens=48, seed=cfg.seed)))
     if not (pi_ref / "config.json").is_file():
         run_sft(paths["student"], sft, pi_ref, SFTConfig(steps=cfg.sft_steps, batch_size=64, lr=3e-3, warmup=10, seed=cfg.seed))
-    stores = stores_for(args.loss)
+    stores = stores_for(args.loss)[0]
     train = dict(model=pi_ref, loss=args.loss, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=cfg.seed)
 
     t0 = time.perf_counter()  # Lightning OPD: cache construction + training

@@ -5,17 +5,18 @@ For each seed the demo's shared stages run (or are reused): teacher trajectories
 cache with the same settings, and the held-out accuracy, the per-token reverse KL to the teacher, and the final
 drift from pi_ref (K1 of the last step) are printed as mean +- standard deviation over seeds.
 
-    python benchmarks/demo_estimators.py --root runs/estimators --seeds 0 1 2 [--lr 1e-4] [--steps 40]
+    python benchmarks/demo_estimators.py --root runs/estimators --seeds 0 1 2 [--lr 1e-4] [--steps 80]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
 
-from opdcache.demo.pipeline import DemoConfig, DemoReport, _prepare, _train, evaluate
+from opdcache.demo.pipeline import DemoConfig, DemoReport, _prepare, _train, evaluate, run_name
 from opdcache.losses import ESTIMATORS
 
 
@@ -34,8 +35,9 @@ def main() -> None:
         p = _prepare(cfg, report)
         rows["pi_ref"].append(report.figures["pi_ref"] | {"k1": 0.0})
         for loss in args.losses:
-            run = cfg.workdir / "runs" / f"est-{loss}-lr{args.lr:g}-s{args.steps}"
-            model = _train(DemoConfig(**{**cfg.__dict__, "loss": loss}), report, p["pi_ref"], p["rollouts"], run, teacher="teacher")
+            run_cfg = dataclasses.replace(cfg, loss=loss)
+            run = cfg.workdir / "runs" / run_name(run_cfg)
+            model = _train(run_cfg, report, p["pi_ref"], p["rollouts"], run, teacher="teacher")
             fig = evaluate(f"{loss}", model, p["teacher_model"], cfg, report)
             last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
             rows[loss].append(fig | {"k1": last.get("k1", float("nan"))})

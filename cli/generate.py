@@ -10,22 +10,22 @@ import typer
 from opdcache.cli import options as O
 
 
-def _run(kind: str, model: Path, prompts: Path, out: Path, prompt_field: str, messages_field, answer_field, chat_template, strict, limit,
-         reward, samples, temperature, top_p, max_new_tokens, seed, ref_top_k, mc_samples, backend, dtype, device, quantize,
-         tensor_parallel_size, gpu_memory_utilization, num_shards, sft_teacher, num_workers, worker_index, progress) -> None:
+def _run(kind: str, model: Path, o: dict) -> None:
+    """Build and run the job from a command's options (``o``: its parameters by name; build-sft has no
+    rollout-only options, which then take their defaults)."""
     from opdcache.backends.base import SamplingConfig
     from opdcache.prompts import PromptConfig
     from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
 
     job = GenerateJob(
-        model=model, out=out, kind=kind, num_shards=num_shards, sft_teacher=sft_teacher, reward=reward,
-        prompts=PromptConfig(prompts, prompt_field=prompt_field, messages_field=messages_field, answer_field=answer_field,
-                             chat_template=chat_template, strict=strict, limit=limit),
-        sampling=SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, samples=samples, seed=seed,
-                                ref_top_k=ref_top_k, mc_samples=mc_samples),
-        engine=EngineConfig(backend=backend, dtype=dtype, device=device, quantize=quantize, tensor_parallel_size=tensor_parallel_size,
-                            gpu_memory_utilization=gpu_memory_utilization),
-        num_workers=num_workers, worker_index=worker_index, progress=progress,
+        model=model, out=o["out"], kind=kind, num_shards=o["num_shards"], sft_teacher=o.get("sft_teacher"), reward=o["reward"],
+        prompts=PromptConfig(o["prompts"], prompt_field=o["prompt_field"], messages_field=o["messages_field"], answer_field=o["answer_field"],
+                             chat_template=o["chat_template"], strict=o["strict"], limit=o["limit"]),
+        sampling=SamplingConfig(temperature=o["temperature"], top_p=o["top_p"], max_new_tokens=o["max_new_tokens"], samples=o["samples"],
+                                seed=o["seed"], ref_top_k=o.get("ref_top_k"), mc_samples=o.get("mc_samples")),
+        engine=EngineConfig(backend=o["backend"], dtype=o["dtype"], device=o["device"], quantize=o.get("quantize"),
+                            tensor_parallel_size=o["tensor_parallel_size"], gpu_memory_utilization=o["gpu_memory_utilization"]),
+        num_workers=o["num_workers"], worker_index=o["worker_index"], progress=o["progress"],
     )
     typer.echo(run_generate(job).summary())
 
@@ -44,9 +44,7 @@ def build_sft(
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
 ) -> None:
     """Sample teacher trajectories for SFT (papers/000 eq. 5); the teacher's fingerprint is the lineage."""
-    _run("sft", teacher, prompts, out, prompt_field, messages_field, answer_field, chat_template, strict, limit, reward, samples,
-         temperature, top_p, max_new_tokens, seed, None, None, backend, dtype, device, None, tensor_parallel_size,
-         gpu_memory_utilization, num_shards, None, num_workers, worker_index, progress)
+    _run("sft", teacher, locals())
 
 
 def build_rollouts(
@@ -63,9 +61,7 @@ def build_rollouts(
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
 ) -> None:
     """Sample pi_ref rollouts with their log-probs (papers/000 eq. 7)."""
-    _run("rollouts", model, prompts, out, prompt_field, messages_field, answer_field, chat_template, strict, limit, reward, samples,
-         temperature, top_p, max_new_tokens, seed, ref_top_k, mc_samples, backend, dtype, device, quantize, tensor_parallel_size,
-         gpu_memory_utilization, num_shards, sft_teacher, num_workers, worker_index, progress)
+    _run("rollouts", model, locals())
 
 
 def register(app: typer.Typer) -> None:

@@ -33,7 +33,7 @@ def mismatch_report(
     rep, sections = M.report(cache, model, teacher, rollouts, worst, device, progress)
     limits = M.Thresholds(max_abs_delta, max_mean_abs_delta, max_flip_fraction, max_k3)
     problems = M.crossed(rep, limits)
-    rep["thresholds"] = {k: v for k, v in vars(limits).items()}
+    rep["thresholds"] = dict(vars(limits))
     rep["crossed"] = problems
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "mismatch_report.json", json.dumps(rep, indent=2) + "\n")

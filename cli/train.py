@@ -86,7 +86,7 @@ def train(
 
         typer.echo(lineage_line(cfg.cache, cfg.teacher))
     result = run_train(cfg)
-    typer.echo(json.dumps({k: v for k, v in result.items() if k != "last"} | {"last": result["last"]}, default=str))
+    typer.echo(json.dumps(result, default=str))
 
 
 def register(app: typer.Typer) -> None:

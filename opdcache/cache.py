@@ -300,12 +300,9 @@ def finalize_table(job: TableJob, tokenizer: dict | None = None, lineage: dict |
     """
     from opdcache import card
 
-    meta = dict(job.meta)
-    tokenizer = tokenizer or meta.pop("tokenizer", None)
-    lineage = lineage or meta.pop("lineage", None)
-    meta.pop("tokenizer", None)
-    meta.pop("lineage", None)
-    entry_extra = {**meta, **entry_extra}
+    tokenizer = tokenizer or job.meta.get("tokenizer")
+    lineage = lineage or job.meta.get("lineage")
+    entry_extra = {k: v for k, v in job.meta.items() if k not in ("tokenizer", "lineage")} | entry_extra
     if M.exists(job.root):
         manifest = M.load(job.root)
     else:

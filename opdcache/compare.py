@@ -1,7 +1,8 @@
-"""Per-token disagreement between two sets of values for the same tokens (two engines, two teachers).
+"""Column-by-column disagreement between two teacher tables of one cache (the engine conformance check).
 
-The building block of the engine conformance check and of the training-inference mismatch report
-(papers/003 eq. 1): delta_t = a_t - b_t over aligned per-token columns.
+Every per-token column both tables store (log-probs, log-partition, log-probs at pi_ref's top-k and MC ids,
+the teacher's own top-k) is compared as |a - b| over all tokens; ``opdcache mismatch-report`` gives the
+per-token delta of the log-probs with quantiles, flips and the worst sequences (opdcache/mismatch.py).
 """
 
 from __future__ import annotations
@@ -9,13 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from opdcache import schema as S
-from opdcache import shards
 from opdcache.cache import Cache
 
 
 def column(cache: Cache, table: str, name: str) -> np.ndarray:
     """A per-token column of a whole table, concatenated over shards: [tokens] or [tokens, width]."""
-    return np.concatenate([shards.token_values(shards.read_table(p, [name])[name]) for p in cache.shard_paths(table)])
+    return np.concatenate(cache.sequences(table, name))
 
 
 def abs_diff_stats(a: np.ndarray, b: np.ndarray) -> dict:

@@ -77,9 +77,7 @@ class _Shard:
         self.hidden_dtype = None
         if teacher_path is not None:
             t = shards.read_table(teacher_path, teacher_cols)
-            for name in teacher_cols:
-                if name == "id":
-                    continue
+            for name in teacher_cols:  # per-token columns only (CacheDataset leaves out row columns such as id)
                 self.cols["teacher_" + name] = shards.token_values(t[name])
                 if name == "hidden":
                     self.hidden_dtype = shards.hidden_dtype_of(t.schema.field("hidden"))

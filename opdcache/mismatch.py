@@ -31,6 +31,17 @@ from opdcache.errors import ConfigError
 from opdcache.progress import bar
 
 QUANTILES = (0.5, 0.9, 0.99, 0.999)
+DEFINITIONS = {
+    "delta": "per response token, log p_a(a_t) - log p_b(a_t) at temperature 1, nats; rollouts: a = float32 transformers "
+             "recompute of pi_ref (trainer), b = the rollout engine's stored ref_logprobs; teachers: a, b as the section names them",
+    "mean_delta": "mean of delta over all response tokens", "mean_abs_delta": "mean of |delta|", "max_abs_delta": "max of |delta|",
+    "abs_delta_quantiles": "quantiles of |delta| over tokens, keyed by the quantile",
+    "argmax_flip_fraction": "fraction of positions where the two sides' most likely token differs (null: top-k not stored)",
+    "k1": "mean(-delta); for rollouts an estimate of KL(pi_rollout || pi_train) per token from the rollout engine's samples",
+    "k3": "mean(exp(delta) - 1 - delta); the same KL, lower-variance and never negative",
+    "histogram": "token counts of |delta| per bin [edge_i, edge_i+1); values above the last edge fall in the last bin",
+    "worst_sequences": "rows with the largest max |delta|; position is the response token index, marked [[ ]] in text",
+}
 HIST_EDGES = np.concatenate([[0.0], np.logspace(-8, 1, 37)])  # |delta| bins: 0, 1e-8 ... 10 (4 per decade)
 
 
@@ -96,8 +107,8 @@ def _ids(cache: Cache, table: str) -> list[str]:
 def rollout_section(cache: Cache, model: str | Path | None = None, device: str = "auto", progress: bool | None = None) -> Section:
     """pi_ref recomputed in float32 by transformers against what the rollout engine stored."""
     from opdcache.backends.hf import TransformersBackend
-    from opdcache.backends.base import ScoreRequest
     from opdcache.lineage import model_info
+    from opdcache.scoring import score_requests
 
     if cache.kind != "rollouts":
         raise ConfigError(f"{cache.root} is a {cache.kind} cache; the rollout mismatch needs pi_ref rollouts (ref_logprobs)")
@@ -110,30 +121,34 @@ def rollout_section(cache: Cache, model: str | Path | None = None, device: str =
         raise ConfigError(f"--model {path} (fingerprint {fp[:12]}) is not the model that generated the rollouts "
                           f"({recorded['fingerprint'][:12]}); the mismatch is only meaningful for the same weights")
     params = cache.params("rollouts")
-    engine = f"{recorded.get('engine', '?')}/{recorded.get('dtype', '?')}" + (f"/{recorded['quantization']}" if recorded.get("quantization") else "")
     deltas, flips, ids, responses = [], [] if params.ref_top_k else None, [], []
     backend = TransformersBackend(path, dtype="float32", device=device)
+    top_column = ["ref_topk_ids"] if params.ref_top_k else []
     with closing(backend), bar(total=len(cache.shard_paths("rollouts")), desc="mismatch: float32 recompute", unit="shard", enabled=progress) as pbar:
-        for path_ in cache.shard_paths("rollouts"):
-            rows = shards.read_table(path_, ["id", "prompt_ids", "response_ids", "ref_logprobs"] + (["ref_topk_ids"] if params.ref_top_k else []))
+        for shard in cache.shard_paths("rollouts"):
+            rows = shards.read_table(shard, ["id", "prompt_ids", "response_ids", "ref_logprobs"] + top_column)
+            reqs = score_requests(rows.select(["prompt_ids", "response_ids"]))
+            scores = backend.score(reqs, top_k=1)  # top-1: the trainer's argmax
             stored = shards.row_values(rows["ref_logprobs"])
-            top = shards.row_values(rows["ref_topk_ids"]) if params.ref_top_k else None
-            reqs = [ScoreRequest(p, r) for p, r in zip(rows["prompt_ids"].to_pylist(), shards.row_values(rows["response_ids"]))]
-            scores = backend.score(reqs, top_k=1)
-            for k, (sc, r) in enumerate(zip(scores, stored)):
-                deltas.append(sc.logprobs.astype(np.float64) - r.astype(np.float64))
-                if flips is not None:
-                    flips.append(sc.topk_ids[:, 0] != top[k][:, 0])
+            deltas += [sc.logprobs.astype(np.float64) - r.astype(np.float64) for sc, r in zip(scores, stored)]
+            if flips is not None:
+                flips += [sc.topk_ids[:, 0] != top[:, 0] for sc, top in zip(scores, shards.row_values(rows["ref_topk_ids"]))]
             ids += rows["id"].to_pylist()
             responses += [np.asarray(r.response_ids) for r in reqs]
             pbar.update(1)
-    return Section("rollouts", f"pi_ref: float32 transformers (trainer) - rollout engine ({engine}) on pi_ref's samples",
+    return Section("rollouts", f"pi_ref: float32 transformers (trainer) - rollout engine ({_engine_label(recorded)}) on pi_ref's samples",
                    deltas, ids, responses, flips)
 
 
 def _engine_key(entry: dict) -> tuple:
+    """How a table's model was run: (engine, dtype, quantization), from its manifest entry."""
     m = entry.get("model") or {}
     return (m.get("engine"), m.get("dtype"), m.get("quantization"))
+
+
+def _engine_label(model: dict) -> str:
+    """'engine/dtype[/quantization]' of a manifest model record."""
+    return "/".join(str(model.get(k)) for k in ("engine", "dtype", "quantization") if model.get(k))
 
 
 def engine_pairs(cache: Cache, teachers: list[str] | None = None) -> list[tuple[str, str]]:
@@ -167,7 +182,7 @@ def teacher_section(cache: Cache, a: str, b: str) -> Section:
     if cache.params(ta).top_k and cache.params(tb).top_k:
         ka, kb = cache.sequences(ta, "topk_ids"), cache.sequences(tb, "topk_ids")
         flips = [x[:, 0] != y[:, 0] for x, y in zip(ka, kb)]
-    desc = " - ".join(f"{s} ({'/'.join(str(v) for v in _engine_key(cache.table(t)) if v)})" for s, t in ((a, ta), (b, tb)))
+    desc = " - ".join(f"{s} ({_engine_label(cache.table(t).get('model') or {})})" for s, t in ((a, ta), (b, tb)))
     return Section(f"teachers {a} vs {b}", f"teacher log-probs: {desc}",
                    [x.astype(np.float64) - y.astype(np.float64) for x, y in zip(la, lb)],
                    _ids(cache, cache.base_table), cache.sequences(cache.base_table, "response_ids"), flips)
@@ -190,7 +205,8 @@ def report(cache_root: str | Path, model: str | Path | None = None, teachers: li
     if not sections:
         raise ConfigError(f"{cache_root}: nothing to compare (no pi_ref rollouts, and no two teacher tables of one teacher "
                           "scored by different engines; name two with --teacher A --teacher B)")
-    return {"cache": str(cache.root), "sections": {s.name: s.figures(tokenizer, worst) for s in sections}}, sections
+    return {"cache": str(cache.root), "definitions": DEFINITIONS,
+            "sections": {s.name: s.figures(tokenizer, worst) for s in sections}}, sections
 
 
 def crossed(rep: dict, t: Thresholds) -> list[str]:

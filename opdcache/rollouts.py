@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from opdcache import schema as S
+from opdcache import shards
 from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig
 from opdcache.cache import TableJob, run_table_job, worker_from_env
 from opdcache.errors import ConfigError
@@ -171,14 +172,6 @@ REWARDS = {
 """Answer checkers for the `reward` column: name -> (decoded response, reference answer) -> correct."""
 
 
-def _non_finite(rec: dict) -> str | None:
-    for name, value in rec.items():
-        if isinstance(value, np.ndarray) and value.dtype.kind == "f" and not np.isfinite(value).all():
-            pos = int(np.flatnonzero(~np.isfinite(value.reshape(len(value), -1)).all(-1))[0])
-            return f"non-finite {name} at position {pos}"
-    return None
-
-
 def run_generate(job: GenerateJob) -> GenerateResult:
     """Run (or resume) a build-sft / build-rollouts job; the last worker to finish writes the manifest."""
     from transformers import AutoTokenizer
@@ -219,7 +212,7 @@ def run_generate(job: GenerateJob) -> GenerateResult:
             if job.reward and p.answer is not None:
                 reward = float(REWARDS[job.reward](tokenizer.decode(g.response_ids, skip_special_tokens=True), p.answer))
             rec = _record(job.kind, p, k, g, reward)
-            reason = _non_finite(rec)
+            reason = shards.first_non_finite(rec)
             if reason:
                 bad.append({"id": rec["id"], "prompt_index": p.index, "sample_index": k, "reason": reason})
             else:

@@ -14,7 +14,6 @@ from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 
 from opdcache import schema as S
 from opdcache import shards
@@ -101,17 +100,13 @@ def consistency_verdict(cache_lineage: dict, teacher: dict, allow: bool) -> dict
             "teacher": teacher["fingerprint"], "allowed": verdict != "inconsistent" or allow}
 
 
-def _requests(table, params: S.StoreParams) -> list[ScoreRequest]:
-    offsets = shards.list_offsets(table["response_ids"])
-    response = shards.token_values(table["response_ids"])
-    prompts = table["prompt_ids"].to_pylist()
-    ref = shards.token_values(table["ref_topk_ids"]) if "ref_topk_ids" in table.column_names else None
-    mc = shards.token_values(table["mc_ids"]) if "mc_ids" in table.column_names else None
-    out = []
-    for i, p in enumerate(prompts):
-        sl = slice(offsets[i], offsets[i + 1])
-        out.append(ScoreRequest(p, response[sl], None if ref is None else ref[sl], None if mc is None else mc[sl]))
-    return out
+def score_requests(table) -> list[ScoreRequest]:
+    """One ScoreRequest per row of a rollout (or sft) table, with pi_ref's top-k and MC ids when the table has them."""
+    response = shards.row_values(table["response_ids"])
+    ref = shards.row_values(table["ref_topk_ids"]) if "ref_topk_ids" in table.column_names else None
+    mc = shards.row_values(table["mc_ids"]) if "mc_ids" in table.column_names else None
+    return [ScoreRequest(p, response[i], None if ref is None else ref[i], None if mc is None else mc[i])
+            for i, p in enumerate(table["prompt_ids"].to_pylist())]
 
 
 def run_score(job: ScoreJob) -> dict:
@@ -160,11 +155,12 @@ def run_score(job: ScoreJob) -> dict:
     if "svd" in job.stores:
         proj, table.meta["svd"] = _svd_projection(job, cache, backend, table)
     base_paths = cache.shard_paths(base)
+    request_columns = ["id", "prompt_ids", "response_ids"] + (["ref_topk_ids"] if params.ref_top_k else []) + (["mc_ids"] if params.mc_samples else [])
 
     def make_shard(index: int) -> list[dict]:
-        rows = shards.read_table(base_paths[index])
+        rows = shards.read_table(base_paths[index], request_columns)
         ids = rows["id"].to_pylist()
-        scores = backend.score(_requests(rows, params), top_k=params.top_k, hidden=want_hidden)
+        scores = backend.score(score_requests(rows), top_k=params.top_k, hidden=want_hidden)
         records = []
         for row_id, sc in zip(ids, scores):
             rec = {"id": row_id, "logprobs": sc.logprobs, "logsumexp": sc.logsumexp}
@@ -178,10 +174,10 @@ def run_score(job: ScoreJob) -> dict:
                 rec["hidden"] = shards.hidden_to_numpy(sc.hidden)
             if proj is not None:
                 rec["svd"] = proj.encode(sc.hidden).numpy()
-            for name, value in rec.items():
-                if isinstance(value, np.ndarray) and value.dtype.kind == "f" and not np.isfinite(value).all():
-                    raise SchemaError(f"teacher produced non-finite {name} for rollout row {row_id} (shard {index}); "
-                                      "nothing was written for this shard. Check the teacher's dtype (try --dtype float32)")
+            reason = shards.first_non_finite(rec)
+            if reason:
+                raise SchemaError(f"teacher produced {reason} for rollout row {row_id} (shard {index}); "
+                                  "nothing was written for this shard. Check the teacher's dtype (try --dtype float32)")
             records.append(rec)
         return records
 
@@ -209,8 +205,7 @@ def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):
         return svd.load(path), info
     if not isinstance(backend, TransformersBackend):
         raise ConfigError("the svd store needs the transformers engine")
-    rows = shards.read_table(cache.shard_paths(cache.base_table)[0])
-    reqs = _requests(rows, S.StoreParams(stores=("base",)))
+    reqs = score_requests(shards.read_table(cache.shard_paths(cache.base_table)[0], ["prompt_ids", "response_ids"]))
     n_cal = min(CALIBRATION_SEQUENCES, max(1, len(reqs) // 2))
     with torch.no_grad():
         calib = backend.final_hidden(reqs[:n_cal])[0].float()

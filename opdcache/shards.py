@@ -126,6 +126,15 @@ def build_table(kind: str, params: S.StoreParams, records: Sequence[dict], confi
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
+def first_non_finite(record: dict) -> str | None:
+    """'non-finite <column> at position <t>' for the first float column of a record holding NaN or inf, else None."""
+    for name, value in record.items():
+        if isinstance(value, np.ndarray) and value.dtype.kind == "f" and not np.isfinite(value).all():
+            pos = int(np.flatnonzero(~np.isfinite(value.reshape(len(value), -1)).all(-1))[0])
+            return f"non-finite {name} at position {pos}"
+    return None
+
+
 def table_tokens(table: pa.Table) -> int:
     """Response tokens in a table: positions of its first per-token column."""
     for name in ("response_ids", "logprobs"):

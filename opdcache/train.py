@@ -7,10 +7,13 @@ signals come from the cache. ``online=True`` instead samples fresh rollouts from
 scores them with a live teacher every step, with the same estimator and settings.
 
 Logged every step (metrics.jsonl): loss; mean and std of the per-token importance weight
-pi_theta/pi_ref = exp(s - r) (papers/000 Fig. 3a); advantage (T - s) mean and std; clip fraction;
+pi_theta/pi_ref = exp(s - r) (papers/000 Fig. 3a); advantage (T - s) mean and std; ``clip_fraction`` (lightning: tokens with |T - s| > tau);
 K1 = mean(r - s) and K3 = mean(exp(s - r) - 1 - (s - r)), estimates of KL(pi_ref || pi_theta) from pi_ref's samples;
-``tokens``, response tokens in the step; ``grad_norm``, the total gradient norm before clipping; ``seconds``, wall-clock
-since this invocation started. Token statistics are means over response tokens, averaged over micro-batches.
+``tokens``, response tokens in the step; ``grad_norm``, the total gradient norm before clipping; ``lr``; ``seconds``,
+wall-clock since this invocation started. With corrections (l = r_train - r_rollout, r_train the trainer's float32
+pi_ref, r_rollout the cached ``ref_logprobs``): ``tis_clip_fraction``, response tokens whose exp(l) exceeded the TIS cap;
+``rejected_fraction``, sequences dropped by K1/K3 rejection; ``band_rejected_fraction``, sequences outside the trust band.
+Token statistics are means over response tokens, averaged over micro-batches; sequence fractions are over the batch.
 
 Checkpoints hold model weights (safetensors), optimizer state (safetensors + JSON), loader position and
 RNG state -- no pickle -- and a resumed run reproduces an uninterrupted one exactly (deterministic CPU).
@@ -112,13 +115,13 @@ class TrainConfig:
             raise ConfigError(f"--online supports --loss lightning, is, full-fkl, full-rkl or jsd, got {self.loss!r}")
 
 
-def _stores_for(cfg: TrainConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(teacher stores, rollout stores) the loss needs."""
-    if cfg.loss in ("full-fkl", "full-rkl", "jsd"):
+def stores_for(loss: str, topk_support: str = "teacher") -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(teacher stores, rollout stores) an estimator reads: what score-teacher and build-rollouts must have stored."""
+    if loss in ("full-fkl", "full-rkl", "jsd"):
         return ("logprob", "hidden"), ("base",)
-    if cfg.loss.startswith("topk"):
-        return ("logprob", "topk") if cfg.topk_support == "teacher" else ("logprob",), ("base", "ref_topk") if cfg.topk_support == "ref" else ("base",)
-    if cfg.loss == "mc":
+    if loss.startswith("topk"):
+        return (("logprob", "topk"), ("base",)) if topk_support == "teacher" else (("logprob",), ("base", "ref_topk"))
+    if loss == "mc":
         return ("logprob",), ("base", "mc")
     return ("logprob",), ("base",)
 
@@ -169,7 +172,7 @@ class Trainer:
             self.forward = torch.nn.parallel.DistributedDataParallel(self.forward)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
         self.step = 0
-        self.teacher_head = None
+        head = None  # the teacher's unembedding, for the full-vocabulary losses
         if cfg.online:
             from opdcache.online import OnlineSource
 
@@ -177,21 +180,23 @@ class Trainer:
             if self.source.want_hidden:
                 from opdcache.heads import head_of
 
-                self.teacher_head = head_of(self.source.teacher.model)
+                head = head_of(self.source.teacher.model)
         else:
             from opdcache.cache import Cache
             from opdcache.data import CacheLoader, CacheLoaderConfig
 
-            stores, rstores = _stores_for(cfg)
-            teacher = Cache(cfg.cache).teacher_table(cfg.teacher).split("/", 1)[1]  # the only teacher when not named
-            self.source = CacheLoader(CacheLoaderConfig(cache=cfg.cache, teacher=teacher, stores=stores, rollout_stores=rstores,
+            cache = Cache(cfg.cache)
+            table = cache.teacher_table(cfg.teacher)  # the only teacher when not named
+            stores, rstores = stores_for(cfg.loss, cfg.topk_support)
+            self.source = CacheLoader(CacheLoaderConfig(cache=cfg.cache, teacher=table.split("/", 1)[1], stores=stores, rollout_stores=rstores,
                                                         batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers))
             if "hidden" in stores:
-                from opdcache.cache import Cache
                 from opdcache.heads import load_head
 
-                cache = Cache(cfg.cache)
-                self.teacher_head = load_head(cache.root / cache.teacher_table(cfg.teacher) / "head.safetensors")
+                head = load_head(cache.root / table / "head.safetensors")
+        # moved to the device in float32 once, not at every step
+        self.teacher_w = None if head is None else head.weight.to(self.device, torch.float32)
+        self.teacher_b = None if head is None or head.bias is None else head.bias.to(self.device, torch.float32)
         self._iter = None
 
     # ------------------------------------------------------------ one step
@@ -233,8 +238,7 @@ class Trainer:
             sel = mask.bool()
             head = self.model.get_output_embeddings()
             div = chunked_divergence(cfg.loss.replace("full-", ""), h[sel], head.weight, batch["teacher_hidden"][sel].float(),
-                                     self.teacher_head.weight.to(self.device).float(), getattr(head, "bias", None),
-                                     None if self.teacher_head.bias is None else self.teacher_head.bias.to(self.device).float(), chunk=cfg.chunk)
+                                     self.teacher_w, getattr(head, "bias", None), self.teacher_b, chunk=cfg.chunk)
             terms = torch.zeros_like(s).masked_scatter(sel, div.to(s.dtype))
             st = {"kl": div.detach()}
         advantage = (teacher - s).detach() if teacher is not None else torch.zeros_like(s)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from opdcache.demo.pipeline import DemoConfig, run_demo
+from opdcache.demo.pipeline import DemoConfig, run_demo, run_name
 from opdcache.validate import validate
 
 
@@ -20,7 +20,7 @@ def test_demo_pipeline_end_to_end_and_rerun_skips(tmp_path):
     manifest = json.loads((w / "caches" / "rollouts" / "opdcache.json").read_text())
     assert set(manifest["tables"]) == {"rollouts", "teachers/teacher"}
     assert manifest["tables"]["teachers/teacher"]["consistency"]["verdict"] == "consistent"
-    assert (w / "runs" / cfg.loss / "metrics.jsonl").is_file()
+    assert (w / "runs" / run_name(cfg) / "metrics.jsonl").is_file()
     again = run_demo(cfg)
     assert sum("already done, skipped" in line for line in again.lines) == 5
 
@@ -42,6 +42,20 @@ def test_ablations_run_and_report_what_they_measure(tmp_path):
     assert m["int8"]["mean_abs_delta"] > 100 * m["float32"]["mean_abs_delta"]
     manifest = json.loads((cfg.workdir / "caches" / "rollouts_int8" / "opdcache.json").read_text())
     assert manifest["tables"]["rollouts"]["model"]["quantization"] == "int8"
-    logged = {name: json.loads((cfg.workdir / "runs" / f"int8-{cfg.loss}-{name}" / "metrics.jsonl").read_text().splitlines()[-1]) for name in QUANTIZED_RUNS}
+    logged = {name: json.loads((cfg.workdir / "runs" / f"int8-{name}-{run_name(cfg)}" / "metrics.jsonl").read_text().splitlines()[-1]) for name in QUANTIZED_RUNS}
     assert "tis_clip_fraction" in logged["tis"] and "rejected_fraction" in logged["reject-k3"]
     assert "band_rejected_fraction" in logged["trust-band"] and "tis_clip_fraction" not in logged["none"]
+
+
+def test_a_work_directory_built_with_other_settings_is_refused(tmp_path):
+    from opdcache.demo.pipeline import setup
+    from opdcache.errors import ConfigError
+
+    cfg = DemoConfig(workdir=tmp_path / "demo", n_train=8, n_opd=8, n_heldout=8)
+    first = setup(cfg)
+    before = first["prompts_opd"].read_text()
+    assert setup(DemoConfig(workdir=cfg.workdir, n_train=8, n_opd=8, n_heldout=8, opd_lr=1e-5)) == first  # OPD settings: own run dir
+    with pytest.raises(ConfigError, match=r"other settings \(seed 0 -> 1\); use another --workdir"):
+        setup(DemoConfig(workdir=cfg.workdir, seed=1, n_train=8, n_opd=8, n_heldout=8))
+    assert first["prompts_opd"].read_text() == before  # nothing was overwritten
+    assert run_name(cfg) != run_name(DemoConfig(opd_lr=1e-5))

@@ -235,3 +235,26 @@ def test_svd_store_records_measured_distortion_per_variant(hf_cache):
     for method in ("naive", "importance", "prob-weighted"):
         d = svd_info["distortion"][method]
         assert d["mean_kl"] >= 0 and 0 <= d["top1_agreement"] <= 1 and d["positions"] > 0
+
+
+def test_a_teacher_producing_nan_stops_the_shard_with_a_reason_and_writes_nothing(tmp_path, weights, opd_prompts, monkeypatch):
+    from opdcache.errors import SchemaError
+    from opdcache.scoring import ScoreJob, run_score
+
+    cache = tmp_path / "c"
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=4), out=cache, num_shards=2, sampling=FAST,
+                             sft_teacher=weights / "teacher"))
+    original = TransformersBackend.score
+
+    def poisoned(self, requests, top_k=None, hidden=False):
+        scores = original(self, requests, top_k, hidden)
+        scores[0].logsumexp = scores[0].logsumexp.copy()
+        scores[0].logsumexp[2] = np.inf
+        return scores
+
+    monkeypatch.setattr(TransformersBackend, "score", poisoned)
+    with pytest.raises(SchemaError, match=r"teacher produced non-finite logsumexp at position 2 for rollout row \S+ \(shard 0\); "
+                                          r"nothing was written for this shard"):
+        run_score(ScoreJob(cache=cache, teacher=weights / "teacher"))
+    assert not list((cache / "teachers" / "teacher").glob("*.parquet"))
+    assert set(json.loads((cache / "opdcache.json").read_text())["tables"]) == {"rollouts"}

@@ -184,13 +184,14 @@ class TransformersBackend:
 
     def __init__(self, model_path: str | Path, dtype: str = "auto", device: str = "auto", quantize: str | None = None,
                  deterministic: bool = False, max_batch_tokens: int = 1024, generate_batch_size: int = 64):
-        self._attach(load_model(model_path, dtype, device, quantize), deterministic, max_batch_tokens, generate_batch_size)
-        self.path, self.quantize = Path(model_path), quantize
+        self._attach(load_model(model_path, dtype, device, quantize), deterministic, max_batch_tokens, generate_batch_size,
+                     Path(model_path), quantize)
 
-    def _attach(self, model, deterministic: bool, max_batch_tokens: int, generate_batch_size: int) -> None:
+    def _attach(self, model, deterministic: bool, max_batch_tokens: int, generate_batch_size: int, path: Path | None = None,
+                quantize: str | None = None) -> None:
         import transformers
 
-        self.model, self.path, self.quantize = model, None, None
+        self.model, self.path, self.quantize = model, path, quantize
         self.version = transformers.__version__
         self.device = next(model.parameters()).device
         self.dtype = str(next(model.get_output_embeddings().parameters()).dtype).replace("torch.", "")

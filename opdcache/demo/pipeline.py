@@ -6,11 +6,14 @@ The work directory has a documented layout, so every CLI command can be rerun by
     <workdir>/models/teacher_carry  a second teacher in another trace style (consistency ablation)
     <workdir>/models/student        Llama-architecture base student (smaller, clearly weaker)
     <workdir>/models/pi_ref         the base student after SFT on the teacher's trajectories
-    <workdir>/models/opd            pi_ref after Lightning OPD
     <workdir>/prompts/{train,opd,heldout}.jsonl
+    <workdir>/demo_config.json      the settings the shared stages were built with (a rerun with others is refused)
     <workdir>/caches/sft            teacher trajectories (build-sft)
     <workdir>/caches/rollouts       pi_ref rollouts (build-rollouts) scored by the teacher in every store
-    <workdir>/runs/lightning        the training run (metrics.jsonl, checkpoint)
+    <workdir>/caches/rollouts_int8  --ablation quantized: rollouts from int8 weights
+    <workdir>/runs/<run>            OPD runs (metrics.jsonl, checkpoint, model); <run> = <loss>-lr<lr>-<steps>x<batch>,
+                                    prefixed consistency-<teacher>- or int8-<correction>- in the ablations
+    <workdir>/demo_report.json, ablation_<name>_<loss>.json   figures, with their definitions
 
 Stages are the library calls behind the CLI commands; each is skipped when its output exists, so a
 rerun resumes. The README shows the equivalent commands.
@@ -45,8 +48,8 @@ class DemoConfig:
     n_heldout: int = 300
     """Held-out prompts for evaluation."""
     sft_steps: int = 340
-    """SFT steps of the base student on the teacher's trajectories (340: pi_ref ~88% accurate, close to its teacher,
-    the regime Lightning OPD assumes; far from the teacher the student leaks mass off pi_ref's support, see README)."""
+    """SFT steps of the base student on the teacher's trajectories (340: pi_ref 89.3 / 51.0 / 40.3% accurate for seeds
+    0 / 1 / 2; accuracy jumps sharply around this point on this tiny student)."""
     opd_steps: int = 80
     """OPD optimizer steps (80 x 64 sequences: 2.5 passes over the 2,048 cached rollouts)."""
     opd_lr: float = 1e-4
@@ -63,6 +66,28 @@ class DemoConfig:
     -20, and pi_ref's fixed samples keep pushing them toward that (README, "What the demo shows")."""
 
 
+STAGE_FIELDS = ("seed", "n_train", "n_opd", "n_heldout", "sft_steps", "samples")
+"""Settings the shared stages (prompts, SFT, rollouts) are built from; a work directory holds one set of them."""
+
+FIGURES = {
+    "accuracy": "greedy held-out accuracy on n_heldout prompts of the held-out split (answer after the last '=')",
+    "reverse_kl": "mean per-token KL(student || teacher) in nats, exact over the vocabulary at temperature 1, at every "
+                  "position of the student's own greedy responses to min(n_heldout, 200) held-out prompts",
+    "seconds": "wall-clock of this invocation",
+    "models": "teacher, base (student before SFT), pi_ref (after SFT), opd (after OPD); ablations: opd_<teacher> (OPD with that "
+              "teacher), int8_<correction> (OPD from int8 rollouts with that correction)",
+    "consistency": "check-consistency on pi_ref's rollouts: lineage verdict per teacher; gap = mean per-token "
+                   "ref_logprobs - teacher logprobs (nats), over every response token",
+    "mismatch": "mismatch-report's rollout figures per rollout cache (definitions in opdcache/mismatch.py DEFINITIONS)",
+}
+"""What the numbers in demo_report.json and the ablation files mean (written into them as ``definitions``)."""
+
+
+def run_name(cfg: DemoConfig) -> str:
+    """The OPD run's directory name: the settings that change it, so a run with other settings never reuses it."""
+    return f"{cfg.loss}-lr{cfg.opd_lr:g}-{cfg.opd_steps}x{cfg.opd_batch_size}"
+
+
 @dataclass
 class DemoReport:
     lines: list[str] = field(default_factory=list)
@@ -74,7 +99,22 @@ class DemoReport:
 
 
 def setup(cfg: DemoConfig) -> dict[str, Path]:
-    """Copy the shipped models and write the prompt splits into the work directory."""
+    """Copy the shipped models and write the prompt splits into the work directory; refuse a work directory whose
+    stages were built with other settings (finished stages are reused, so their figures would not be this run's)."""
+    from opdcache.errors import ConfigError
+    from opdcache.shards import write_json_atomic
+
+    mine = {k: getattr(cfg, k) for k in STAGE_FIELDS}
+    record = cfg.workdir / "demo_config.json"
+    if record.is_file():
+        old = json.loads(record.read_text())
+        diff = [f"{k} {old.get(k)} -> {mine[k]}" for k in STAGE_FIELDS if old.get(k) != mine[k]]
+        if diff:
+            raise ConfigError(f"{cfg.workdir} holds a demo built with other settings ({', '.join(diff)}); "
+                              "use another --workdir for these settings, or delete it")
+    else:
+        cfg.workdir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(record, json.dumps(mine, indent=2) + "\n")
     paths = {}
     for name in SHIPPED:
         dst = cfg.workdir / "models" / name
@@ -162,13 +202,6 @@ def _rollouts(cfg: DemoConfig, report: DemoReport, pi_ref: Path, prompts: Path, 
                sampling=SamplingConfig(temperature=1.0, max_new_tokens=48, samples=cfg.samples, seed=cfg.seed, ref_top_k=8, mc_samples=4))).summary())
 
 
-def stores_for(loss: str) -> tuple[str, ...]:
-    """The teacher stores an estimator reads."""
-    if loss in ("full-fkl", "full-rkl", "jsd"):
-        return ("logprob", "hidden")
-    return ("logprob", "topk") if loss.startswith("topk") else ("logprob",)
-
-
 def _score(report: DemoReport, cache: Path, teacher: Path, stores=("logprob", "topk", "hidden", "svd"), allow_inconsistent: bool = False) -> str:
     from opdcache.scoring import ScoreJob
 
@@ -199,7 +232,7 @@ def _finish(report: DemoReport, cfg: DemoConfig, start: float, name: str) -> Dem
     report.figures["seconds"] = time.perf_counter() - start
     out = cfg.workdir / name
     report.say(f"[done] {report.figures['seconds']:.0f}s; figures in {out}")
-    out.write_text(json.dumps(report.figures, indent=2))
+    out.write_text(json.dumps({"definitions": FIGURES, **report.figures}, indent=2))
     return report
 
 
@@ -211,7 +244,7 @@ def run_demo(cfg: DemoConfig) -> DemoReport:
     p = _prepare(cfg, report)
     problems = [x for x in validate(p["rollouts"]) if not x.warning]
     report.say(f"[validate] {p['rollouts']}: {'ok' if not problems else f'{len(problems)} problems, first: {problems[0]}'}")
-    model = _train(cfg, report, p["pi_ref"], p["rollouts"], cfg.workdir / "runs" / cfg.loss)
+    model = _train(cfg, report, p["pi_ref"], p["rollouts"], cfg.workdir / "runs" / run_name(cfg))
     evaluate("opd", model, p["teacher_model"], cfg, report)
     f = report.figures
     report.say(f"[result] held-out accuracy: base {f['base']['accuracy']:.1%} -> SFT (pi_ref) {f['pi_ref']['accuracy']:.1%} -> "
@@ -228,7 +261,9 @@ def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
     report = DemoReport()
     start = time.perf_counter()
     p = _prepare(cfg, report)
-    _score(report, p["rollouts"], p["teacher_carry"], stores=stores_for(cfg.loss), allow_inconsistent=True)
+    from opdcache.train import stores_for
+
+    _score(report, p["rollouts"], p["teacher_carry"], stores=stores_for(cfg.loss)[0], allow_inconsistent=True)
     c = check(p["rollouts"])
     report.figures["consistency"] = {"lineage": {n: t["lineage"] for n, t in c["teachers"].items()},
                                      "gap": {n: t["gap"]["mean"] for n, t in c["teachers"].items()},
@@ -237,7 +272,7 @@ def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
                + ", ".join(f"{n} {g:.4f}" for n, g in report.figures["consistency"]["gap"].items())
                + f"; empirically consistent with: {c['consistent_empirically']}")
     for slug in ("teacher", "teacher_carry"):
-        model = _train(cfg, report, p["pi_ref"], p["rollouts"], cfg.workdir / "runs" / f"consistency-{cfg.loss}-{slug}", teacher=slug)
+        model = _train(cfg, report, p["pi_ref"], p["rollouts"], cfg.workdir / "runs" / f"consistency-{slug}-{run_name(cfg)}", teacher=slug)
         evaluate(f"opd_{slug}", model, p["teacher_model"], cfg, report)
     f = report.figures
     report.say(f"[result] held-out accuracy: pi_ref {f['pi_ref']['accuracy']:.1%} -> Lightning OPD with teacher 1 (consistent) "
@@ -259,13 +294,14 @@ def run_quantized_ablation(cfg: DemoConfig) -> DemoReport:
     trainer, and Lightning OPD from them without and with each correction."""
     from opdcache import mismatch
     from opdcache.losses import Corrections
+    from opdcache.train import stores_for
 
     report = DemoReport()
     start = time.perf_counter()
     p = _prepare(cfg, report)
     q = cfg.workdir / "caches" / "rollouts_int8"
     _rollouts(cfg, report, p["pi_ref"], p["prompts_opd"], q, quantize="int8")
-    _score(report, q, p["teacher"], stores=stores_for(cfg.loss))
+    _score(report, q, p["teacher"], stores=stores_for(cfg.loss)[0])
     report.figures["mismatch"] = {}
     for name, cache in (("float32", p["rollouts"]), ("int8", q)):
         fig = mismatch.report(cache)[0]["sections"]["rollouts"]
@@ -273,7 +309,7 @@ def run_quantized_ablation(cfg: DemoConfig) -> DemoReport:
         report.say(f"[mismatch-report] {name} rollouts: mean |delta| {fig['mean_abs_delta']:.2e}, max {fig['max_abs_delta']:.2e}, "
                    f"argmax flips {fig['argmax_flip_fraction']:.2%}, K3 {fig['k3']:.2e}")
     for name, corr in QUANTIZED_RUNS.items():
-        model = _train(cfg, report, p["pi_ref"], q, cfg.workdir / "runs" / f"int8-{cfg.loss}-{name}", corrections=Corrections(**corr))
+        model = _train(cfg, report, p["pi_ref"], q, cfg.workdir / "runs" / f"int8-{name}-{run_name(cfg)}", corrections=Corrections(**corr))
         evaluate(f"int8_{name}", model, p["teacher_model"], cfg, report)
     f = report.figures
     report.say("[result] held-out accuracy: pi_ref {:.1%} -> Lightning OPD from int8 rollouts: ".format(f["pi_ref"]["accuracy"])
