@@ -145,6 +145,30 @@ class _Head:
         return self.head
 
 
+@pytest.mark.parametrize("order", ["random", "rising", "one-hot-rows"])
+def test_running_top_k_merge_equals_one_top_k_over_the_whole_row(order):
+    """The grouped merge against torch.topk over full rows: random rows (few late candidates), rows that rise
+    along the vocabulary (every group of every slice qualifies, many groups per row) and rows whose best
+    values all sit in one late slice."""
+    import opdcache.backends.hf as hf
+
+    g = torch.Generator().manual_seed(3)
+    P, V, C, k = 9, 5 * 1024 + 40, 1024, 20
+    x = torch.randn(P, V, generator=g)
+    if order == "rising":
+        x = x * 0.01 + torch.linspace(0, 50, V)
+    elif order == "one-hot-rows":
+        x[:, 3 * C + 5: 3 * C + 5 + k] += 100.0
+    vals = torch.full((P, k), float("-inf"))
+    ids = torch.zeros((P, k), dtype=torch.long)
+    for a in range(0, V, C):
+        cm = hf._merge_top_k(x[:, a: a + C].clone(), a, vals, ids)
+        assert torch.equal(cm, x[:, a: a + C].amax(-1))
+    want = x.topk(k, -1)
+    assert torch.equal(vals, want.values)
+    assert torch.equal(ids, want.indices)
+
+
 @pytest.mark.parametrize("P, V, k, softcap", [(1, 3001, 5, None), (37, 3001, 20, 30.0), (64, 1024, 1, None), (5, 2048, 7, None)])
 def test_streamed_stats_match_the_plain_full_logits_reference(P, V, k, softcap, monkeypatch):
     import opdcache.backends.hf as hf

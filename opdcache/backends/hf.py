@@ -93,6 +93,51 @@ def _head_transform(model):
     return transform
 
 
+TOPK_GROUP = 16  # columns per group in the running top-k merge
+
+
+def _merge_top_k(z: torch.Tensor, offset: int, top_vals: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
+    """Merge one [P, C] logit slice (columns ``offset``..) into each row's running top-k, in place; return the
+    slice's maximum per row (from the group maxima, which saves the log-sum-exp a pass).
+
+    An element can enter a row's top-k only if it beats the row's current k-th best, so only column groups
+    (TOPK_GROUP wide) whose maximum does are gathered, padded per row next to the row's current k, and reduced
+    with one narrow top-k. Once a few slices have passed, most rows gather nothing: far cheaper than a top-k
+    over every [P, C] slice, which costs microseconds per row whatever its width.
+    """
+    P, C = z.shape
+    k = top_vals.shape[1]
+    g = TOPK_GROUP
+    kth = top_vals[:, -1]
+    if C % g or bool(torch.isinf(kth).all()):  # ragged last slice, or the first one (every row takes k new values)
+        slice_max = z.amax(-1)
+        r = (slice_max > kth).nonzero(as_tuple=True)[0]
+        if len(r):
+            cv, ci = z[r].topk(min(k, C), -1)
+            merged, order = torch.cat([top_vals[r], cv], 1).topk(k, -1)
+            top_ids[r] = torch.cat([top_ids[r], ci + offset], 1).gather(1, order)
+            top_vals[r] = merged
+        return slice_max
+    G = C // g
+    groups = z.view(P, g, G)  # group j holds columns j, j + G, j + 2G, ...: its max is an elementwise max of g contiguous rows
+    group_max = groups.amax(1)  # [P, G]
+    r, gi = (group_max > kth[:, None]).nonzero(as_tuple=True)  # row-major: each row's groups are adjacent
+    if not len(r):
+        return group_max.amax(-1)
+    rows, counts = torch.unique_consecutive(r, return_counts=True)
+    R, most = len(rows), int(counts.max())
+    slot = torch.arange(len(r), device=z.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    owner = torch.repeat_interleave(torch.arange(R, device=z.device), counts)
+    vals = torch.full((R, most, g), float("-inf"), device=z.device)
+    ids = torch.zeros((R, most, g), dtype=torch.long, device=z.device)
+    vals[owner, slot] = groups[r, :, gi]
+    ids[owner, slot] = (offset + gi)[:, None] + G * torch.arange(g, device=z.device)
+    merged, order = torch.cat([top_vals[rows], vals.view(R, most * g)], 1).topk(k, -1)
+    top_ids[rows] = torch.cat([top_ids[rows], ids.view(R, most * g)], 1).gather(1, order)
+    top_vals[rows] = merged
+    return group_max.amax(-1)
+
+
 def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor, top_k: int | None,
                          ref_ids_PK: torch.Tensor | None = None, mc_ids_PM: torch.Tensor | None = None) -> dict:
     """Log-prob of the sampled token, logsumexp, top-k and log-probs at given ids, streaming over the vocabulary.
@@ -122,7 +167,7 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
         if b is not None:
             z = z + b[a: a + C]
         z = transform(z.float())
-        cm = z.amax(-1)
+        cm = _merge_top_k(z, a, top_vals, top_ids) if top_k else z.amax(-1)
         new_m = torch.maximum(m, cm)
         hit = (sampled_P >= a) & (sampled_P < a + z.shape[1])
         target[hit] = z[rows[hit], sampled_P[hit] - a]
@@ -130,14 +175,6 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
             inside = (ids >= a) & (ids < a + z.shape[1])
             r, c = inside.nonzero(as_tuple=True)
             out[r, c] = z[r, ids[r, c] - a]
-        if top_k:
-            # only rows whose slice maximum beats their current k-th best can change their top-k
-            r = (cm > top_vals[:, -1]).nonzero(as_tuple=True)[0]
-            if len(r):
-                cv, ci = z[r].topk(min(top_k, z.shape[1]), -1)
-                merged_v, order = torch.cat([top_vals[r], cv], 1).topk(top_k, -1)
-                top_ids[r] = torch.cat([top_ids[r], ci + a], 1).gather(1, order)
-                top_vals[r] = merged_v
         # exp(z - m) in place, after every read of z. Clamping at -80 changes no float32 sum (each such term is
         # below 2e-35 while the sum is at least 1) and avoids exp's slow path for underflowing inputs.
         s = s * torch.exp(m - new_m) + z.sub_(new_m[:, None]).clamp_(min=-80.0).exp_().sum(-1)
@@ -320,7 +357,7 @@ class TransformersBackend:
     @torch.no_grad()
     def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False) -> list[Scores]:
         """Decoder forwards in small batches (bounded activation memory); their hidden rows are pooled into
-        blocks of POSITION_BLOCK positions for the streamed head pass (a large matmul runs at full rate).
+        blocks of about POSITION_BLOCK positions for the streamed head pass (a large matmul runs at full rate).
         In deterministic mode every sequence is its own batch and its own block."""
         out: list[Scores | None] = [None] * len(requests)
         pending: list[tuple[int, torch.Tensor]] = []
@@ -369,8 +406,10 @@ class TransformersBackend:
         ref_ids = torch.cat([torch.as_tensor(r.ref_topk_ids.astype(np.int64)) for r in requests]).to(self.device) if requests[0].ref_topk_ids is not None else None
         mc_ids = torch.cat([torch.as_tensor(r.mc_ids.astype(np.int64)) for r in requests]).to(self.device) if requests[0].mc_ids is not None else None
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "lse", "kid", "klp", "rk", "mc")}
-        for start in range(0, N, POSITION_BLOCK):
-            sl = slice(start, start + POSITION_BLOCK)
+        blocks = max(1, round(N / POSITION_BLOCK))  # equal blocks near POSITION_BLOCK: no small tail block re-reading the whole head
+        bounds = [N * i // blocks for i in range(blocks + 1)]
+        for start, end in zip(bounds, bounds[1:]):
+            sl = slice(start, end)
             stats = streamed_logit_stats(self.model, hidden_NH[sl], sampled[sl], top_k,
                                          None if ref_ids is None else ref_ids[sl], None if mc_ids is None else mc_ids[sl])
             for key, value in stats.items():
