@@ -22,7 +22,7 @@ from opdcache.backends.base import SamplingConfig
 from opdcache.demo.pipeline import DemoConfig, load, setup
 from opdcache.evaluate import evaluate_accuracy, reverse_kl_to_teacher
 from opdcache.prompts import PromptConfig
-from opdcache.rollouts import GenerateJob, run_generate
+from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
 from opdcache.scoring import ScoreJob, run_score
 from opdcache.sft import SFTConfig, run_sft
 from opdcache.train import TrainConfig, run_train, stores_for
@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--loss", default=d.loss)
     parser.add_argument("--n-opd", type=int, default=d.n_opd, help="OPD prompts in the cache")
     parser.add_argument("--samples", type=int, default=d.samples, help="cached rollouts per prompt")
+    parser.add_argument("--generate-batch-size", type=int, default=512,
+                        help="build-rollouts --batch-size: the cache decodes many sequences at once; the online baseline decodes its batch")
     args = parser.parse_args()
     torch.set_num_threads(2)
     cfg = DemoConfig(workdir=args.workdir, seed=args.seed, n_opd=args.n_opd)
@@ -53,10 +55,13 @@ def main() -> None:
     stores = stores_for(args.loss)[0]
     train = dict(model=pi_ref, loss=args.loss, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=cfg.seed)
 
+    load(pi_ref), load(paths["teacher"])  # warm-up: transformers' lazy model imports, paid once per process, by whichever side ran first
+
     t0 = time.perf_counter()  # Lightning OPD: cache construction + training
     rollouts = w / "caches" / f"rollouts-{time.time_ns()}"
     run_generate(GenerateJob(model=pi_ref, prompts=PromptConfig(paths["prompts_opd"]), out=rollouts, num_shards=4,
-                             sampling=SamplingConfig(temperature=1.0, max_new_tokens=48, samples=args.samples, seed=cfg.seed)))
+                             sampling=SamplingConfig(temperature=1.0, max_new_tokens=48, samples=args.samples, seed=cfg.seed),
+                             engine=EngineConfig(generate_batch_size=args.generate_batch_size)))
     run_score(ScoreJob(cache=rollouts, teacher=paths["teacher"], stores=stores))
     t_cache = time.perf_counter() - t0
     run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-lightning"), **train))

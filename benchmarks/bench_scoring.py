@@ -133,6 +133,7 @@ def run_variant(variant: str, model: str, n: int, prompt: int, response: int, to
     assert all(np.isfinite(s.logprobs).all() for s in out)
     res = {"variant": variant, "tokens": tokens, "seconds": statistics.median(times), "runs": times, "peak_bytes": mem.delta}
     if variant == "vllm":
+        b.close()  # shut the engine processes down before the interpreter exits
         res["engine_start_seconds"] = start_seconds
         res["note"] = "vLLM runs in engine subprocesses: peak_bytes covers this process only"
     return res
@@ -167,10 +168,13 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--variant", v, "--model", str(model), "--sequences", str(args.sequences),
                    "--prompt", str(args.prompt), "--response", str(args.response), "--top-k", str(args.top_k)]
             out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                print(f"{v} failed:\n{out.stderr[-2000:]}")
+            reported = [l for l in out.stdout.splitlines() if l.startswith('{"variant"')]
+            if not reported:
+                print(f"{v} failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
                 continue
-            results[v] = json.loads([l for l in out.stdout.splitlines() if l.startswith('{"variant"')][-1])
+            if out.returncode != 0:  # the work finished and was reported; only the shutdown failed
+                print(f"{v} reported its figures, then exited with status {out.returncode}")
+            results[v] = json.loads(reported[-1])
     print(f"\n{args.sequences} sequences, prompt {args.prompt} + response <= {args.response} tokens, vocabulary {V:,}, top-k {args.top_k}, "
           f"{os.cpu_count()} CPU threads\n")
     base = results["baseline"]

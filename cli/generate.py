@@ -24,7 +24,8 @@ def _run(kind: str, model: Path, o: dict) -> None:
         sampling=SamplingConfig(temperature=o["temperature"], top_p=o["top_p"], max_new_tokens=o["max_new_tokens"], samples=o["samples"],
                                 seed=o["seed"], ref_top_k=o.get("ref_top_k"), mc_samples=o.get("mc_samples")),
         engine=EngineConfig(backend=o["backend"], dtype=o["dtype"], device=o["device"], quantize=o.get("quantize"),
-                            tensor_parallel_size=o["tensor_parallel_size"], gpu_memory_utilization=o["gpu_memory_utilization"]),
+                            tensor_parallel_size=o["tensor_parallel_size"], gpu_memory_utilization=o["gpu_memory_utilization"],
+                            generate_batch_size=o["batch_size"]),
         num_workers=o["num_workers"], worker_index=o["worker_index"], progress=o["progress"],
     )
     typer.echo(run_generate(job).summary())
@@ -40,7 +41,7 @@ def build_sft(
     chat_template: O.ChatTemplate = True, strict: O.Strict = False, limit: O.Limit = None, reward: O.Reward = None,
     samples: O.Samples = 1, temperature: O.Temperature = 0.8, top_p: O.TopP = 1.0, max_new_tokens: O.MaxNewTokens = 256,
     seed: O.Seed = 0, backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto",
-    tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, num_shards: O.NumShards = 8,
+    tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
 ) -> None:
     """Sample teacher trajectories for SFT (papers/000 eq. 5); the teacher's fingerprint is the lineage."""
@@ -57,7 +58,7 @@ def build_rollouts(
     mc_samples: Annotated[Optional[int], typer.Option("--mc-samples", help="Extra next-token samples per position, not rolled out (papers/001 6.1).", show_default=False)] = None,
     sft_teacher: Annotated[Optional[Path], typer.Option("--sft-teacher", help="The teacher pi_ref was fine-tuned on, if pi_ref has no opdcache lineage.", show_default=False)] = None,
     backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", quantize: O.Quantize = None,
-    tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, num_shards: O.NumShards = 8,
+    tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
 ) -> None:
     """Sample pi_ref rollouts with their log-probs (papers/000 eq. 7)."""

@@ -8,6 +8,7 @@ to a cache rewrites it (atomically) with one more table. Its JSON Schema is buil
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 from pathlib import Path
 
@@ -121,12 +122,18 @@ def check(manifest: dict, where: str = MANIFEST_NAME) -> dict:
             f"{where}: format version {version}, this opdcache {__version__} reads version {S.FORMAT_VERSION}; "
             "install the opdcache version that wrote it, or rebuild the cache"
         )
-    try:
-        jsonschema.validate(manifest, json_schema())
-    except jsonschema.ValidationError as exc:
+    exc = jsonschema.exceptions.best_match(_validator().iter_errors(manifest))  # the error jsonschema.validate would raise
+    if exc is not None:
         path = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
-        raise ManifestError(f"{where}: {path}: {exc.message}") from None
+        raise ManifestError(f"{where}: {path}: {exc.message}")
     return manifest
+
+
+@functools.cache
+def _validator():
+    """The manifest validator, built once (``jsonschema.validate`` re-checks the schema at every call)."""
+    schema = json_schema()
+    return jsonschema.validators.validator_for(schema)(schema)
 
 
 def manifest_path(root: str | Path) -> Path:

@@ -51,6 +51,8 @@ class EngineConfig:
     """vllm: fraction of accelerator (or, on CPU, host) memory the engine may reserve."""
     max_batch_tokens: int = 1024
     """transformers scoring: padded tokens per decoder batch (activation memory; head blocks are pooled separately)."""
+    generate_batch_size: int = 64
+    """transformers generation: sequences decoded together (KV-cache memory; larger is faster for small models)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("transformers", "vllm"):
@@ -59,6 +61,8 @@ class EngineConfig:
             raise ConfigError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.generate_batch_size < 1:
+            raise ConfigError(f"--batch-size must be at least 1, got {self.generate_batch_size}")
 
     def fingerprint_view(self) -> dict:
         """Settings that change numbers (not memory or batching, except in deterministic mode)."""
@@ -74,7 +78,8 @@ def make_backend(model: str | Path, engine: EngineConfig, **extra):
     from opdcache.backends.hf import TransformersBackend
 
     return TransformersBackend(model, dtype=engine.dtype, device=engine.device, quantize=engine.quantize,
-                               deterministic=engine.deterministic, max_batch_tokens=engine.max_batch_tokens)
+                               deterministic=engine.deterministic, max_batch_tokens=engine.max_batch_tokens,
+                               generate_batch_size=engine.generate_batch_size)
 
 
 @dataclass(frozen=True)

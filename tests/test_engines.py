@@ -79,6 +79,33 @@ def test_a_sample_does_not_depend_on_its_batch(student, prompts):
     np.testing.assert_allclose(alone.sampling_logprobs, batch.sampling_logprobs, atol=1e-5)
 
 
+@pytest.mark.parametrize("steps_ahead", [7, 1000])
+def test_uniforms_drawn_ahead_give_the_step_by_step_samples(student, prompts, monkeypatch, steps_ahead):
+    """Drawing each row's Gumbel uniforms several steps at a time (one call per row, not per row and step) must
+    reproduce the plain step-by-step draw exactly: same tokens, same stored values, same finish reasons."""
+    import opdcache.backends.hf as hf
+
+    s = SamplingConfig(temperature=0.9, top_p=0.95, max_new_tokens=25, ref_top_k=2)
+    reqs = [GenerateRequest(p, seed=10 + i) for i, p in enumerate(prompts)]
+    monkeypatch.setattr(hf, "NOISE_BLOCK_BYTES", 1)  # one step at a time: the plain draw
+    plain = student.generate(reqs, s)
+    monkeypatch.setattr(hf, "NOISE_BLOCK_BYTES", 4 * len(reqs) * student.vocab_size * steps_ahead)
+    ahead = student.generate(reqs, s)
+    for a, b in zip(plain, ahead):
+        assert a.finish_reason == b.finish_reason
+        for field in ("response_ids", "sampling_logprobs", "ref_logprobs", "ref_topk_ids", "ref_topk_logprobs"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+    assert len({tuple(g.response_ids) for g in plain}) == len(plain)  # each row sampled its own response
+
+
+def test_generation_batch_size_must_be_positive():
+    from opdcache.errors import ConfigError
+    from opdcache.rollouts import EngineConfig
+
+    with pytest.raises(ConfigError, match="--batch-size must be at least 1, got 0"):
+        EngineConfig(generate_batch_size=0)
+
+
 def test_stored_teacher_values_equal_a_fresh_float32_forward(hf_cache, weights):
     model = AutoModelForCausalLM.from_pretrained(weights / "teacher", dtype=torch.float32).eval()
     cache = Cache(hf_cache)

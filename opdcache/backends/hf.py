@@ -26,6 +26,7 @@ from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig, 
 from opdcache.errors import ConfigError
 
 POSITION_BLOCK = 2048  # positions scored together: enough rows that the head matmul runs at full rate
+NOISE_BLOCK_BYTES = 64 << 20  # generation: uniforms drawn ahead per batch ([rows, steps, vocabulary] float32)
 LOGIT_BLOCK_BYTES = 8 << 20  # float32 logits per [positions, vocabulary slice] block (1,024 columns at 2,048 positions; measured best on CPU)
 
 
@@ -279,10 +280,14 @@ class TransformersBackend:
         past = out.past_key_values
         logits = out.logits[:, -1].float()
         next_pos = position[:, -1:] + 1
-        done = torch.zeros(B, dtype=torch.bool)
+        done = torch.zeros(B, dtype=torch.bool)  # stopped at an end-of-sequence token (else cut at max_new_tokens)
+        n_tokens = torch.zeros(B, dtype=torch.long)
+        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         steps: dict[str, list[torch.Tensor]] = {k: [] for k in ("tok", "slp", "rlp", "kid", "klp", "mid", "mlp")}
-        finish = ["length"] * B
-        n_tokens = [0] * B
+        # uniforms for the Gumbel-max draw, several steps per row at a time; MC samples draw from the same streams
+        # between steps, so with them the uniforms are drawn step by step to keep each stream's order
+        noise, noise_at = None, 0
+        noise_steps = 1 if s.mc_samples else max(1, min(s.max_new_tokens, NOISE_BLOCK_BYTES // (4 * B * self.vocab_size)))
         for t in range(s.max_new_tokens):
             logits = logits.cpu()
             ref_logp = torch.log_softmax(logits, -1)  # [B, V], temperature 1
@@ -291,8 +296,10 @@ class TransformersBackend:
                 samp_logp = torch.full_like(ref_logp, float("-inf")).scatter(-1, tok[:, None], 0.0)
             else:
                 samp_logp = sampling_logprobs(logits, s.temperature, s.top_p)
-                gumbel = torch.stack([-torch.log(-torch.log(torch.rand(logits.shape[-1], generator=g).clamp_min(1e-20))) for g in gens])
-                tok = (samp_logp + gumbel).argmax(-1)
+                if noise is None or t - noise_at == noise.shape[1]:
+                    noise_at, noise = t, self._draw_noise(gens, min(noise_steps, s.max_new_tokens - t), logits.shape[-1])
+                uniform = noise[:, t - noise_at]  # [B, V]
+                tok = (samp_logp - torch.log(-torch.log(uniform.clamp_min(1e-20)))).argmax(-1)  # Gumbel-max
             steps["tok"].append(tok)
             steps["slp"].append(samp_logp.gather(-1, tok[:, None]).squeeze(-1))
             steps["rlp"].append(ref_logp.gather(-1, tok[:, None]).squeeze(-1))
@@ -305,12 +312,9 @@ class TransformersBackend:
                 mid = torch.stack([torch.multinomial(probs[b], s.mc_samples, replacement=True, generator=gens[b]) for b in range(B)])
                 steps["mid"].append(mid)
                 steps["mlp"].append(samp_logp.gather(-1, mid))
-            for b in range(B):
-                if not done[b]:
-                    n_tokens[b] += 1
-                    if int(tok[b]) in self.eos_ids:
-                        done[b] = True
-                        finish[b] = "stop"
+            n_tokens += ~done
+            stopped = ~done & torch.isin(tok, eos)
+            done |= stopped
             if bool(done.all()) or t == s.max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1)
@@ -322,9 +326,9 @@ class TransformersBackend:
         stacked = {k: torch.stack(v, 1).numpy() for k, v in steps.items() if v}  # [B, steps, ...]
         gens_out = []
         for b in range(B):
-            T = n_tokens[b]
+            T = int(n_tokens[b])
             g = Generation(
-                response_ids=stacked["tok"][b, :T].astype(np.int32), finish_reason=finish[b],
+                response_ids=stacked["tok"][b, :T].astype(np.int32), finish_reason="stop" if done[b] else "length",
                 sampling_logprobs=stacked["slp"][b, :T].astype(np.float32), ref_logprobs=np.minimum(stacked["rlp"][b, :T], 0).astype(np.float32),
             )
             if s.ref_top_k:
@@ -335,6 +339,11 @@ class TransformersBackend:
                 g.mc_sampling_logprobs = stacked["mlp"][b, :T].astype(np.float32)
             gens_out.append(g)
         return gens_out
+
+    @staticmethod
+    def _draw_noise(gens: list[torch.Generator], steps: int, V: int) -> torch.Tensor:
+        """[B, steps, V] uniforms, row b from its own stream: the same numbers as ``steps`` draws of [V] in turn."""
+        return torch.stack([torch.rand(steps, V, generator=g) for g in gens])
 
     # ------------------------------------------------------------ scoring
 
