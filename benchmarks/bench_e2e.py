@@ -62,15 +62,17 @@ def main() -> None:
     run_generate(GenerateJob(model=pi_ref, prompts=PromptConfig(paths["prompts_opd"]), out=rollouts, num_shards=4,
                              sampling=SamplingConfig(temperature=1.0, max_new_tokens=48, samples=args.samples, seed=cfg.seed),
                              engine=EngineConfig(generate_batch_size=args.generate_batch_size)))
+    t_rollouts = time.perf_counter() - t0
     run_score(ScoreJob(cache=rollouts, teacher=paths["teacher"], stores=stores))
     t_cache = time.perf_counter() - t0
     run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-lightning"), **train))
     t_lightning = time.perf_counter() - t0
 
     t0 = time.perf_counter()  # standard OPD: live rollouts and live teacher at every step
-    run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-online"), online=True, teacher_model=paths["teacher"],
-                          max_new_tokens=48, temperature=1.0, **train))
+    online = run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-online"), online=True, teacher_model=paths["teacher"],
+                                   max_new_tokens=48, temperature=1.0, **train))
     t_online = time.perf_counter() - t0
+    sampling, live_teacher = online["online_seconds"]["sampling"], online["online_seconds"]["teacher"]
 
     teacher, _ = load(paths["teacher"])
     fig = {}
@@ -88,6 +90,11 @@ def main() -> None:
           f"   (cache construction {t_cache:.1f}s)")
     print(f"{'standard OPD (--online)':<32} {t_online:>12.1f} {fig['online'][0]:>17.1%} {fig['online'][1]:>11.4f}")
     print(f"{'speed-up':<32} {t_online / t_lightning:>11.2f}x")
+    t_train = t_lightning - t_cache
+    print(f"\nwhere the time went (s): Lightning: build-rollouts {t_rollouts:.1f}, score-teacher {t_cache - t_rollouts:.1f}, "
+          f"training {t_train:.1f}; online: sampling {sampling:.1f}, live teacher {live_teacher:.1f}, "
+          f"training and the rest {t_online - sampling - live_teacher:.1f}")
+    print(f"speed-up if the cache cost nothing (online / Lightning's training alone): {t_online / t_train:.2f}x")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ Prompts are the cache's prompts, drawn in a seeded order.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from opdcache import shards
@@ -34,6 +36,7 @@ class OnlineSource:
         self.rng = np.random.default_rng(cfg.seed)
         self.order: list[int] = []
         self.calls = 0
+        self.seconds = {"sampling": 0.0, "teacher": 0.0}  # wall-clock spent in each, over all batches
 
     def next_batch(self) -> dict:
         if len(self.order) < self.cfg.batch_size:
@@ -43,9 +46,13 @@ class OnlineSource:
         reqs = [GenerateRequest(self.prompts[i], seed=self.cfg.seed * 1_000_003 + self.calls * 1009 + j) for j, i in enumerate(idx)]
         was_training = self.model.training
         self.model.eval()
+        t0 = time.perf_counter()
         gens = self.student.generate(reqs, SamplingConfig(temperature=self.cfg.temperature, max_new_tokens=self.cfg.max_new_tokens))
+        t1 = time.perf_counter()
         self.model.train(was_training)
         scores = self.teacher.score([ScoreRequest(r.prompt_ids, g.response_ids) for r, g in zip(reqs, gens)], hidden=self.want_hidden)
+        self.seconds["sampling"] += t1 - t0
+        self.seconds["teacher"] += time.perf_counter() - t1
         rows = [{"prompt_ids": np.asarray(r.prompt_ids), "response_ids": g.response_ids, "sampling_logprobs": g.sampling_logprobs,
                  "ref_logprobs": g.ref_logprobs, "teacher_logprobs": sc.logprobs} for r, g, sc in zip(reqs, gens, scores)]
         if self.want_hidden:

@@ -370,7 +370,10 @@ class Trainer:
             self._save_final()
         if writer:
             writer.close()
-        return {"steps": self.step, "last": last, "resumed": resumed, "seconds": time.perf_counter() - start}
+        result = {"steps": self.step, "last": last, "resumed": resumed, "seconds": time.perf_counter() - start}
+        if cfg.online:  # where the standard-OPD baseline's time went: sampling the student, the live teacher
+            result["online_seconds"] = dict(self.source.seconds)
+        return result
 
     def _save_final(self) -> None:
         from transformers import AutoTokenizer
