@@ -313,8 +313,7 @@ class TransformersBackend:
                 steps["mid"].append(mid)
                 steps["mlp"].append(samp_logp.gather(-1, mid))
             n_tokens += ~done
-            stopped = ~done & torch.isin(tok, eos)
-            done |= stopped
+            done |= torch.isin(tok, eos)
             if bool(done.all()) or t == s.max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1)
