@@ -19,12 +19,11 @@ from pathlib import Path
 import torch
 
 from opdcache.backends.base import SamplingConfig
-from opdcache.demo.pipeline import DemoConfig, load, setup
+from opdcache.demo.pipeline import DemoConfig, DemoReport, load, setup, sft_stages
 from opdcache.evaluate import evaluate_accuracy, reverse_kl_to_teacher
 from opdcache.prompts import PromptConfig
 from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
 from opdcache.scoring import ScoreJob, run_score
-from opdcache.sft import SFTConfig, run_sft
 from opdcache.train import TrainConfig, run_train, stores_for
 
 
@@ -46,12 +45,7 @@ def main() -> None:
     cfg = DemoConfig(workdir=args.workdir, seed=args.seed, n_opd=args.n_opd)
     paths = setup(cfg)
     w = cfg.workdir
-    sft, pi_ref = w / "caches" / "sft", w / "models" / "pi_ref"
-    if not (sft / "opdcache.json").is_file():
-        run_generate(GenerateJob(model=paths["teacher"], prompts=PromptConfig(paths["prompts_train"]), out=sft, kind="sft", num_shards=4,
-                                 sampling=SamplingConfig(temperature=0.8, max_new_tokens=48, seed=cfg.seed)))
-    if not (pi_ref / "config.json").is_file():
-        run_sft(paths["student"], sft, pi_ref, SFTConfig(steps=cfg.sft_steps, batch_size=64, lr=3e-3, warmup=10, seed=cfg.seed))
+    pi_ref = sft_stages(cfg, DemoReport(), paths)  # the demo's teacher trajectories and SFT (reused when present)
     stores = stores_for(args.loss)[0]
     train = dict(model=pi_ref, loss=args.loss, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=cfg.seed)
 

@@ -18,12 +18,8 @@ def check_consistency(
 ) -> None:
     """Which teacher pi_ref is consistent with: lineage, and an empirical probe from the stored scores."""
     from opdcache.consistency import check, render
-    from opdcache.errors import ConfigError
 
-    try:
-        report = check(cache, teacher, train_teacher)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    report = check(cache, teacher, train_teacher)
     typer.echo(json.dumps(report, indent=2) if as_json else render(report))
     if train_teacher is not None and not report["train_teacher_ok"]:
         raise typer.Exit(1)

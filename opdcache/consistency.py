@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from opdcache.cache import Cache
+from opdcache.errors import ConfigError
 
 BOOTSTRAP = 1000
 
@@ -45,10 +46,10 @@ def check(cache_root: str | Path, teachers: list[str] | None = None, train_teach
     """Lineage verdicts, the empirical probe, and which teacher pi_ref looks consistent with."""
     cache = Cache(cache_root)
     if cache.kind != "rollouts":
-        raise ValueError(f"{cache_root} is a {cache.kind} cache; consistency is checked on pi_ref rollouts")
+        raise ConfigError(f"{cache_root} is a {cache.kind} cache; consistency is checked on pi_ref rollouts")
     names = teachers or cache.teachers
     if not names:
-        raise ValueError(f"{cache_root} has no teacher scores yet; run `opdcache score-teacher` first")
+        raise ConfigError(f"{cache_root} has no teacher scores yet; run `opdcache score-teacher` first")
     ref = [r.astype(np.float64) for r in cache.sequences("rollouts", "ref_logprobs")]
     lengths = np.array([len(r) for r in ref], dtype=np.float64)
     scores = {n: [t.astype(np.float64) for t in cache.sequences(cache.teacher_table(n), "logprobs")] for n in names}

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 ESTIMATORS = ("lightning", "is", "mc", "topk-fkl", "topk-rkl", "full-fkl", "full-rkl", "jsd")
+FULL_VOCABULARY = ("full-fkl", "full-rkl", "jsd")
+"""Estimators computed exactly over the vocabulary from the teacher's final hidden states and unembedding."""
 
 
 def reduce(terms: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

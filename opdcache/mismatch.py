@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from contextlib import closing
 from dataclasses import dataclass
+from itertools import combinations
 from pathlib import Path
 
 import numpy as np
@@ -165,13 +166,11 @@ def engine_pairs(cache: Cache, teachers: list[str] | None = None) -> list[tuple[
             cache.teacher_table(t)
         return [tuple(sorted(teachers, key=rank))]  # type: ignore[list-item]
     pairs = []
-    names = cache.teachers
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            ea, eb = cache.table(cache.teacher_table(a)), cache.table(cache.teacher_table(b))
-            same_weights = (ea.get("model") or {}).get("fingerprint") == (eb.get("model") or {}).get("fingerprint")
-            if same_weights and _engine_key(ea) != _engine_key(eb):
-                pairs.append(tuple(sorted((a, b), key=rank)))
+    for a, b in combinations(cache.teachers, 2):
+        ea, eb = cache.table(cache.teacher_table(a)), cache.table(cache.teacher_table(b))
+        same_weights = (ea.get("model") or {}).get("fingerprint") == (eb.get("model") or {}).get("fingerprint")
+        if same_weights and _engine_key(ea) != _engine_key(eb):
+            pairs.append(tuple(sorted((a, b), key=rank)))
     return pairs  # type: ignore[return-value]
 
 
@@ -262,7 +261,7 @@ def histogram_png(sections: list[Section], path: str | Path) -> Path:
                 label=f"{s.name} ({zeros:,} exact zeros omitted; |delta| < 1e-8 in the first bin)")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("|delta| = |log p_train - log p_rollout| (nats)")
+    ax.set_xlabel("|delta| per response token (nats, temperature 1): rollouts |log pi_train - log pi_rollout|, teachers |log p_a - log p_b|")
     ax.set_ylabel("tokens")
     ax.set_title("training-inference mismatch per token")
     ax.legend(fontsize=8)

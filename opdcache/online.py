@@ -16,6 +16,7 @@ from opdcache.backends.base import GenerateRequest, SamplingConfig, ScoreRequest
 from opdcache.backends.hf import TransformersBackend
 from opdcache.cache import Cache
 from opdcache.data import collate
+from opdcache.losses import FULL_VOCABULARY
 
 
 class OnlineSource:
@@ -32,7 +33,7 @@ class OnlineSource:
         self.model = model
         self.student = TransformersBackend.from_model(model)
         self.teacher = TransformersBackend(cfg.teacher_model, dtype="float32", device=str(device))
-        self.want_hidden = cfg.loss in ("full-fkl", "full-rkl", "jsd")  # the live teacher's final hidden states
+        self.want_hidden = cfg.loss in FULL_VOCABULARY  # the live teacher's final hidden states
         self.rng = np.random.default_rng(cfg.seed)
         self.order: list[int] = []
         self.calls = 0

@@ -14,7 +14,6 @@ from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-
 from opdcache import schema as S
 from opdcache import shards
 from opdcache.backends.base import ScoreRequest

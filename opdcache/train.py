@@ -111,13 +111,14 @@ class TrainConfig:
             raise ConfigError(f"--topk-support must be teacher or ref, got {self.topk_support!r}")
         if self.online and self.teacher_model is None:
             raise ConfigError("--online needs --teacher-model (the live teacher)")
-        if self.online and self.loss not in ("lightning", "is", "full-fkl", "full-rkl", "jsd"):
-            raise ConfigError(f"--online supports --loss lightning, is, full-fkl, full-rkl or jsd, got {self.loss!r}")
+        online_losses = ("lightning", "is") + L.FULL_VOCABULARY
+        if self.online and self.loss not in online_losses:
+            raise ConfigError(f"--online supports --loss {', '.join(online_losses[:-1])} or {online_losses[-1]}, got {self.loss!r}")
 
 
 def stores_for(loss: str, topk_support: str = "teacher") -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(teacher stores, rollout stores) an estimator reads: what score-teacher and build-rollouts must have stored."""
-    if loss in ("full-fkl", "full-rkl", "jsd"):
+    if loss in L.FULL_VOCABULARY:
         return ("logprob", "hidden"), ("base",)
     if loss.startswith("topk"):
         return (("logprob", "topk"), ("base",)) if topk_support == "teacher" else (("logprob",), ("base", "ref_topk"))
@@ -371,7 +372,7 @@ class Trainer:
         if writer:
             writer.close()
         result = {"steps": self.step, "last": last, "resumed": resumed, "seconds": time.perf_counter() - start}
-        if cfg.online:  # where the standard-OPD baseline's time went: sampling the student, the live teacher
+        if cfg.online:  # wall-clock seconds of this invocation spent sampling the student and in the live teacher's forward
             result["online_seconds"] = dict(self.source.seconds)
         return result
 

@@ -166,11 +166,6 @@ def _prepare(cfg: DemoConfig, report: DemoReport) -> dict:
     the teacher, the base student and pi_ref. Shared by the demo and its ablations."""
     import torch
 
-    from opdcache.backends.base import SamplingConfig
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob, run_generate
-    from opdcache.sft import SFTConfig, run_sft
-
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
     w = cfg.workdir
     paths = setup(cfg)
@@ -178,17 +173,27 @@ def _prepare(cfg: DemoConfig, report: DemoReport) -> dict:
     teacher, _ = load(paths["teacher"])
     evaluate("teacher", paths["teacher"], teacher, cfg, report)
     evaluate("base", paths["student"], teacher, cfg, report)
-    sft_cache, pi_ref, rollouts = w / "caches" / "sft", w / "models" / "pi_ref", w / "caches" / "rollouts"
-    _stage(report, "build-sft", (sft_cache / "opdcache.json").is_file(), lambda: run_generate(GenerateJob(
-        model=paths["teacher"], prompts=PromptConfig(paths["prompts_train"]), out=sft_cache, kind="sft", num_shards=4,
-        sampling=SamplingConfig(temperature=0.8, max_new_tokens=48, seed=cfg.seed), reward="addition")).summary())
-    _stage(report, "sft", (pi_ref / "config.json").is_file(), lambda: "pi_ref: {pairs} teacher trajectories, final loss {final_loss:.3f}".format(
-        **run_sft(paths["student"], sft_cache, pi_ref, SFTConfig(steps=cfg.sft_steps, batch_size=64, lr=3e-3, warmup=10, seed=cfg.seed)))
-    )
+    pi_ref, rollouts = sft_stages(cfg, report, paths), w / "caches" / "rollouts"
     evaluate("pi_ref", pi_ref, teacher, cfg, report)
     _rollouts(cfg, report, pi_ref, paths["prompts_opd"], rollouts)
     _score(report, rollouts, paths["teacher"])
     return {**paths, "teacher_model": teacher, "pi_ref": pi_ref, "rollouts": rollouts}
+
+
+def sft_stages(cfg: DemoConfig, report: DemoReport, paths: dict[str, Path]) -> Path:
+    """Teacher trajectories (build-sft) and the SFT of the base student on them; returns pi_ref's directory."""
+    from opdcache.backends.base import SamplingConfig
+    from opdcache.prompts import PromptConfig
+    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.sft import SFTConfig, run_sft
+
+    sft_cache, pi_ref = cfg.workdir / "caches" / "sft", cfg.workdir / "models" / "pi_ref"
+    _stage(report, "build-sft", (sft_cache / "opdcache.json").is_file(), lambda: run_generate(GenerateJob(
+        model=paths["teacher"], prompts=PromptConfig(paths["prompts_train"]), out=sft_cache, kind="sft", num_shards=4,
+        sampling=SamplingConfig(temperature=0.8, max_new_tokens=48, seed=cfg.seed), reward="addition")).summary())
+    _stage(report, "sft", (pi_ref / "config.json").is_file(), lambda: "pi_ref: {pairs} teacher trajectories, final loss {final_loss:.3f}".format(
+        **run_sft(paths["student"], sft_cache, pi_ref, SFTConfig(steps=cfg.sft_steps, batch_size=64, lr=3e-3, warmup=10, seed=cfg.seed))))
+    return pi_ref
 
 
 def _rollouts(cfg: DemoConfig, report: DemoReport, pi_ref: Path, prompts: Path, out: Path, quantize: str | None = None) -> None:
@@ -257,12 +262,11 @@ def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
     """papers/000 Table 4 on the embedded task: pi_ref is fine-tuned on teacher 1's ("columns") trajectories; Lightning
     OPD from its rollouts with teacher 1 (consistent) and with teacher 2 ("carry" style: same task, other traces)."""
     from opdcache.consistency import check
+    from opdcache.train import stores_for
 
     report = DemoReport()
     start = time.perf_counter()
     p = _prepare(cfg, report)
-    from opdcache.train import stores_for
-
     _score(report, p["rollouts"], p["teacher_carry"], stores=stores_for(cfg.loss)[0], allow_inconsistent=True)
     c = check(p["rollouts"])
     report.figures["consistency"] = {"lineage": {n: t["lineage"] for n, t in c["teachers"].items()},
