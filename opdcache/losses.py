@@ -13,6 +13,12 @@ weights and sequence-level masks from the corrections multiply the terms before 
   remaining mass as one extra "tail" bin
 * full_fkl / full_rkl / jsd: exact full-vocabulary divergences, see opdcache/divergence.py
 
+KL penalty to pi_ref (papers/000 section 3.3 keeps the student near pi_ref with "standard KL regularization"):
+the cached rollouts are pi_ref's samples, so the penalty estimates KL(pi_ref || pi_theta) = E_ref[r - s] per token
+from l_t = s_t - r_t:  k1 = -l (unbiased, high variance), k3 = exp(l) - 1 - l (unbiased, non-negative, low variance:
+E_ref[exp(l)] = 1; the form verl calls low_var_kl), k2 = l^2 / 2 (biased, the squared-log-ratio penalty). k1 and k3
+have the same expected gradient, -E_ref[grad s]; l is clamped to [-20, 20] inside k3 so one far-off token cannot overflow.
+
 Corrections (papers/003 section 4.2, papers/004 section 3.2), with log ratio l_t = r_train_t - r_rollout_t:
 
 * token_tis:  weight_t = min(exp(l_t), C)
@@ -32,6 +38,22 @@ import torch
 ESTIMATORS = ("lightning", "is", "mc", "topk-fkl", "topk-rkl", "full-fkl", "full-rkl", "jsd")
 FULL_VOCABULARY = ("full-fkl", "full-rkl", "jsd")
 """Estimators computed exactly over the vocabulary from the teacher's final hidden states and unembedding."""
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_penalty_terms(s: torch.Tensor, r: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi_ref || pi_theta) on pi_ref's samples, differentiable through s. [B, T]"""
+    l = s - r.detach()
+    if estimator == "k1":
+        return -l
+    if estimator == "k2":
+        return 0.5 * l * l
+    if estimator == "k3":
+        l = l.clamp(-20.0, 20.0)
+        return torch.exp(l) - 1 - l
+    raise ValueError(f"--kl-estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
 
 
 def reduce(terms: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

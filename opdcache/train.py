@@ -1,7 +1,8 @@
 """A minimal Lightning-OPD trainer over a cache (and the standard-OPD ``online`` baseline).
 
 Each step: forward the student on prompt + response of a cached batch, take its log-probs at the
-response tokens, apply the chosen estimator (opdcache/losses.py) and corrections, and update with AdamW
+response tokens (and at the mc / top-k ids) from one fused pass over vocabulary slices (opdcache/student.py,
+opdcache/logprobs.py), apply the chosen estimator (opdcache/losses.py) and corrections, and update with AdamW
 (papers/000 Table 6 defaults: lr 2e-6 constant, weight decay 0.1, betas 0.9/0.98). No teacher runs: its
 signals come from the cache. ``online=True`` instead samples fresh rollouts from the current student and
 scores them with a live teacher every step, with the same estimator and settings.
@@ -13,7 +14,14 @@ K1 = mean(r - s) and K3 = mean(exp(s - r) - 1 - (s - r)), estimates of KL(pi_ref
 wall-clock since this invocation started. With corrections (l = r_train - r_rollout, r_train the trainer's float32
 pi_ref, r_rollout the cached ``ref_logprobs``): ``tis_clip_fraction``, response tokens whose exp(l) exceeded the TIS cap;
 ``rejected_fraction``, sequences dropped by K1/K3 rejection; ``band_rejected_fraction``, sequences outside the trust band.
-Token statistics are means over response tokens, averaged over micro-batches; sequence fractions are over the batch.
+With ``kl_coef > 0``: ``kl_penalty``, the chosen estimator's mean of KL(pi_ref || pi_theta) (opdcache/losses.py), added
+to the loss times ``kl_coef``. Token statistics are means over response tokens, averaged over micro-batches; sequence fractions are over the batch.
+
+Memory: the model, its gradients and AdamW's two moments in float32 (16 bytes per parameter; divided by the
+number of processes with ``--fsdp``), activations of one micro-batch [batch, length, hidden] per layer (one layer's
+with ``--gradient-checkpointing``), and [response tokens, chunk] float32 logit slices: it grows with tokens x hidden and
+tokens x chunk, never with tokens x vocabulary. Launch several processes with ``torchrun --nproc-per-node N -m
+opdcache.cli.main train ...``: DDP by default, FSDP2 with ``--fsdp``.
 
 Checkpoints hold model weights (safetensors), optimizer state (safetensors + JSON), loader position and
 RNG state -- no pickle -- and a resumed run reproduces an uninterrupted one exactly (deterministic CPU).
@@ -33,7 +41,11 @@ import torch
 
 from opdcache import losses as L
 from opdcache.errors import ConfigError
+from opdcache.logprobs import check_chunk
 from opdcache.progress import bar
+from opdcache.student import DTYPES, StudentForward, autocast_dtype, full_tensor, init_distributed, shard_fsdp
+
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
@@ -57,7 +69,13 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
     lr: float = 2e-6
-    """AdamW learning rate, constant (papers/000 Table 6)."""
+    """AdamW peak learning rate (papers/000 Table 6: 2e-6, constant)."""
+    lr_schedule: str = "constant"
+    """constant or cosine (decay from lr to lr * min_lr_ratio over the steps after warm-up)."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to lr over this many steps."""
+    min_lr_ratio: float = 0.0
+    """cosine: the final learning rate as a fraction of lr."""
     weight_decay: float = 0.1
     """AdamW weight decay (Table 6)."""
     beta1: float = 0.9
@@ -73,7 +91,17 @@ class TrainConfig:
     tail: bool = False
     """topk-* losses: keep the mass outside the support as one extra bin."""
     chunk: int = 8192
-    """full-* losses: vocabulary slice width."""
+    """Vocabulary slice width of the fused student head pass (and of the full-* losses): memory O(tokens x chunk)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to pi_ref computed from the cached ref_logprobs (0: off)."""
+    kl_estimator: str = "k3"
+    """Per-token KL(pi_ref || pi_theta) estimator on pi_ref's samples, l = s - r: k1 = -l, k2 = l^2 / 2, k3 = exp(l) - 1 - l."""
+    dtype: str = "auto"
+    """Compute precision: float32, bfloat16 (autocast over float32 master weights) or auto (bfloat16 on a CUDA GPU that has it)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward (activation memory of one layer, ~1.3x compute)."""
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state over the processes of a torchrun launch (FSDP2)."""
     corrections: L.Corrections = field(default_factory=L.Corrections)
     """Training-inference mismatch corrections."""
     seed: int = 0
@@ -107,6 +135,19 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--warmup-steps must be >= 0 and --min-lr-ratio in [0, 1], got {self.warmup_steps} and {self.min_lr_ratio}")
+        if self.kl_coef < 0:
+            raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        if self.kl_estimator not in L.KL_ESTIMATORS:
+            raise ConfigError(f"--kl-estimator must be one of {', '.join(L.KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        check_chunk(self.chunk)
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.fsdp and self.online:
+            raise ConfigError("--fsdp trains from a cache; the --online baseline runs without it")
         if self.topk_support not in ("teacher", "ref"):
             raise ConfigError(f"--topk-support must be teacher or ref, got {self.topk_support!r}")
         if self.online and self.teacher_model is None:
@@ -134,18 +175,16 @@ def _masked_mean_std(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]
     return float(mean), float(var.sqrt())
 
 
-class _StudentForward(torch.nn.Module):
-    """The student's forward up to the response positions: the module DDP wraps (so gradients synchronise)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, logit_positions):
-        base = getattr(self.model, self.model.base_model_prefix)
-        h = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        h = h.gather(1, logit_positions[..., None].expand(-1, -1, h.shape[-1]))  # [B, T, H]
-        return h, torch.log_softmax(self.model.get_output_embeddings()(h).float(), -1)  # [B, T, V]
+def learning_rate(cfg: "TrainConfig", step: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based): linear warm-up, then constant or cosine decay."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 class Trainer:
@@ -158,18 +197,21 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
-        if self.ddp and not torch.distributed.is_initialized():
-            torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        self.rank = torch.distributed.get_rank() if self.ddp else 0
-        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+        self.ddp, self.rank, world, self.device = init_distributed()
+        self.autocast = autocast_dtype(cfg.dtype, self.device)
+        # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(self.device)
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        self.ref_model = None
+        self.ref_forward = None
         if cfg.corrections.active:  # r_train: the trainer-side pi_ref, frozen
-            self.ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(self.device).eval()
-        self.forward = _StudentForward(self.model)
-        if self.ddp:
+            ref = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(self.device).eval()
+            self.ref_forward = StudentForward(ref, cfg.chunk)
+        self.forward = StudentForward(self.model, cfg.chunk)
+        if cfg.fsdp:
+            self.forward = shard_fsdp(self.forward, self.device, world)
+        elif self.ddp:
             self.forward = torch.nn.parallel.DistributedDataParallel(self.forward)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
         self.step = 0
@@ -213,12 +255,32 @@ class Trainer:
             self._iter = iter(self.source)
             return next(self._iter)
 
+    def _support(self, batch: dict, sel: torch.Tensor) -> torch.Tensor | None:
+        """[N, K] ids besides the sampled token at which the estimator needs the student's log-probs (mc, topk-*)."""
+        cfg = self.cfg
+        if cfg.loss == "mc":
+            return batch["mc_ids"][sel]
+        if cfg.loss.startswith("topk"):
+            return (batch["teacher_topk_ids"] if cfg.topk_support == "teacher" else batch["ref_topk_ids"])[sel]
+        return None
+
     def loss_and_stats(self, batch: dict) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
         batch = {k: v.to(self.device) for k, v in batch.items()}
         mask = batch["response_mask"]
-        h, logp = self.forward(batch["input_ids"], batch["attention_mask"], batch["logit_positions"])
-        s = logp.gather(-1, batch["response_ids"][..., None]).squeeze(-1)
+        sel = mask.bool()
+        B, T = mask.shape
+        support = self._support(batch, sel)
+        ids_NK = batch["response_ids"][sel][:, None]  # column 0: the sampled token
+        if support is not None:
+            ids_NK = torch.cat([ids_NK, support.long()], 1)
+        full = cfg.loss.replace("full-", "") if cfg.loss in L.FULL_VOCABULARY else None
+        inputs = (batch["input_ids"], batch["attention_mask"], batch["logit_positions"], sel)
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            lp_NK, _, div_N = self.forward(*inputs, ids_NK, full, batch["teacher_hidden"][sel] if full else None, self.teacher_w, self.teacher_b)
+        lp_NK = lp_NK.float()
+        s = lp_NK.new_zeros(B, T)
+        s[sel] = lp_NK[:, 0]  # the student's log-prob of each sampled token, [B, T]
         teacher = batch.get("teacher_logprobs")
         stats: dict = {}
         if cfg.loss == "lightning":
@@ -226,32 +288,31 @@ class Trainer:
             stats["clip_fraction"] = float((st["clipped"] * mask).sum() / mask.sum())
         elif cfg.loss == "is":
             terms, st = L.is_terms(s, batch["sampling_logprobs"], teacher)
-        elif cfg.loss == "mc":
-            s_m = logp.gather(-1, batch["mc_ids"])
-            terms, st = L.mc_terms(s_m, batch["mc_sampling_logprobs"], batch["teacher_mc_logprobs"])
-        elif cfg.loss.startswith("topk"):
-            ids = batch["teacher_topk_ids"] if cfg.topk_support == "teacher" else batch["ref_topk_ids"]
-            t_lp = batch["teacher_topk_logprobs"] if cfg.topk_support == "teacher" else batch["teacher_ref_topk_logprobs"]
-            terms, st = L.topk_terms(logp.gather(-1, ids), t_lp, cfg.loss.split("-")[1], cfg.tail)
+        elif support is not None:
+            s_K = lp_NK.new_zeros(B, T, support.shape[1])
+            s_K[sel] = lp_NK[:, 1:]  # [B, T, K] at the support ids
+            if cfg.loss == "mc":
+                terms, st = L.mc_terms(s_K, batch["mc_sampling_logprobs"], batch["teacher_mc_logprobs"])
+            else:
+                t_lp = batch["teacher_topk_logprobs"] if cfg.topk_support == "teacher" else batch["teacher_ref_topk_logprobs"]
+                terms, st = L.topk_terms(s_K, t_lp, cfg.loss.split("-")[1], cfg.tail)
         else:
-            from opdcache.divergence import chunked_divergence
-
-            sel = mask.bool()
-            head = self.model.get_output_embeddings()
-            div = chunked_divergence(cfg.loss.replace("full-", ""), h[sel], head.weight, batch["teacher_hidden"][sel].float(),
-                                     self.teacher_w, getattr(head, "bias", None), self.teacher_b, chunk=cfg.chunk)
-            terms = torch.zeros_like(s).masked_scatter(sel, div.to(s.dtype))
-            st = {"kl": div.detach()}
+            terms = s.new_zeros(B, T)
+            terms[sel] = div_N.float()
+            st = {"kl": div_N.detach()}
         advantage = (teacher - s).detach() if teacher is not None else torch.zeros_like(s)
         weights = None
         if cfg.corrections.active:
             with torch.no_grad():
-                r_train = torch.log_softmax(self.ref_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-                                            .gather(1, batch["logit_positions"][..., None].expand(-1, -1, logp.shape[-1])), -1)
-                r_train = r_train.gather(-1, batch["response_ids"][..., None]).squeeze(-1)
+                r_train = s.new_zeros(B, T)
+                r_train[sel] = self.ref_forward(*inputs, ids_NK[:, :1])[0][:, 0].float()
             weights, cstats = L.correction_weights(cfg.corrections, s, r_train, batch["ref_logprobs"], advantage, mask)
             stats.update({k: float(v) for k, v in cstats.items()})
         loss = L.reduce(terms, mask, weights)
+        if cfg.kl_coef > 0:  # KL(pi_ref || pi_theta) on pi_ref's own samples, from the cached ref_logprobs
+            penalty = L.reduce(L.kl_penalty_terms(s, batch["ref_logprobs"], cfg.kl_estimator), mask)
+            stats["kl_penalty"] = float(penalty)
+            loss = loss + cfg.kl_coef * penalty
         if "ref_logprobs" in batch:
             log_ratio = (s - batch["ref_logprobs"]).detach()
             stats["is_weight_mean"], stats["is_weight_std"] = _masked_mean_std(log_ratio.exp(), mask)
@@ -264,20 +325,39 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self) -> Path:
+    def _full_state(self) -> tuple[dict | None, dict[str, torch.Tensor], list[dict]]:
+        """(model state dict, or None to save the live model; optimizer tensors keyed '<parameter index>.<name>';
+        param groups). Under FSDP every rank must call it: the full tensors are gathered to rank 0's CPU."""
+        names = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
+        model_sd = None
+        if self.cfg.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_sd = {k.removeprefix("model."): v for k, v in get_model_state_dict(self.forward, options=options).items()}
+            optim = get_optimizer_state_dict(self.forward, self.opt, options=options)
+            per_param = {names[fqn.removeprefix("model.")]: st for fqn, st in optim.get("state", {}).items()}
+        else:
+            index = {id(p): i for i, p in enumerate(self.model.parameters())}
+            per_param = {index[id(p)]: st for p, st in self.opt.state.items()}
+        tensors = {f"{i}.{k}": v.detach().cpu().contiguous() if torch.is_tensor(v) else torch.tensor(v)
+                   for i, st in per_param.items() for k, v in st.items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+        return model_sd, tensors, groups
+
+    def save_checkpoint(self) -> dict | None:
+        """Write ``checkpoint/`` atomically (rank 0); every rank calls it. Returns the full model state (FSDP) for reuse."""
         from safetensors.torch import save_file
 
+        if not self.cfg.fsdp and self.rank != 0:
+            return None
+        model_sd, tensors, groups = self._full_state()
+        if self.rank != 0:
+            return None
         final = self.cfg.out / "checkpoint"
         tmp = self.cfg.out / f".checkpoint.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp / "model")
-        tensors, groups = {}, []
-        index = {id(p): i for i, p in enumerate(self.model.parameters())}
-        for p, st in self.opt.state.items():
-            for k, v in st.items():
-                tensors[f"{index[id(p)]}.{k}"] = v.detach().cpu().contiguous() if torch.is_tensor(v) else torch.tensor(v)
-        for g in self.opt.param_groups:
-            groups.append({k: v for k, v in g.items() if k != "params"})
+        self.model.save_pretrained(tmp / "model", state_dict=model_sd)
         tensors["rng.torch"] = torch.get_rng_state()
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         state = {"step": self.step, "param_groups": groups, "config": json.loads(json.dumps(asdict(self.cfg), default=str)),
@@ -288,7 +368,7 @@ class Trainer:
             final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
-        return final
+        return model_sd
 
     def maybe_resume(self) -> bool:
         from safetensors.torch import load_file
@@ -306,16 +386,29 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         weights = AutoModelForCausalLM.from_pretrained(ckpt / "model", dtype=torch.float32).state_dict()
-        self.model.load_state_dict(weights)
         tensors = load_file(str(ckpt / "optimizer.safetensors"))
-        params = list(self.model.parameters())
+        per_param: dict[int, dict] = {}
         for key, value in tensors.items():
-            if key.startswith("rng."):
-                continue
-            i, name = key.split(".", 1)
-            self.opt.state[params[int(i)]][name] = value.to(self.device) if name != "step" else value
-        for g, saved in zip(self.opt.param_groups, state["param_groups"]):
-            g.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
+            if not key.startswith("rng."):
+                i, name = key.split(".", 1)
+                per_param.setdefault(int(i), {})[name] = value
+        if self.cfg.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+            options = StateDictOptions(full_state_dict=True)
+            names = [f"model.{n}" for n, _ in self.model.named_parameters()]
+            set_model_state_dict(self.forward, {f"model.{k}": v for k, v in weights.items()}, options=options)
+            optim = {"state": {names[i]: st for i, st in per_param.items()},
+                     "param_groups": [{**{k: (tuple(v) if isinstance(v, list) else v) for k, v in g.items()}, "params": names}
+                                      for g in state["param_groups"]]}
+            set_optimizer_state_dict(self.forward, self.opt, optim, options=options)
+        else:
+            self.model.load_state_dict(weights)
+            params = list(self.model.parameters())
+            for i, st in per_param.items():
+                self.opt.state[params[i]].update({k: v.to(self.device) if k != "step" else v for k, v in st.items()})
+            for g, saved in zip(self.opt.param_groups, state["param_groups"]):
+                g.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
         torch.set_rng_state(tensors["rng.torch"])
         self.step = state["step"]
         if state["loader"] is not None:
@@ -347,13 +440,16 @@ class Trainer:
                     (loss / cfg.grad_accum).backward()
                     for k, v in {"loss": loss.item(), **stats}.items():
                         agg[k] = agg.get(k, 0.0) + v / cfg.grad_accum
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
                 if not math.isfinite(float(grad_norm)):
                     raise FloatingPointError(f"non-finite gradient norm at step {self.step + 1}; lower --lr or check the cache with `opdcache validate`")
+                lr = learning_rate(cfg, self.step)
+                for group in self.opt.param_groups:
+                    group["lr"] = lr
                 self.opt.step()
                 self.step += 1
                 done_now += 1
-                last = {"step": self.step, **agg, "grad_norm": float(grad_norm), "lr": cfg.lr, "seconds": time.perf_counter() - start}
+                last = {"step": self.step, **agg, "grad_norm": float(grad_norm), "lr": lr, "seconds": time.perf_counter() - start}
                 if self.rank == 0:
                     mf.write(json.dumps(last) + "\n")
                     mf.flush()
@@ -362,13 +458,13 @@ class Trainer:
                             writer.add_scalar(k, v, self.step)
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{agg['loss']:.4f}")
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.rank == 0:
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.save_checkpoint()
                 if cfg.stop_after is not None and done_now >= cfg.stop_after:
                     return {"stopped_at": self.step, "last": last, "resumed": resumed}
+        model_sd = self.save_checkpoint()
         if self.rank == 0:
-            self.save_checkpoint()
-            self._save_final()
+            self._save_final(model_sd)
         if writer:
             writer.close()
         result = {"steps": self.step, "last": last, "resumed": resumed, "seconds": time.perf_counter() - start}
@@ -376,10 +472,10 @@ class Trainer:
             result["online_seconds"] = dict(self.source.seconds)
         return result
 
-    def _save_final(self) -> None:
+    def _save_final(self, model_sd: dict | None) -> None:
         from transformers import AutoTokenizer
 
-        self.model.save_pretrained(self.cfg.out / "model")
+        self.model.save_pretrained(self.cfg.out / "model", state_dict=model_sd)
         AutoTokenizer.from_pretrained(self.cfg.model).save_pretrained(self.cfg.out / "model")
         from opdcache.lineage import read_sft_lineage
         from opdcache.shards import write_json_atomic

@@ -1,0 +1,141 @@
+"""The student's log-probs at chosen token ids, streamed over vocabulary slices (never [tokens, vocabulary]).
+
+Every estimator needs log pi_theta(v | position) only at a few ids per position: the sampled token
+(lightning, is), the m Monte-Carlo samples (mc), a top-k support (topk-*). With logits z = h W^T (+ b),
+optionally scaled and soft-capped (z <- c tanh(z / c)) as the model's own forward does, and the log-partition lse = log sum_v exp(z_v):
+
+    forward:   logprob_{n,k} = z_{n, id_{n,k}} - lse_n
+    backward:  dL/dz_{n,v} = sum_k g_{n,k} [v = id_{n,k}] + (g_lse_n - sum_k g_{n,k}) * q_{n,v},   q = softmax(z)
+
+The forward runs one pass over vocabulary slices of width ``chunk`` with an online log-sum-exp (running
+maximum m and rescaled sum s; lse = m + log s), picking up the logits at the requested ids in the slice
+that holds them. The backward recomputes each slice's logits from h and W, so both passes hold one
+[N, chunk] block at a time: memory grows with N * chunk + N * K, never with N * V. This is the same online
+idea as the teacher-side divergences of opdcache/divergence.py (papers/002), applied to the student.
+
+:func:`logprobs_reference` is the plain full-logits implementation the parity tests compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opdcache.errors import ConfigError
+
+DEFAULT_CHUNK = 8192
+
+
+def check_chunk(chunk: int) -> int:
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ConfigError(f"--chunk (vocabulary slice width) must be a positive integer, got {chunk!r}")
+    return chunk
+
+
+def _compute_dtype(h: torch.Tensor) -> torch.dtype:
+    return torch.float64 if h.dtype == torch.float64 else torch.float32
+
+
+def _slice_logits(h, W, b, a: int, c: int, scale: float | None, softcap: float | None, dtype) -> torch.Tensor:
+    """Logits of vocabulary slice [a, a + c): the matmul in the inputs' dtype (bf16 stays bf16), then ``dtype``."""
+    z = (h @ W[a: a + c].T.to(h.dtype)).to(dtype)
+    if b is not None:
+        z += b[a: a + c].to(dtype)
+    if scale is not None:
+        z *= scale
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    return z
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, W, b, ids, chunk: int, scale, softcap):
+        dtype = _compute_dtype(h)
+        N, V = h.shape[0], W.shape[0]
+        m = torch.full((N,), float("-inf"), dtype=dtype, device=h.device)
+        s = torch.zeros(N, dtype=dtype, device=h.device)
+        picked = torch.empty(ids.shape, dtype=dtype, device=h.device)
+        for a in range(0, V, chunk):
+            z = _slice_logits(h, W, b, a, chunk, scale, softcap, dtype)  # [N, C]
+            r, k = ((ids >= a) & (ids < a + z.shape[1])).nonzero(as_tuple=True)
+            picked[r, k] = z[r, ids[r, k] - a]
+            new_m = torch.maximum(m, z.amax(-1))
+            s = s * torch.exp(m - new_m) + z.sub_(new_m[:, None]).exp_().sum(-1)
+            m = new_m
+        lse = m + torch.log(s)
+        ctx.save_for_backward(h, W, b if b is not None else torch.empty(0), ids, lse)
+        ctx.chunk, ctx.scale, ctx.softcap, ctx.has_b = chunk, scale, softcap, b is not None
+        # (z - m) - log s rather than z - (m + log s): the subtraction then rounds at |z - m|, not at |lse|
+        out = (picked - m[:, None]) - torch.log(s)[:, None]
+        return out.to(h.dtype), lse.to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, g_lp, g_lse):
+        h, W, b, ids, lse = ctx.saved_tensors
+        b = b if ctx.has_b else None
+        dtype = lse.dtype
+        g_lp = torch.zeros(ids.shape, dtype=dtype, device=h.device) if g_lp is None else g_lp.to(dtype)
+        g_lse = torch.zeros_like(lse) if g_lse is None else g_lse.to(dtype)
+        coef = g_lse - g_lp.sum(-1)  # [N]: weight of softmax(z) in dL/dz
+        need_h, need_W, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros(h.shape, dtype=dtype, device=h.device) if need_h else None
+        grad_W = torch.zeros(W.shape, dtype=dtype, device=W.device) if need_W else None
+        grad_b = torch.zeros(W.shape[0], dtype=dtype, device=W.device) if need_b and b is not None else None
+        hc = h.to(dtype)
+        for a in range(0, W.shape[0], ctx.chunk):
+            z = _slice_logits(h, W, b, a, ctx.chunk, ctx.scale, ctx.softcap, dtype)
+            C = z.shape[1]
+            capped = z.clone() if ctx.softcap is not None else None
+            dz = z.sub_(lse[:, None]).exp_().mul_(coef[:, None])  # (g_lse - sum g) * q
+            r, k = ((ids >= a) & (ids < a + C)).nonzero(as_tuple=True)
+            dz.index_put_((r, ids[r, k] - a), g_lp[r, k], accumulate=True)  # + sum_k g_k [v = id_k]
+            if capped is not None:  # d(c tanh(x / c))/dx = 1 - tanh(x / c)^2 = 1 - (capped / c)^2
+                t = capped.div_(ctx.softcap)
+                dz.mul_(1 - t * t)
+            if ctx.scale is not None:
+                dz.mul_(ctx.scale)
+            if grad_h is not None:
+                grad_h += dz @ W[a: a + C].to(dtype)
+            if grad_W is not None:
+                grad_W[a: a + C] += dz.T @ hc
+            if grad_b is not None:
+                grad_b[a: a + C] += dz.sum(0)
+        return (None if grad_h is None else grad_h.to(h.dtype), None if grad_W is None else grad_W.to(W.dtype),
+                None if grad_b is None else grad_b.to(W.dtype), None, None, None, None)
+
+
+def chunked_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, ids_NK: torch.Tensor, bias_V: torch.Tensor | None = None,
+                     chunk: int = DEFAULT_CHUNK, logit_scale: float | None = None, softcap: float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs at ``ids_NK`` [N, K], log-partition [N]) of softmax(hidden @ weight.T + bias), both differentiable.
+
+    Computed in float32 (float64 inputs stay float64); memory O(N * chunk), never O(N * V).
+    """
+    check_chunk(chunk)
+    if hidden_NH.dim() != 2 or weight_VH.dim() != 2 or hidden_NH.shape[1] != weight_VH.shape[1]:
+        raise ValueError(f"hidden [N, H] and weight [V, H] do not match: {tuple(hidden_NH.shape)} vs {tuple(weight_VH.shape)}")
+    if ids_NK.dim() != 2 or ids_NK.shape[0] != hidden_NH.shape[0]:
+        raise ValueError(f"ids must be [N, K] with N = {hidden_NH.shape[0]}, got {tuple(ids_NK.shape)}")
+    if ids_NK.numel() and (int(ids_NK.min()) < 0 or int(ids_NK.max()) >= weight_VH.shape[0]):
+        raise ValueError(f"token ids must lie in [0, {weight_VH.shape[0]}), got {int(ids_NK.min())}..{int(ids_NK.max())}")
+    return _ChunkedLogprobs.apply(hidden_NH, weight_VH, bias_V, ids_NK.long(), chunk, logit_scale, softcap)
+
+
+def logprobs_reference(hidden_NH, weight_VH, ids_NK, bias_V=None, logit_scale=None, softcap=None):
+    """The plain implementation: full [N, V] logits and log_softmax. For tests and benchmarks only."""
+    dtype = _compute_dtype(hidden_NH)
+    z = (hidden_NH @ weight_VH.T).to(dtype)
+    if bias_V is not None:
+        z = z + bias_V.to(dtype)
+    if logit_scale is not None:
+        z = z * logit_scale
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    lp = torch.log_softmax(z, -1)
+    return lp.gather(-1, ids_NK.long()).to(hidden_NH.dtype), torch.logsumexp(z, -1).to(hidden_NH.dtype)
+
+
+def head_transform_of(model) -> tuple[float | None, float | None]:
+    """(logit_scale, final_logit_softcapping) of a transformers causal LM's config, as its forward applies them."""
+    cfg = model.config
+    return getattr(cfg, "logit_scale", None), getattr(cfg, "final_logit_softcapping", None)

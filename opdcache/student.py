@@ -1,0 +1,96 @@
+"""The student in training: its forward to per-token log-probs without [tokens, vocabulary], its precision, and
+how it is spread over processes (DDP, or FSDP2 for students larger than one device).
+
+:class:`StudentForward` is the module DDP or FSDP wraps: the decoder, the gather of the response positions
+and the fused head pass (opdcache/logprobs.py, and opdcache/divergence.py for the full-vocabulary losses)
+all run inside its ``forward``, so FSDP has gathered the head's weight when it is used and gradients
+reach the sharded parameters. Memory per micro-batch: activations [B, L, H] (or one layer's with
+``--gradient-checkpointing``) plus [N, chunk] float32 logit slices for N response tokens; nothing grows
+with N x V.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from opdcache.errors import ConfigError
+from opdcache.logprobs import chunked_logprobs, head_transform_of
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of ``--dtype`` (None: plain float32). auto: bfloat16 on a CUDA device that supports it."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    return torch.bfloat16 if dtype == "bfloat16" else None
+
+
+class StudentForward(torch.nn.Module):
+    """Decoder forward, then per response token: log-probs at requested ids, log-partition, optional divergence."""
+
+    def __init__(self, model, chunk: int):
+        super().__init__()
+        self.model = model
+        self.chunk = chunk
+        self.scale, self.softcap = head_transform_of(model)
+
+    def forward(self, input_ids_BL, attention_mask_BL, logit_positions_BT, select_BT, ids_NK, divergence: str | None = None,
+                teacher_hidden_NK=None, teacher_weight=None, teacher_bias=None):
+        """(log-probs [N, K] at ``ids_NK``, log-partition [N], divergence [N] or None) for the N selected tokens."""
+        base = getattr(self.model, self.model.base_model_prefix)
+        h_BLH = base(input_ids=input_ids_BL, attention_mask=attention_mask_BL).last_hidden_state
+        rows, cols = select_BT.nonzero(as_tuple=True)
+        h_NH = h_BLH[rows, logit_positions_BT[rows, cols]]
+        head = self.model.get_output_embeddings()
+        bias = getattr(head, "bias", None)
+        lp_NK, lse_N = chunked_logprobs(h_NH, head.weight, ids_NK, bias, self.chunk, self.scale, self.softcap)
+        div_N = None
+        if divergence is not None:
+            if self.scale is not None or self.softcap is not None:
+                raise ConfigError("the full-vocabulary losses do not support models with logit scaling or soft-capping yet; use lightning")
+            from opdcache.divergence import chunked_divergence
+
+            div_N = chunked_divergence(divergence, h_NH, head.weight, teacher_hidden_NK, teacher_weight, bias, teacher_bias, chunk=self.chunk)
+        return lp_NK, lse_N, div_N
+
+
+def init_distributed() -> tuple[bool, int, int, torch.device]:
+    """(distributed, rank, world size, device) from torchrun's variables; starts the process group when needed."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    distributed = world > 1
+    if distributed and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = torch.distributed.get_rank() if distributed else 0
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    return distributed, rank, world, device
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's repeated blocks (its ``_no_split_modules`` classes): FSDP's unit of sharding."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ConfigError(f"--fsdp: cannot find the decoder layers of {type(model).__name__} (no _no_split_modules); train without --fsdp")
+    return layers
+
+
+def shard_fsdp(forward: StudentForward, device: torch.device, world: int) -> StudentForward:
+    """FSDP2: every decoder layer its own unit, the rest (embeddings, final norm, head) in the root unit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in decoder_layers(forward.model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(forward, mesh=mesh)
+    return forward
+
+
+def full_tensor(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (FSDP gradient norms); a plain tensor as it is."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
