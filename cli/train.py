@@ -51,10 +51,24 @@ def train(
     tensorboard: Annotated[Optional[bool], typer.Option("--tensorboard/--no-tensorboard", show_default=False)] = None,
     online: Annotated[Optional[bool], typer.Option("--online/--offline", help="Standard-OPD baseline with a live teacher.", show_default=False)] = None,
     teacher_model: Annotated[Optional[Path], typer.Option("--teacher-model", help="--online: the live teacher.", show_default=False)] = None,
+    lr_schedule: Annotated[Optional[str], typer.Option("--lr-schedule", help="constant or cosine (after --warmup-steps).", show_default=False)] = None,
+    warmup_steps: Annotated[Optional[int], typer.Option("--warmup-steps", help="Linear warm-up steps.", show_default=False)] = None,
+    min_lr_ratio: Annotated[Optional[float], typer.Option("--min-lr-ratio", help="cosine: final lr as a fraction of --lr.", show_default=False)] = None,
+    kl_coef: Annotated[Optional[float], typer.Option("--kl-coef", help="KL penalty to pi_ref from the cached ref_logprobs (0: off).", show_default=False)] = None,
+    kl_estimator: Annotated[Optional[str], typer.Option("--kl-estimator", help="k1, k2 or k3 (low-variance) estimate of KL(pi_ref || pi_theta).", show_default=False)] = None,
+    chunk: Annotated[Optional[int], typer.Option("--chunk", help="Vocabulary slice width of the fused head pass.", show_default=False)] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="auto, float32 or bfloat16 (autocast over float32 master weights).", show_default=False)] = None,
+    gradient_checkpointing: Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute layer activations in the backward.", show_default=False)] = None,
+    fsdp: Annotated[Optional[bool], typer.Option("--fsdp/--no-fsdp", help="Shard the student over torchrun's processes (FSDP2).", show_default=False)] = None,
     stop_after: Annotated[Optional[int], typer.Option("--stop-after", hidden=True)] = None,
     progress: O.Progress = None,
 ) -> None:
-    """Lightning OPD (or another estimator) from a cache: no teacher runs during training."""
+    """Lightning OPD (or another estimator) from a cache: no teacher runs during training.
+
+    Memory grows with the model (16 bytes per parameter in float32 with AdamW, split over processes with --fsdp),
+    batch x length x hidden activations (one layer's with --gradient-checkpointing) and response tokens x --chunk;
+    never with tokens x vocabulary. Several processes: torchrun --nproc-per-node N -m opdcache.cli.main train ...
+    """
     import yaml
 
     from opdcache.errors import ConfigError
@@ -66,7 +80,9 @@ def train(
         raise ConfigError(f"--config {config} must hold a mapping of TrainConfig fields")
     flags = dict(model=model, cache=cache, out=out, teacher=teacher, loss=loss, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
                  lr=lr, tau=tau, checkpoint_every=checkpoint_every, seed=seed, deterministic=deterministic, tensorboard=tensorboard,
-                 online=online, teacher_model=teacher_model, stop_after=stop_after, progress=progress)
+                 online=online, teacher_model=teacher_model, stop_after=stop_after, progress=progress, lr_schedule=lr_schedule,
+                 warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, kl_coef=kl_coef, kl_estimator=kl_estimator, chunk=chunk, dtype=dtype,
+                 gradient_checkpointing=gradient_checkpointing, fsdp=fsdp)
     values.update({k: v for k, v in flags.items() if v is not None})
     corr = dict(values.pop("corrections", {}) or {})
     corr.update({k: v for k, v in dict(tis_cap=tis_cap, reject_k=reject_k, reject_threshold=reject_threshold, trust_band=trust_band).items() if v is not None})

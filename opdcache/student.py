@@ -59,6 +59,17 @@ class StudentForward(torch.nn.Module):
         return lp_NK, lse_N, div_N
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer in the backward (non-reentrant checkpointing; transformers >= 5 names it
+    activation checkpointing, earlier versions gradient checkpointing)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"--gradient-checkpointing: {type(model).__name__} does not support activation checkpointing")
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def init_distributed() -> tuple[bool, int, int, torch.device]:
     """(distributed, rank, world size, device) from torchrun's variables; starts the process group when needed."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -43,7 +43,8 @@ from opdcache import losses as L
 from opdcache.errors import ConfigError
 from opdcache.logprobs import check_chunk
 from opdcache.progress import bar
-from opdcache.student import DTYPES, StudentForward, autocast_dtype, full_tensor, init_distributed, shard_fsdp
+from opdcache.student import (DTYPES, StudentForward, autocast_dtype, enable_activation_checkpointing, full_tensor, init_distributed,
+                              shard_fsdp)
 
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -197,12 +198,12 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.ddp, self.rank, world, self.device = init_distributed()
+        self.ddp, self.rank, self.world, self.device = init_distributed()
         self.autocast = autocast_dtype(cfg.dtype, self.device)
         # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(self.device)
         if cfg.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(self.model)
         self.model.train()
         self.ref_forward = None
         if cfg.corrections.active:  # r_train: the trainer-side pi_ref, frozen
@@ -210,7 +211,7 @@ class Trainer:
             self.ref_forward = StudentForward(ref, cfg.chunk)
         self.forward = StudentForward(self.model, cfg.chunk)
         if cfg.fsdp:
-            self.forward = shard_fsdp(self.forward, self.device, world)
+            self.forward = shard_fsdp(self.forward, self.device, self.world)
         elif self.ddp:
             self.forward = torch.nn.parallel.DistributedDataParallel(self.forward)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
@@ -321,7 +322,20 @@ class Trainer:
         if teacher is not None:
             stats["advantage_mean"], stats["advantage_std"] = _masked_mean_std(advantage, mask)
         stats["tokens"] = int(mask.sum())
+        if self.ddp:  # normalise by every rank's tokens: the gradient average over ranks is then the whole batch's gradient
+            tokens = mask.sum().float()
+            total = tokens.clone()
+            torch.distributed.all_reduce(total)
+            loss = loss * (tokens * self.world / total.clamp_min(1))
         return loss, stats
+
+    def _global_mean(self, value: float) -> float:
+        """The mean over ranks of a per-rank number (the logged loss: each rank's share, times the world, averaged)."""
+        if not self.ddp:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return float(t) / self.world
 
     # ------------------------------------------------------------ checkpoints
 
@@ -438,7 +452,7 @@ class Trainer:
                 for _ in range(cfg.grad_accum):
                     loss, stats = self.loss_and_stats(self._next_batch())
                     (loss / cfg.grad_accum).backward()
-                    for k, v in {"loss": loss.item(), **stats}.items():
+                    for k, v in {"loss": self._global_mean(loss.item()), **stats}.items():
                         agg[k] = agg.get(k, 0.0) + v / cfg.grad_accum
                 grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
                 if not math.isfinite(float(grad_norm)):

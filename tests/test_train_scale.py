@@ -1,0 +1,153 @@
+"""The trainer at scale: fused student log-probs equal the full-logits path, precision, checkpointing, schedules,
+the KL penalty, and FSDP2 over two CPU processes (gloo) against one process."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from opdcache import losses as L
+from opdcache.errors import ConfigError
+from opdcache.train import TrainConfig, Trainer, learning_rate, run_train
+
+
+def _batch(trainer):
+    return next(iter(trainer.source))
+
+
+@pytest.mark.parametrize("loss", ["lightning", "mc", "topk-rkl", "full-rkl"])
+def test_fused_step_equals_the_full_logits_step(hf_cache, weights, tmp_path, loss):
+    """Loss and every parameter gradient of a step equal those of a plain log_softmax over [B, T, V] logits."""
+    trainer = Trainer(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss=loss, batch_size=6, chunk=7))
+    batch = _batch(trainer)
+    fused, _ = trainer.loss_and_stats(batch)
+    fused.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+    trainer.model.zero_grad()
+
+    model, cfg = trainer.model, trainer.cfg
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    pos = batch["logit_positions"]
+    logp = torch.log_softmax(out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1])).float(), -1)  # [B, T, V]
+    s = logp.gather(-1, batch["response_ids"][..., None]).squeeze(-1)
+    mask = batch["response_mask"]
+    if loss == "lightning":
+        terms, _ = L.lightning_terms(s, batch["teacher_logprobs"], cfg.tau)
+    elif loss == "mc":
+        terms, _ = L.mc_terms(logp.gather(-1, batch["mc_ids"]), batch["mc_sampling_logprobs"], batch["teacher_mc_logprobs"])
+    elif loss == "topk-rkl":
+        terms, _ = L.topk_terms(logp.gather(-1, batch["teacher_topk_ids"]), batch["teacher_topk_logprobs"], "rkl")
+    else:
+        head = trainer.teacher_w
+        t_logp = torch.log_softmax(batch["teacher_hidden"].float() @ head.T, -1)
+        terms = (logp.exp() * (logp - t_logp)).sum(-1)
+    plain = L.reduce(terms, mask)
+    plain.backward()
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(hf_cache, weights, tmp_path):
+    common = dict(model=weights / "student", cache=hf_cache, out=tmp_path, loss="lightning", batch_size=4)
+    plain, ckpt = Trainer(TrainConfig(**common)), Trainer(TrainConfig(gradient_checkpointing=True, **common))
+    assert ckpt.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+    batch = _batch(plain)
+    for t in (plain, ckpt):
+        t.loss_and_stats(batch)[0].backward()
+    for (n, a), b in zip(plain.model.named_parameters(), ckpt.model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_bfloat16_autocast_keeps_float32_masters_and_tracks_float32(hf_cache, weights, tmp_path):
+    common = dict(model=weights / "student", cache=hf_cache, loss="lightning", batch_size=4, steps=1)
+    f32, bf16 = Trainer(TrainConfig(out=tmp_path / "a", **common)), Trainer(TrainConfig(out=tmp_path / "b", dtype="bfloat16", **common))
+    batch = _batch(f32)
+    a, b = f32.loss_and_stats(batch)[0].detach(), bf16.loss_and_stats(batch)[0].detach()
+    assert bf16.autocast == torch.bfloat16 and f32.autocast is None
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    assert float(a) != float(b) and abs(float(a) - float(b)) < 0.05 * abs(float(a)) + 0.05  # computed in bf16, close to fp32
+
+
+def test_learning_rate_schedules():
+    cfg = TrainConfig(model="m", cache="c", out="o", lr=1.0, steps=10, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
+    lrs = [learning_rate(cfg, i) for i in range(10)]
+    assert lrs[:3] == [0.5, 1.0, 1.0] and lrs[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    const = TrainConfig(model="m", cache="c", out="o", lr=0.5, steps=4)
+    assert [learning_rate(const, i) for i in range(4)] == [0.5] * 4
+    with pytest.raises(ConfigError, match="--lr-schedule must be one of constant, cosine, got 'linear'"):
+        TrainConfig(model="m", cache="c", out="o", lr_schedule="linear")
+
+
+def test_logged_lr_follows_the_schedule(hf_cache, weights, tmp_path):
+    run_train(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, steps=3, batch_size=4, lr=1e-4, warmup_steps=2))
+    lrs = [json.loads(l)["lr"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx([5e-5, 1e-4, 1e-4])
+
+
+def test_kl_penalty_estimators():
+    r = torch.log(torch.tensor([[0.5, 0.2, 0.1]]))
+    s = torch.log(torch.tensor([[0.25, 0.2, 0.3]])).requires_grad_()
+    l = (s - r).detach()
+    torch.testing.assert_close(L.kl_penalty_terms(s, r, "k1"), -l)
+    torch.testing.assert_close(L.kl_penalty_terms(s, r, "k2"), 0.5 * l * l)
+    k3 = L.kl_penalty_terms(s, r, "k3")
+    torch.testing.assert_close(k3, l.exp() - 1 - l)
+    assert bool((k3[:, 1] == 0).all()) and bool((k3 >= 0).all())
+    k3.sum().backward()
+    torch.testing.assert_close(s.grad, l.exp() - 1)  # (exp(l) - 1) grad s: E_ref of it is -E_ref[grad s]
+    with pytest.raises(ConfigError, match="--kl-estimator must be one of k1, k2, k3, got 'k4'"):
+        TrainConfig(model="m", cache="c", out="o", kl_estimator="k4")
+
+
+def test_kl_penalty_is_logged_and_pulls_toward_pi_ref(hf_cache, weights, tmp_path):
+    common = dict(model=weights / "student", cache=hf_cache, loss="lightning", steps=6, batch_size=8, lr=3e-3, deterministic=True)
+    run_train(TrainConfig(out=tmp_path / "free", **common))
+    run_train(TrainConfig(out=tmp_path / "kl", kl_coef=5.0, **common))
+    free = [json.loads(l) for l in (tmp_path / "free" / "metrics.jsonl").read_text().splitlines()]
+    kl = [json.loads(l) for l in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
+    assert "kl_penalty" in kl[0] and "kl_penalty" not in free[0]
+    assert kl[0]["kl_penalty"] == pytest.approx(0.0, abs=1e-6)  # step 1: the student is pi_ref
+    assert kl[-1]["k3"] < free[-1]["k3"]  # the penalty keeps the student nearer pi_ref
+
+
+@pytest.mark.parametrize("bad,message", [(dict(chunk=0), "--chunk"), (dict(dtype="fp8"), "--dtype must be one of auto, float32, bfloat16"),
+                                         (dict(kl_coef=-1.0), "--kl-coef must be >= 0")])
+def test_bad_settings_are_clear_errors(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(model="m", cache="c", out="o", **bad)
+
+
+def _torchrun(script, nproc, port, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+                           "-m", "opdcache.cli.main", *script], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+
+
+FSDP_TOLERANCE = 2e-5  # per-step loss, two FSDP processes against one plain process (float32; reduction order differs)
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_cpu_processes_matches_one_process_and_resumes(hf_cache, weights, tmp_path):
+    """torchrun --nproc-per-node 2 ... train --fsdp --batch-size 4: rank r takes rows r, r + 2, ... of the data order, so
+    a step sees the same 8 rows as one process at --batch-size 8, and the loss is normalised by the tokens of all ranks."""
+    args = ["train", "--model", str(weights / "student"), "--cache", str(hf_cache), "--loss", "lightning", "--steps", "4",
+            "--lr", "1e-3", "--deterministic", "--checkpoint-every", "2", "--no-progress"]
+    single = _torchrun([*args, "--batch-size", "8", "--out", str(tmp_path / "one")], 1, 29531, tmp_path)
+    assert single.returncode == 0, single.stderr[-3000:]
+    first = _torchrun([*args, "--batch-size", "4", "--fsdp", "--out", str(tmp_path / "two"), "--stop-after", "2"], 2, 29532, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _torchrun([*args, "--batch-size", "4", "--fsdp", "--out", str(tmp_path / "two")], 2, 29533, tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert '"resumed": true' in second.stdout
+    one = [json.loads(l) for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    two = [json.loads(l) for l in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in two] == [1, 2, 3, 4]
+    assert (tmp_path / "two" / "model" / "model.safetensors").is_file()
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) < FSDP_TOLERANCE, (a, b)
