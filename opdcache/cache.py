@@ -60,8 +60,12 @@ def worker_from_env(num_workers: int | None = None, worker_index: int | None = N
     return num_workers, worker_index
 
 
-def shards_for_worker(num_shards: int, num_workers: int, worker_index: int) -> list[int]:
-    return [i for i in range(num_shards) if i % num_workers == worker_index]
+def shards_for_worker(num_shards: int, num_workers: int, worker_index: int, groups: Sequence[Sequence[int]] | None = None) -> list[int]:
+    """This worker's shards: every num_workers-th shard, or every num_workers-th group of shards when the stage
+    computes a group together (generation batches that span shards), so no group is split between workers."""
+    if groups is None:
+        return [i for i in range(num_shards) if i % num_workers == worker_index]
+    return [i for g, group in enumerate(groups) if g % num_workers == worker_index for i in group]
 
 
 # ---------------------------------------------------------------- config diffs
@@ -101,6 +105,7 @@ class TableJob:
     num_shards: int
     parent_fingerprint: str | None = None
     meta: dict = field(default_factory=dict)  # what finalize records besides shards (model, lineage, ...); not hashed
+    groups: list[list[int]] | None = None  # shards computed together (dealt to workers whole); None: each on its own
     fingerprint: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -165,7 +170,7 @@ class TableJob:
         return self.shard_path(index).is_file()
 
     def pending(self, num_workers: int = 1, worker_index: int = 0) -> list[int]:
-        return [i for i in shards_for_worker(self.num_shards, num_workers, worker_index) if not self.is_done(i)]
+        return [i for i in shards_for_worker(self.num_shards, num_workers, worker_index, self.groups) if not self.is_done(i)]
 
     def write_shard(self, index: int, records: Sequence[dict]) -> shards.ShardInfo:
         table = shards.build_table(self.kind, self.params, records, self.fingerprint)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-CHUNK_ROWS = 4096  # positions per block when rebuilding log-probs, bounds memory at [CHUNK_ROWS, vocab]
+CHUNK_ROWS = 1024  # positions per block when rebuilding log-probs (with 8,192-column slices: 32 MiB of float32 logits)
 
 
 @dataclass(frozen=True)
@@ -50,15 +50,15 @@ def load_head(path: str | Path) -> Head:
 
 
 def token_logprobs_from_hidden(hidden_NH: torch.Tensor, head: Head, ids_N: torch.Tensor) -> torch.Tensor:
-    """log softmax(hidden @ W.T + b)[ids] in float32, [N], computed in blocks of positions."""
+    """log softmax(hidden @ W.T + b)[ids] in float32, [N]: blocks of CHUNK_ROWS positions, each streamed over
+    vocabulary slices (opdcache/logprobs.py), so memory is O(CHUNK_ROWS x slice), never O(N x V)."""
+    from opdcache.logprobs import chunked_logprobs
+
     weight = head.weight.float()
     bias = None if head.bias is None else head.bias.float()
     out = torch.empty(hidden_NH.shape[0], dtype=torch.float32)
-    for start in range(0, hidden_NH.shape[0], CHUNK_ROWS):
-        h = hidden_NH[start: start + CHUNK_ROWS].float()
-        logits = h @ weight.T
-        if bias is not None:
-            logits += bias
-        lse = torch.logsumexp(logits, dim=-1)
-        out[start: start + CHUNK_ROWS] = logits.gather(1, ids_N[start: start + CHUNK_ROWS, None]).squeeze(1) - lse
+    with torch.no_grad():
+        for start in range(0, hidden_NH.shape[0], CHUNK_ROWS):
+            h = hidden_NH[start: start + CHUNK_ROWS].float()
+            out[start: start + h.shape[0]] = chunked_logprobs(h, weight, ids_N[start: start + h.shape[0], None], bias)[0][:, 0]
     return out

@@ -4,9 +4,15 @@ Both are the same stage with a different role for the model: ``build-sft`` sampl
 prompts (papers/000 eq. 5; the table is ``sft/``), ``build-rollouts`` samples *pi_ref* on OPD prompts
 (papers/000 eq. 7; the table is ``rollouts/`` and carries pi_ref's SFT-teacher lineage).
 
-Prompts are split into ``num_shards`` contiguous blocks; a shard holds every sample of its prompts.
-Each sample draws from its own random stream, seeded from (seed, prompt ids, sample index), so shard
-contents do not depend on worker count, batch size or order, and a resumed job reproduces them.
+Prompts are split into ``num_shards`` contiguous blocks; a shard holds every sample of its prompts. Consecutive
+shards are decoded together until a generation batch is full (:func:`generation_groups`), and a worker owns whole
+groups. Each sample draws from its own random stream, seeded from (seed, prompt ids, sample index), so the tokens
+sampled do not depend on worker count, batch size or order; a group is always decoded whole, so a resumed job or
+another worker count reproduces every shard bit for bit. Another ``--batch-size`` changes the batch composition,
+and with it the last bits of the stored log-probs (float rounding of batched kernels, ~1e-5).
+
+Memory (transformers engine): the model, its KV cache [batch, prompt + response length] per layer, and per decode
+step a few [batch, vocabulary] float32 buffers reused across steps; the stored values of one group of shards.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -177,6 +184,21 @@ REWARDS = {
 """Answer checkers for the `reward` column: name -> (decoded response, reference answer) -> correct."""
 
 
+def generation_groups(items_per_shard: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Consecutive shards decoded together: each group gathers shards until it holds at least ``batch_size`` samples,
+    so small shards still fill a generation batch. Groups depend only on the shard sizes and the batch size, never on
+    the worker count or on which shards a resumed job still lacks, so every run batches every sample alike."""
+    groups: list[list[int]] = []
+    count = 0
+    for i, n in enumerate(items_per_shard):
+        if not groups or count >= batch_size:
+            groups.append([])
+            count = 0
+        groups[-1].append(i)
+        count += n
+    return groups
+
+
 def run_generate(job: GenerateJob) -> GenerateResult:
     """Run (or resume) a build-sft / build-rollouts job; the last worker to finish writes the manifest."""
     from transformers import AutoTokenizer
@@ -201,18 +223,29 @@ def run_generate(job: GenerateJob) -> GenerateResult:
     stats = {"prompts": len(prompts.prompts), "malformed": len(prompts.errors) - prompts.too_long, "too_long": prompts.too_long,
              "duplicate_rows": sum(len(v) - 1 for v in prompts.duplicates.values())}
     meta = {"tokenizer": tok_info, "lineage": {"sft_teacher": sft_teacher, "parent_fingerprint": None}, "model": model, "stats": stats}
-    table = TableJob(job.out, job.kind, job.kind, params, config, min(job.num_shards, len(prompts.prompts)), meta=meta)
+    num_shards = min(job.num_shards, len(prompts.prompts))
     n = len(prompts.prompts)
-    bounds = np.linspace(0, n, table.num_shards + 1).astype(int)
+    bounds = np.linspace(0, n, num_shards + 1).astype(int)
+    groups = generation_groups([(bounds[i + 1] - bounds[i]) * job.sampling.samples for i in range(num_shards)], job.engine.generate_batch_size)
+    table = TableJob(job.out, job.kind, job.kind, params, config, num_shards, meta=meta, groups=groups)
+    group_of = {i: group for group in groups for i in group}
+    generated: dict[int, list] = {}  # shard -> its (prompt, sample index, generation), for the rest of the current group
     quarantined = 0
+
+    def items_of(index: int) -> list[tuple]:
+        return [(p, k) for p in prompts.prompts[bounds[index]: bounds[index + 1]] for k in range(job.sampling.samples)]
 
     def make_shard(index: int) -> list[dict]:
         nonlocal quarantined
-        block = prompts.prompts[bounds[index]: bounds[index + 1]]
-        items = [(p, k) for p in block for k in range(job.sampling.samples)]
-        gens = backend.generate([GenerateRequest(p.prompt_ids, sample_seed(job.sampling.seed, p.prompt_ids, k)) for p, k in items], job.sampling)
+        if index not in generated:  # decode the whole group together: one batch spans its shards
+            generated.clear()
+            members = [(i, items_of(i)) for i in group_of[index]]
+            flat = [item for _, items in members for item in items]
+            gens = iter(backend.generate([GenerateRequest(p.prompt_ids, sample_seed(job.sampling.seed, p.prompt_ids, k)) for p, k in flat],
+                                         job.sampling))
+            generated.update({i: [(p, k, next(gens)) for p, k in items] for i, items in members})
         records, bad = [], []
-        for (p, k), g in zip(items, gens):
+        for p, k, g in generated.pop(index):
             reward = None
             if job.reward and p.answer is not None:
                 reward = float(REWARDS[job.reward](tokenizer.decode(g.response_ids, skip_special_tokens=True), p.answer))

@@ -63,9 +63,11 @@ def collate_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: 
 def train_sft(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], config: SFTConfig, pad_id: int, progress: bool | None = None) -> list[float]:
     """Fine-tune ``model`` in place on ``pairs``; return the loss of every step."""
     import torch
-    import torch.nn.functional as F
 
     from opdcache.progress import bar
+    from opdcache.student import StudentForward
+
+    forward = StudentForward(model, chunk=8192)
 
     rng = random.Random(config.seed)
     torch.manual_seed(config.seed)
@@ -90,8 +92,11 @@ def train_sft(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], confi
             batch = [pairs[i] for i in order[: config.batch_size]]
             del order[: config.batch_size]
             input_ids, mask, labels = collate_pairs(batch, pad_id)
-            logits = model(input_ids=input_ids, attention_mask=mask).logits
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
+            targets = labels[:, 1:]  # position t predicts token t + 1
+            select = targets != -100
+            positions = torch.arange(targets.shape[1]).expand_as(targets)
+            logprobs, _, _ = forward(input_ids, mask, positions, select, targets[select][:, None])
+            loss = -logprobs.mean()  # token-mean cross-entropy, from the fused head pass (no [B, L, V] logits)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -15,7 +15,7 @@ from opdcache.cli.main import main
 from opdcache.errors import ConsistencyError, InputError, TokenizerMismatchError
 from opdcache.fingerprint import sha256_file
 from opdcache.prompts import PromptConfig
-from opdcache.rollouts import GenerateJob, run_generate
+from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
 from opdcache.scoring import ScoreJob, run_score
 from opdcache.validate import validate
 
@@ -103,10 +103,10 @@ def test_non_finite_rollouts_are_quarantined_with_a_reason(tmp_path, weights, op
     monkeypatch.setattr(TransformersBackend, "generate", poisoned)
     res = run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=6), out=tmp_path / "c",
                                    num_shards=2, sampling=FAST))
-    assert res.quarantined == 2  # the first row of each shard
+    assert res.quarantined == 1  # the first row of the one generation batch that spans both shards
     q = [json.loads(l) for l in (tmp_path / "c" / "rollouts" / "quarantine.jsonl").read_text().splitlines()]
-    assert [e["reason"] for e in q] == ["non-finite ref_logprobs at position 1"] * 2
-    assert len(_rows(tmp_path / "c")) == 4
+    assert [e["reason"] for e in q] == ["non-finite ref_logprobs at position 1"]
+    assert len(_rows(tmp_path / "c")) == 5
     assert validate(tmp_path / "c") == []
 
 
@@ -164,7 +164,8 @@ def test_one_two_or_three_workers_give_identical_caches(tmp_path, weights, opd_p
         out = tmp_path / f"w{workers}"
         for w in range(workers):
             job = GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=9), out=out, num_shards=4,
-                              sampling=SamplingConfig(max_new_tokens=30, ref_top_k=3), num_workers=workers, worker_index=w)
+                              sampling=SamplingConfig(max_new_tokens=30, ref_top_k=3), num_workers=workers, worker_index=w,
+                              engine=EngineConfig(generate_batch_size=1))  # each shard its own generation group
             res = run_generate(job)
             assert res.finished == (w == workers - 1)
         run_score(ScoreJob(cache=out, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=3))

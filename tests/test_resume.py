@@ -104,3 +104,47 @@ def test_workers_get_disjoint_deterministic_shards(monkeypatch):
     assert worker_from_env() == (2, 1)
     with pytest.raises(ConfigError, match=r"--worker-index must be between 0 and 1, got 5"):
         worker_from_env(2, 5)
+
+
+def test_generation_groups_fill_a_batch_across_shards():
+    from opdcache.rollouts import generation_groups
+
+    assert generation_groups([2, 2, 2, 2, 2], 4) == [[0, 1], [2, 3], [4]]
+    assert generation_groups([8, 1, 1], 4) == [[0], [1, 2]]
+    assert generation_groups([3, 3], 1) == [[0], [1]]
+    groups = generation_groups([2] * 7, 4)
+    parts = [shards_for_worker(7, 2, w, groups) for w in range(2)]
+    assert parts == [[0, 1, 4, 5], [2, 3, 6]]  # whole groups per worker, every shard once
+
+
+def test_batches_spanning_shards_give_the_same_shards_for_any_worker_count_and_resume(tmp_path, weights, opd_prompts):
+    """16 prompts over 8 shards decode 4 at a time (not 2, a shard's size); 1 worker, 3 workers, and a job resumed after
+    a shard was lost all write identical shard bytes."""
+    from opdcache.backends.base import SamplingConfig
+    from opdcache.backends.hf import TransformersBackend
+    from opdcache.fingerprint import sha256_file
+    from opdcache.prompts import PromptConfig
+    from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
+
+    def job(out, **kw):
+        return GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=16), out=out, num_shards=8,
+                           sampling=SamplingConfig(max_new_tokens=12, samples=1), engine=EngineConfig(generate_batch_size=4), **kw)
+
+    def hashes(out):
+        return [sha256_file(p) for p in sorted((out / "rollouts").glob("part-*.parquet"))]
+
+    calls = []
+    original = TransformersBackend.generate
+    TransformersBackend.generate = lambda self, reqs, s: calls.append(len(reqs)) or original(self, reqs, s)
+    try:
+        run_generate(job(tmp_path / "one"))
+        assert calls == [4, 4, 4, 4]
+        for w in range(3):
+            run_generate(job(tmp_path / "three", num_workers=3, worker_index=w))
+        lost = sorted((tmp_path / "three" / "rollouts").glob("part-*.parquet"))[3]
+        lost.unlink()
+        (tmp_path / "three" / "opdcache.json").unlink()
+        run_generate(job(tmp_path / "three"))  # regenerates shard 3 with its group (shards 2 and 3), writes only 3
+    finally:
+        TransformersBackend.generate = original
+    assert len(hashes(tmp_path / "one")) == 8 and hashes(tmp_path / "one") == hashes(tmp_path / "three")

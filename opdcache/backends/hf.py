@@ -199,6 +199,13 @@ def _top_p_mask(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     return scaled.masked_fill(drop, float("-inf"))
 
 
+def log_softmax_into(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits, -1) written into ``out`` (which may be ``logits``): (z - m) - log sum exp(z - m)."""
+    m = logits.amax(-1, keepdim=True)
+    torch.sub(logits, m, out=out)
+    return out.sub_(torch.logsumexp(out, -1, keepdim=True))
+
+
 def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """log q for q = softmax(logits / T) restricted to the top-p nucleus, renormalised. [B, V] float32."""
     return torch.log_softmax(_top_p_mask(logits / temperature, top_p), -1)
@@ -276,9 +283,15 @@ class TransformersBackend:
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         position = (mask.cumsum(-1) - 1).clamp(min=0)
         gens = [torch.Generator().manual_seed(r.seed) for r in requests]
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True)
+        # logits only at the last prompt position ([B, 1, V], not [B, L, V]): the only ones sampling reads
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1)
         past = out.past_key_values
-        logits = out.logits[:, -1].float()
+        V = out.logits.shape[-1]
+        # per-step [B, V] float32 buffers, reused: fresh tensors every step fragment the CPU heap (RSS creeps up)
+        logits = torch.empty((B, V))
+        ref_logp = torch.empty((B, V))
+        samp_buf = torch.empty((B, V)) if s.temperature not in (0, 1) or s.top_p < 1 else None
+        logits.copy_(out.logits[:, -1])
         next_pos = position[:, -1:] + 1
         done = torch.zeros(B, dtype=torch.bool)  # stopped at an end-of-sequence token (else cut at max_new_tokens)
         n_tokens = torch.zeros(B, dtype=torch.long)
@@ -289,17 +302,23 @@ class TransformersBackend:
         noise, noise_at = None, 0
         noise_steps = 1 if s.mc_samples else max(1, min(s.max_new_tokens, NOISE_BLOCK_BYTES // (4 * B * self.vocab_size)))
         for t in range(s.max_new_tokens):
-            logits = logits.cpu()
-            ref_logp = torch.log_softmax(logits, -1)  # [B, V], temperature 1
+            log_softmax_into(logits, ref_logp)  # [B, V], temperature 1
             if s.temperature == 0:
                 tok = ref_logp.argmax(-1)
                 samp_logp = torch.full_like(ref_logp, float("-inf")).scatter(-1, tok[:, None], 0.0)
             else:
-                samp_logp = sampling_logprobs(logits, s.temperature, s.top_p)
+                if samp_buf is None:
+                    samp_logp = ref_logp  # temperature 1, no nucleus: the sampling distribution is pi_ref's
+                elif s.top_p < 1:
+                    samp_logp = sampling_logprobs(logits, s.temperature, s.top_p)
+                else:
+                    samp_logp = log_softmax_into(torch.div(logits, s.temperature, out=samp_buf), samp_buf)
                 if noise is None or t - noise_at == noise.shape[1]:
-                    noise_at, noise = t, self._draw_noise(gens, min(noise_steps, s.max_new_tokens - t), logits.shape[-1])
-                uniform = noise[:, t - noise_at]  # [B, V]
-                tok = (samp_logp - torch.log(-torch.log(uniform.clamp_min(1e-20)))).argmax(-1)  # Gumbel-max
+                    noise = None  # let the old block go before drawing the next
+                    noise_at, noise = t, self._draw_noise(gens, min(noise_steps, s.max_new_tokens - t), V)
+                # Gumbel-max, in place on this step's uniforms (each is used once): -log(-log u) + log q
+                gumbel = noise[:, t - noise_at].clamp_min_(1e-20).log_().neg_().log_().neg_()
+                tok = gumbel.add_(samp_logp).argmax(-1)
             steps["tok"].append(tok)
             steps["slp"].append(samp_logp.gather(-1, tok[:, None]).squeeze(-1))
             steps["rlp"].append(ref_logp.gather(-1, tok[:, None]).squeeze(-1))
@@ -320,7 +339,7 @@ class TransformersBackend:
             out = self.model(input_ids=tok[:, None].to(self.device), attention_mask=mask, position_ids=next_pos,
                              past_key_values=past, use_cache=True)
             past = out.past_key_values
-            logits = out.logits[:, -1].float()
+            logits.copy_(out.logits[:, -1])
             next_pos = next_pos + 1
         stacked = {k: torch.stack(v, 1).numpy() for k, v in steps.items() if v}  # [B, steps, ...]
         gens_out = []
