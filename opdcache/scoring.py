@@ -187,7 +187,9 @@ def run_score(job: ScoreJob) -> dict:
 
 
 def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):
-    """Fit (or reload) the svd projection on the first rows of shard 0; measure every variant on the next rows."""
+    """Fit (or reload) the chosen svd projection on the first rows of shard 0 and measure its distortion on the
+    next rows. Memory: the calibration and held-out hidden states ([positions, H], decoded in the engine's
+    token-budget batches), [H, H] float64 moments and [V, rank] decoder; never [positions, vocabulary]."""
     import json
 
     import torch
@@ -207,17 +209,12 @@ def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):
     reqs = score_requests(shards.read_table(cache.shard_paths(cache.base_table)[0], ["prompt_ids", "response_ids"]))
     n_cal = min(CALIBRATION_SEQUENCES, max(1, len(reqs) // 2))
     with torch.no_grad():
-        calib = backend.final_hidden(reqs[:n_cal])[0].float()
-        held = backend.final_hidden(reqs[n_cal: n_cal + HELDOUT_SEQUENCES] or reqs[:n_cal])[0].float()
+        calib = backend.hidden_states(reqs[:n_cal]).float()
+        held = backend.hidden_states(reqs[n_cal: n_cal + HELDOUT_SEQUENCES] or reqs[:n_cal]).float()
     head = backend.model.get_output_embeddings()
-    W, b = head.weight.detach().float(), None if getattr(head, "bias", None) is None else head.bias.detach().float()
-    measured = {}
-    chosen = None
-    for method in svd.METHODS:
-        p = svd.fit(W, b, calib, job.svd_rank, method)
-        measured[method] = svd.distortion(p, W, b, held) | {"rank": job.svd_rank}
-        if method == job.svd_method:
-            chosen = p
+    W, b = head.weight.detach(), None if getattr(head, "bias", None) is None else head.bias.detach().float()
+    chosen = svd.fit(W, b, calib, job.svd_rank, job.svd_method)
+    measured = {job.svd_method: svd.distortion(chosen, W, b, held) | {"rank": job.svd_rank}}
     info = {"method": job.svd_method, "rank": job.svd_rank, "calibration_positions": int(calib.shape[0]),
             "heldout_positions": int(held.shape[0]), "distortion": measured}
     svd.save(chosen, path, info)

@@ -408,6 +408,17 @@ class TransformersBackend:
                 flush()
         return out  # type: ignore[return-value]
 
+    @torch.no_grad()
+    def hidden_states(self, requests: Sequence[ScoreRequest]) -> torch.Tensor:
+        """Final hidden states at every response position of ``requests``, in order: [sum T, H], decoded in the
+        same token-budget batches as scoring (activation memory bounded by ``max_batch_tokens``)."""
+        parts: list[torch.Tensor | None] = [None] * len(requests)
+        for batch in self._batches(requests):
+            hidden_NH, lengths = self.final_hidden([requests[i] for i in batch])
+            for i, h in zip(batch, torch.split(hidden_NH, lengths)):
+                parts[i] = h
+        return torch.cat(parts)  # type: ignore[arg-type]
+
     def final_hidden(self, requests: Sequence[ScoreRequest]) -> tuple[torch.Tensor, list[int]]:
         """Final post-norm hidden states at the response positions, flattened: [sum T, H], and each row's T."""
         for r in requests:
