@@ -8,7 +8,9 @@ invariants (k unique in-vocabulary ids, finite non-positive log-probs sorted des
 and not above 0, agreement between the log-prob and top-k stores, and, for hidden stores, the teacher
 log-prob of each sampled token reconstructed from hidden state and head.
 
-All row checks are vectorised over a shard's flat buffers; no per-token Python loop.
+All row checks are vectorised over a shard's flat buffers; no per-token Python loop. Memory: one shard's columns
+at a time except the hidden states (one row group at a time) and a [1024, 8192] float32 logit block for their
+reconstruction; never tokens x vocabulary.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
                 continue
             if quick:
                 continue
-            table = shards.read_table(path)
+            # every column but the hidden states, which _check_hidden streams one row group at a time
+            table = shards.read_table(path, [c for c in shards.read_schema(path).names if c != "hidden"])
             if name == base_name:
                 base_lengths[index] = _check_base_rows(info["path"], table, entry, out)
             else:
@@ -258,8 +261,8 @@ def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, par
         out.rows(file, "id", misaligned, "id differs from the rollout row at the same position (rows misaligned)")
         return
     offsets = shards.list_offsets(table["logprobs"])
-    for name in [c.name for c in S.columns("teacher", params) if c.shape != "row"]:
-        _check_lengths(file, name, table, base_offsets, out, lengths)
+    for name in [c.name for c in S.columns("teacher", params) if c.shape != "row" and c.name in table.column_names]:
+        _check_lengths(file, name, table, base_offsets, out, lengths)  # hidden: by _check_hidden, as it streams
     if not (np.diff(offsets) == lengths).all():
         return
     logprobs = shards.token_values(table["logprobs"])
@@ -275,13 +278,15 @@ def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, par
     for name in ("ref_topk_logprobs", "mc_logprobs"):
         if name in table.column_names:
             _check_logprobs(file, name, shards.token_values(table[name]), offsets, out)
-    if "hidden" in table.column_names:
-        _check_hidden(root, file, table, entry, response, logprobs, offsets, out)
+    if "hidden" in shards.read_schema(root / file).names:
+        _check_hidden(root, file, entry, response, logprobs, offsets, lengths, out)
 
 
-def _check_hidden(root: Path, file: str, table: pa.Table, entry: dict, response: np.ndarray, logprobs: np.ndarray,
-                  offsets: np.ndarray, out: _Collector) -> None:
-    """Reconstruct T_t = log_softmax(hidden @ W.T + b)[a_t] from the stored hidden state and head; compare."""
+def _check_hidden(root: Path, file: str, entry: dict, response: np.ndarray, logprobs: np.ndarray, offsets: np.ndarray,
+                  lengths: np.ndarray, out: _Collector) -> None:
+    """Reconstruct T_t = log_softmax(hidden @ W.T + b)[a_t] from the stored hidden state and head; compare. The hidden
+    column is read one row group at a time and each block streamed over vocabulary slices: memory grows with one row
+    group of hidden states and a [1024, 8192] logit block, never with tokens x vocabulary."""
     import torch
 
     from opdcache.heads import load_head, token_logprobs_from_hidden
@@ -291,10 +296,23 @@ def _check_hidden(root: Path, file: str, table: pa.Table, entry: dict, response:
         out.add(file, "hidden store without head.safetensors next to it")
         return
     head = load_head(head_path)
-    dtype = shards.hidden_dtype_of(table.schema.field("hidden"))
+    pf = shards.open_parquet(root / file)
+    dtype = shards.hidden_dtype_of(pf.schema_arrow.field("hidden"))
     tol = HIDDEN_TOL[dtype]
-    hidden = shards.hidden_to_torch(shards.token_values(table["hidden"]), dtype)
-    rebuilt = token_logprobs_from_hidden(hidden, head, torch.from_numpy(response.astype(np.int64))).numpy()
+    rebuilt = np.empty(len(logprobs), dtype=np.float32)
+    at, row = 0, 0
+    for group in range(pf.num_row_groups):
+        column = pf.read_row_group(group, ["hidden"])["hidden"]
+        got = np.diff(shards.list_offsets(column))
+        bad = np.flatnonzero(got != lengths[row: row + len(got)])
+        if len(bad):
+            out.rows(file, "hidden", bad + row, "per-token column length differs from the number of response tokens")
+            return
+        row += len(got)
+        hidden = shards.hidden_to_torch(shards.token_values(column), dtype)
+        n = hidden.shape[0]
+        rebuilt[at: at + n] = token_logprobs_from_hidden(hidden, head, torch.from_numpy(response[at: at + n].astype(np.int64))).numpy()
+        at += n
     bad = np.abs(rebuilt - logprobs) > tol
     if bad.any():
         worst = float(np.abs(rebuilt - logprobs).max())
