@@ -139,3 +139,23 @@ def test_info_reports_stores_and_bytes_per_token(synth_cache, capsys):
     assert t["rows"] == 18 and set(t["bytes_per_token"]) == {"base", "logprob", "topk", "hidden"}
     # bf16 hidden of width 16: 32 raw bytes per token; zstd may shrink it but not below 0.
     assert 0 < t["bytes_per_token"]["hidden"] <= 32 * 1.2
+
+
+def test_hidden_rows_of_the_wrong_length_are_found_while_streaming(synth_cache, monkeypatch):
+    """The hidden column is read one row group at a time (row groups of 2 rows here); a short row in a later row
+    group is reported with its row number in the shard."""
+    import pyarrow as pa
+
+    monkeypatch.setattr(shards, "_row_group_rows", lambda table: 2)
+    cache = Cache(synth_cache)
+    path = cache.shard_paths("teachers/synth")[0]
+    table = shards.read_table(path)
+    rows = table.to_pylist()
+    rows[3]["hidden"] = rows[3]["hidden"][:-1]  # one position short; build_table would refuse it, so write it raw
+    info = shards.write_table_atomic(pa.Table.from_pylist(rows, schema=table.schema), path, synth_cache)
+    m = cache.manifest
+    m["tables"]["teachers/synth"]["shards"][0] = info.to_dict()
+    M.save(synth_cache, m)
+    assert shards.open_parquet(path).num_row_groups > 1
+    text = "\n".join(map(str, validate(synth_cache)))
+    assert "teachers/synth/part-00000-of-00003.parquet row 3 column hidden: per-token column length differs" in text
