@@ -10,7 +10,7 @@ import typer
 from opdcache.cli import options as O
 
 
-def _run(kind: str, model: Path, o: dict) -> None:
+def _run(kind: str, model: str, o: dict) -> None:
     """Build and run the job from a command's options (``o``: its parameters by name; build-sft has no
     rollout-only options, which then take their defaults)."""
     from opdcache.backends.base import SamplingConfig
@@ -18,7 +18,7 @@ def _run(kind: str, model: Path, o: dict) -> None:
     from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
 
     job = GenerateJob(
-        model=model, out=o["out"], kind=kind, num_shards=o["num_shards"], sft_teacher=o.get("sft_teacher"), reward=o["reward"],
+        model=model, revision=o["revision"], out=o["out"], kind=kind, num_shards=o["num_shards"], sft_teacher=o.get("sft_teacher"), reward=o["reward"],
         prompts=PromptConfig(o["prompts"], prompt_field=o["prompt_field"], messages_field=o["messages_field"], answer_field=o["answer_field"],
                              chat_template=o["chat_template"], strict=o["strict"], limit=o["limit"]),
         sampling=SamplingConfig(temperature=o["temperature"], top_p=o["top_p"], max_new_tokens=o["max_new_tokens"], samples=o["samples"],
@@ -35,8 +35,7 @@ Out = Annotated[Path, typer.Option("--out", help="Cache directory to write (resu
 
 
 def build_sft(
-    teacher: Annotated[Path, typer.Option("--teacher", help="Teacher model directory.", show_default=False)],
-    prompts: O.Prompts, out: Out,
+    teacher: O.TeacherModel, prompts: O.Prompts, out: Out, revision: O.ModelRevision = None,
     prompt_field: O.PromptField = "prompt", messages_field: O.MessagesField = None, answer_field: O.AnswerField = "answer",
     chat_template: O.ChatTemplate = True, strict: O.Strict = False, limit: O.Limit = None, reward: O.Reward = None,
     samples: O.Samples = 1, temperature: O.Temperature = 0.8, top_p: O.TopP = 1.0, max_new_tokens: O.MaxNewTokens = 256,
@@ -49,14 +48,14 @@ def build_sft(
 
 
 def build_rollouts(
-    model: O.ModelPath, prompts: O.Prompts, out: Out,
+    model: O.ModelPath, prompts: O.Prompts, out: Out, revision: O.ModelRevision = None,
     prompt_field: O.PromptField = "prompt", messages_field: O.MessagesField = None, answer_field: O.AnswerField = "answer",
     chat_template: O.ChatTemplate = True, strict: O.Strict = False, limit: O.Limit = None, reward: O.Reward = None,
     samples: O.Samples = 1, temperature: O.Temperature = 0.8, top_p: O.TopP = 1.0, max_new_tokens: O.MaxNewTokens = 256,
     seed: O.Seed = 0,
     ref_top_k: Annotated[Optional[int], typer.Option("--ref-top-k", help="Store pi_ref's top-k per position (temperature 1).", show_default=False)] = None,
     mc_samples: Annotated[Optional[int], typer.Option("--mc-samples", help="Extra next-token samples per position, not rolled out (papers/001 6.1).", show_default=False)] = None,
-    sft_teacher: Annotated[Optional[Path], typer.Option("--sft-teacher", help="The teacher pi_ref was fine-tuned on, if pi_ref has no opdcache lineage.", show_default=False)] = None,
+    sft_teacher: Annotated[Optional[str], typer.Option("--sft-teacher", help="The teacher pi_ref was fine-tuned on, if pi_ref has no opdcache lineage (directory or Hub id org/name[@revision]).", show_default=False)] = None,
     backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", quantize: O.Quantize = None,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,

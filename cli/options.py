@@ -16,7 +16,9 @@ NumWorkers = Annotated[Optional[int], typer.Option("--num-workers", help="Worker
 WorkerIndex = Annotated[Optional[int], typer.Option("--worker-index", help="This worker's index in [0, num-workers) (default: SLURM array index, torchrun RANK, or 0).", show_default=False)]
 
 # ---- models and engines
-ModelPath = Annotated[Path, typer.Option("--model", help="Local Hugging Face model directory.", show_default=False)]
+ModelPath = Annotated[str, typer.Option("--model", help="Model: a local Hugging Face directory or a Hub id org/name[@revision] (offline from the Hub cache with HF_HUB_OFFLINE=1).", show_default=False)]
+TeacherModel = Annotated[str, typer.Option("--teacher", help="Teacher: a local Hugging Face directory or a Hub id org/name[@revision].", show_default=False)]
+ModelRevision = Annotated[Optional[str], typer.Option("--revision", help="Hub branch, tag or commit of the model (or org/name@revision).", show_default=False)]
 Backend = Annotated[str, typer.Option("--backend", help="transformers (exact reference, any device) or vllm (fast engine).")]
 Dtype = Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16.")]
 Device = Annotated[str, typer.Option("--device", help="transformers backend: auto, cpu, cuda, cuda:N.")]

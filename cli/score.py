@@ -13,7 +13,7 @@ from opdcache.cli import options as O
 
 def score_teacher(
     cache: O.CachePath,
-    teacher: Annotated[Path, typer.Option("--teacher", help="Teacher model directory.", show_default=False)],
+    teacher: O.TeacherModel, revision: O.ModelRevision = None,
     store: Annotated[str, typer.Option("--store", help="Comma-separated stores: logprob (always), topk, hidden, svd.")] = "logprob",
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Width of the teacher's top-k store.", show_default=False)] = None,
     svd_rank: Annotated[Optional[int], typer.Option("--svd-rank", help="Rank of the svd store.", show_default=False)] = None,
@@ -28,7 +28,7 @@ def score_teacher(
     from opdcache.rollouts import EngineConfig
     from opdcache.scoring import ScoreJob, run_score
 
-    job = ScoreJob(cache=cache, teacher=teacher, stores=tuple(s.strip() for s in store.split(",") if s.strip()), top_k=top_k,
+    job = ScoreJob(cache=cache, teacher=teacher, revision=revision, stores=tuple(s.strip() for s in store.split(",") if s.strip()), top_k=top_k,
                    svd_rank=svd_rank, svd_method=svd_method, slug=name, allow_inconsistent_teacher=allow_inconsistent_teacher,
                    engine=EngineConfig(backend=backend, dtype=dtype, device=device, deterministic=deterministic,
                                        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization),

@@ -2,7 +2,8 @@
 
 * :func:`config_fingerprint` -- sha256 of the sorted-key JSON of a config dict, chained to a parent.
 * :func:`model_fingerprint`  -- a model directory's config plus the sha256 of each weight file, read in
-  blocks and never loaded into memory as tensors.
+  blocks and never loaded into memory as tensors; in a Hub cache snapshot, taken from the blob's name
+  (Git LFS objects are named by their sha256), so tens of GB are not re-read.
 * :func:`tokenizer_fingerprint` -- vocabulary, merges, normaliser and pre-tokeniser, special and added
   tokens, and the chat template.
 
@@ -49,6 +50,11 @@ def sha256_file(path: str | os.PathLike, block: int = 1 << 22) -> str:
 
 def _cached_file_hash(path: Path) -> str:
     """sha256 of a weight file, memoised on (absolute path, size, mtime) so large models hash once."""
+    from opdcache.models import hub_blob_sha256
+
+    named = hub_blob_sha256(path)  # a Hub cache snapshot: the blob's name is the content's sha256
+    if named is not None:
+        return named
     stat = path.stat()
     key = hash_json([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
     cache_dir = Path(os.environ.get("OPDCACHE_HASH_CACHE", Path.home() / ".cache" / "opdcache" / "hashes"))

@@ -13,17 +13,19 @@ from pathlib import Path
 
 from opdcache.errors import ConfigError, TokenizerMismatchError
 from opdcache.fingerprint import model_fingerprint, tokenizer_description, tokenizer_fingerprint
+from opdcache.models import ModelRef, resolve_model
 
 LINEAGE_FILE = "opdcache_lineage.json"
 
 
-def model_info(path: str | Path, **engine) -> dict:
-    """The manifest's record of a model: path, fingerprint, and how it was run."""
-    path = Path(path)
+def model_info(model: "str | Path | ModelRef", **engine) -> dict:
+    """The manifest's record of a model: local path or Hub repo id, the Hub commit, fingerprint, how it was run."""
+    ref = resolve_model(model)
+    path = ref.path
     cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     info = {
-        "name_or_path": str(path),
-        "revision": None,
+        "name_or_path": ref.name,
+        "revision": ref.commit,
         "fingerprint": model_fingerprint(path),
         "dtype": engine.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype"),
         "quantization": engine.get("quantization"),
@@ -35,8 +37,8 @@ def model_info(path: str | Path, **engine) -> dict:
     return info
 
 
-def read_sft_lineage(model_dir: str | Path) -> dict | None:
-    path = Path(model_dir) / LINEAGE_FILE
+def read_sft_lineage(model_dir: "str | Path | ModelRef") -> dict | None:
+    path = (model_dir.path if isinstance(model_dir, ModelRef) else Path(model_dir)) / LINEAGE_FILE
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -53,7 +55,7 @@ def resolve_sft_teacher(pi_ref: str | Path, sft_teacher: str | Path | None) -> d
     recorded = recorded["sft_teacher"] if recorded else None
     if sft_teacher is None:
         return recorded
-    given = model_info(sft_teacher)
+    given = model_info(resolve_model(sft_teacher, what="--sft-teacher"))
     if recorded and recorded["fingerprint"] != given["fingerprint"]:
         raise ConfigError(
             f"--sft-teacher {sft_teacher} (fingerprint {given['fingerprint'][:12]}) is not the teacher recorded in "
@@ -74,6 +76,31 @@ def check_same_tokenizer(expected_fp: str, tokenizer, what: str, expected_tokeni
         f"{what} uses a different tokenizer (fingerprint {got[:12]}, the cache has {expected_fp[:12]}){detail}. "
         "Teacher and student must share one tokenizer: token ids are compared position by position."
     )
+
+
+def check_vocab_sizes(tokenizer, model_vocab: int, model_name: str) -> int:
+    """Return how many ids the tokenizer can decode; refuse a tokenizer with ids the model cannot score.
+
+    A tokenizer larger than the model's vocabulary is an error (prompt ids past the unembedding). A smaller one
+    is normal (Qwen3 pads 151,669 tokens to 151,936 rows) and allowed; a sampled id past the tokenizer is then
+    quarantined with its row (:func:`undecodable_reason`), never written."""
+    size = len(tokenizer)
+    if size > model_vocab:
+        raise TokenizerMismatchError(
+            f"the tokenizer of {model_name} has {size} tokens but the model's vocabulary has {model_vocab} rows: ids "
+            f"{model_vocab}..{size - 1} cannot be scored. Use the tokenizer saved with the model")
+    return size
+
+
+def undecodable_reason(response_ids, decodable: int, model_vocab: int) -> str | None:
+    """Why a sampled response cannot be kept: an id the tokenizer cannot decode (None if every id decodes)."""
+    if decodable >= model_vocab or len(response_ids) == 0:
+        return None
+    worst = int(max(response_ids))
+    if worst < decodable:
+        return None
+    return (f"sampled token id {worst} that the tokenizer cannot decode (tokenizer {decodable} tokens, "
+            f"model vocabulary {model_vocab})")
 
 
 def tokenizer_difference(a, b) -> str:

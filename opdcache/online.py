@@ -17,6 +17,7 @@ from opdcache.backends.hf import TransformersBackend
 from opdcache.cache import Cache
 from opdcache.data import collate
 from opdcache.losses import FULL_VOCABULARY
+from opdcache.models import resolve_model
 
 
 class OnlineSource:
@@ -32,7 +33,7 @@ class OnlineSource:
         self.cfg = cfg
         self.model = model
         self.student = TransformersBackend.from_model(model)
-        self.teacher = TransformersBackend(cfg.teacher_model, dtype="float32", device=str(device))
+        self.teacher = TransformersBackend(resolve_model(cfg.teacher_model, what="--teacher-model").path, dtype="float32", device=str(device))
         self.want_hidden = cfg.loss in FULL_VOCABULARY  # the live teacher's final hidden states
         self.rng = np.random.default_rng(cfg.seed)
         self.order: list[int] = []

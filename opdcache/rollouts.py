@@ -32,7 +32,8 @@ from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig
 from opdcache.cache import TableJob, run_table_job, worker_from_env
 from opdcache.errors import ConfigError
 from opdcache.fingerprint import row_id, tokenizer_fingerprint
-from opdcache.lineage import model_info, resolve_sft_teacher
+from opdcache.lineage import check_vocab_sizes, model_info, resolve_sft_teacher, undecodable_reason
+from opdcache.models import resolve_model
 from opdcache.prompts import PromptConfig, PromptSet, read_prompts, write_errors
 
 QUARANTINE_FILE = "quarantine.jsonl"
@@ -94,7 +95,7 @@ class GenerateJob:
     """A build-sft or build-rollouts job."""
 
     model: Path
-    """The model to sample: the teacher (build-sft) or pi_ref (build-rollouts)."""
+    """The model to sample: the teacher (build-sft) or pi_ref (build-rollouts); a local directory or a Hub id (org/name[@rev])."""
     prompts: PromptConfig
     """Where the prompts come from and how they are read."""
     out: Path
@@ -109,6 +110,8 @@ class GenerateJob:
     """Shards of the table (fixed for the life of the cache; the unit of resume and of parallelism)."""
     reward: str | None = None
     """Fill the `reward` column with this answer checker (exact, addition) where a row has an answer."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when ``model`` is a Hub id."""
     sft_teacher: Path | None = None
     """build-rollouts: the teacher pi_ref was fine-tuned on, when pi_ref has no opdcache lineage file."""
     num_workers: int | None = None
@@ -204,14 +207,16 @@ def run_generate(job: GenerateJob) -> GenerateResult:
     from transformers import AutoTokenizer
 
     num_workers, worker_index = worker_from_env(job.num_workers, job.worker_index)
-    tokenizer = AutoTokenizer.from_pretrained(job.model)
-    backend = make_backend(job.model, job.engine, max_logprobs=max(job.sampling.ref_top_k or 0, 1))
+    ref = resolve_model(job.model, job.revision, "--model" if job.kind == "rollouts" else "--teacher")
+    tokenizer = AutoTokenizer.from_pretrained(ref.path)
+    backend = make_backend(ref.path, job.engine, max_logprobs=max(job.sampling.ref_top_k or 0, 1))
+    decodable = check_vocab_sizes(tokenizer, backend.vocab_size, ref.name)
     prompts = read_prompts(job.prompts, tokenizer, backend.max_length - job.sampling.max_new_tokens)
     write_errors(job.out / f"{job.kind}_errors.jsonl", prompts)
     if not (job.out / "tokenizer").is_dir():  # the cache carries its tokenizer: decode and compare without the model
         tokenizer.save_pretrained(job.out / "tokenizer")
-    model = model_info(job.model, **backend.model_info())
-    sft_teacher = resolve_sft_teacher(job.model, job.sft_teacher) if job.kind == "rollouts" else None
+    model = model_info(ref, **backend.model_info())
+    sft_teacher = resolve_sft_teacher(ref, job.sft_teacher) if job.kind == "rollouts" else None
     params = _store_params(job.kind, job.sampling)
     config = {
         "model": model["fingerprint"], "tokenizer": tokenizer_fingerprint(tokenizer), "prompts": prompts.fingerprint,
@@ -219,7 +224,7 @@ def run_generate(job: GenerateJob) -> GenerateResult:
         "engine": job.engine.fingerprint_view() | {"engine_version": backend.version}, "vocab_size": backend.vocab_size,
         "sft_teacher": sft_teacher["fingerprint"] if sft_teacher else None, "reward": job.reward,
     }
-    tok_info = {"fingerprint": config["tokenizer"], "name_or_path": str(job.model), "chat_template_sha256": prompts.chat_template_sha256}
+    tok_info = {"fingerprint": config["tokenizer"], "name_or_path": ref.name, "chat_template_sha256": prompts.chat_template_sha256}
     stats = {"prompts": len(prompts.prompts), "malformed": len(prompts.errors) - prompts.too_long, "too_long": prompts.too_long,
              "duplicate_rows": sum(len(v) - 1 for v in prompts.duplicates.values())}
     meta = {"tokenizer": tok_info, "lineage": {"sft_teacher": sft_teacher, "parent_fingerprint": None}, "model": model, "stats": stats}
@@ -250,7 +255,7 @@ def run_generate(job: GenerateJob) -> GenerateResult:
             if job.reward and p.answer is not None:
                 reward = float(REWARDS[job.reward](tokenizer.decode(g.response_ids, skip_special_tokens=True), p.answer))
             rec = _record(job.kind, p, k, g, reward)
-            reason = shards.first_non_finite(rec)
+            reason = shards.first_non_finite(rec) or undecodable_reason(g.response_ids, decodable, backend.vocab_size)
             if reason:
                 bad.append({"id": rec["id"], "prompt_index": p.index, "sample_index": k, "reason": reason})
             else:

@@ -20,6 +20,7 @@ from opdcache.backends.base import ScoreRequest
 from opdcache.cache import Cache, TableJob, run_table_job, worker_from_env
 from opdcache.errors import ConfigError, ConsistencyError, SchemaError
 from opdcache.lineage import check_same_tokenizer, model_info
+from opdcache.models import resolve_model
 from opdcache.rollouts import EngineConfig, make_backend
 
 CALIBRATION_SEQUENCES = 64  # sequences for fitting the svd projection (the first rows of shard 0)
@@ -33,7 +34,9 @@ class ScoreJob:
     cache: Path
     """A finished rollouts (or sft) cache."""
     teacher: Path
-    """The teacher model directory."""
+    """The teacher: a local model directory or a Hub id (org/name[@rev])."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when ``teacher`` is a Hub id."""
     stores: tuple[str, ...] = ("logprob",)
     """Teacher stores: logprob (always), topk, hidden, svd."""
     top_k: int | None = None
@@ -74,7 +77,13 @@ class ScoreJob:
 
     @property
     def table_slug(self) -> str:
-        return self.slug or re.sub(r"[^A-Za-z0-9._-]+", "-", Path(self.teacher).resolve().name).strip("-") or "teacher"
+        """--name, else the teacher directory's name, else the Hub repo's name (org/name@rev -> name)."""
+        if self.slug:
+            return self.slug
+        text = str(self.teacher)
+        local = Path(text).expanduser()
+        base = local.resolve().name if local.exists() else text.split("@", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-") or "teacher"
 
 
 def consistency_verdict(cache_lineage: dict, teacher: dict, allow: bool) -> dict:
@@ -118,17 +127,18 @@ def run_score(job: ScoreJob) -> dict:
     base_params = cache.params(base)
     num_workers, worker_index = worker_from_env(job.num_workers, job.worker_index)
     own = cache.root / "tokenizer"
-    check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], AutoTokenizer.from_pretrained(job.teacher), f"teacher {job.teacher}",
+    ref = resolve_model(job.teacher, job.revision, "--teacher")
+    check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], AutoTokenizer.from_pretrained(ref.path), f"teacher {ref.name}",
                          AutoTokenizer.from_pretrained(own) if own.is_dir() else None)
-    teacher_fp_info = model_info(job.teacher)
+    teacher_fp_info = model_info(ref)
     verdict = consistency_verdict(cache.manifest["lineage"], teacher_fp_info, job.allow_inconsistent_teacher)
     want_hidden = "hidden" in job.stores or "svd" in job.stores
     engine = job.engine
     if want_hidden and engine.backend == "vllm":
         print("note: vLLM offers no final post-norm hidden state at this version; the hidden/svd stores use the transformers engine")
         engine = EngineConfig(**{**asdict(engine), "backend": "transformers"})
-    backend = make_backend(job.teacher, engine, max_logprobs=max(job.top_k or 0, base_params.ref_top_k or 0, 1))
-    info = model_info(job.teacher, **backend.model_info())
+    backend = make_backend(ref.path, engine, max_logprobs=max(job.top_k or 0, base_params.ref_top_k or 0, 1))
+    info = model_info(ref, **backend.model_info())
     hidden_dtype = backend.dtype if want_hidden else None
     H = None
     if want_hidden:

@@ -123,12 +123,14 @@ def run_sft(model: Path, data: Path, out: Path, config: SFTConfig, only_correct:
     from opdcache.cache import Cache
     from opdcache.errors import ConfigError
     from opdcache.lineage import check_same_tokenizer, model_info, write_sft_lineage
+    from opdcache.models import resolve_model
 
     hf_logging.disable_progress_bar()
     cache = Cache(data)
     if cache.kind != "sft":
         raise ConfigError(f"--data {data} is a {cache.kind} cache; `opdcache sft` trains on an sft cache from `opdcache build-sft`")
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    ref = resolve_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(ref.path)
     own = cache.root / "tokenizer"
     check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], tokenizer, f"model {model}",
                          AutoTokenizer.from_pretrained(own) if own.is_dir() else None)
@@ -143,11 +145,11 @@ def run_sft(model: Path, data: Path, out: Path, config: SFTConfig, only_correct:
     if not pairs:
         raise ConfigError(f"no trajectories to train on in {data}" + (" with --only-correct (no row has reward 1)" if only_correct else ""))
     torch.manual_seed(config.seed)
-    student = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    student = AutoModelForCausalLM.from_pretrained(ref.path, dtype=torch.float32)
     losses = train_sft(student, pairs, config, pad_id=tokenizer.pad_token_id or 0, progress=progress)
     out = Path(out)
     student.save_pretrained(out)
     tokenizer.save_pretrained(out)
     teacher = cache.table("sft")["model"]
-    write_sft_lineage(out, teacher, cache.table("sft")["config_fingerprint"], model_info(model))
+    write_sft_lineage(out, teacher, cache.table("sft")["config_fingerprint"], model_info(ref))
     return {"out": str(out), "pairs": len(pairs), "skipped": skipped, "final_loss": losses[-1], "sft_teacher": teacher["name_or_path"]}

@@ -42,6 +42,7 @@ import torch
 from opdcache import losses as L
 from opdcache.errors import ConfigError
 from opdcache.logprobs import check_chunk
+from opdcache.models import resolve_model
 from opdcache.progress import bar
 from opdcache.student import (DTYPES, StudentForward, autocast_dtype, enable_activation_checkpointing, full_tensor, init_distributed,
                               shard_fsdp)
@@ -54,7 +55,7 @@ class TrainConfig:
     """Settings of `opdcache train` (also readable from a YAML file; flags override it)."""
 
     model: Path
-    """pi_ref: the SFT student the run starts from."""
+    """pi_ref: the SFT student the run starts from (a local directory or a Hub id, org/name[@rev])."""
     cache: Path
     """The rollouts cache."""
     out: Path
@@ -201,13 +202,14 @@ class Trainer:
         self.ddp, self.rank, self.world, self.device = init_distributed()
         self.autocast = autocast_dtype(cfg.dtype, self.device)
         # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(self.device)
+        self.model_path = resolve_model(cfg.model).path  # a local directory or a Hub id
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
         self.model.train()
         self.ref_forward = None
         if cfg.corrections.active:  # r_train: the trainer-side pi_ref, frozen
-            ref = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(self.device).eval()
+            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device).eval()
             self.ref_forward = StudentForward(ref, cfg.chunk)
         self.forward = StudentForward(self.model, cfg.chunk)
         if cfg.fsdp:
@@ -490,11 +492,11 @@ class Trainer:
         from transformers import AutoTokenizer
 
         self.model.save_pretrained(self.cfg.out / "model", state_dict=model_sd)
-        AutoTokenizer.from_pretrained(self.cfg.model).save_pretrained(self.cfg.out / "model")
+        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(self.cfg.out / "model")
         from opdcache.lineage import read_sft_lineage
         from opdcache.shards import write_json_atomic
 
-        lineage = read_sft_lineage(self.cfg.model)
+        lineage = read_sft_lineage(self.model_path)
         if lineage:  # the OPD student keeps its SFT lineage
             write_json_atomic(self.cfg.out / "model" / "opdcache_lineage.json", json.dumps(lineage, indent=2, sort_keys=True))
 

@@ -1,0 +1,98 @@
+"""Where a model comes from: a local directory, or a Hub id (``org/name``, ``org/name@revision``) resolved through
+``huggingface_hub`` to a snapshot in its cache.
+
+Resolution never guesses: an existing directory is a local model (and must hold ``config.json``); a string that
+looks like a path (``/``, ``./``, ``~``, a Windows drive) and does not exist is a missing directory, never a Hub
+id; anything of the form ``org/name[@revision]`` that is not a local directory is a Hub id. A Hub id is looked up
+in the local Hub cache first (no network); only if it is not there, and ``HF_HUB_OFFLINE`` is not set, is it
+downloaded. The resolved commit is recorded in the manifest with the repo id.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from opdcache.errors import ConfigError
+
+_HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model resolved to a local directory, with its Hub identity when it came from the Hub."""
+
+    path: Path
+    """Local directory holding config.json and the weights (a Hub cache snapshot for Hub ids)."""
+    repo_id: str | None = None
+    """Hub repository id, or None for a local directory."""
+    commit: str | None = None
+    """The Hub commit the snapshot is at."""
+
+    @property
+    def name(self) -> str:
+        """What the manifest and messages call the model: the repo id, or the local path."""
+        return self.repo_id or str(self.path)
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith(("/", "./", "../", "~")) or bool(re.match(r"^[A-Za-z]:[\\/]", spec)) or spec in (".", "..")
+
+
+def resolve_model(spec: str | os.PathLike, revision: str | None = None, what: str = "--model") -> ModelRef:
+    """Resolve ``spec`` (a local directory or a Hub id, optionally ``@revision``) to a local model directory."""
+    if isinstance(spec, ModelRef):
+        return spec
+    text = os.fspath(spec)
+    local = Path(text).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"{what} {text} is a directory but not a Hugging Face model (no config.json); "
+                              "pass the folder that holds config.json and the weights")
+        return ModelRef(local)
+    match = _HUB_ID.match(text)
+    if _looks_like_path(text) or local.exists() or match is None:
+        raise ConfigError(f"{what} {text}: no such model directory (and not a Hub id of the form org/name); check the path")
+    repo_id, at = match["repo"], match["rev"]
+    if at and revision and at != revision:
+        raise ConfigError(f"{what} {text} names revision {at!r} but --revision says {revision!r}; give one")
+    return _from_hub(repo_id, at or revision, what)
+
+
+def _from_hub(repo_id: str, revision: str | None, what: str) -> ModelRef:
+    from huggingface_hub import snapshot_download
+
+    cache_dir = os.environ.get("HF_HUB_CACHE") or None  # read at call time (huggingface_hub reads it once, at import)
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True)
+    except Exception as cached_exc:  # not in the local cache (or an incomplete snapshot)
+        if offline:
+            raise ConfigError(f"{what} {repo_id}{'@' + revision if revision else ''} is not in the local Hub cache and HF_HUB_OFFLINE is set; "
+                              f"download it first (`hf download {repo_id}`) or unset HF_HUB_OFFLINE") from cached_exc
+        try:
+            path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir)
+        except Exception as exc:
+            raise ConfigError(f"{what} {repo_id}: could not download it from the Hub ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                              "check the network and the repo id, or pass a local directory") from exc
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{what} {repo_id}: the Hub snapshot {path} has no config.json; it is not a transformers model")
+    return ModelRef(path, repo_id=repo_id, commit=path.name)
+
+
+def hub_blob_sha256(path: Path) -> str | None:
+    """The sha256 of a file in a Hub cache snapshot, from its blob's name, without reading it.
+
+    Snapshot files are links to ``blobs/<name>``; Git LFS files (every weight file) are stored under their LFS
+    object id, which is the sha256 of the content. Small non-LFS files are named by their git sha1 (40 hex
+    digits) and return None, to be hashed as usual.
+    """
+    if not path.is_symlink():
+        return None
+    target = path.resolve()
+    if target.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", target.name):
+        return target.name
+    return None
