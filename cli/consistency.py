@@ -16,7 +16,9 @@ def check_consistency(
     train_teacher: Annotated[Optional[str], typer.Option("--train-teacher", help="The teacher you will train with; exit 1 if pi_ref is not consistent with it.", show_default=False)] = None,
     as_json: JsonOut = False,
 ) -> None:
-    """Which teacher pi_ref is consistent with: lineage, and an empirical probe from the stored scores."""
+    """Which teacher pi_ref is consistent with: lineage, and an empirical probe from the stored scores.
+
+    Memory: the per-token log-prob columns of the cache (a few bytes per token); no model is loaded."""
     from opdcache.consistency import check, render
 
     report = check(cache, teacher, train_teacher)

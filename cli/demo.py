@@ -18,7 +18,9 @@ def demo(
     opd_lr: Annotated[float, typer.Option("--opd-lr", help="OPD learning rate.")] = DemoConfig.opd_lr,
     ablation: Annotated[Optional[str], typer.Option("--ablation", help="consistency (teacher 1 vs teacher 2, papers/000 Table 4) or quantized (int8 rollouts with and without corrections).", show_default=False)] = None,
 ) -> None:
-    """Run the whole pipeline on the embedded task, on CPU, with tiny local models (no network)."""
+    """Run the whole pipeline on the embedded task, on CPU, with tiny local models (no network).
+
+    Memory: under 1 GiB (the tiny models and caches of a few thousand sequences)."""
     from opdcache.demo.pipeline import ABLATIONS, run_demo
     from opdcache.errors import ConfigError
 

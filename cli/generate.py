@@ -43,7 +43,10 @@ def build_sft(
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
 ) -> None:
-    """Sample teacher trajectories for SFT (papers/000 eq. 5); the teacher's fingerprint is the lineage."""
+    """Sample teacher trajectories for SFT (papers/000 eq. 5); the teacher's fingerprint is the lineage.
+
+    Memory: the model, its KV cache (--batch-size x (prompt + --max-new-tokens) per layer), a few reused
+    [--batch-size, vocabulary] float32 buffers, and one generation group's rows; not prompt length x vocabulary."""
     _run("sft", teacher, locals())
 
 
@@ -60,7 +63,10 @@ def build_rollouts(
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
 ) -> None:
-    """Sample pi_ref rollouts with their log-probs (papers/000 eq. 7)."""
+    """Sample pi_ref rollouts with their log-probs (papers/000 eq. 7).
+
+    Memory: the model, its KV cache (--batch-size x (prompt + --max-new-tokens) per layer), a few reused
+    [--batch-size, vocabulary] float32 buffers, and one generation group's rows; not prompt length x vocabulary."""
     _run("rollouts", model, locals())
 
 

@@ -10,7 +10,7 @@ from opdcache.cli.options import CachePath, JsonOut
 
 
 def info(cache: CachePath, as_json: JsonOut = False) -> None:
-    """Rows, tokens, stores, bytes per token per store, and lineage of a cache."""
+    """Rows, tokens, stores, bytes per token per store, and lineage of a cache. Memory: the manifest only."""
     from opdcache.info import render, summary
 
     data = summary(cache)

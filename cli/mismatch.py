@@ -26,7 +26,9 @@ def mismatch_report(
     device: O.Device = "auto",
     progress: O.Progress = None,
 ) -> None:
-    """Training-inference mismatch: delta = log pi_train - log pi_rollout per token (papers/003 eq. 1), and between teacher engines."""
+    """Training-inference mismatch: delta = log pi_train - log pi_rollout per token (papers/003 eq. 1), and between teacher engines.
+
+    Memory: as score-teacher for the float32 recompute (streamed head, no tokens x vocabulary), plus the per-token deltas."""
     from opdcache import mismatch as M
     from opdcache.shards import write_json_atomic
 

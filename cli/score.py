@@ -24,7 +24,11 @@ def score_teacher(
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
 ) -> None:
-    """Score a rollouts cache with a teacher, once, into teachers/<name>/ (row-aligned)."""
+    """Score a rollouts cache with a teacher, once, into teachers/<name>/ (row-aligned).
+
+    Memory: the teacher, decoder activations of ~1,024 padded tokens, one ~2,048-position x 1,024-column float32
+    logit block and the running top-k, and one shard's stored values; the svd fit adds [hidden, hidden] float64
+    moments and the calibration states. Never tokens x vocabulary."""
     from opdcache.rollouts import EngineConfig
     from opdcache.scoring import ScoreJob, run_score
 

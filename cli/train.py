@@ -22,7 +22,10 @@ def sft(
     only_correct: Annotated[bool, typer.Option("--only-correct", help="Train only on trajectories with reward 1.")] = False,
     seed: O.Seed = 0, progress: O.Progress = None,
 ) -> None:
-    """Supervised fine-tuning on teacher trajectories; the output records its SFT teacher (lineage)."""
+    """Supervised fine-tuning on teacher trajectories; the output records its SFT teacher (lineage).
+
+    Memory: the model with AdamW (16 bytes per parameter), batch x length x hidden activations, and
+    [tokens, 8,192] float32 logit slices of the fused head pass; never tokens x vocabulary."""
     from opdcache.sft import SFTConfig, run_sft
 
     result = run_sft(model, data, out, SFTConfig(steps=steps, batch_size=batch_size, lr=lr, seed=seed), only_correct, progress)

@@ -13,7 +13,10 @@ def validate(
     cache: CachePath,
     quick: Annotated[bool, typer.Option("--quick", help="Check files, sizes, hashes and schemas only; skip the per-row checks.")] = False,
 ) -> None:
-    """Check a cache against its manifest, its schema and the data invariants. Exit 1 on any problem."""
+    """Check a cache against its manifest, its schema and the data invariants. Exit 1 on any problem.
+
+    Memory: one shard's columns at a time, hidden states one row group at a time, a [1,024, 8,192] float32
+    logit block for rebuilding log-probs from them; never tokens x vocabulary."""
     from opdcache.validate import validate as run
 
     problems = run(cache, quick=quick)

@@ -1,0 +1,175 @@
+"""Peak memory of every command at a real vocabulary, against response length: nothing may grow with tokens x V.
+
+Builds, in a temporary directory, two random-weight Qwen3-architecture models (vocabulary 151,936, hidden 256,
+2 layers; student and teacher) and a WordLevel tokenizer of 151,936 tokens, then for each response length R:
+
+* build-rollouts: 16 prompts x 1 sample, exactly R new tokens (temperature 1; a random model almost never ends);
+* score-teacher: every store (logprob, topk k=128, hidden, svd rank 128, importance) on that cache;
+* validate: the full row-level check (hidden states rebuilt through the head);
+* a train step (batch 4, lightning and full-rkl): opdcache's fused path (``Trainer.loss_and_stats``, backward,
+  AdamW step) against the plain full-logits path in the same run (``model(...).logits``, a float32
+  log_softmax over [batch, tokens, vocabulary], the same loss, backward, AdamW step).
+
+Each command runs in its own process; its peak RSS is the kernel's ru_maxrss of that process. The growth per
+extra response token is (peak at the longest R - peak at the shortest R) / (extra response tokens the command
+holds: 16 x dR for the cache commands, 4 x dR for a train step). Acceptance (issue 10): every growth below a
+quarter of one float32 vocabulary row (151,936 x 4 / 4 = 152 KB), and the fused train step's peak at least 5x
+below the full-logits path's at R = 1,024, at no more than 1.3x its time. Run:
+
+    python benchmarks/bench_scale.py [--lengths 256 1024] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+V = 151_936
+HIDDEN = 256
+PROMPTS = 16
+PROMPT_TOKENS = 16
+TRAIN_BATCH = 4
+PLAIN_MAX = 1024  # longest response the full-logits train step is run at ([4, R, V] float32 is R x 2.4 MB)
+ROW_BUDGET = V * 4 / 4  # a quarter of one float32 vocabulary row, in bytes
+
+
+def build_models(root: Path) -> tuple[Path, Path]:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(V)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", pad_token="t0", unk_token="t2")
+    paths = []
+    for role, seed in (("student", 0), ("teacher", 1)):
+        torch.manual_seed(seed)
+        cfg = Qwen3Config(vocab_size=V, hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=False,
+                          eos_token_id=1, pad_token_id=0, bos_token_id=None)
+        model = Qwen3ForCausalLM(cfg)
+        model.generation_config.eos_token_id = 1
+        path = root / role
+        model.save_pretrained(path)
+        fast.save_pretrained(path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def run_measured(cmd: list[str], env: dict | None = None) -> dict:
+    """Run a command; return its wall time and peak RSS (ru_maxrss of that process, bytes)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    out, err = proc.stdout.read(), proc.stderr.read()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}):\n{err[-3000:]}")
+    return {"seconds": time.perf_counter() - t0, "peak_rss": usage.ru_maxrss * 1024, "stdout": out}
+
+
+def child_train(student: str, cache: str, loss: str, path: str, out: str) -> None:
+    """One train step in this process (nothing before it but loading): print JSON {seconds, step_peak (bytes above
+    the RSS before the step), tokens, loss}."""
+    import torch
+
+    from opdcache import losses as L
+    from opdcache.train import TrainConfig, Trainer
+
+    torch.manual_seed(0)
+    trainer = Trainer(TrainConfig(model=Path(student), cache=Path(cache), out=Path(out), loss=loss, batch_size=TRAIN_BATCH, lr=1e-5))
+    batch = next(iter(trainer.source))
+    from bench_scoring import PeakRSS
+
+    peak = PeakRSS().__enter__()  # the step's own memory: peak RSS during it, minus the RSS just before it
+    t0 = time.perf_counter()
+    if path == "fused":
+        loss_value, _ = trainer.loss_and_stats(batch)
+    else:  # the plain full-logits step
+        model, mask = trainer.model, batch["response_mask"]
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        pos = batch["logit_positions"]
+        logp = torch.log_softmax(logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).float(), -1)  # [B, T, V]
+        s = logp.gather(-1, batch["response_ids"][..., None]).squeeze(-1)
+        if loss == "lightning":
+            terms, _ = L.lightning_terms(s, batch["teacher_logprobs"], trainer.cfg.tau)
+        else:
+            t_logp = torch.log_softmax(batch["teacher_hidden"].float() @ trainer.teacher_w.T, -1)
+            terms = (logp.exp() * (logp - t_logp)).sum(-1)
+        loss_value = L.reduce(terms, mask)
+    loss_value.backward()
+    trainer.opt.step()
+    seconds = time.perf_counter() - t0
+    peak.__exit__(None, None, None)
+    print(json.dumps({"seconds": seconds, "step_peak": peak.delta, "tokens": int(batch["response_mask"].sum()), "loss": float(loss_value)}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--workdir", type=Path)
+    args = ap.parse_args()
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    root.mkdir(parents=True, exist_ok=True)
+    student, teacher = build_models(root)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (13 * i + 7 * j) % 5000}" for j in range(PROMPT_TOKENS))}) + "\n"
+                               for i in range(PROMPTS)))
+    env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
+    cli = [sys.executable, "-m", "opdcache.cli.main"]
+    results: dict[int, dict] = {}
+    for R in args.lengths:
+        cache = root / f"cache-{R}"
+        r = results[R] = {}
+        r["build-rollouts"] = run_measured(cli + ["build-rollouts", "--model", str(student), "--prompts", str(prompts), "--out", str(cache),
+                                                 "--max-new-tokens", str(R), "--temperature", "1.0", "--no-chat-template",
+                                                 "--num-shards", "4", "--batch-size", "16", "--no-progress"], env)
+        r["score-teacher"] = run_measured(cli + ["score-teacher", str(cache), "--teacher", str(teacher), "--store", "logprob,topk,hidden,svd",
+                                                "--top-k", "128", "--svd-rank", "128", "--no-progress"], env)
+        r["validate"] = run_measured(cli + ["validate", str(cache)], env)
+        for loss in ("lightning", "full-rkl"):
+            for path in ("fused", "plain") if R <= PLAIN_MAX else ("fused",):  # plain at 4,096: > 40 GB, does not fit
+                m = run_measured([sys.executable, __file__, "_train", str(student), str(cache), loss, path, str(root / f"run-{R}-{loss}-{path}")], env)
+                m.update(json.loads(m.pop("stdout").strip().splitlines()[-1]))
+                r[f"train {loss} {path}"] = m
+        for m in r.values():
+            m.pop("stdout", None)
+        print(f"R={R}: " + ", ".join(f"{k} {v['peak_rss'] / 2**20:.0f} MiB / {v['seconds']:.1f} s" for k, v in r.items()), flush=True)
+
+    lo, hi = min(args.lengths), max(args.lengths)
+    print(f"\npeak RSS (MiB) and growth per extra response token from R = {lo} to the longest R measured; budget {ROW_BUDGET / 1024:.0f} KB/token")
+    print(f"{'command':<26}" + "".join(f"{f'R={R}':>10}" for R in args.lengths) + f"{'KB/token':>10}{'ok':>5}")
+    summary = {}
+    for name in results[lo]:
+        held = PROMPTS if not name.startswith("train") else TRAIN_BATCH
+        top = max(R for R in args.lengths if name in results[R])
+        growth = (results[top][name]["peak_rss"] - results[lo][name]["peak_rss"]) / (held * (top - lo))
+        ok = growth < ROW_BUDGET if "plain" not in name else None
+        summary[name] = {"growth_bytes_per_token": growth, "ok": ok, "between": [lo, top]}
+        print(f"{name:<26}" + "".join(f"{results[R][name]['peak_rss'] / 2**20:>10.0f}" if name in results[R] else f"{'-':>10}" for R in args.lengths)
+              + f"{growth / 1024:>10.1f}{'' if ok is None else ('yes' if ok else 'NO'):>5}")
+    at = 1024 if 1024 in results else hi
+    print(f"\ntrain step at R={at}, batch {TRAIN_BATCH}: fused vs full-logits")
+    for loss in ("lightning", "full-rkl"):
+        f, p = results[at][f"train {loss} fused"], results[at][f"train {loss} plain"]
+        mem, step_mem, tim = p["peak_rss"] / f["peak_rss"], p["step_peak"] / f["step_peak"], f["seconds"] / p["seconds"]
+        summary[f"train {loss}"] = {"memory_ratio": mem, "step_memory_ratio": step_mem, "time_ratio": tim}
+        print(f"  {loss:<10} process peak {f['peak_rss'] / 2**20:.0f} vs {p['peak_rss'] / 2**20:.0f} MiB ({mem:.1f}x lower; target >= 5x); "
+              f"the step's own peak {f['step_peak'] / 2**20:.0f} vs {p['step_peak'] / 2**20:.0f} MiB ({step_mem:.1f}x); "
+              f"step {f['seconds']:.2f} vs {p['seconds']:.2f} s ({tim:.2f}x the time; target <= 1.3x)")
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "summary": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_train":
+        child_train(*sys.argv[2:7])
+    else:
+        main()
