@@ -10,7 +10,8 @@ Builds, in a temporary directory, two random-weight Qwen3-architecture models (v
   AdamW step) against the plain full-logits path in the same run (``model(...).logits``, a float32
   log_softmax over [batch, tokens, vocabulary], the same loss, backward, AdamW step).
 
-Each command runs in its own process; its peak RSS is the kernel's ru_maxrss of that process. The growth per
+Each command runs in its own process, started by a parent that never imports torch; its peak RSS is the kernel's
+ru_maxrss of that process. The growth per
 extra response token is (peak at the longest R - peak at the shortest R) / (extra response tokens the command
 holds: 16 x dR for the cache commands, 4 x dR for a train step). Acceptance (issue 10): every growth below a
 quarter of one float32 vocabulary row (151,936 x 4 / 4 = 152 KB), and the fused train step's peak at least 5x
@@ -118,7 +119,9 @@ def main() -> None:
     args = ap.parse_args()
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench-scale-"))
     root.mkdir(parents=True, exist_ok=True)
-    student, teacher = build_models(root)
+    # in a child process: the parent stays small (a forked child's ru_maxrss counts the parent's pages it started with)
+    subprocess.run([sys.executable, __file__, "_build", str(root)], check=True, capture_output=True)
+    student, teacher = root / "student", root / "teacher"
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (13 * i + 7 * j) % 5000}" for j in range(PROMPT_TOKENS))}) + "\n"
                                for i in range(PROMPTS)))
@@ -171,5 +174,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_train":
         child_train(*sys.argv[2:7])
+    elif len(sys.argv) > 1 and sys.argv[1] == "_build":
+        build_models(Path(sys.argv[2]))
     else:
         main()

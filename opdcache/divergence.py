@@ -143,7 +143,8 @@ def chunked_divergence(kind: str, student_hidden_NH: torch.Tensor, student_weigh
     """Per-position divergence [N] between student and teacher distributions over the full vocabulary.
 
     Differentiable with respect to the student hidden states, head weight and bias; the teacher is fixed.
-    ``chunk`` is the vocabulary slice width; memory is O(N * chunk), never O(N * V).
+    ``chunk`` is the vocabulary slice width; positions go in blocks of opdcache.logprobs.row_blocks, so transient
+    memory is a few [rows, chunk] blocks whatever N and V.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -151,8 +152,13 @@ def chunked_divergence(kind: str, student_hidden_NH: torch.Tensor, student_weigh
         raise ValueError(f"student and teacher vocabularies differ: {student_weight_VH.shape[0]} vs {teacher_weight_VK.shape[0]}")
     if student_hidden_NH.shape[0] != teacher_hidden_NK.shape[0]:
         raise ValueError(f"positions differ: {student_hidden_NH.shape[0]} student vs {teacher_hidden_NK.shape[0]} teacher")
-    return _ChunkedDivergence.apply(student_hidden_NH, student_weight_VH, student_bias_V, teacher_hidden_NK.detach(),
-                                    teacher_weight_VK.detach(), None if teacher_bias_V is None else teacher_bias_V.detach(), kind, chunk)
+    from opdcache.logprobs import check_chunk, row_blocks
+
+    check_chunk(chunk)
+    tb = None if teacher_bias_V is None else teacher_bias_V.detach()
+    parts = [_ChunkedDivergence.apply(student_hidden_NH[r], student_weight_VH, student_bias_V, teacher_hidden_NK[r].detach(),
+                                      teacher_weight_VK.detach(), tb, kind, chunk) for r in row_blocks(student_hidden_NH.shape[0], chunk)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def divergence_reference(kind: str, hs, Ws, ht, Wt, bs=None, bt=None) -> torch.Tensor:

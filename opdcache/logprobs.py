@@ -10,7 +10,7 @@ optionally scaled and soft-capped (z <- c tanh(z / c)) as the model's own forwar
 The forward runs one pass over vocabulary slices of width ``chunk`` with an online log-sum-exp (running
 maximum m and rescaled sum s; lse = m + log s), picking up the logits at the requested ids in the slice
 that holds them. The backward recomputes each slice's logits from h and W, so both passes hold one
-[N, chunk] block at a time: memory grows with N * chunk + N * K, never with N * V. This is the same online
+[rows, chunk] block at a time, rows bounded by :data:`BLOCK_BYTES`: memory grows with N * K, never with N * V. This is the same online
 idea as the teacher-side divergences of opdcache/divergence.py (papers/002), applied to the student.
 
 :func:`logprobs_reference` is the plain full-logits implementation the parity tests compare against.
@@ -23,6 +23,14 @@ import torch
 from opdcache.errors import ConfigError
 
 DEFAULT_CHUNK = 8192
+BLOCK_BYTES = 64 << 20  # one [rows, chunk] float32 logit block; rows = BLOCK_BYTES // (4 * chunk)
+
+
+def row_blocks(n: int, chunk: int) -> list[slice]:
+    """Position blocks of at most BLOCK_BYTES // (4 * chunk) rows: each [rows, chunk] float32 block stays under
+    BLOCK_BYTES, so memory does not grow with the number of positions either."""
+    rows = max(1, BLOCK_BYTES // (4 * chunk))
+    return [slice(a, min(a + rows, n)) for a in range(0, n, rows)] or [slice(0, 0)]
 
 
 def check_chunk(chunk: int) -> int:
@@ -109,7 +117,8 @@ def chunked_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, ids_NK: t
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs at ``ids_NK`` [N, K], log-partition [N]) of softmax(hidden @ weight.T + bias), both differentiable.
 
-    Computed in float32 (float64 inputs stay float64); memory O(N * chunk), never O(N * V).
+    Computed in float32 (float64 inputs stay float64), in blocks of positions (:func:`row_blocks`) each streamed over
+    vocabulary slices: transient memory O(BLOCK_BYTES) whatever N and V, plus the [N, K] outputs.
     """
     check_chunk(chunk)
     if hidden_NH.dim() != 2 or weight_VH.dim() != 2 or hidden_NH.shape[1] != weight_VH.shape[1]:
@@ -118,7 +127,12 @@ def chunked_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, ids_NK: t
         raise ValueError(f"ids must be [N, K] with N = {hidden_NH.shape[0]}, got {tuple(ids_NK.shape)}")
     if ids_NK.numel() and (int(ids_NK.min()) < 0 or int(ids_NK.max()) >= weight_VH.shape[0]):
         raise ValueError(f"token ids must lie in [0, {weight_VH.shape[0]}), got {int(ids_NK.min())}..{int(ids_NK.max())}")
-    return _ChunkedLogprobs.apply(hidden_NH, weight_VH, bias_V, ids_NK.long(), chunk, logit_scale, softcap)
+    ids_NK = ids_NK.long()
+    parts = [_ChunkedLogprobs.apply(hidden_NH[r], weight_VH, bias_V, ids_NK[r], chunk, logit_scale, softcap)
+             for r in row_blocks(hidden_NH.shape[0], chunk)]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def logprobs_reference(hidden_NH, weight_VH, ids_NK, bias_V=None, logit_scale=None, softcap=None):

@@ -87,3 +87,24 @@ def test_out_of_range_ids_are_refused():
     h, W, _, ids = _inputs(2, 3, 10, 1)
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 10\)"):
         chunked_logprobs(h, W, ids + 10)
+
+
+def test_position_blocks_give_the_same_values_and_gradients(monkeypatch):
+    """With blocks of 3 rows (BLOCK_BYTES shrunk), values and gradients equal the one-block computation."""
+    from opdcache import logprobs as LP
+    from opdcache.divergence import chunked_divergence
+
+    h, W, b, ids = _inputs(10, 4, 29, 2)
+    ht, Wt = torch.randn(10, 5, dtype=torch.float64), torch.randn(29, 5, dtype=torch.float64)
+    lp, lse = chunked_logprobs(h, W, ids, b, chunk=8)
+    div = chunked_divergence("rkl", h, W, ht, Wt, b, chunk=8)
+    (lp.sum() + lse.sum() + div.sum()).backward()
+    whole = (lp.detach(), lse.detach(), div.detach(), h.grad.clone(), W.grad.clone())
+    h.grad = W.grad = b.grad = None
+    monkeypatch.setattr(LP, "BLOCK_BYTES", 3 * 4 * 8)
+    assert len(LP.row_blocks(10, 8)) == 4
+    lp, lse = chunked_logprobs(h, W, ids, b, chunk=8)
+    div = chunked_divergence("rkl", h, W, ht, Wt, b, chunk=8)
+    (lp.sum() + lse.sum() + div.sum()).backward()
+    for got, want in zip((lp, lse, div, h.grad, W.grad), whole):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)

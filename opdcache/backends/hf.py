@@ -199,11 +199,53 @@ def _top_p_mask(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     return scaled.masked_fill(drop, float("-inf"))
 
 
-def log_softmax_into(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits, -1) written into ``out`` (which may be ``logits``): (z - m) - log sum exp(z - m)."""
+def log_softmax_into(logits: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits, -1) written into ``out`` (which may be ``logits``): (z - m) - log sum exp(z - m), with
+    ``scratch`` (same shape) for the exponentials, so no [B, V] temporary is allocated."""
     m = logits.amax(-1, keepdim=True)
     torch.sub(logits, m, out=out)
-    return out.sub_(torch.logsumexp(out, -1, keepdim=True))
+    return out.sub_(torch.exp(out, out=scratch).sum(-1, keepdim=True).log_())
+
+
+class _LastPositionHead:
+    """The model's head (and logit transforms) applied to the last position's hidden state, into one [B, V] buffer on
+    the model's device that every decode step reuses."""
+
+    def __init__(self, model, batch: int):
+        head = model.get_output_embeddings()
+        self.weight, self.bias = head.weight, getattr(head, "bias", None)
+        self.transform = _head_transform(model)
+        self.vocab_size = int(self.weight.shape[0])
+        self.out = torch.empty((batch, self.vocab_size), dtype=self.weight.dtype, device=self.weight.device)
+
+    def __call__(self, hidden_BLH: torch.Tensor) -> torch.Tensor:
+        torch.matmul(hidden_BLH[:, -1], self.weight.T, out=self.out)
+        if self.bias is not None:
+            self.out += self.bias
+        return self.transform(self.out)
+
+
+TRIM_EVERY = 64  # decode steps between returns of freed heap memory to the OS
+
+
+def release_free_heap() -> None:
+    """Give freed heap pages back to the OS (glibc ``malloc_trim``). The KV cache grows by one position per step,
+    each step's new, larger tensors leave the old ones' space in the heap unusable for the next, and RSS creeps
+    up by MBs per step though nothing leaks; trimming every few steps keeps it at what is live. A no-op
+    where glibc is absent."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -283,15 +325,17 @@ class TransformersBackend:
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         position = (mask.cumsum(-1) - 1).clamp(min=0)
         gens = [torch.Generator().manual_seed(r.seed) for r in requests]
-        # logits only at the last prompt position ([B, 1, V], not [B, L, V]): the only ones sampling reads
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1)
+        # the decoder, then the head at the last position only ([B, V], never [B, L, V]), into buffers reused by every
+        # step: a fresh [B, V] logits tensor per step (the model's own forward) fragments the CPU heap and RSS creeps
+        head = _LastPositionHead(self.model, B)
+        out = _base(self.model)(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True)
         past = out.past_key_values
-        V = out.logits.shape[-1]
-        # per-step [B, V] float32 buffers, reused: fresh tensors every step fragment the CPU heap (RSS creeps up)
+        V = head.vocab_size
         logits = torch.empty((B, V))
         ref_logp = torch.empty((B, V))
+        scratch = torch.empty((B, V))
         samp_buf = torch.empty((B, V)) if s.temperature not in (0, 1) or s.top_p < 1 else None
-        logits.copy_(out.logits[:, -1])
+        logits.copy_(head(out.last_hidden_state))
         next_pos = position[:, -1:] + 1
         done = torch.zeros(B, dtype=torch.bool)  # stopped at an end-of-sequence token (else cut at max_new_tokens)
         n_tokens = torch.zeros(B, dtype=torch.long)
@@ -302,7 +346,7 @@ class TransformersBackend:
         noise, noise_at = None, 0
         noise_steps = 1 if s.mc_samples else max(1, min(s.max_new_tokens, NOISE_BLOCK_BYTES // (4 * B * self.vocab_size)))
         for t in range(s.max_new_tokens):
-            log_softmax_into(logits, ref_logp)  # [B, V], temperature 1
+            log_softmax_into(logits, ref_logp, scratch)  # [B, V], temperature 1
             if s.temperature == 0:
                 tok = ref_logp.argmax(-1)
                 samp_logp = torch.full_like(ref_logp, float("-inf")).scatter(-1, tok[:, None], 0.0)
@@ -312,7 +356,7 @@ class TransformersBackend:
                 elif s.top_p < 1:
                     samp_logp = sampling_logprobs(logits, s.temperature, s.top_p)
                 else:
-                    samp_logp = log_softmax_into(torch.div(logits, s.temperature, out=samp_buf), samp_buf)
+                    samp_logp = log_softmax_into(torch.div(logits, s.temperature, out=samp_buf), samp_buf, scratch)
                 if noise is None or t - noise_at == noise.shape[1]:
                     noise = None  # let the old block go before drawing the next
                     noise_at, noise = t, self._draw_noise(gens, min(noise_steps, s.max_new_tokens - t), V)
@@ -336,11 +380,13 @@ class TransformersBackend:
             if bool(done.all()) or t == s.max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1)
-            out = self.model(input_ids=tok[:, None].to(self.device), attention_mask=mask, position_ids=next_pos,
-                             past_key_values=past, use_cache=True)
+            out = _base(self.model)(input_ids=tok[:, None].to(self.device), attention_mask=mask, position_ids=next_pos,
+                                    past_key_values=past, use_cache=True)
             past = out.past_key_values
-            logits.copy_(out.logits[:, -1])
+            logits.copy_(head(out.last_hidden_state))
             next_pos = next_pos + 1
+            if t % TRIM_EVERY == TRIM_EVERY - 1:
+                release_free_heap()
         stacked = {k: torch.stack(v, 1).numpy() for k, v in steps.items() if v}  # [B, steps, ...]
         gens_out = []
         for b in range(B):
