@@ -59,17 +59,30 @@ class PromptSet:
     errors: list[dict] = field(default_factory=list)  # {"line": 1-based, "reason": ...}
     too_long: int = 0
     duplicates: dict[str, list[int]] = field(default_factory=dict)  # prompt hash -> 1-based lines
-    fingerprint: str = ""  # sha256 over the token ids of every kept prompt
+    fingerprint: str = ""  # sha256 over every kept prompt's row index, token ids, answer and metadata
+    prompt_tokens: int = 0  # token ids over all kept prompts
+    unknown_tokens: int = 0  # of those, the tokenizer's unknown token (text it could not map)
     chat_template_sha256: str | None = None
+
+    @property
+    def malformed(self) -> int:
+        return len(self.errors) - self.too_long
+
+    @property
+    def unknown_rate(self) -> float:
+        return self.unknown_tokens / max(self.prompt_tokens, 1)
 
     def summary(self) -> str:
         dup_rows = sum(len(v) - 1 for v in self.duplicates.values())
-        return (f"{len(self.prompts)} prompts read; {len(self.errors)} malformed rows skipped; {self.too_long} too long "
-                f"for the model skipped; {dup_rows} duplicate rows kept (reported)")
+        unk = f"; {self.unknown_tokens} unknown tokens ({self.unknown_rate:.2%} of prompt tokens)" if self.unknown_tokens else ""
+        return (f"{len(self.prompts)} prompts read; {self.malformed} malformed rows skipped; {self.too_long} too long "
+                f"for the model skipped; {dup_rows} duplicate rows kept (reported){unk}")
 
 
 def _rows(path: Path) -> Iterator[tuple[int, dict | None, str | None]]:
     """(1-based line, row or None, error) for each input row."""
+    if not path.exists():
+        raise InputError(f"prompt file {path} does not exist; check --prompts")
     if path.is_dir():
         import datasets
 
@@ -84,8 +97,13 @@ def _rows(path: Path) -> Iterator[tuple[int, dict | None, str | None]]:
         for i, row in enumerate(pq.read_table(path).to_pylist()):
             yield i + 1, row, None
     elif path.suffix in (".jsonl", ".json", ".ndjson"):
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
+        with open(path, "rb") as f:
+            for i, raw in enumerate(f):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:  # one bad line, not the whole file
+                    yield i + 1, None, f"undecodable bytes (not UTF-8) at byte {exc.start}"
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -97,8 +115,6 @@ def _rows(path: Path) -> Iterator[tuple[int, dict | None, str | None]]:
                     yield i + 1, None, f"expected a JSON object, got {type(row).__name__}"
                     continue
                 yield i + 1, row, None
-    elif not path.exists():
-        raise InputError(f"prompt file {path} does not exist")
     else:
         raise InputError(f"cannot read prompts from {path}: use .jsonl, .parquet, or a datasets directory")
 
@@ -131,6 +147,7 @@ def read_prompts(cfg: PromptConfig, tokenizer, max_prompt_tokens: int | None) ->
     out = PromptSet(prompts=[], chat_template_sha256=chat_template_hash(tokenizer) if cfg.chat_template else None)
     seen: dict[str, list[int]] = defaultdict(list)
     digest = hashlib.sha256()
+    unk = getattr(tokenizer, "unk_token_id", None)
     for line, row, error in _rows(Path(cfg.path)):
         if cfg.limit is not None and line > cfg.limit:
             break
@@ -156,9 +173,13 @@ def read_prompts(cfg: PromptConfig, tokenizer, max_prompt_tokens: int | None) ->
         seen[key].append(line)
         extra = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.messages_field, cfg.answer_field)}
         answer = row.get(cfg.answer_field) if cfg.answer_field else None
-        out.prompts.append(Prompt(line - 1, ids, None if answer is None else str(answer),
-                                  json.dumps(extra, sort_keys=True, default=str) if extra else None))
-        digest.update(key.encode())
+        prompt = Prompt(line - 1, ids, None if answer is None else str(answer), json.dumps(extra, sort_keys=True, default=str) if extra else None)
+        out.prompts.append(prompt)
+        out.prompt_tokens += len(ids)
+        if unk is not None:
+            out.unknown_tokens += ids.count(unk)
+        # everything a stored row copies from its prompt: a changed answer, metadata or row number changes the cache
+        digest.update(json.dumps([prompt.index, key, prompt.answer, prompt.metadata]).encode())
     out.duplicates = {k: v for k, v in seen.items() if len(v) > 1}
     out.fingerprint = digest.hexdigest()
     if not out.prompts:

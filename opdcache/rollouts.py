@@ -9,7 +9,8 @@ shards are decoded together until a generation batch is full (:func:`generation_
 groups. Each sample draws from its own random stream, seeded from (seed, prompt ids, sample index), so the tokens
 sampled do not depend on worker count, batch size or order; a group is always decoded whole, so a resumed job or
 another worker count reproduces every shard bit for bit. Another ``--batch-size`` changes the batch composition,
-and with it the last bits of the stored log-probs (float rounding of batched kernels, ~1e-5).
+and with it the last bits of the stored log-probs (float rounding of batched kernels, ~1e-5), so the transformers
+engine's batch size is part of the config fingerprint and a resume with another one is refused.
 
 Memory (transformers engine): the model, its KV cache [batch, prompt + response length] per layer, and per decode
 step a few [batch, vocabulary] float32 buffers reused across steps; the stored values of one group of shards.
@@ -212,7 +213,6 @@ def run_generate(job: GenerateJob) -> GenerateResult:
     backend = make_backend(ref.path, job.engine, max_logprobs=max(job.sampling.ref_top_k or 0, 1))
     decodable = check_vocab_sizes(tokenizer, backend.vocab_size, ref.name)
     prompts = read_prompts(job.prompts, tokenizer, backend.max_length - job.sampling.max_new_tokens)
-    write_errors(job.out / f"{job.kind}_errors.jsonl", prompts)
     if not (job.out / "tokenizer").is_dir():  # the cache carries its tokenizer: decode and compare without the model
         tokenizer.save_pretrained(job.out / "tokenizer")
     model = model_info(ref, **backend.model_info())
@@ -223,9 +223,12 @@ def run_generate(job: GenerateJob) -> GenerateResult:
         "chat_template_sha256": prompts.chat_template_sha256, "sampling": asdict(job.sampling),
         "engine": job.engine.fingerprint_view() | {"engine_version": backend.version}, "vocab_size": backend.vocab_size,
         "sft_teacher": sft_teacher["fingerprint"] if sft_teacher else None, "reward": job.reward,
+        # batch composition changes the last bits of batched kernels' outputs (~1e-5): a resume must keep it
+        "generate_batch_size": job.engine.generate_batch_size if job.engine.backend == "transformers" else None,
     }
     tok_info = {"fingerprint": config["tokenizer"], "name_or_path": ref.name, "chat_template_sha256": prompts.chat_template_sha256}
-    stats = {"prompts": len(prompts.prompts), "malformed": len(prompts.errors) - prompts.too_long, "too_long": prompts.too_long,
+    stats = {"prompts": len(prompts.prompts), "malformed": prompts.malformed, "too_long": prompts.too_long,
+             "prompt_tokens": prompts.prompt_tokens, "unknown_tokens": prompts.unknown_tokens,
              "duplicate_rows": sum(len(v) - 1 for v in prompts.duplicates.values())}
     meta = {"tokenizer": tok_info, "lineage": {"sft_teacher": sft_teacher, "parent_fingerprint": None}, "model": model, "stats": stats}
     num_shards = min(job.num_shards, len(prompts.prompts))
@@ -233,6 +236,8 @@ def run_generate(job: GenerateJob) -> GenerateResult:
     bounds = np.linspace(0, n, num_shards + 1).astype(int)
     groups = generation_groups([(bounds[i + 1] - bounds[i]) * job.sampling.samples for i in range(num_shards)], job.engine.generate_batch_size)
     table = TableJob(job.out, job.kind, job.kind, params, config, num_shards, meta=meta, groups=groups)
+    table.begin()  # refuses changed inputs or settings before anything of the existing cache is touched
+    write_errors(job.out / f"{job.kind}_errors.jsonl", prompts)
     group_of = {i: group for group in groups for i in group}
     generated: dict[int, list] = {}  # shard -> its (prompt, sample index, generation), for the rest of the current group
     quarantined = 0

@@ -1,0 +1,74 @@
+"""Bad inputs end in one line and the right exit code; a resume never mixes inputs or settings."""
+
+import json
+
+import pytest
+
+from opdcache.backends.base import SamplingConfig
+from opdcache.cli.main import main
+from opdcache.errors import ResumeError
+from opdcache.prompts import PromptConfig
+from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
+
+FAST = SamplingConfig(max_new_tokens=12)
+
+
+def _cli(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out = capsys.readouterr()
+    return e.value.code, out.out + out.err
+
+
+def _write(path, rows):
+    path.write_bytes(b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in rows))
+    return path
+
+
+def test_a_missing_prompts_file_is_one_line_exit_2(tmp_path, weights, capsys):
+    code, out = _cli(["build-rollouts", "--model", weights / "student", "--prompts", tmp_path / "nope.jsonl", "--out", tmp_path / "c"], capsys)
+    assert code == 2 and "Traceback" not in out
+    assert f"prompt file {tmp_path / 'nope.jsonl'} does not exist; check --prompts" in out
+
+
+def test_an_undecodable_line_goes_to_the_errors_file_and_the_rest_is_kept(tmp_path, weights):
+    src = _write(tmp_path / "p.jsonl", [{"prompt": "123+456", "answer": "0579"}, b'{"prompt": "1\xff2+3"}', {"prompt": "200+300", "answer": "0500"}])
+    res = run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(src), out=tmp_path / "c", num_shards=1, sampling=FAST))
+    assert len(res.prompts.prompts) == 2 and [p.index for p in res.prompts.prompts] == [0, 2]
+    errors = [json.loads(l) for l in (tmp_path / "c" / "rollouts_errors.jsonl").read_text().splitlines()]
+    assert errors == [{"line": 2, "reason": "undecodable bytes (not UTF-8) at byte 13"}]
+
+
+def test_too_long_prompts_are_not_counted_as_malformed_and_unknown_tokens_are_reported(tmp_path, weights):
+    long = "+".join(["123"] * 40)  # 159 characters: longer than the student's 128 positions minus the response
+    src = _write(tmp_path / "p.jsonl", [{"prompt": "123+456"}, {"prompt": long}, "{bad", {"prompt": "12€+3"}])
+    res = run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(src), out=tmp_path / "c", num_shards=1, sampling=FAST))
+    p = res.prompts
+    assert (p.malformed, p.too_long, len(p.prompts)) == (1, 1, 2)
+    assert "2 prompts read; 1 malformed rows skipped; 1 too long for the model skipped" in res.summary()
+    assert p.unknown_tokens == 1 and "1 unknown tokens" in res.summary()
+    stats = json.loads((tmp_path / "c" / "opdcache.json").read_text())["tables"]["rollouts"]["stats"]
+    assert stats["unknown_tokens"] == 1 and stats["prompt_tokens"] == p.prompt_tokens
+
+
+def test_resume_with_changed_answers_or_shifted_rows_is_refused_and_the_errors_file_kept(tmp_path, weights):
+    rows = [{"prompt": f"{100 + i}+{200 + i}", "answer": str(300 + 2 * i), "src": "a"} for i in range(6)]
+    src = _write(tmp_path / "p.jsonl", rows + ["{junk"])
+    out = tmp_path / "c"
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(src), out=out, num_shards=2, sampling=FAST))
+    errors_before = (out / "rollouts_errors.jsonl").read_text()
+    changed = [dict(r, answer="0") for r in rows]  # same prompts, other answers
+    for variant in (changed, ["{junk"] + rows, [dict(r, src="b") for r in rows]):  # answers; every row shifted; metadata
+        _write(src, variant)
+        with pytest.raises(ResumeError, match="prompts"):
+            run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(src), out=out, num_shards=2, sampling=FAST))
+        assert (out / "rollouts_errors.jsonl").read_text() == errors_before
+
+
+def test_resume_with_another_batch_size_is_refused(tmp_path, weights, opd_prompts):
+    def job(batch):
+        return GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=4), out=tmp_path / "c", num_shards=2,
+                           sampling=FAST, engine=EngineConfig(generate_batch_size=batch))
+    run_generate(job(4))
+    with pytest.raises(ResumeError, match="generate_batch_size: 4 -> 2"):
+        run_generate(job(2))
