@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -105,7 +104,14 @@ def train(
 
         typer.echo(lineage_line(cfg.cache, cfg.teacher))
     result = run_train(cfg)
-    typer.echo(json.dumps(result, default=str))
+    last = result.get("last") or {}
+    how = "resumed from its checkpoint" if result["resumed"] else "from the start"
+    if "stopped_at" in result:
+        typer.echo(f"{cfg.out}: stopped at step {result['stopped_at']} ({how}); checkpoint in {cfg.out / 'checkpoint'}")
+        return
+    loss = f"final loss {last['loss']:.4f}" if "loss" in last else "no step run"
+    typer.echo(f"{cfg.out}: {result['steps']} steps of {cfg.loss} ({how}) in {result['seconds']:.1f} s, {loss}; "
+               f"model in {cfg.out / 'model'}, metrics in {cfg.out / 'metrics.jsonl'}")
 
 
 def register(app: typer.Typer) -> None:

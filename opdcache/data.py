@@ -52,6 +52,8 @@ class CacheLoaderConfig:
     """Distributed rank (default: torch.distributed, then RANK, then 0)."""
     world_size: int | None = None
     """Distributed world size (default: torch.distributed, then WORLD_SIZE, then 1)."""
+    verify: bool = True
+    """Check each shard's size and sha256 against the manifest before decoding it (once per shard and process)."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -133,6 +135,18 @@ def collate(rows: list[dict], hidden_dtype: str | None = None) -> dict[str, torc
     return batch
 
 
+def _verify_shard(path: Path, entry: dict, root) -> None:
+    """Refuse a shard whose size or sha256 differs from the manifest's (truncated, replaced or corrupted)."""
+    from opdcache.errors import SchemaError
+    from opdcache.fingerprint import sha256_file
+
+    if not path.is_file():
+        raise SchemaError(f"{path} is listed in the manifest but missing; run `opdcache validate {root}`")
+    if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+        raise SchemaError(f"{path} does not match the manifest's size and sha256 (corrupted or replaced); "
+                          f"run `opdcache validate {root}` and rebuild or re-pull that shard")
+
+
 class CacheDataset(torch.utils.data.IterableDataset):
     """Yields whole collated batches; use with ``DataLoader(batch_size=None)`` (CacheLoader does)."""
 
@@ -141,6 +155,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
         cache = Cache(config.cache)
         base = cache.base_table
         self.rollout_paths = cache.shard_paths(base)
+        self.expected = {p: s for p, s in zip(self.rollout_paths, cache.table(base)["shards"])}  # path -> manifest entry
+        self.verified: set = set()
         self.rows_per_shard = [s["rows"] for s in cache.table(base)["shards"]]
         rparams = cache.params(base)
         cols = ["prompt_ids", "response_ids", "sampling_logprobs"] + (["ref_logprobs"] if base == "rollouts" else [])
@@ -164,6 +180,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
 
             self.teacher_cols = [c.name for c in S.columns("teacher", tparams) if c.store in config.stores and c.shape != "row"]
             self.teacher_paths = cache.shard_paths(table)
+            self.expected.update(zip(self.teacher_paths, cache.table(table)["shards"]))
         rank, world = _dist()
         self.rank = config.rank if config.rank is not None else rank
         self.world = config.world_size if config.world_size is not None else world
@@ -191,6 +208,11 @@ class CacheDataset(torch.utils.data.IterableDataset):
     def _load(self, shard: int, cache: dict) -> _Shard:
         if shard not in cache:
             cache.clear()  # one shard decoded at a time per worker
+            if self.config.verify:
+                for path in (self.rollout_paths[shard], None if self.teacher_paths is None else self.teacher_paths[shard]):
+                    if path is not None and path not in self.verified:
+                        _verify_shard(path, self.expected[path], self.config.cache)
+                        self.verified.add(path)
             cache[shard] = _Shard(self.rollout_paths[shard], None if self.teacher_paths is None else self.teacher_paths[shard],
                                   self.rollout_cols, self.teacher_cols)
         return cache[shard]

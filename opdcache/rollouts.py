@@ -38,6 +38,7 @@ from opdcache.models import resolve_model
 from opdcache.prompts import PromptConfig, PromptSet, read_prompts, write_errors
 
 QUARANTINE_FILE = "quarantine.jsonl"
+VLLM_MAX_TEMPERATURE = 2.0  # vLLM refuses hotter sampling, but only after its engine has started
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,9 @@ class GenerateJob:
             raise ConfigError("--sft-teacher applies to build-rollouts only")
         if self.num_shards < 1:
             raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
+        if self.engine.backend == "vllm" and self.sampling.temperature > VLLM_MAX_TEMPERATURE:
+            raise ConfigError(f"--temperature must be at most {VLLM_MAX_TEMPERATURE} with --backend vllm (vLLM's own limit), "
+                              f"got {self.sampling.temperature}; use --backend transformers for hotter sampling")
         if self.reward is not None and self.reward not in REWARDS:
             raise ConfigError(f"--reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
 

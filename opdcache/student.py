@@ -70,15 +70,17 @@ def enable_activation_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def init_distributed() -> tuple[bool, int, int, torch.device]:
-    """(distributed, rank, world size, device) from torchrun's variables; starts the process group when needed."""
+def init_distributed() -> tuple[bool, int, int, torch.device, bool]:
+    """(distributed, rank, world size, device, whether this call started the process group) from torchrun's
+    variables; starts the process group when needed (whoever starts it destroys it when done)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     distributed = world > 1
-    if distributed and not torch.distributed.is_initialized():
+    started = distributed and not torch.distributed.is_initialized()
+    if started:
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = torch.distributed.get_rank() if distributed else 0
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    return distributed, rank, world, device
+    return distributed, rank, world, device, started
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from opdcache import losses as L
-from opdcache.errors import ConfigError
+from opdcache.errors import ConfigError, OpdcacheError, SchemaError
 from opdcache.logprobs import check_chunk
 from opdcache.models import resolve_model
 from opdcache.progress import bar
@@ -48,6 +48,10 @@ from opdcache.student import (DTYPES, StudentForward, autocast_dtype, enable_act
                               shard_fsdp)
 
 LR_SCHEDULES = ("constant", "cosine")
+
+
+class TrainingDiverged(OpdcacheError, FloatingPointError):
+    """The optimisation produced non-finite numbers from finite inputs."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +203,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.ddp, self.rank, self.world, self.device = init_distributed()
+        self.ddp, self.rank, self.world, self.device, self.owns_process_group = init_distributed()
         self.autocast = autocast_dtype(cfg.dtype, self.device)
         # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32
         self.model_path = resolve_model(cfg.model).path  # a local directory or a Hub id
@@ -267,9 +271,23 @@ class Trainer:
             return (batch["teacher_topk_ids"] if cfg.topk_support == "teacher" else batch["ref_topk_ids"])[sel]
         return None
 
+    def _check_finite(self, batch: dict) -> None:
+        """Refuse a batch whose cached values are NaN or infinite at response positions (a damaged cache), before
+        they reach the loss: no estimator may train through them."""
+        mask = batch["response_mask"].bool()
+        for name, value in batch.items():
+            if not value.is_floating_point() or name == "response_mask":
+                continue
+            at = value[mask] if value.shape[:2] == mask.shape else value
+            bad = int((~torch.isfinite(at.float())).sum())
+            if bad:
+                raise SchemaError(f"the cache holds {bad} non-finite values in {name} at response positions of this batch; "
+                                  f"run `opdcache validate {self.cfg.cache}` to find the rows, then rebuild those shards")
+
     def loss_and_stats(self, batch: dict) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
         batch = {k: v.to(self.device) for k, v in batch.items()}
+        self._check_finite(batch)
         mask = batch["response_mask"]
         sel = mask.bool()
         B, T = mask.shape
@@ -458,7 +476,8 @@ class Trainer:
                         agg[k] = agg.get(k, 0.0) + v / cfg.grad_accum
                 grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
                 if not math.isfinite(float(grad_norm)):
-                    raise FloatingPointError(f"non-finite gradient norm at step {self.step + 1}; lower --lr or check the cache with `opdcache validate`")
+                    raise TrainingDiverged(f"non-finite gradient norm at step {self.step + 1} (the inputs were finite); lower --lr, "
+                                           "or try --dtype float32")
                 lr = learning_rate(cfg, self.step)
                 for group in self.opt.param_groups:
                     group["lr"] = lr
@@ -502,4 +521,11 @@ class Trainer:
 
 
 def run_train(cfg: TrainConfig) -> dict:
-    return Trainer(cfg).fit()
+    trainer = Trainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        # an undestroyed gloo group can abort the process at exit ("terminate called without an active exception")
+        if trainer.owns_process_group and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # rank 0 may still be writing the final model
+            torch.distributed.destroy_process_group()

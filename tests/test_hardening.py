@@ -72,3 +72,61 @@ def test_resume_with_another_batch_size_is_refused(tmp_path, weights, opd_prompt
     run_generate(job(4))
     with pytest.raises(ResumeError, match="generate_batch_size: 4 -> 2"):
         run_generate(job(2))
+
+
+def test_vllm_temperature_above_its_limit_is_refused_before_any_engine_starts(tmp_path, weights, opd_prompts):
+    from opdcache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--temperature must be at most 2.0 with --backend vllm"):
+        GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=tmp_path / "c",
+                    sampling=SamplingConfig(temperature=2.5), engine=EngineConfig(backend="vllm"))
+
+
+@pytest.mark.parametrize("loss", ["lightning", "topk-rkl", "full-rkl"])
+def test_training_on_a_non_finite_teacher_value_is_one_line_exit_1(hf_cache, weights, tmp_path, capsys, loss):
+    """A NaN in the teacher's stores (logprobs and top-k log-probs of row 0 of every shard; its hidden state) stops training
+    at once with the column named and `opdcache validate` suggested, whatever the estimator (topk-rkl trained through it)."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from opdcache import manifest as M
+    from opdcache import shards
+
+    cache = tmp_path / "cache"
+    shutil.copytree(hf_cache, cache)
+    manifest = M.load(cache)
+    for index, path in enumerate(sorted((cache / "teachers" / "teacher").glob("part-*.parquet"))):
+        table = pq.read_table(path)
+        rows = table.to_pylist()
+        for r in rows:
+            r["logprobs"][1] = float("nan")
+            r["topk_logprobs"][1][0] = float("nan")
+            r["hidden"][1][0] = 0x7FC0  # a bf16/fp16 NaN pattern, or a huge float32: either way not a valid state
+        if pa.types.is_floating(table.schema.field("hidden").type.value_type.value_type):
+            for r in rows:
+                r["hidden"][1][0] = float("nan")
+        info = shards.write_table_atomic(pa.Table.from_pylist(rows, schema=table.schema), path, cache)
+        manifest["tables"]["teachers/teacher"]["shards"][index] = info.to_dict()  # so only the values are wrong
+    M.save(cache, manifest)
+    code, out = _cli(["train", "--model", weights / "student", "--cache", cache, "--out", tmp_path / "run", "--loss", loss,
+                      "--steps", "2", "--batch-size", "48", "--no-progress"], capsys)
+    assert code == 1 and "Traceback" not in out
+    assert "non-finite values in teacher_" in out and f"run `opdcache validate {cache}`" in out
+    assert not (tmp_path / "run" / "model").exists()
+
+
+def test_training_refuses_a_shard_that_does_not_match_the_manifest(hf_cache, weights, tmp_path, capsys):
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(hf_cache, cache)
+    shard = sorted((cache / "rollouts").glob("part-*.parquet"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit
+    shard.write_bytes(bytes(data))
+    code, out = _cli(["train", "--model", weights / "student", "--cache", cache, "--out", tmp_path / "run", "--steps", "1",
+                      "--batch-size", "48", "--no-progress"], capsys)
+    assert code == 1 and "Traceback" not in out
+    assert f"{shard} does not match the manifest's size and sha256" in out

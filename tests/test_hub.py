@@ -103,3 +103,20 @@ def test_real_round_trip(synth_cache, tmp_path):
         assert Cache(out).manifest["tables"].keys() == Cache(synth_cache).manifest["tables"].keys()
     finally:
         HfApi().delete_repo(repo, repo_type="dataset")
+
+
+@pytest.mark.parametrize("command", ["push", "pull"])
+def test_no_network_is_one_line_exit_1(synth_cache, tmp_path, command):
+    """The real client against a closed local port: one line naming the failure and what to do, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    args = [str(synth_cache), "me/cache"] if command == "push" else ["me/cache", str(tmp_path / "pulled")]
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "hf_dummy", "HF_HUB_ETAG_TIMEOUT": "2",
+           "HF_HUB_DOWNLOAD_TIMEOUT": "2", "HF_HUB_OFFLINE": "0"}
+    proc = subprocess.run([sys.executable, "-m", "opdcache.cli.main", command, *args], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and "me/cache failed:" in lines[0] and "Check the network, HF_TOKEN" in lines[0]
+    assert "hf_dummy" not in proc.stderr + proc.stdout

@@ -90,7 +90,8 @@ def test_ddp_with_two_cpu_processes(hf_cache, weights, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517", str(script)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("RESULT 2") == 2
+    # both ranks print together after the final barrier, so their lines may interleave
+    assert proc.stdout.count("RESULT") == 2 and proc.stdout.replace("RESULT", " ").split() == ["2", "2"]
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
 
 
