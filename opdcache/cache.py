@@ -60,6 +60,11 @@ def worker_from_env(num_workers: int | None = None, worker_index: int | None = N
     return num_workers, worker_index
 
 
+SIDE_FILES = ("head.safetensors", "svd.safetensors")
+"""Files next to a table's shards that its stores need (hidden: the head; svd: the projection)."""
+SIDE_FILE_OF_STORE = {"hidden": "head.safetensors", "svd": "svd.safetensors"}
+
+
 def shards_for_worker(num_shards: int, num_workers: int, worker_index: int, groups: Sequence[Sequence[int]] | None = None) -> list[int]:
     """This worker's shards: every num_workers-th shard, or every num_workers-th group of shards when the stage
     computes a group together (generation batches that span shards), so no group is split between workers."""
@@ -201,6 +206,10 @@ class TableJob:
             "kind": self.kind, "params": self.params.to_dict(), "config": self.config,
             "config_fingerprint": self.fingerprint, "shards": self.shard_infos(),
         }
+        side = {name: {"bytes": (self.dir / name).stat().st_size, "sha256": sha256_file(self.dir / name)}
+                for name in SIDE_FILES if (self.dir / name).is_file()}
+        if side:  # hashed like shards, checked by validate
+            entry["files"] = side
         entry.update({k: v for k, v in extra.items() if v is not None})
         return entry
 

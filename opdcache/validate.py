@@ -25,7 +25,7 @@ from opdcache import manifest as M
 from opdcache import schema as S
 from opdcache import shards
 from opdcache.errors import ManifestError, SchemaError
-from opdcache.fingerprint import sha256_file
+from opdcache.fingerprint import config_fingerprint, sha256_file
 
 MAX_ROWS_LISTED = 5  # per (file, column, check); the rest are counted
 LOGPROB_TOL = 1e-4  # agreement between two stores of the same float32 log-prob
@@ -88,6 +88,11 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
         params = S.StoreParams.from_dict(entry["params"])
         if name != base_name and len(entry["shards"]) != len(base["shards"]):
             out.add(name, f"{len(entry['shards'])} shards, but {base_name} has {len(base['shards'])}; teacher shards must align 1:1")
+        parent = None if name == base_name else base["config_fingerprint"]
+        if config_fingerprint(entry["config"], parent) != entry["config_fingerprint"]:
+            out.add(M.MANIFEST_NAME, f"table {name}: the recorded config does not hash to its config_fingerprint "
+                                     f"{entry['config_fingerprint'][:12]}... (the manifest was edited by hand)")
+        _check_side_files(root, name, entry, params, out)
         for index, info in enumerate(entry["shards"]):
             path = root / info["path"]
             if not _check_file(path, info, entry, params, out):
@@ -96,12 +101,39 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
                 continue
             # every column but the hidden states, which _check_hidden streams one row group at a time
             table = shards.read_table(path, [c for c in shards.read_schema(path).names if c != "hidden"])
+            tokens = shards.table_tokens(table)
+            if tokens != info["tokens"]:
+                out.add(info["path"], f"{tokens} response tokens, the manifest says {info['tokens']} (info would report wrong totals)")
             if name == base_name:
                 base_lengths[index] = _check_base_rows(info["path"], table, entry, out)
             else:
                 _check_teacher_rows(root, info["path"], table, entry, params, base_lengths.get(index),
                                     root / base["shards"][index]["path"] if index < len(base["shards"]) else None, out)
     return out.problems
+
+
+def _check_side_files(root: Path, name: str, entry: dict, params: S.StoreParams, out: _Collector) -> None:
+    """head.safetensors / svd.safetensors: present for the stores that need them, and equal to the manifest's hashes."""
+    from opdcache.cache import SIDE_FILE_OF_STORE
+
+    recorded = entry.get("files", {})
+    for store, fname in SIDE_FILE_OF_STORE.items():
+        rel = f"{name}/{fname}"
+        path = root / rel
+        if store not in params.stores and fname not in recorded:
+            continue
+        if not path.is_file():
+            out.add(rel, f"missing: the {store} store needs it")
+            continue
+        want = recorded.get(fname)
+        if want is None:
+            out.add(rel, "not hashed in the manifest (a cache from before side files were hashed); its content is unchecked", warning=True)
+            continue
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            out.add(rel, f"size is {size} bytes, the manifest says {want['bytes']} (truncated or replaced)")
+        elif sha256_file(path) != want["sha256"]:
+            out.add(rel, "sha256 does not match the manifest's (corrupted)")
 
 
 def _check_stray_files(root: Path, tables: dict, out: _Collector) -> None:

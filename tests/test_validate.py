@@ -159,3 +159,31 @@ def test_hidden_rows_of_the_wrong_length_are_found_while_streaming(synth_cache, 
     assert shards.open_parquet(path).num_row_groups > 1
     text = "\n".join(map(str, validate(synth_cache)))
     assert "teachers/synth/part-00000-of-00003.parquet row 3 column hidden: per-token column length differs" in text
+
+
+def test_side_files_are_hashed_and_checked(synth_cache, hf_cache, tmp_path):
+    import shutil
+
+    head = synth_cache / "teachers" / "synth" / "head.safetensors"
+    entry = Cache(synth_cache).table("teachers/synth")
+    assert entry["files"]["head.safetensors"]["sha256"] == __import__("opdcache.fingerprint", fromlist=["x"]).sha256_file(head)
+    data = bytearray(head.read_bytes())
+    data[-1] ^= 0x01  # a low bit of the last weight
+    head.write_bytes(bytes(data))
+    text = "\n".join(map(str, validate(synth_cache, quick=True)))
+    assert "teachers/synth/head.safetensors: sha256 does not match the manifest's (corrupted)" in text
+    copy = tmp_path / "hf"
+    shutil.copytree(hf_cache, copy)
+    (copy / "teachers" / "teacher" / "svd.safetensors").unlink()
+    text = "\n".join(map(str, validate(copy, quick=True)))
+    assert "teachers/teacher/svd.safetensors: missing: the svd store needs it" in text
+
+
+def test_token_counts_and_config_fingerprint_are_checked_against_the_manifest(synth_cache):
+    m = Cache(synth_cache).manifest
+    m["tables"]["rollouts"]["shards"][1]["tokens"] += 5
+    m["tables"]["teachers/synth"]["config"]["vocab_size"] = 1
+    M.save(synth_cache, m)
+    text = "\n".join(map(str, validate(synth_cache)))
+    assert "rollouts/part-00001-of-00003.parquet: " in text and "response tokens, the manifest says" in text
+    assert "table teachers/synth: the recorded config does not hash to its config_fingerprint" in text
