@@ -31,6 +31,8 @@ def _logits(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, a: int, c:
 
 
 def _lse(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, chunk: int) -> torch.Tensor:
+    """[N, 2]: the running maximum m and log s of the online log-sum-exp (lse = m + log s, kept apart so that a
+    log-prob is computed as (z - m) - log s and rounds at |z - m| rather than at |lse|)."""
     m = torch.full((h.shape[0],), float("-inf"), dtype=h.dtype, device=h.device)
     s = torch.zeros(h.shape[0], dtype=h.dtype, device=h.device)
     for a in range(0, W.shape[0], chunk):
@@ -38,12 +40,17 @@ def _lse(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, chunk: int) -
         new_m = torch.maximum(m, z.amax(-1))
         s = s * torch.exp(m - new_m) + torch.exp(z - new_m[:, None]).sum(-1)
         m = new_m
-    return m + torch.log(s)
+    return torch.stack([m, torch.log(s)], -1)
+
+
+def _log_probs(z: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """log softmax of a slice in place: (z - m) - log s, with lse2 = [m, log s] per row."""
+    return z.sub_(lse2[:, :1]).sub_(lse2[:, 1:])
 
 
 def _slice_terms(zs: torch.Tensor, zt: torch.Tensor, lse_s: torch.Tensor, lse_t: torch.Tensor):
-    """(log q, log p, q, p) of one slice."""
-    lq, lp = zs - lse_s[:, None], zt - lse_t[:, None]
+    """(log q, log p, q, p) of one slice (zs and zt are overwritten)."""
+    lq, lp = _log_probs(zs, lse_s), _log_probs(zt, lse_t)
     return lq, lp, lq.exp(), lp.exp()
 
 
@@ -72,10 +79,11 @@ def _online_kl(kind: str, hs, Ws, bs, ht, Wt, bt, chunk: int):
         else:
             acc = acc * torch.exp(ms - new_s) + (es * (zs - zt)).sum(-1)
         ms, mt = new_s, new_t
-    lse_s, lse_t = ms + torch.log(ss), mt + torch.log(st)
+    lse_s, lse_t = torch.stack([ms, torch.log(ss)], -1), torch.stack([mt, torch.log(st)], -1)
+    # KL = E[z_a - z_b] - (m_a - m_b) - (log s_a - log s_b): the maxima and log-sums cancel separately
     if kind == "fkl":
-        return lse_s, lse_t, acc / st - lse_t + lse_s
-    return lse_s, lse_t, acc / ss - lse_s + lse_t
+        return lse_s, lse_t, acc / st - (mt - ms) - (lse_t[:, 1] - lse_s[:, 1])
+    return lse_s, lse_t, acc / ss - (ms - mt) - (lse_s[:, 1] - lse_t[:, 1])
 
 
 class _ChunkedDivergence(torch.autograd.Function):
@@ -116,8 +124,8 @@ class _ChunkedDivergence(torch.autograd.Function):
         grad_b = torch.zeros(Ws.shape[0], dtype=dtype, device=Ws.device) if need_b and bs is not None else None
         for a in range(0, Ws.shape[0], ctx.chunk):
             # in place: one [N, C] buffer per side, so the backward holds ~3 slices at a time
-            lq = _logits(hs_, Ws, bs, a, ctx.chunk).sub_(lse_s[:, None])
-            lp = _logits(ht_, Wt, bt, a, ctx.chunk).sub_(lse_t[:, None])
+            lq = _log_probs(_logits(hs_, Ws, bs, a, ctx.chunk), lse_s)
+            lp = _log_probs(_logits(ht_, Wt, bt, a, ctx.chunk), lse_t)
             if ctx.kind == "fkl":
                 dz = lq.exp_().sub_(lp.exp_())  # q - p
             elif ctx.kind == "rkl":

@@ -224,3 +224,33 @@ def test_streamed_stats_match_the_plain_full_logits_reference(P, V, k, softcap, 
     top = logp.topk(k, -1)
     assert torch.equal(got["kid"], top.indices)
     torch.testing.assert_close(got["klp"].double(), top.values, atol=1e-5, rtol=0)
+
+
+def test_float32_scorer_log_probs_round_at_the_logit_not_at_the_partition():
+    """log p = (z - m) - log s: against float64, the mean error is well below that of z - (m + log s) (issue 11)."""
+    import torch
+
+    from opdcache.backends.hf import streamed_logit_stats
+
+    class Head:
+        def __init__(self, W):
+            self.lin = torch.nn.Linear(W.shape[1], W.shape[0], bias=False)
+            self.lin.weight.data = W
+            self.config = type("C", (), {})()
+
+        def get_output_embeddings(self):
+            return self.lin
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(20000, 64, generator=g)
+    h = torch.randn(512, 64, generator=g) * 0.9  # logits of scale ~7, log-partitions ~ 30
+    z32 = h @ W.T
+    ids = z32.topk(2, -1).indices[torch.arange(512), torch.arange(512) % 2]  # likely tokens, as sampled ones mostly are
+    stats = streamed_logit_stats(Head(W), h, ids, top_k=4)
+    z64 = z32.double()  # the same float32 logits, in float64: what is measured is the log-softmax's rounding alone
+    ref = torch.log_softmax(z64, -1).gather(1, ids[:, None]).squeeze(1)
+    new_err = float((stats["lp"].double() - ref).abs().mean())
+    old = z32.gather(1, ids[:, None]).squeeze(1) - stats["lse"]  # the old formula, from the same float32 values
+    old_err = float((old.double() - ref).abs().mean())
+    assert float(stats["lse"].mean()) > 20 and new_err < 0.6 * old_err, (new_err, old_err)
+    torch.testing.assert_close(stats["klp"].double(), torch.log_softmax(z64, -1).topk(4, -1).values, rtol=0, atol=2e-5)

@@ -180,12 +180,13 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
         # below 2e-35 while the sum is at least 1) and avoids exp's slow path for underflowing inputs.
         s = s * torch.exp(m - new_m) + z.sub_(new_m[:, None]).clamp_(min=-80.0).exp_().sum(-1)
         m = new_m
-    lse = m + torch.log(s)
-    out = {"lse": lse, "lp": target - lse}
+    log_s = torch.log(s)
+    # log-probs as (z - m) - log s, not z - (m + log s): the subtraction then rounds at |z - m|, not at |lse|
+    out = {"lse": m + log_s, "lp": (target - m) - log_s}
     if top_k:
-        out["kid"], out["klp"] = top_ids, top_vals - lse[:, None]
+        out["kid"], out["klp"] = top_ids, (top_vals - m[:, None]) - log_s[:, None]
     for key, (_, vals) in picks.items():
-        out[key] = vals - lse[:, None]
+        out[key] = (vals - m[:, None]) - log_s[:, None]
     return out
 
 
