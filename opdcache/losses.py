@@ -26,7 +26,10 @@ Corrections (papers/003 section 4.2, papers/004 section 3.2), with log ratio l_t
 * trust_band: geometric-mean ratios per sequence: mismatch w = exp(mean_t l_t) capped at C, and proximal
   rho = exp(mean_t (s_t - r_train_t)); a sequence whose mean advantage is >= 0 is kept when rho <= 1 + eps_high,
   one with a negative mean advantage when 1 - eps_low <= rho <= dual_clip (dual clipping of negative samples);
-  kept sequences are weighted by w.
+  kept sequences are weighted by w. Defaults are papers/004's (App. B): eps_low 3e-4, eps_high 4e-4, dual clip
+  1 + 7e-4, cap 2. These bands are on geometric-mean ratios and are tight: here the proximal ratio is against the
+  trainer-side pi_ref (the policy the cache was sampled from), so once the student has moved by more than ~4e-4
+  nats per token on a sequence, that sequence is dropped.
 """
 
 from __future__ import annotations
@@ -114,14 +117,14 @@ class Corrections:
     """Drop a sequence when its summed K exceeds this."""
     trust_band: bool = False
     """Sequence-level geometric-mean trust band with dual clipping for negative advantages (papers/004 TBPO)."""
-    band_low: float = 0.2
-    """Trust band: eps_low (negative samples need rho >= 1 - eps_low)."""
-    band_high: float = 0.2
-    """Trust band: eps_high (rho <= 1 + eps_high)."""
-    dual_clip: float = 3.0
-    """Trust band: upper bound on rho for negative samples."""
+    band_low: float = 3e-4
+    """Trust band: eps_low, negative samples need rho >= 1 - eps_low (papers/004 App. B: seq/neg_seq_clip_ratio_low 3e-4)."""
+    band_high: float = 4e-4
+    """Trust band: eps_high, positive samples need rho <= 1 + eps_high (papers/004 App. B: seq_clip_ratio_high 4e-4)."""
+    dual_clip: float = 1.0007
+    """Trust band: upper bound on rho for negative samples (papers/004 App. B: 1 + neg_seq_clip_ratio_high 7e-4)."""
     band_cap: float = 2.0
-    """Trust band: cap C of the sequence-level mismatch weight."""
+    """Trust band: cap C of the sequence-level mismatch weight (papers/004 App. B: seq_tis_imp_ratio_cap 2)."""
 
     def __post_init__(self) -> None:
         from opdcache.errors import ConfigError

@@ -130,3 +130,27 @@ def test_training_refuses_a_shard_that_does_not_match_the_manifest(hf_cache, wei
                       "--batch-size", "48", "--no-progress"], capsys)
     assert code == 1 and "Traceback" not in out
     assert f"{shard} does not match the manifest's size and sha256" in out
+
+
+def test_trust_band_defaults_are_the_papers_and_act_on_int8_rollouts(tmp_path, weights, opd_prompts):
+    """papers/004 App. B bands (3e-4 / 4e-4 / dual clip 1 + 7e-4, cap 2) reject sequences of the demo's int8 rollouts once
+    the student moves; the old defaults (0.2 / 0.2 / 3) kept every one."""
+    from opdcache.losses import Corrections
+    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.train import TrainConfig, run_train
+
+    c = Corrections(trust_band=True)
+    assert (c.band_low, c.band_high, c.dual_clip, c.band_cap) == (3e-4, 4e-4, 1.0007, 2.0)
+    cache = tmp_path / "int8"
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=16), out=cache, num_shards=2,
+                             sampling=SamplingConfig(max_new_tokens=24, temperature=1.0), engine=EngineConfig(quantize="int8"),
+                             sft_teacher=weights / "teacher"))
+    run_score(ScoreJob(cache=cache, teacher=weights / "teacher"))
+    common = dict(model=weights / "student", cache=cache, loss="lightning", steps=3, batch_size=16, lr=2e-5, deterministic=True)
+    fractions = {}
+    for name, corr in (("paper", c), ("wide", Corrections(trust_band=True, band_low=0.2, band_high=0.2, dual_clip=3.0))):
+        run_train(TrainConfig(out=tmp_path / name, corrections=corr, **common))
+        metrics = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        fractions[name] = [m["band_rejected_fraction"] for m in metrics]
+    assert fractions["paper"][0] == 0.0  # step 1: the student is pi_ref, every proximal ratio is 1
+    assert max(fractions["paper"][1:]) > 0.5 and fractions["wide"] == [0.0, 0.0, 0.0], fractions
