@@ -16,7 +16,7 @@ def mismatch_report(
     model: Annotated[Optional[Path], typer.Option("--model", help="pi_ref's weights for the float32 recomputation (default: the path the cache recorded).", show_default=False)] = None,
     teacher: Annotated[Optional[list[str]], typer.Option("--teacher", help="Two teacher tables to compare (default: every pair of one teacher's weights scored by different engines).", show_default=False)] = None,
     rollouts: Annotated[bool, typer.Option("--rollouts/--no-rollouts", help="Recompute pi_ref in float32 and compare with the rollout engine's ref_logprobs.")] = True,
-    out: Annotated[Path, typer.Option("--out", help="Directory for mismatch_report.json and mismatch_hist.png.")] = Path("mismatch-report"),
+    out: Annotated[Optional[Path], typer.Option("--out", help="Directory for mismatch_report.json and mismatch_hist.png (default: CACHE/mismatch-report).", show_default=False)] = None,
     png: Annotated[bool, typer.Option("--png/--no-png", help="Write the |delta| histogram (needs matplotlib).")] = True,
     worst: Annotated[int, typer.Option("--worst", help="Worst sequences listed per comparison.")] = 5,
     max_abs_delta: Annotated[Optional[float], typer.Option("--max-abs-delta", help="Exit 1 if any max |delta| exceeds this (nats).", show_default=False)] = None,
@@ -37,6 +37,7 @@ def mismatch_report(
     problems = M.crossed(rep, limits)
     rep["thresholds"] = dict(vars(limits))
     rep["crossed"] = problems
+    out = out or Path(cache) / "mismatch-report"
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "mismatch_report.json", json.dumps(rep, indent=2) + "\n")
     typer.echo(M.render(rep))

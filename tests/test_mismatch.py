@@ -14,6 +14,7 @@ from opdcache.cache import Cache
 from opdcache.cli.main import main
 from opdcache.prompts import PromptConfig
 from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
+from opdcache.validate import validate
 from opdcache.scoring import ScoreJob, run_score
 
 
@@ -116,3 +117,17 @@ def test_errors_say_how_to_fix(hf_cache, tmp_path, weights):
         MM.report(hf_cache, worst=-1)
     with pytest.raises(ConfigError, match="exactly two teacher tables"):
         MM.report(hf_cache, teachers=["teacher"])
+
+
+def test_cli_writes_under_the_cache_by_default_not_the_current_directory(int8_cache, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    cache = tmp_path / "c"
+    shutil.copytree(int8_cache, cache)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["mismatch-report", str(cache)])
+    assert e.value.code == 0
+    assert (cache / "mismatch-report" / "mismatch_report.json").is_file() and (cache / "mismatch-report" / "mismatch_hist.png").is_file()
+    assert not (tmp_path / "mismatch-report").exists()
+    assert validate(cache) == []  # the report does not disturb the cache
