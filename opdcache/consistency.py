@@ -50,15 +50,22 @@ def check(cache_root: str | Path, teachers: list[str] | None = None, train_teach
     names = teachers or cache.teachers
     if not names:
         raise ConfigError(f"{cache_root} has no teacher scores yet; run `opdcache score-teacher` first")
+    for given, flag in [(n, "--teacher") for n in names] + ([(train_teacher, "--train-teacher")] if train_teacher else []):
+        if given not in cache.teachers:
+            raise ConfigError(f"{flag} {given!r}: no such teacher table in {cache_root}; it has {', '.join(cache.teachers)}")
     ref = [r.astype(np.float64) for r in cache.sequences("rollouts", "ref_logprobs")]
     lengths = np.array([len(r) for r in ref], dtype=np.float64)
     scores = {n: [t.astype(np.float64) for t in cache.sequences(cache.teacher_table(n), "logprobs")] for n in names}
-    report: dict = {"teachers": {}, "pairs": {}}
+    vocab = cache.table("rollouts")["config"].get("vocab_size")
+    # an untrained baseline: a uniform teacher gives log(1/V) to every token, so its gap is mean(r) + log V
+    uniform_gap = float(np.concatenate(ref).mean() + np.log(vocab)) if vocab else None
+    report: dict = {"teachers": {}, "pairs": {}, "uniform_gap": uniform_gap}
     for name in names:
         entry = cache.table(cache.teacher_table(name))
         gap_sums = np.array([(r - t).sum() for r, t in zip(ref, scores[name])])
-        report["teachers"][name] = {"lineage": (entry.get("consistency") or {}).get("verdict", "unknown"),
-                                    "gap": _gap_stats(gap_sums, lengths)}
+        gap = _gap_stats(gap_sums, lengths)
+        report["teachers"][name] = {"lineage": (entry.get("consistency") or {}).get("verdict", "unknown"), "gap": gap,
+                                    "gap_vs_uniform": gap["mean"] / uniform_gap if uniform_gap else None}
     for a, b in combinations(names, 2):
         delta = np.array([(ta - tb).sum() for ta, tb in zip(scores[a], scores[b])])
         report["pairs"][f"{a} vs {b}"] = {"sigma_delta": float(np.sqrt((delta ** 2).mean())),
@@ -83,6 +90,11 @@ def render(report: dict) -> str:
         lines.append(f"sigma_Delta ({pair}): {p['sigma_delta']:.4f} nats per sequence; mean Delta per token {p['mean_delta_per_token']:+.4f}")
     lines.append(f"pi_ref looks consistent with: {report['consistent_with'] or 'undetermined (one teacher, no lineage)'}"
                  f" (lineage: {report['consistent_by_lineage'] or 'none'}; empirical: {report['consistent_empirically'] or 'needs two teachers'})")
+    if len(report["teachers"]) == 1 and report.get("uniform_gap"):
+        (name, t), = report["teachers"].items()
+        lines.append(f"with one teacher the probe cannot name the consistent one; what it can tell: {name}'s gap is "
+                     f"{t['gap_vs_uniform']:.1%} of an untrained (uniform) teacher's {report['uniform_gap']:.2f} nats per token "
+                     "(near 0%: pi_ref's samples are as likely under this teacher as under pi_ref; score a second teacher to compare)")
     if "train_teacher" in report:
         lines.append(f"training teacher {report['train_teacher']}: {'OK' if report['train_teacher_ok'] else 'NOT the consistent teacher'}")
     return "\n".join(lines)

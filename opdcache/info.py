@@ -33,7 +33,7 @@ def summary(root: str | Path) -> dict:
     for name, entry in sorted(m["tables"].items()):
         rows = sum(s["rows"] for s in entry["shards"])
         tokens = sum(s["tokens"] for s in entry["shards"])
-        nbytes = sum(s["bytes"] for s in entry["shards"])
+        nbytes = sum(s["bytes"] for s in entry["shards"]) + sum(f["bytes"] for f in entry.get("files", {}).values())  # + head, svd
         per_store = store_bytes(cache, name)
         tables[name] = {
             "kind": entry["kind"], "shards": len(entry["shards"]), "rows": rows, "tokens": tokens, "bytes": nbytes,

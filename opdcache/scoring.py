@@ -91,7 +91,8 @@ def consistency_verdict(cache_lineage: dict, teacher: dict, allow: bool) -> dict
     sft = cache_lineage.get("sft_teacher")
     if sft is None:
         verdict = "unknown"
-        note = "pi_ref has no recorded SFT teacher; run `opdcache check-consistency` for the empirical probe"
+        note = ("pi_ref has no recorded SFT teacher; `opdcache check-consistency` measures the per-token gap to this teacher "
+                "(against an untrained baseline), and names the consistent teacher once a second one has scored the cache")
     elif sft["fingerprint"] == teacher["fingerprint"]:
         verdict, note = "consistent", "the scoring teacher is pi_ref's SFT teacher"
     else:

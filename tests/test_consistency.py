@@ -62,3 +62,16 @@ def test_without_lineage_the_probe_alone_decides(two_teacher_cache, tmp_path, ca
     assert report["consistent_by_lineage"] is None and report["consistent_with"] == "teacher"
     code, out = _cli(["check-consistency", copy, "--train-teacher", "teacher_carry", "--json"], capsys)
     assert code == 1 and json.loads(out)["consistent_empirically"] == "teacher"
+
+
+def test_a_misspelt_teacher_is_an_unknown_table_not_an_inconsistent_teacher(two_teacher_cache, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["check-consistency", str(two_teacher_cache), "--train-teacher", "teachr"])
+    code, out = e.value.code, capsys.readouterr().err
+    assert code == 2 and "--train-teacher 'teachr': no such teacher table" in out and "it has teacher, teacher_carry" in out
+
+
+def test_one_teacher_says_what_the_probe_can_and_cannot_tell(hf_cache, capsys):
+    code, out = _cli(["check-consistency", hf_cache], capsys)
+    assert code == 0
+    assert "with one teacher the probe cannot name the consistent one" in out and "of an untrained (uniform) teacher's" in out

@@ -187,3 +187,11 @@ def test_token_counts_and_config_fingerprint_are_checked_against_the_manifest(sy
     text = "\n".join(map(str, validate(synth_cache)))
     assert "rollouts/part-00001-of-00003.parquet: " in text and "response tokens, the manifest says" in text
     assert "table teachers/synth: the recorded config does not hash to its config_fingerprint" in text
+
+
+def test_info_size_counts_the_side_files(synth_cache):
+    from opdcache.info import summary
+
+    t = summary(synth_cache)["tables"]["teachers/synth"]
+    shard_bytes = sum(p.stat().st_size for p in (synth_cache / "teachers" / "synth").glob("part-*.parquet"))
+    assert t["bytes"] == shard_bytes + (synth_cache / "teachers" / "synth" / "head.safetensors").stat().st_size
