@@ -233,20 +233,25 @@ def run_table_job(
     desc: str | None = None,
     progress: bool | None = None,
     finalize: bool = False,
+    rows_of: Callable[[int], int] | None = None,
 ) -> list[int]:
-    """Write this worker's missing shards (with a progress bar of shards, rows and response tokens); return
-    the indices written. With ``finalize``, the worker that finds every shard present writes the manifest."""
+    """Write this worker's missing shards; return the indices written. With ``finalize``, the worker that finds every
+    shard present writes the manifest. Progress: with ``rows_of`` (a shard's sequence count) in sequences, advanced by
+    the engines batch by batch (opdcache.progress.advance); otherwise in shards."""
     from opdcache.progress import bar
 
     job.begin()
     written = []
     pending = job.pending(num_workers, worker_index)
-    with bar(total=len(pending), desc=desc or job.table, unit="shard", enabled=progress) as pbar:
+    by_rows = rows_of is not None
+    total = sum(rows_of(i) for i in pending) if by_rows else len(pending)
+    with bar(total=total, desc=desc or job.table, unit="seq" if by_rows else "shard", enabled=progress, track=by_rows) as pbar:
         for index in pending:
             info = job.write_shard(index, make_shard(index))
             written.append(index)
-            pbar.update(1)
-            pbar.set_postfix(rows=info.rows, tokens=info.tokens)
+            if not by_rows:
+                pbar.update(1)
+            pbar.set_postfix(shards=f"{len(written)}/{len(pending)}", tokens=info.tokens)
     if finalize and job.all_done():
         finalize_table(job)
     return written

@@ -1,16 +1,34 @@
-"""Progress bars: tqdm on a terminal, silent when output is redirected (logs stay clean)."""
+"""Progress: a tqdm bar on a terminal, plain periodic lines when asked for elsewhere, nothing by default in logs.
+
+``enabled=None`` (no flag) shows a bar only on a terminal (``OPDCACHE_PROGRESS=0|1`` overrides); ``enabled=True``
+(``--progress``) also reports when stderr is a file or a pipe, as one line every ``OPDCACHE_PROGRESS_INTERVAL``
+seconds (default 30) and a last one at the end; ``enabled=False`` is silent. Long stages count sequences, not
+shards: the bar that :func:`bar` opens with ``track=True`` is advanced by :func:`advance`, which the engines call
+after each batch, so a bar moves within a shard.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from contextlib import contextmanager
+from contextvars import ContextVar
+
+_current: ContextVar = ContextVar("opdcache_progress", default=None)
 
 
 def enabled_by_default() -> bool:
     if os.environ.get("OPDCACHE_PROGRESS") in ("0", "1"):
         return os.environ["OPDCACHE_PROGRESS"] == "1"
     return sys.stderr.isatty()
+
+
+def advance(n: int = 1) -> None:
+    """Advance the tracked bar of the running stage by ``n`` sequences (a no-op when none is open)."""
+    current = _current.get()
+    if current is not None:
+        current.update(n)
 
 
 class _Null:
@@ -24,15 +42,57 @@ class _Null:
         pass
 
 
+class _Lines:
+    """Progress as plain lines on stderr, at most one per ``interval`` seconds, and one at the end."""
+
+    def __init__(self, total: int | None, desc: str, unit: str, interval: float):
+        self.total, self.desc, self.unit, self.interval = total, desc, unit, interval
+        self.n, self.postfix, self.start = 0, "", time.monotonic()
+        self.last = self.start
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self.last >= self.interval:
+            self.last = now
+            self._print()
+
+    def set_postfix(self, **kwargs) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+
+    def set_postfix_str(self, s: str) -> None:
+        self.postfix = s
+
+    def _print(self) -> None:
+        done = f"{self.n}/{self.total}" if self.total is not None else f"{self.n}"
+        extra = f" ({self.postfix})" if self.postfix else ""
+        print(f"{self.desc}: {done} {self.unit}{extra}, {time.monotonic() - self.start:.0f} s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self._print()
+
+
 @contextmanager
-def bar(total: int | None = None, desc: str = "", unit: str = "it", enabled: bool | None = None):
-    """A tqdm bar, or a no-op object with the same methods when disabled or not on a terminal."""
+def bar(total: int | None = None, desc: str = "", unit: str = "it", enabled: bool | None = None, track: bool = False):
+    """A progress reporter with tqdm's ``update`` / ``set_postfix``: tqdm on a terminal, periodic lines when
+    ``enabled`` is True elsewhere, a no-op otherwise. ``track``: :func:`advance` updates this one."""
     if enabled is None:
         enabled = enabled_by_default()
-    if not enabled or not enabled_by_default():
-        yield _Null()
-        return
-    from tqdm.auto import tqdm
+    if not enabled:
+        reporter, close = _Null(), None
+    elif sys.stderr.isatty():
+        from tqdm.auto import tqdm
 
-    with tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=False) as pbar:
-        yield pbar
+        reporter = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=False)
+        close = reporter.close
+    else:
+        reporter = _Lines(total, desc, unit, float(os.environ.get("OPDCACHE_PROGRESS_INTERVAL", "30")))
+        close = reporter.close
+    token = _current.set(reporter) if track else None
+    try:
+        yield reporter
+    finally:
+        if token is not None:
+            _current.reset(token)
+        if close is not None:
+            close()

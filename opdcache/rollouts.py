@@ -279,6 +279,7 @@ def run_generate(job: GenerateJob) -> GenerateResult:
         return records
 
     with closing(backend):
-        written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"build-{job.kind}", progress=job.progress, finalize=True)
+        written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"build-{job.kind}", progress=job.progress, finalize=True,
+                                rows_of=lambda i: (bounds[i + 1] - bounds[i]) * job.sampling.samples)
     finished = table.all_done()
     return GenerateResult(job.out, written, finished, prompts, quarantined)

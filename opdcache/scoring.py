@@ -192,7 +192,8 @@ def run_score(job: ScoreJob) -> dict:
         return records
 
     with closing(backend):
-        written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"score-teacher {slug}", progress=job.progress, finalize=True)
+        written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"score-teacher {slug}", progress=job.progress, finalize=True,
+                                rows_of=lambda i: base_entry["shards"][i]["rows"])
     finished = table.all_done()
     return {"slug": slug, "written": written, "finished": finished, "consistency": verdict, "svd": table.meta.get("svd")}
 

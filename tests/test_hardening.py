@@ -154,3 +154,17 @@ def test_trust_band_defaults_are_the_papers_and_act_on_int8_rollouts(tmp_path, w
         fractions[name] = [m["band_rejected_fraction"] for m in metrics]
     assert fractions["paper"][0] == 0.0  # step 1: the student is pi_ref, every proximal ratio is 1
     assert max(fractions["paper"][1:]) > 0.5 and fractions["wide"] == [0.0, 0.0, 0.0], fractions
+
+
+def test_progress_is_reported_per_sequence_as_plain_lines_when_not_on_a_terminal(tmp_path, weights, opd_prompts, capsys, monkeypatch):
+    """--progress with stderr redirected: periodic lines (here every update) counting sequences within shards."""
+    monkeypatch.setenv("OPDCACHE_PROGRESS_INTERVAL", "0")
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=6), out=tmp_path / "c", num_shards=2,
+                             sampling=FAST, engine=EngineConfig(generate_batch_size=2), progress=True))
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("build-rollouts:")]
+    counts = [l.split(":")[1].split()[0] for l in lines]
+    assert counts[:4] == ["2/6", "3/6", "5/6", "6/6"], lines  # per generation batch (3 rows a shard: 2 + 1), not per shard
+    assert "shards=2/2" in lines[-1] and "seq" in lines[-1]
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=6), out=tmp_path / "d", num_shards=2,
+                             sampling=FAST, progress=False))
+    assert "build-rollouts:" not in capsys.readouterr().err

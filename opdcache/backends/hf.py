@@ -24,6 +24,7 @@ import torch
 
 from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores
 from opdcache.errors import ConfigError
+from opdcache.progress import advance
 
 POSITION_BLOCK = 2048  # positions scored together: enough rows that the head matmul runs at full rate
 NOISE_BLOCK_BYTES = 64 << 20  # generation: uniforms drawn ahead per batch ([rows, steps, vocabulary] float32)
@@ -312,6 +313,7 @@ class TransformersBackend:
             idx = order[start: start + self.generate_batch_size]
             for i, gen in zip(idx, self._generate_batch([requests[i] for i in idx], sampling)):
                 out[i] = gen
+            advance(len(idx))
         return out  # type: ignore[return-value]
 
     def _generate_batch(self, requests: Sequence[GenerateRequest], s: SamplingConfig) -> list[Generation]:
@@ -442,6 +444,7 @@ class TransformersBackend:
             for i, sc in zip(idx, self._score_rows([requests[i] for i in idx], torch.cat([h for _, h in pending]), top_k, hidden)):
                 out[i] = sc
             pending.clear()
+            advance(len(idx))
 
         with _deterministic(self.deterministic):
             for batch in self._batches(requests):

@@ -27,6 +27,7 @@ import numpy as np
 
 from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores
 from opdcache.errors import ConfigError, MissingDependencyError
+from opdcache.progress import advance
 
 FULL_ROW_MAX_VOCAB = 8192  # up to this vocabulary, ask vLLM for the whole prompt log-prob row
 
@@ -127,6 +128,7 @@ class VLLMBackend:
                 g.ref_topk_ids, g.ref_topk_logprobs = top_ids, top_lp
         if s.mc_samples:
             self._mc(requests, gens, s)
+        advance(len(requests))
         return gens
 
     def _mc(self, requests: Sequence[GenerateRequest], gens: list[Generation], s: SamplingConfig) -> None:
@@ -205,5 +207,6 @@ class VLLMBackend:
             if req.mc_ids is not None:
                 sc.mc_logprobs = np.minimum(np.take_along_axis(dense, req.mc_ids.astype(np.int64), 1), 0)
             out.append(sc)
+        advance(len(requests))
         return out
 
