@@ -51,7 +51,25 @@ def render(manifest: dict) -> str:
             if col.name in present:
                 lines.append(f"- `{col.name}`: {col.doc}")
         lines.append("")
+    for name, entry in sorted(manifest["tables"].items()):
+        dtype = entry["params"].get("hidden_dtype")
+        if "hidden" in entry["params"]["stores"] and dtype in HIDDEN_RECIPES:
+            lines += [f"### Decoding `hidden` in `{config_name(name)}` ({dtype})", "",
+                      f"The column stores the teacher's {dtype} hidden states bit-exact, as their raw 16-bit patterns in `uint16` "
+                      "(Parquet has no bfloat16): every client (datasets, DuckDB, Polars, pandas) returns integers, and the field's "
+                      "`opdcache.dtype` metadata is lost once loaded. Decode a row like this:", "",
+                      "```python", HIDDEN_RECIPES[dtype], "```", ""]
     return "\n".join(lines)
+
+
+HIDDEN_RECIPES = {
+    "bfloat16": "import numpy as np, torch\n"
+                "bits = np.asarray(row['hidden'], dtype=np.uint16)  # [tokens, hidden] raw bfloat16 bits\n"
+                "hidden = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)",
+    "float16": "import numpy as np\n"
+               "hidden = np.asarray(row['hidden'], dtype=np.uint16).view(np.float16)  # [tokens, hidden]",
+}
+"""How to turn a row's 16-bit ``hidden`` bit patterns back into numbers, per stored dtype (shown in the card, run by a test)."""
 
 
 def write(root: str | Path, manifest: dict) -> Path:

@@ -110,3 +110,41 @@ def test_duckdb_queries_a_shard_with_plain_sql(synth_cache):
     assert stops == table["finish_reason"].to_pylist().count("stop")
     worst = duckdb.sql(f"SELECT id, list_min(ref_logprobs) AS m FROM '{path}' ORDER BY m LIMIT 1").fetchall()[0]
     assert worst[1] == min(min(r) for r in table["ref_logprobs"].to_pylist())
+
+
+def test_the_cards_hidden_state_recipe_decodes_what_datasets_returns_bit_exact(synth_cache):
+    """The card says per table how to decode 16-bit hidden states; its code, run on a `datasets` row, gives exactly the
+    loader's tensor (bit for bit)."""
+    import re
+
+    import datasets
+    import torch
+
+    from opdcache.cache import Cache
+
+    card = (synth_cache / "README.md").read_text()
+    assert "### Decoding `hidden` in `teacher-synth` (bfloat16)" in card
+    code = re.search(r"### Decoding `hidden` in `teacher-synth`.*?```python\n(.*?)```", card, re.S).group(1)
+    row = datasets.load_dataset(str(synth_cache), "teacher-synth", split="train")[0]
+    scope = {"row": row}
+    exec(code, scope)
+    path = Cache(synth_cache).shard_paths("teachers/synth")[0]
+    table = shards.read_table(path)
+    want = shards.hidden_to_torch(shards.row_values(table["hidden"])[0], "bfloat16")
+    got = scope["hidden"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_the_loader_decodes_16_bit_hidden_states_bit_exact(synth_cache):
+    import torch
+
+    from opdcache.cache import Cache
+    from opdcache.data import CacheLoader, CacheLoaderConfig
+
+    batch = next(iter(CacheLoader(CacheLoaderConfig(cache=synth_cache, teacher="synth", stores=("logprob", "hidden"), batch_size=6,
+                                                    shuffle=False))))
+    table = shards.read_table(Cache(synth_cache).shard_paths("teachers/synth")[0])
+    for i, raw in enumerate(shards.row_values(table["hidden"])):
+        want = shards.hidden_to_torch(raw, "bfloat16")
+        got = batch["teacher_hidden"][i, : want.shape[0]]
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
