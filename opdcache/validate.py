@@ -1,12 +1,27 @@
 """``opdcache validate``: check a cache against its manifest, its declared schema and the data invariants.
 
-Every problem is collected (never the first only) with the file, row and column it concerns. File-level
-checks: missing, extra, truncated or altered shards (size and sha256), row and token counts, each shard's
-schema, format version and config fingerprint, leftover temporary files and unfinished tables.
-Row-level checks (skipped by ``quick``): per-token lengths, teacher/rollout row alignment by ``id``, top-k
-invariants (k unique in-vocabulary ids, finite non-positive log-probs sorted descending), log-probs finite
-and not above 0, agreement between the log-prob and top-k stores, and, for hidden stores, the teacher
-log-prob of each sampled token reconstructed from hidden state and head.
+Every problem is collected (never the first only) with the file, row and column it concerns; errors exit 1,
+warnings do not. What is checked (``quick`` stops after the file-level checks), each with the test that damages
+exactly that thing (tests/test_validate.py unless named):
+
+| level | check | reported as | test |
+| --- | --- | --- | --- |
+| manifest | present, JSON, format name and version, JSON schema | ``has no opdcache.json`` / ``format version N`` | test_missing_or_foreign_manifest |
+| manifest | each table's config hashes to its config_fingerprint (chained to the rollouts') | ``recorded config does not hash`` | test_token_counts_and_config_fingerprint_are_checked_against_the_manifest |
+| manifest | teacher tables have as many shards as the rollouts | ``teacher shards must align 1:1`` | test_teacher_shard_count_must_match |
+| files | every listed shard exists, with the manifest's size and sha256 | ``missing shard`` / ``size is`` / ``sha256 ... (corrupted)`` | test_deleted_shard, test_truncated_shard, test_flipped_byte |
+| files | side files (head.safetensors, svd.safetensors) exist for their stores, with the manifest's size and sha256 | ``missing: the svd store needs it`` / ``sha256 does not match`` | test_side_files_are_hashed_and_checked |
+| files | no unlisted shard in a table directory (error), none of an unknown table or left from an interrupted write (warnings) | ``extra shard`` / ``unfinished or abandoned job`` / ``leftover temporary file`` | test_extra_shard, test_stray_and_temporary_files_are_warnings |
+| shard | readable Parquet; kind, store parameters and Arrow schema as declared | ``unreadable shard`` / ``shard declares kind`` / ``schema differs`` | test_unreadable_shard, test_shard_with_another_schema |
+| shard | the shard's own config fingerprint is its table's (not a shard of another run) | ``(a shard from another run)`` | test_shard_from_another_run |
+| shard | row count and response-token count as in the manifest | ``N rows, the manifest says`` / ``response tokens, the manifest says`` | test_wrong_row_count, test_token_counts_and_config_fingerprint_are_checked_against_the_manifest |
+| rows | response, top-k and MC ids inside the vocabulary; finish_reason known | ``token id outside the vocabulary`` / ``finish_reason must be one of`` | test_out_of_vocabulary_ids_and_unknown_finish_reasons |
+| rows | every per-token column as long as the response (hidden included, streamed) | ``per-token column length differs`` | test_hidden_rows_of_the_wrong_length_are_found_while_streaming |
+| rows | log-probs finite and not above 0; logsumexp finite | ``non-finite log-prob`` / ``log-prob above 0`` / ``non-finite logsumexp`` | test_row_level_problems_name_row_and_column, test_non_finite_values |
+| rows | top-k: unique ids, sorted descending, total probability at most 1 | ``duplicate token ids`` / ``not sorted descending`` / ``sum to more than 1`` | test_row_level_problems_name_row_and_column |
+| rows | the sampled token's log-prob agrees with its top-k entry, and is not above the k-th when outside | ``disagrees with its top-k entry`` | test_logprob_and_topk_stores_must_agree |
+| rows | teacher rows aligned with the rollouts by ``id`` | ``id differs from the rollout row`` | test_teacher_rows_misaligned_or_inconsistent |
+| rows | the teacher log-prob rebuilt from the stored hidden state and head equals the stored one | ``log-prob rebuilt from hidden state and head differs`` | test_hidden_state_reconstruction_is_checked |
 
 All row checks are vectorised over a shard's flat buffers; no per-token Python loop. Memory: one shard's columns
 at a time except the hidden states (one row group at a time) and a [1024, 8192] float32 logit block for their
@@ -332,6 +347,8 @@ def _check_hidden(root: Path, file: str, entry: dict, response: np.ndarray, logp
     dtype = shards.hidden_dtype_of(pf.schema_arrow.field("hidden"))
     tol = HIDDEN_TOL[dtype]
     rebuilt = np.empty(len(logprobs), dtype=np.float32)
+    in_vocab = (response >= 0) & (response < head.vocab_size)  # ids outside are reported with the rollouts; skip them here
+    ids_all = np.where(in_vocab, response, 0).astype(np.int64)
     at, row = 0, 0
     for group in range(pf.num_row_groups):
         column = pf.read_row_group(group, ["hidden"])["hidden"]
@@ -343,10 +360,10 @@ def _check_hidden(root: Path, file: str, entry: dict, response: np.ndarray, logp
         row += len(got)
         hidden = shards.hidden_to_torch(shards.token_values(column), dtype)
         n = hidden.shape[0]
-        rebuilt[at: at + n] = token_logprobs_from_hidden(hidden, head, torch.from_numpy(response[at: at + n].astype(np.int64))).numpy()
+        rebuilt[at: at + n] = token_logprobs_from_hidden(hidden, head, torch.from_numpy(ids_all[at: at + n])).numpy()
         at += n
-    bad = np.abs(rebuilt - logprobs) > tol
+    bad = (np.abs(rebuilt - logprobs) > tol) & in_vocab
     if bad.any():
-        worst = float(np.abs(rebuilt - logprobs).max())
+        worst = float(np.abs(rebuilt - logprobs)[in_vocab].max())
         out.rows(file, "hidden", _row_of(offsets, np.flatnonzero(bad)),
                  f"log-prob rebuilt from hidden state and head differs from the stored log-prob (max |diff| {worst:.2e} > {tol} for {dtype})")

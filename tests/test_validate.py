@@ -195,3 +195,100 @@ def test_info_size_counts_the_side_files(synth_cache):
     t = summary(synth_cache)["tables"]["teachers/synth"]
     shard_bytes = sum(p.stat().st_size for p in (synth_cache / "teachers" / "synth").glob("part-*.parquet"))
     assert t["bytes"] == shard_bytes + (synth_cache / "teachers" / "synth" / "head.safetensors").stat().st_size
+
+
+def _texts(root, quick=False):
+    return "\n".join(map(str, validate(root, quick=quick)))
+
+
+def test_teacher_shard_count_must_match(synth_cache):
+    m = M.load(synth_cache)
+    m["tables"]["teachers/synth"]["shards"].pop()
+    M.save(synth_cache, m)
+    assert "teachers/synth: 2 shards, but rollouts has 3; teacher shards must align 1:1" in _texts(synth_cache, quick=True)
+
+
+def test_stray_and_temporary_files_are_warnings(synth_cache, capsys):
+    src = Cache(synth_cache).shard_paths("rollouts")[0]
+    (synth_cache / "teachers" / "other").mkdir()
+    shutil.copy(src, synth_cache / "teachers" / "other" / "part-00000-of-00001.parquet")
+    (synth_cache / "rollouts" / ".part-00000-of-00003.parquet.tmp-123").write_bytes(b"half")
+    problems = validate(synth_cache, quick=True)
+    assert [p.warning for p in problems] == [True, True]
+    text = "\n".join(map(str, problems))
+    assert "teachers/other/part-00000-of-00001.parquet: shard of a table the manifest does not list" in text
+    assert "leftover temporary file from an interrupted write" in text
+    code, _ = _cli(["validate", "--quick", str(synth_cache)], capsys)
+    assert code == 0
+
+
+def _replace_bytes(root, table, index, data):
+    """Put ``data`` in a shard and record its size and sha256, so only what is inside can be caught."""
+    from opdcache.fingerprint import sha256_file
+
+    path = Cache(root).shard_paths(table)[index]
+    path.write_bytes(data)
+    m = M.load(root)
+    m["tables"][table]["shards"][index].update(bytes=len(data), sha256=sha256_file(path))
+    M.save(root, m)
+
+
+def test_unreadable_shard(synth_cache):
+    _replace_bytes(synth_cache, "rollouts", 1, b"PAR1 this is not parquet PAR1")
+    assert "rollouts/part-00001-of-00003.parquet: unreadable shard" in _texts(synth_cache, quick=True)
+
+
+def test_shard_from_another_run(synth_cache):
+    cache = Cache(synth_cache)
+    entry = cache.table("rollouts")
+    path = cache.shard_paths("rollouts")[0]
+    table = shards.build_table("rollouts", S.StoreParams.from_dict(entry["params"]), rollout_rows(0), "0" * 64)
+    info = shards.write_table_atomic(table, path, synth_cache)
+    m = cache.manifest
+    m["tables"]["rollouts"]["shards"][0] = info.to_dict()
+    M.save(synth_cache, m)
+    assert "rollouts/part-00000-of-00003.parquet: config fingerprint 000000000000... differs" in _texts(synth_cache, quick=True)
+
+
+def test_out_of_vocabulary_ids_and_unknown_finish_reasons(synth_cache):
+    def damage(rows):
+        rows[1]["response_ids"][0] = 10 ** 6
+        rows[2]["finish_reason"] = "weird"
+        rows[3]["mc_ids"][0][0] = -1
+    _rewrite_shard(synth_cache, "rollouts", 0, damage)
+    text = _texts(synth_cache)
+    assert "row 1 column response_ids: token id outside the vocabulary" in text
+    assert "row 2 column finish_reason: finish_reason must be one of" in text
+    assert "row 3 column mc_ids: token id outside the vocabulary" in text
+
+
+def test_non_finite_values(synth_cache):
+    """Written raw (the writer itself refuses non-finite values): only validate can catch them."""
+    import pyarrow as pa
+
+    cache = Cache(synth_cache)
+    path = cache.shard_paths("teachers/synth")[2]
+    table = shards.read_table(path)
+    rows = table.to_pylist()
+    rows[0]["logsumexp"][0] = float("nan")
+    rows[1]["logprobs"][0] = float("inf")
+    info = shards.write_table_atomic(pa.Table.from_pylist(rows, schema=table.schema), path, synth_cache)
+    m = cache.manifest
+    m["tables"]["teachers/synth"]["shards"][2] = info.to_dict()
+    M.save(synth_cache, m)
+    text = _texts(synth_cache)
+    assert "teachers/synth/part-00002-of-00003.parquet row 0 column logsumexp: non-finite logsumexp" in text
+    assert "row 1 column logprobs: non-finite log-prob" in text
+
+
+def test_logprob_and_topk_stores_must_agree(synth_cache):
+    cache = Cache(synth_cache)
+    resp = shards.read_table(cache.shard_paths("rollouts")[0])["response_ids"].to_pylist()
+    t = shards.read_table(cache.shard_paths("teachers/synth")[0])
+    row, pos = next((i, t) for i, (r, ids) in enumerate(zip(resp, t["topk_ids"].to_pylist())) for t in range(len(r)) if r[t] in ids[t])
+
+    def damage(rows):
+        k = list(rows[row]["topk_ids"][pos]).index(resp[row][pos])
+        rows[row]["logprobs"][pos] = rows[row]["topk_logprobs"][pos][k] - 0.25
+    _rewrite_shard(synth_cache, "teachers/synth", 0, damage)
+    assert f"row {row} column logprobs: log-prob of the sampled token disagrees with its top-k entry" in _texts(synth_cache)
