@@ -81,6 +81,10 @@ def test_bad_chunk_is_a_clear_error(chunk):
     h, W, _, ids = _inputs(2, 3, 10, 1)
     with pytest.raises(ConfigError, match="--chunk .* must be a positive integer"):
         chunked_logprobs(h, W, ids, chunk=chunk)
+    from opdcache.divergence import chunked_divergence
+
+    with pytest.raises(ConfigError, match="--chunk .* must be a positive integer"):
+        chunked_divergence("rkl", h, W, h, W, chunk=chunk)
 
 
 def test_out_of_range_ids_are_refused():
