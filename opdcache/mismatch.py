@@ -251,7 +251,7 @@ def histogram_png(sections: list[Section], path: str | Path) -> Path:
     except ImportError:
         from opdcache.errors import MissingDependencyError
 
-        raise MissingDependencyError("the PNG histogram needs matplotlib: pip install 'opdcache[plot]' (or pass --no-png)") from None
+        raise MissingDependencyError("the PNG histogram needs matplotlib, a dependency of opdcache: pip install matplotlib (or pass --no-png)") from None
     fig, ax = plt.subplots(figsize=(7, 4))
     edges = HIST_EDGES[1:]
     for s in sections:
