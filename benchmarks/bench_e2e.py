@@ -20,7 +20,7 @@ import torch
 
 from opdcache.backends.base import SamplingConfig
 from opdcache.demo.pipeline import DemoConfig, DemoReport, load, setup, sft_stages
-from opdcache.evaluate import evaluate_accuracy, reverse_kl_to_teacher
+from opdcache.demo.evaluate import evaluate_accuracy, reverse_kl_to_teacher
 from opdcache.prompts import PromptConfig
 from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
 from opdcache.scoring import ScoreJob, run_score

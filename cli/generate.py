@@ -19,6 +19,7 @@ def _run(kind: str, model: str, o: dict) -> None:
 
     job = GenerateJob(
         model=model, revision=o["revision"], out=o["out"], kind=kind, num_shards=o["num_shards"], sft_teacher=o.get("sft_teacher"), reward=o["reward"],
+        keep=o.get("keep", "all"),
         prompts=PromptConfig(o["prompts"], prompt_field=o["prompt_field"], messages_field=o["messages_field"], answer_field=o["answer_field"],
                              chat_template=o["chat_template"], strict=o["strict"], limit=o["limit"]),
         sampling=SamplingConfig(temperature=o["temperature"], top_p=o["top_p"], max_new_tokens=o["max_new_tokens"], samples=o["samples"],
@@ -36,6 +37,7 @@ Out = Annotated[Path, typer.Option("--out", help="Cache directory to write (resu
 
 def build_sft(
     teacher: O.TeacherModel, prompts: O.Prompts, out: Out, revision: O.ModelRevision = None,
+    keep: Annotated[str, typer.Option("--keep", help="all samples, or only those the --reward verifier scores 1.0 (correct: rejection sampling).")] = "all",
     prompt_field: O.PromptField = "prompt", messages_field: O.MessagesField = None, answer_field: O.AnswerField = "answer",
     chat_template: O.ChatTemplate = True, strict: O.Strict = False, limit: O.Limit = None, reward: O.Reward = None,
     samples: O.Samples = 1, temperature: O.Temperature = 0.8, top_p: O.TopP = 1.0, max_new_tokens: O.MaxNewTokens = 256,

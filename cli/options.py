@@ -38,7 +38,7 @@ AnswerField = Annotated[str, typer.Option("--answer-field", help="Field with the
 ChatTemplate = Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Apply the tokenizer's chat template.")]
 Strict = Annotated[bool, typer.Option("--strict", help="Stop at the first malformed prompt row instead of skipping it.")]
 Limit = Annotated[Optional[int], typer.Option("--limit", help="Read at most this many prompt rows.", show_default=False)]
-Reward = Annotated[Optional[str], typer.Option("--reward", help="Fill the reward column with a checker: exact or addition.", show_default=False)]
+Reward = Annotated[Optional[str], typer.Option("--reward", help="Verifier for the reward column: exact, math (opdcache[math]), a registered plugin (the demo's addition), or module:function.", show_default=False)]
 
 # ---- sampling
 Samples = Annotated[int, typer.Option("--samples", help="Samples per prompt.")]

@@ -26,6 +26,15 @@ def store_bytes(cache: Cache, table: str) -> dict[str, int]:
     return dict(sizes)
 
 
+def _reward_mean(cache: Cache, table: str) -> float | None:
+    """Mean of the ``reward`` column over the rows that have one (None when no row does)."""
+    import pyarrow.compute as pc
+
+    values = [shards.read_table(p, ["reward"])["reward"] for p in cache.shard_paths(table)]
+    count = sum(v.length() - v.null_count for v in values)
+    return sum(float(pc.sum(v).as_py() or 0.0) for v in values) / count if count else None
+
+
 def summary(root: str | Path) -> dict:
     cache = Cache(root)
     m = cache.manifest
@@ -42,6 +51,7 @@ def summary(root: str | Path) -> dict:
             "model": (entry.get("model") or {}).get("name_or_path"),
             "model_fingerprint": (entry.get("model") or {}).get("fingerprint"),
             "consistency": (entry.get("consistency") or {}).get("verdict"),
+            "reward_mean": _reward_mean(cache, name) if "task" in entry["params"]["stores"] else None,
         }
     return {
         "path": str(root), "kind": m["kind"], "format_version": m["format_version"], "opdcache_version": m["opdcache_version"],
@@ -74,4 +84,6 @@ def render(info: dict) -> str:
         if t["model"]:
             extra = f"  consistency: {t['consistency']}" if t["consistency"] else ""
             lines.append(f"{'':<28} model {t['model']} ({(t['model_fingerprint'] or '')[:16]}){extra}")
+        if t.get("reward_mean") is not None:
+            lines.append(f"{'':<28} reward mean {t['reward_mean']:.3f} (over the rows that have one)")
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from opdcache import schema as S
-from opdcache import shards
+from opdcache import shards, verifiers
 from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig
 from opdcache.cache import TableJob, run_table_job, worker_from_env
 from opdcache.errors import ConfigError
@@ -38,6 +38,7 @@ from opdcache.models import resolve_model
 from opdcache.prompts import PromptConfig, PromptSet, read_prompts, write_errors
 
 QUARANTINE_FILE = "quarantine.jsonl"
+VERIFIER_ERRORS_FILE = "verifier_errors.jsonl"  # rows whose verifier failed (reward left empty), with the reason
 VLLM_MAX_TEMPERATURE = 2.0  # vLLM refuses hotter sampling, but only after its engine has started
 
 
@@ -111,7 +112,10 @@ class GenerateJob:
     num_shards: int = 8
     """Shards of the table (fixed for the life of the cache; the unit of resume and of parallelism)."""
     reward: str | None = None
-    """Fill the `reward` column with this answer checker (exact, addition) where a row has an answer."""
+    """Verifier for the `reward` column, where a row has an answer: a built-in (exact, math), a registered plugin
+    (the demo's addition), or module:function (opdcache/verifiers.py)."""
+    keep: str = "all"
+    """build-sft: keep every sample (all) or only those the verifier scores 1.0 (correct: rejection sampling)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) when ``model`` is a Hub id."""
     sft_teacher: Path | None = None
@@ -133,8 +137,12 @@ class GenerateJob:
         if self.engine.backend == "vllm" and self.sampling.temperature > VLLM_MAX_TEMPERATURE:
             raise ConfigError(f"--temperature must be at most {VLLM_MAX_TEMPERATURE} with --backend vllm (vLLM's own limit), "
                               f"got {self.sampling.temperature}; use --backend transformers for hotter sampling")
-        if self.reward is not None and self.reward not in REWARDS:
-            raise ConfigError(f"--reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
+        if self.reward is not None:
+            verifiers.resolve(self.reward)  # an unknown name or an unimportable module:function fails here, before any work
+        if self.keep not in ("all", "correct"):
+            raise ConfigError(f"--keep must be all or correct, got {self.keep!r}")
+        if self.keep == "correct" and (self.kind != "sft" or self.reward is None):
+            raise ConfigError("--keep correct is rejection sampling for build-sft: it needs --reward (a verifier)")
 
 
 @dataclass
@@ -144,11 +152,13 @@ class GenerateResult:
     finished: bool
     prompts: PromptSet
     quarantined: int
+    rejected: int = 0  # build-sft --keep correct: samples the verifier did not score 1.0 (this invocation's shards)
 
     def summary(self) -> str:
         state = "cache complete" if self.finished else "shards written; other workers still to finish (then run finalize)"
+        rejected = f"; {self.rejected} samples rejected by the verifier (--keep correct)" if self.rejected else ""
         return (f"{self.out}: wrote shards {self.written or 'none (all present)'}; {state}. {self.prompts.summary()}; "
-                f"{self.quarantined} rows quarantined")
+                f"{self.quarantined} rows quarantined{rejected}")
 
 
 def sample_seed(seed: int, prompt_ids, sample_index: int) -> int:
@@ -179,17 +189,11 @@ def _record(kind: str, prompt, sample_index: int, gen: Generation, reward: float
     return rec
 
 
-def _check_addition(response: str, answer: str) -> bool:
-    from opdcache.demo.task import is_correct
-
-    return is_correct(response, answer)
-
-
-REWARDS = {
-    "exact": lambda response, answer: response.strip() == answer.strip(),
-    "addition": _check_addition,
-}
-"""Answer checkers for the `reward` column: name -> (decoded response, reference answer) -> correct."""
+def _append_jsonl(path: Path, entries: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for e in entries:
+            f.write(json.dumps(e) + "\n")
 
 
 def generation_groups(items_per_shard: Sequence[int], batch_size: int) -> list[list[int]]:
@@ -226,12 +230,13 @@ def run_generate(job: GenerateJob) -> GenerateResult:
         "model": model["fingerprint"], "tokenizer": tokenizer_fingerprint(tokenizer), "prompts": prompts.fingerprint,
         "chat_template_sha256": prompts.chat_template_sha256, "sampling": asdict(job.sampling),
         "engine": job.engine.fingerprint_view() | {"engine_version": backend.version}, "vocab_size": backend.vocab_size,
-        "sft_teacher": sft_teacher["fingerprint"] if sft_teacher else None, "reward": job.reward,
+        "sft_teacher": sft_teacher["fingerprint"] if sft_teacher else None, "reward": job.reward, "keep": job.keep,
         # batch composition changes the last bits of batched kernels' outputs (~1e-5): a resume must keep it
         "generate_batch_size": job.engine.generate_batch_size if job.engine.backend == "transformers" else None,
     }
     tok_info = {"fingerprint": config["tokenizer"], "name_or_path": ref.name, "chat_template_sha256": prompts.chat_template_sha256}
-    stats = {"prompts": len(prompts.prompts), "malformed": prompts.malformed, "too_long": prompts.too_long,
+    stats = {"prompts": len(prompts.prompts), "samples_drawn": len(prompts.prompts) * job.sampling.samples, "keep": job.keep,
+             "malformed": prompts.malformed, "too_long": prompts.too_long,
              "prompt_tokens": prompts.prompt_tokens, "unknown_tokens": prompts.unknown_tokens,
              "duplicate_rows": sum(len(v) - 1 for v in prompts.duplicates.values())}
     meta = {"tokenizer": tok_info, "lineage": {"sft_teacher": sft_teacher, "parent_fingerprint": None}, "model": model, "stats": stats}
@@ -244,13 +249,14 @@ def run_generate(job: GenerateJob) -> GenerateResult:
     write_errors(job.out / f"{job.kind}_errors.jsonl", prompts)
     group_of = {i: group for group in groups for i in group}
     generated: dict[int, list] = {}  # shard -> its (prompt, sample index, generation), for the rest of the current group
-    quarantined = 0
+    quarantined = rejected = 0
+    verify = verifiers.resolve(job.reward) if job.reward else None
 
     def items_of(index: int) -> list[tuple]:
         return [(p, k) for p in prompts.prompts[bounds[index]: bounds[index + 1]] for k in range(job.sampling.samples)]
 
     def make_shard(index: int) -> list[dict]:
-        nonlocal quarantined
+        nonlocal quarantined, rejected
         if index not in generated:  # decode the whole group together: one batch spans its shards
             generated.clear()
             members = [(i, items_of(i)) for i in group_of[index]]
@@ -258,28 +264,32 @@ def run_generate(job: GenerateJob) -> GenerateResult:
             gens = iter(backend.generate([GenerateRequest(p.prompt_ids, sample_seed(job.sampling.seed, p.prompt_ids, k)) for p, k in flat],
                                          job.sampling))
             generated.update({i: [(p, k, next(gens)) for p, k in items] for i, items in members})
-        records, bad = [], []
+        records, bad, failed = [], [], []
         for p, k, g in generated.pop(index):
             reward = None
-            if job.reward and p.answer is not None:
-                reward = float(REWARDS[job.reward](tokenizer.decode(g.response_ids, skip_special_tokens=True), p.answer))
+            if verify is not None and p.answer is not None:
+                task = {"answer": p.answer, "metadata": json.loads(p.metadata) if p.metadata else {}, "prompt_index": p.index}
+                verdict = verifiers.score(verify, tokenizer.decode(g.response_ids, skip_special_tokens=True), task)
+                reward = verdict.score
+                if verdict.score is None:
+                    failed.append({"id": row_id(p.prompt_ids, k), "prompt_index": p.index, "sample_index": k, "reason": verdict.reason})
             rec = _record(job.kind, p, k, g, reward)
             reason = shards.first_non_finite(rec) or undecodable_reason(g.response_ids, decodable, backend.vocab_size)
             if reason:
                 bad.append({"id": rec["id"], "prompt_index": p.index, "sample_index": k, "reason": reason})
-            else:
+            elif job.keep == "all" or reward == 1.0:
                 records.append(rec)
+            else:
+                rejected += 1
         if bad:
             quarantined += len(bad)
-            qpath = job.out / job.kind / QUARANTINE_FILE
-            qpath.parent.mkdir(parents=True, exist_ok=True)
-            with open(qpath, "a") as f:
-                for b in bad:
-                    f.write(json.dumps(b) + "\n")
+            _append_jsonl(job.out / job.kind / QUARANTINE_FILE, bad)
+        if failed:
+            _append_jsonl(job.out / job.kind / VERIFIER_ERRORS_FILE, failed)
         return records
 
     with closing(backend):
         written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"build-{job.kind}", progress=job.progress, finalize=True,
                                 rows_of=lambda i: (bounds[i + 1] - bounds[i]) * job.sampling.samples)
     finished = table.all_done()
-    return GenerateResult(job.out, written, finished, prompts, quarantined)
+    return GenerateResult(job.out, written, finished, prompts, quarantined, rejected)

@@ -12,7 +12,7 @@ from opdcache import shards
 from opdcache.backends.base import GenerateRequest, SamplingConfig, ScoreRequest
 from opdcache.backends.hf import TransformersBackend, sampling_logprobs
 from opdcache.cache import Cache
-from opdcache.evaluate import chat_prompt_ids
+from opdcache.demo.evaluate import chat_prompt_ids
 from opdcache.validate import validate
 
 

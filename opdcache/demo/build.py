@@ -25,7 +25,7 @@ RECIPES = {
 
 def training_pairs(tokenizer, style: str, n: int = 20000, seed: int = 0):
     from opdcache.demo import task
-    from opdcache.evaluate import chat_prompt_ids
+    from opdcache.demo.evaluate import chat_prompt_ids
 
     pairs = []
     for p in task.problems("train", n, seed=seed):
@@ -38,7 +38,7 @@ def build(name: str, out: Path, seed: int = 0, progress: bool = True, steps: int
     import torch
 
     from opdcache.demo import models
-    from opdcache.evaluate import evaluate_accuracy
+    from opdcache.demo.evaluate import evaluate_accuracy
     from opdcache.sft import SFTConfig, train_sft
 
     recipe = dict(RECIPES[name], **({"steps": steps} if steps else {}))

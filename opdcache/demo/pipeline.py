@@ -142,7 +142,7 @@ def load(path: Path):
 
 
 def evaluate(name: str, path: Path, teacher, cfg: DemoConfig, report: DemoReport) -> dict:
-    from opdcache.evaluate import evaluate_accuracy, reverse_kl_to_teacher
+    from opdcache.demo.evaluate import evaluate_accuracy, reverse_kl_to_teacher
 
     model, tok = load(path)
     acc = evaluate_accuracy(model, tok, n=cfg.n_heldout, seed=cfg.seed).accuracy

@@ -75,6 +75,11 @@ def is_correct(response: str, answer: str) -> bool:
     return got is not None and int(got) == int(answer)
 
 
+def verify_addition(response: str, task: dict) -> float:
+    """The demo's verifier (registered under the ``opdcache.verifiers`` entry points as ``addition``)."""
+    return float(is_correct(response, task["answer"]))
+
+
 def _split_of(a: int, b: int) -> str:
     """Deterministic split of an operand pair: 80% train, 10% opd, 10% held-out, by hash."""
     h = int(hashlib.sha256(f"{a}+{b}".encode()).hexdigest()[:8], 16) % 10

@@ -1,4 +1,4 @@
-"""Held-out evaluation of a model on the embedded task: greedy accuracy, from real generation."""
+"""Held-out evaluation of a model on the embedded task: greedy accuracy, from real generation (demo only: it knows the task)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,110 @@
+"""Verifiers: the rewards stored with each sampled row, behind one small contract.
+
+A verifier is a function ``verify(response: str, task: dict) -> float | bool | tuple[float, str]``: the decoded
+response and the row's task fields (``answer``, ``metadata`` as a dict, ``prompt_index``) give a score in [0, 1],
+optionally with a reason. ``--reward NAME`` picks a built-in or a registered plugin; ``--reward module:function``
+imports any function. Built-ins:
+
+* ``exact``: the response, normalised (stripped, inner whitespace collapsed, case-folded), equals the ``answer``;
+* ``math``: the final answer (the last ``\\boxed{}``, else the last number or expression) is mathematically
+  equivalent to the ``answer``, by the ``math-verify`` package (``pip install 'opdcache[math]'``).
+
+Other packages register verifiers under the ``opdcache.verifiers`` entry-point group (the embedded demo registers
+``addition`` this way), so the library never imports them by name. A verifier that raises, or returns something
+outside [0, 1], marks only that row: its reward is left empty and the reason is recorded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from opdcache.errors import ConfigError
+
+ENTRY_POINT_GROUP = "opdcache.verifiers"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    score: float | None
+    """In [0, 1]; None when the verifier failed on this row."""
+    reason: str | None = None
+    """Why (from the verifier), or what went wrong."""
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text.strip()).casefold()
+
+
+def exact(response: str, task: dict) -> float:
+    """1.0 when the normalised response equals the normalised answer."""
+    return float(_normalise(response) == _normalise(str(task["answer"])))
+
+
+def math(response: str, task: dict) -> tuple[float, str]:
+    """1.0 when the response's final answer is mathematically equivalent to the reference answer (math-verify)."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise ConfigError("--reward math needs the math-verify package: pip install 'opdcache[math]'") from None
+    gold = parse(str(task["answer"]))
+    if not gold:  # a bare reference ("1/2", "0.5") may need a math environment to parse
+        gold = parse(f"${task['answer']}$")
+    got = parse(response)
+    if not got:
+        return 0.0, "no final answer found in the response"
+    return (1.0, "equivalent") if verify(gold, got) else (0.0, f"final answer {got[-1]!s} is not {task['answer']}")
+
+
+BUILTIN: dict[str, Callable] = {"exact": exact, "math": math}
+
+
+def _plugins() -> dict:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def available() -> list[str]:
+    return sorted(set(BUILTIN) | set(_plugins()))
+
+
+def resolve(spec: str) -> Callable:
+    """The verifier named by ``--reward``: a built-in, a registered plugin, or ``module:function``."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    plugins = _plugins()
+    if spec in plugins:
+        return plugins[spec].load()
+    if ":" in spec:
+        module, _, name = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"--reward {spec}: cannot import {name!r} from {module!r} ({exc}); check the module path") from None
+        if not callable(fn):
+            raise ConfigError(f"--reward {spec}: {name!r} is not a function")
+        return fn
+    raise ConfigError(f"--reward must be one of {', '.join(available())} or module:function, got {spec!r}")
+
+
+def score(fn: Callable, response: str, task: dict) -> Verdict:
+    """Run one verifier on one row; never raises for the row's sake (the failure becomes the verdict's reason)."""
+    try:
+        out = fn(response, task)
+    except ConfigError:
+        raise  # a setup problem (missing package), not this row's
+    except Exception as exc:  # a verifier's bug or a row it cannot read: mark the row, keep the job
+        return Verdict(None, f"verifier raised {type(exc).__name__}: {str(exc)[:200]}")
+    reason = None
+    if isinstance(out, tuple):
+        out, reason = out
+    try:
+        value = float(out)
+    except (TypeError, ValueError):
+        return Verdict(None, f"verifier returned {out!r}, not a number in [0, 1]")
+    if not 0.0 <= value <= 1.0:
+        return Verdict(None, f"verifier returned {value}, outside [0, 1]")
+    return Verdict(value, reason)

@@ -1,0 +1,142 @@
+"""Verifiers: the contract, the built-ins (exact, math), plugins by entry point and module:function, failures
+marking one row, and rejection sampling in build-sft."""
+
+import json
+
+import numpy as np
+import pytest
+
+from opdcache import verifiers as V
+from opdcache.backends.base import Generation, SamplingConfig
+from opdcache.backends.hf import TransformersBackend
+from opdcache.cache import Cache
+from opdcache.errors import ConfigError
+from opdcache.prompts import PromptConfig
+from opdcache.rollouts import GenerateJob, run_generate
+from opdcache import shards
+
+
+def tricky(response: str, task: dict):
+    """A custom verifier for the module:function test: raises on one row, returns a reason on others."""
+    if task["metadata"].get("explode"):
+        raise RuntimeError("cannot read this row")
+    return (1.0, "long enough") if len(response) >= 3 else (0.0, "too short")
+
+
+def test_exact_normalises_whitespace_and_case():
+    assert V.exact("  The  Answer\n", {"answer": "the answer"}) == 1.0
+    assert V.exact("the answers", {"answer": "the answer"}) == 0.0
+
+
+@pytest.mark.parametrize("response,answer,expected", [
+    (r"so the result is \boxed{\frac{1}{2}}", "1/2", 1.0),        # exact, boxed
+    (r"we get \boxed{0.5}", r"\frac{1}{2}", 1.0),                 # equivalent
+    (r"thus \boxed{2\sqrt{2}}", r"\sqrt{8}", 1.0),                # equivalent
+    (r"the answer is \boxed{3}", "4", 0.0),                      # wrong
+    ("I do not know", "4", 0.0),                                  # unparseable: no final answer
+])
+def test_math_verifier_on_constructed_responses(response, answer, expected):
+    verdict = V.score(V.math, response, {"answer": answer})
+    assert verdict.score == expected, verdict
+    if response == "I do not know":
+        assert verdict.reason == "no final answer found in the response"
+
+
+def test_resolution_and_failures_mark_one_row():
+    assert V.resolve("exact") is V.exact
+    assert V.resolve("addition").__name__ == "verify_addition"  # the demo's plugin, found by entry point
+    assert V.resolve("test_verifiers:tricky") is tricky
+    with pytest.raises(ConfigError, match="--reward must be one of addition, exact, math or module:function, got 'nope'"):
+        V.resolve("nope")
+    with pytest.raises(ConfigError, match="--reward no_such_module:f: cannot import 'f' from 'no_such_module'"):
+        V.resolve("no_such_module:f")
+    assert V.score(tricky, "abc", {"metadata": {"explode": True}}) == V.Verdict(None, "verifier raised RuntimeError: cannot read this row")
+    assert V.score(lambda r, t: 2.0, "x", {}).reason == "verifier returned 2.0, outside [0, 1]"
+    assert V.score(lambda r, t: "yes", "x", {}).reason == "verifier returned 'yes', not a number in [0, 1]"
+
+
+MATH_ROWS = [
+    {"messages": [{"role": "system", "content": "Answer in \\boxed{}."}, {"role": "user", "content": "123+456"}], "answer": "579"},
+    {"messages": [{"role": "user", "content": "200+300"}], "answer": "500", "explode": True},
+    {"messages": [{"role": "user", "content": "111+111"}], "answer": "222"},
+    {"messages": [{"role": "user", "content": "905+5"}], "answer": "910"},
+]
+
+
+def _scripted(texts):
+    """Make the engine return these decoded responses (as token ids of the demo tokenizer), in request order."""
+    original = TransformersBackend.generate
+
+    def generate(self, requests, sampling):
+        gens = original(self, requests, sampling)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.path)
+        out = []
+        for r, g in zip(requests, gens):
+            ids = tok(texts[r.prompt_ids], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            lp = np.full(len(ids), -0.5, dtype="float32")
+            out.append(Generation(response_ids=np.asarray(ids, dtype="int32"), finish_reason="stop", sampling_logprobs=lp, ref_logprobs=lp))
+        return out
+    return original, generate
+
+
+def test_build_sft_with_math_verifier_chat_messages_and_rejection_sampling(tmp_path, weights, monkeypatch):
+    """Chat-message prompts with a system turn, a custom module:function verifier that raises on one row: that row's reward
+    is left empty with the reason recorded (job goes on); `--keep correct` keeps only rows scored 1.0 and counts the rest."""
+    src = tmp_path / "math.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in MATH_ROWS))
+    from transformers import AutoTokenizer
+
+    from opdcache.prompts import read_prompts
+
+    tok = AutoTokenizer.from_pretrained(weights / "teacher")
+    prompts = read_prompts(PromptConfig(src, messages_field="messages"), tok, None).prompts
+    answers = ["=0579", "=0500", "=0223", "no idea"]  # the demo tokenizer has no backslash: the demo's own answer style
+    texts = {p.prompt_ids: a for p, a in zip(prompts, answers)}
+    original, scripted = _scripted(texts)
+    monkeypatch.setattr(TransformersBackend, "generate", scripted)
+
+    for keep in ("all", "correct"):
+        out = tmp_path / f"sft-{keep}"
+        res = run_generate(GenerateJob(model=weights / "teacher", prompts=PromptConfig(src, messages_field="messages"), out=out, kind="sft",
+                                       num_shards=2, sampling=SamplingConfig(max_new_tokens=12), reward="test_verifiers:tricky", keep=keep))
+        rows = [r for p in Cache(out).shard_paths("sft") for r in shards.read_table(p).to_pylist()]
+        rewards = {r["prompt_index"]: r["reward"] for r in rows}
+        if keep == "all":
+            assert rewards == {0: 1.0, 1: None, 2: 1.0, 3: 1.0}  # row 1's verifier raised: reward left empty, row kept
+            failed = [json.loads(l) for l in (out / "sft" / "verifier_errors.jsonl").read_text().splitlines()]
+            assert [(f["prompt_index"], f["reason"]) for f in failed] == [(1, "verifier raised RuntimeError: cannot read this row")]
+        else:
+            assert sorted(rewards) == [0, 2, 3] and res.rejected == 1 and "1 samples rejected by the verifier" in res.summary()
+            stats = Cache(out).table("sft")["stats"]
+            assert stats["keep"] == "correct" and stats["samples_drawn"] == 4
+
+
+def test_the_math_verifier_through_build_rollouts(tmp_path, weights, monkeypatch):
+    src = tmp_path / "math.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in MATH_ROWS))
+    from transformers import AutoTokenizer
+
+    from opdcache.prompts import read_prompts
+
+    tok = AutoTokenizer.from_pretrained(weights / "student")
+    prompts = read_prompts(PromptConfig(src, messages_field="messages"), tok, None).prompts
+    texts = dict(zip((p.prompt_ids for p in prompts), ["=579", "=0500", "=223", "=="]))
+    monkeypatch.setattr(TransformersBackend, "generate", _scripted(texts)[1])
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(src, messages_field="messages"), out=tmp_path / "c",
+                             num_shards=1, sampling=SamplingConfig(max_new_tokens=12), reward="math"))
+    rows = shards.read_table(Cache(tmp_path / "c").shard_paths("rollouts")[0]).to_pylist()
+    # "=579" vs 579, "=0500" vs 500 (equivalent), "=223" vs 222 (wrong), "==" (no answer)
+    assert [r["reward"] for r in sorted(rows, key=lambda r: r["prompt_index"])] == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_info_shows_the_reward_mean_per_table(hf_cache, capsys):
+    from opdcache.cli.main import main
+    from opdcache.info import summary
+
+    rewards = [r for p in Cache(hf_cache).shard_paths("rollouts") for r in shards.read_table(p, ["reward"])["reward"].to_pylist()]
+    assert summary(hf_cache)["tables"]["rollouts"]["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+    with pytest.raises(SystemExit):
+        main(["info", str(hf_cache)])
+    assert "reward mean" in capsys.readouterr().out
