@@ -10,6 +10,22 @@ import typer
 from opdcache.cli import options as O
 
 
+def _json_object(text: str | None) -> dict | None:
+    import json
+
+    from opdcache.errors import ConfigError
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--chat-template-kwargs must be a JSON object, got {text!r} ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--chat-template-kwargs must be a JSON object, got {text!r}")
+    return value
+
+
 def _run(kind: str, model: str, o: dict) -> None:
     """Build and run the job from a command's options (``o``: its parameters by name; build-sft has no
     rollout-only options, which then take their defaults)."""
@@ -21,6 +37,7 @@ def _run(kind: str, model: str, o: dict) -> None:
         model=model, revision=o["revision"], out=o["out"], kind=kind, num_shards=o["num_shards"], sft_teacher=o.get("sft_teacher"), reward=o["reward"],
         keep=o.get("keep", "all"),
         prompts=PromptConfig(o["prompts"], prompt_field=o["prompt_field"], messages_field=o["messages_field"], answer_field=o["answer_field"],
+                             system_prompt=o["system_prompt"], chat_template_kwargs=_json_object(o["chat_template_kwargs"]), split=o["prompt_split"],
                              chat_template=o["chat_template"], strict=o["strict"], limit=o["limit"]),
         sampling=SamplingConfig(temperature=o["temperature"], top_p=o["top_p"], max_new_tokens=o["max_new_tokens"], samples=o["samples"],
                                 seed=o["seed"], ref_top_k=o.get("ref_top_k"), mc_samples=o.get("mc_samples")),
@@ -40,6 +57,7 @@ def build_sft(
     keep: Annotated[str, typer.Option("--keep", help="all samples, or only those the --reward verifier scores 1.0 (correct: rejection sampling).")] = "all",
     prompt_field: O.PromptField = "prompt", messages_field: O.MessagesField = None, answer_field: O.AnswerField = "answer",
     chat_template: O.ChatTemplate = True, strict: O.Strict = False, limit: O.Limit = None, reward: O.Reward = None,
+    system_prompt: O.SystemPrompt = None, chat_template_kwargs: O.ChatTemplateKwargs = None, prompt_split: O.PromptSplit = "train",
     samples: O.Samples = 1, temperature: O.Temperature = 0.8, top_p: O.TopP = 1.0, max_new_tokens: O.MaxNewTokens = 256,
     seed: O.Seed = 0, backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto",
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
@@ -56,6 +74,7 @@ def build_rollouts(
     model: O.ModelPath, prompts: O.Prompts, out: Out, revision: O.ModelRevision = None,
     prompt_field: O.PromptField = "prompt", messages_field: O.MessagesField = None, answer_field: O.AnswerField = "answer",
     chat_template: O.ChatTemplate = True, strict: O.Strict = False, limit: O.Limit = None, reward: O.Reward = None,
+    system_prompt: O.SystemPrompt = None, chat_template_kwargs: O.ChatTemplateKwargs = None, prompt_split: O.PromptSplit = "train",
     samples: O.Samples = 1, temperature: O.Temperature = 0.8, top_p: O.TopP = 1.0, max_new_tokens: O.MaxNewTokens = 256,
     seed: O.Seed = 0,
     ref_top_k: Annotated[Optional[int], typer.Option("--ref-top-k", help="Store pi_ref's top-k per position (temperature 1).", show_default=False)] = None,

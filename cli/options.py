@@ -31,12 +31,15 @@ NumShards = Annotated[int, typer.Option("--num-shards", help="Shards of the tabl
 Progress = Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Progress bars (default: only on a terminal).", show_default=False)]
 
 # ---- prompts
-Prompts = Annotated[Path, typer.Option("--prompts", help="Prompts: .jsonl, .parquet, or a datasets directory.", show_default=False)]
+Prompts = Annotated[Path, typer.Option("--prompts", help="Prompts: .jsonl, .parquet, a datasets directory, or a Hub dataset id org/name[@revision] (offline from the Hub cache).", show_default=False)]
 PromptField = Annotated[str, typer.Option("--prompt-field", help="Field with the user message.")]
 MessagesField = Annotated[Optional[str], typer.Option("--messages-field", help="Field with a list of chat messages (overrides --prompt-field).", show_default=False)]
 AnswerField = Annotated[str, typer.Option("--answer-field", help="Field with the reference answer (optional in the data).")]
 ChatTemplate = Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Apply the tokenizer's chat template.")]
 Strict = Annotated[bool, typer.Option("--strict", help="Stop at the first malformed prompt row instead of skipping it.")]
+SystemPrompt = Annotated[Optional[str], typer.Option("--system-prompt", help="A system turn before every prompt that has none.", show_default=False)]
+ChatTemplateKwargs = Annotated[Optional[str], typer.Option("--chat-template-kwargs", help='JSON object of chat-template variables, e.g. \'{"enable_thinking": true}\'.', show_default=False)]
+PromptSplit = Annotated[str, typer.Option("--prompt-split", help="Split to read when --prompts is a Hub dataset id.")]
 Limit = Annotated[Optional[int], typer.Option("--limit", help="Read at most this many prompt rows.", show_default=False)]
 Reward = Annotated[Optional[str], typer.Option("--reward", help="Verifier for the reward column: exact, math (opdcache[math]), a registered plugin (the demo's addition), or module:function.", show_default=False)]
 

@@ -37,6 +37,11 @@ class ModelRef:
         return self.repo_id or str(self.path)
 
 
+def is_hub_id(spec: str) -> bool:
+    """``org/name`` or ``org/name@revision``, and not something that looks like a filesystem path."""
+    return _HUB_ID.match(spec) is not None and not _looks_like_path(spec)
+
+
 def _looks_like_path(spec: str) -> bool:
     return spec.startswith(("/", "./", "../", "~")) or bool(re.match(r"^[A-Za-z]:[\\/]", spec)) or spec in (".", "..")
 
@@ -55,32 +60,40 @@ def resolve_model(spec: str | os.PathLike, revision: str | None = None, what: st
     match = _HUB_ID.match(text)
     if _looks_like_path(text) or local.exists() or match is None:
         raise ConfigError(f"{what} {text}: no such model directory (and not a Hub id of the form org/name); check the path")
+    path = hub_snapshot(text, revision, what)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{what} {text}: the Hub snapshot {path} has no config.json; it is not a transformers model")
+    return ModelRef(path, repo_id=_HUB_ID.match(text)["repo"], commit=path.name)
+
+
+def hub_snapshot(spec: str, revision: str | None, what: str, repo_type: str = "model") -> Path:
+    """The local snapshot directory of a Hub repo ``org/name[@revision]``: from the Hub cache, downloaded only when it is
+    missing there and HF_HUB_OFFLINE is not set."""
+    from huggingface_hub import snapshot_download
+
+    match = _HUB_ID.match(spec)
+    if match is None:
+        raise ConfigError(f"{what} {spec}: not a Hub id of the form org/name[@revision]")
     repo_id, at = match["repo"], match["rev"]
     if at and revision and at != revision:
-        raise ConfigError(f"{what} {text} names revision {at!r} but --revision says {revision!r}; give one")
-    return _from_hub(repo_id, at or revision, what)
-
-
-def _from_hub(repo_id: str, revision: str | None, what: str) -> ModelRef:
-    from huggingface_hub import snapshot_download
+        raise ConfigError(f"{what} {spec} names revision {at!r} but --revision says {revision!r}; give one")
+    revision = at or revision
 
     cache_dir = os.environ.get("HF_HUB_CACHE") or None  # read at call time (huggingface_hub reads it once, at import)
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     try:
-        path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True)
+        path = snapshot_download(repo_id, revision=revision, repo_type=repo_type, cache_dir=cache_dir, local_files_only=True)
     except Exception as cached_exc:  # not in the local cache (or an incomplete snapshot)
         if offline:
             raise ConfigError(f"{what} {repo_id}{'@' + revision if revision else ''} is not in the local Hub cache and HF_HUB_OFFLINE is set; "
-                              f"download it first (`hf download {repo_id}`) or unset HF_HUB_OFFLINE") from cached_exc
+                              f"download it first (`hf download {repo_id}{' --repo-type dataset' if repo_type == 'dataset' else ''}`) "
+                              "or unset HF_HUB_OFFLINE") from cached_exc
         try:
-            path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir)
+            path = snapshot_download(repo_id, revision=revision, repo_type=repo_type, cache_dir=cache_dir)
         except Exception as exc:
             raise ConfigError(f"{what} {repo_id}: could not download it from the Hub ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
                               "check the network and the repo id, or pass a local directory") from exc
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{what} {repo_id}: the Hub snapshot {path} has no config.json; it is not a transformers model")
-    return ModelRef(path, repo_id=repo_id, commit=path.name)
+    return Path(path)
 
 
 def hub_blob_sha256(path: Path) -> str | None:

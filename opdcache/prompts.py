@@ -37,8 +37,18 @@ class PromptConfig:
     """Stop at the first malformed row instead of recording it and going on."""
     limit: int | None = None
     """Read at most this many rows."""
+    system_prompt: str | None = None
+    """A system turn put before every prompt that has none."""
+    chat_template_kwargs: dict | None = None
+    """Extra variables for the chat template, e.g. {"enable_thinking": true} for Qwen3."""
+    split: str = "train"
+    """The split to read from a Hub dataset id."""
+    revision: str | None = None
+    """Hub revision of a dataset id (or org/name@revision)."""
 
     def __post_init__(self) -> None:
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
+            raise ConfigError(f"--chat-template-kwargs must be a JSON object, got {self.chat_template_kwargs!r}")
         if not self.prompt_field and not self.messages_field:
             raise ConfigError("give --prompt-field or --messages-field")
         if self.limit is not None and self.limit < 1:
@@ -119,6 +129,28 @@ def _rows(path: Path) -> Iterator[tuple[int, dict | None, str | None]]:
         raise InputError(f"cannot read prompts from {path}: use .jsonl, .parquet, or a datasets directory")
 
 
+def resolve_prompts(cfg: PromptConfig) -> Path:
+    """A local prompts path, or a Hub dataset id (org/name[@revision]) resolved to the split's data in the local Hub
+    cache (downloaded only when missing and HF_HUB_OFFLINE is not set): a Parquet or JSONL file of the snapshot whose
+    path names the split."""
+    from opdcache.models import hub_snapshot, is_hub_id
+
+    local = Path(cfg.path).expanduser()
+    text = str(cfg.path)
+    if local.exists() or not is_hub_id(text):
+        return local
+
+    snapshot = hub_snapshot(text, cfg.revision, "--prompts", repo_type="dataset")
+    files = sorted(p for p in snapshot.rglob("*") if p.is_file() and p.suffix in (".parquet", ".jsonl", ".json")
+                   and cfg.split in p.relative_to(snapshot).as_posix())
+    if not files:
+        raise InputError(f"--prompts {text}: no .parquet or .jsonl file of split {cfg.split!r} in the dataset snapshot {snapshot}")
+    if len(files) > 1:
+        raise InputError(f"--prompts {text}: split {cfg.split!r} has {len(files)} files ({', '.join(f.name for f in files[:3])}, ...); "
+                         "point --prompts at one of them in the snapshot")
+    return files[0]
+
+
 def _messages(row: dict, cfg: PromptConfig) -> tuple[list[dict] | None, str | None]:
     if cfg.messages_field:
         msgs = row.get(cfg.messages_field)
@@ -148,7 +180,7 @@ def read_prompts(cfg: PromptConfig, tokenizer, max_prompt_tokens: int | None) ->
     seen: dict[str, list[int]] = defaultdict(list)
     digest = hashlib.sha256()
     unk = getattr(tokenizer, "unk_token_id", None)
-    for line, row, error in _rows(Path(cfg.path)):
+    for line, row, error in _rows(resolve_prompts(cfg)):
         if cfg.limit is not None and line > cfg.limit:
             break
         msgs = None
@@ -159,8 +191,10 @@ def read_prompts(cfg: PromptConfig, tokenizer, max_prompt_tokens: int | None) ->
                 raise InputError(f"{cfg.path} line {line}: {error} (drop --strict to skip such rows)")
             out.errors.append({"line": line, "reason": error})
             continue
+        if cfg.system_prompt and not any(m.get("role") == "system" for m in msgs):
+            msgs = [{"role": "system", "content": cfg.system_prompt}] + list(msgs)
         if cfg.chat_template:
-            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **(cfg.chat_template_kwargs or {}))
         else:
             text = "".join(str(m["content"]) for m in msgs)
         ids = tuple(tokenizer(text, add_special_tokens=not cfg.chat_template)["input_ids"])

@@ -229,6 +229,9 @@ def run_generate(job: GenerateJob) -> GenerateResult:
     config = {
         "model": model["fingerprint"], "tokenizer": tokenizer_fingerprint(tokenizer), "prompts": prompts.fingerprint,
         "chat_template_sha256": prompts.chat_template_sha256, "sampling": asdict(job.sampling),
+        # what decides the prompt ids besides the tokenizer (also covered, row by row, by the prompts fingerprint)
+        "prompt_settings": {"chat_template": job.prompts.chat_template, "system_prompt": job.prompts.system_prompt,
+                            "chat_template_kwargs": job.prompts.chat_template_kwargs},
         "engine": job.engine.fingerprint_view() | {"engine_version": backend.version}, "vocab_size": backend.vocab_size,
         "sft_teacher": sft_teacher["fingerprint"] if sft_teacher else None, "reward": job.reward, "keep": job.keep,
         # batch composition changes the last bits of batched kernels' outputs (~1e-5): a resume must keep it

@@ -140,3 +140,60 @@ def test_info_shows_the_reward_mean_per_table(hf_cache, capsys):
     with pytest.raises(SystemExit):
         main(["info", str(hf_cache)])
     assert "reward mean" in capsys.readouterr().out
+
+
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% elif m['role'] == 'user' %}<|user|>"
+            "{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% if enable_thinking %};{% endif %}{% endif %}")
+
+
+def test_system_prompt_and_chat_template_kwargs_decide_the_ids_and_the_fingerprint(tmp_path, weights):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from opdcache.prompts import read_prompts
+
+    model = tmp_path / "m"
+    shutil.copytree(weights / "student", model)
+    (model / "chat_template.jinja").write_text(TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(model)
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "12+34"}) + "\n" + json.dumps({"messages": [{"role": "system", "content": "1="}, {"role": "user", "content": "5+5"}]}) + "\n")
+
+    def ids(**kw):
+        return [p.prompt_ids for p in read_prompts(PromptConfig(src, **kw), tok, None).prompts], read_prompts(PromptConfig(src, **kw), tok, None).fingerprint
+
+    plain, fp_plain = ids()
+    with_system, fp_system = ids(system_prompt="9=")
+    thinking, fp_thinking = ids(chat_template_kwargs={"enable_thinking": True})
+    semicolon, nine = tok.convert_tokens_to_ids(";"), tok.convert_tokens_to_ids("9")
+    assert with_system[0][0] == nine and plain[0][0] != nine  # the system turn leads the plain-prompt row
+    assert thinking[0][-1] == semicolon and plain[0][-1] != semicolon  # the template variable reaches the template
+    assert len({fp_plain, fp_system, fp_thinking}) == 3
+    with pytest.raises(ConfigError, match="--chat-template-kwargs must be a JSON object"):
+        PromptConfig(src, chat_template_kwargs=["x"])
+
+
+def test_prompts_from_a_hub_dataset_id_offline(tmp_path, weights, monkeypatch):
+    """A dataset repo in the Hub cache's real layout; --prompts org/name@main reads its train split, offline."""
+    import hashlib
+
+    from test_models import COMMIT
+
+    repo = tmp_path / "hub" / "datasets--org--prompts"
+    data = "".join(json.dumps({"prompt": f"{100 + i}+{200 + i}", "answer": str(300 + 2 * i)}) + "\n" for i in range(3)).encode()
+    blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / blob).write_bytes(data)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    snap = repo / "snapshots" / COMMIT / "data"
+    snap.mkdir(parents=True)
+    (snap / "train-00000.jsonl").symlink_to(f"../../../blobs/{blob}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    res = run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig("org/prompts@main"), out=tmp_path / "c", num_shards=1,
+                                   sampling=SamplingConfig(max_new_tokens=8), reward="addition"))
+    assert len(res.prompts.prompts) == 3 and [p.answer for p in res.prompts.prompts] == ["300", "302", "304"]
+    with pytest.raises(ConfigError, match="org/missing is not in the local Hub cache and HF_HUB_OFFLINE is set"):
+        run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig("org/missing"), out=tmp_path / "d"))
