@@ -29,9 +29,9 @@ def _register() -> None:
     global _registered
     if _registered:
         return
-    from opdcache.cli import consistency, demo, generate, hub, info, mismatch, score, train, validate
+    from opdcache.cli import consistency, demo, export, generate, hub, info, mismatch, score, train, validate
 
-    for module in (demo, generate, score, train, validate, info, hub, consistency, mismatch):
+    for module in (demo, generate, score, train, validate, info, hub, consistency, mismatch, export):
         module.register(app)
     _registered = True
 
