@@ -12,18 +12,20 @@ from opdcache.cli.options import CachePath
 
 def export(
     cache: CachePath,
-    to: Annotated[str, typer.Option("--to", help="jsonl or parquet-flat.", show_default=False)],
+    to: Annotated[str, typer.Option("--to", help="jsonl, parquet-flat, or lightning-opd (the Lightning OPD release's slime layout).", show_default=False)],
     out: Annotated[Path, typer.Option("--out", help="Output directory.", show_default=False)],
     teacher: Annotated[Optional[str], typer.Option("--teacher", help="Teacher table to include (default: the only one).", show_default=False)] = None,
+    ref_logprobs: Annotated[bool, typer.Option("--ref-logprobs", help="lightning-opd: also export the cached ref_logprobs (pi_ref) as student_log_probs.")] = False,
 ) -> None:
-    """One row per rollout, prompt and response decoded beside the ids, with one teacher's per-token columns.
+    """One row per rollout, prompt and response decoded beside the ids, with one teacher's per-token columns; or the Lightning OPD release's layout.
 
     Memory: one shard's rows at a time."""
     from opdcache.export import export as run
 
-    result = run(cache, to, out, teacher)
+    result = run(cache, to, out, teacher, ref_logprobs)
+    refused = f"; {result['refused']} rows refused (their prompt text does not re-encode to the cached ids)" if result["refused"] else ""
     typer.echo(f"exported {result['rows']} rows{' with ' + result['teacher'] if result['teacher'] else ''} to {out} "
-               f"({len(result['files'])} file{'s' if len(result['files']) != 1 else ''})")
+               f"({len(result['files'])} file{'s' if len(result['files']) != 1 else ''}){refused}")
 
 
 def register(app: typer.Typer) -> None:

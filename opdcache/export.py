@@ -1,7 +1,16 @@
 """``opdcache export``: a cache in flat formats any trainer can read.
 
 * ``jsonl``: one JSON object per rollout (``<out>/rollouts.jsonl``);
-* ``parquet-flat``: the same rows as plain Parquet, one file per shard (``<out>/part-XXXXX-of-XXXXX.parquet``).
+* ``parquet-flat``: the same rows as plain Parquet, one file per shard (``<out>/part-XXXXX-of-XXXXX.parquet``);
+* ``lightning-opd``: the layout the Lightning OPD release's slime fork trains from (its
+  ``data_curation/prepare_lightning_opd.py`` writes it; ``slime/rollout/sglang_rollout.py`` reads it): per row a
+  ``prompt`` string (the chat-templated prompt, which the reader re-encodes with ``tokenizer.encode(prompt,
+  add_special_tokens=False)``), ``label`` ``"0"``, and ``metadata`` {``is_lightning_opd``: true, ``response_tokens``:
+  the cached ids, used as they are; ``loss_mask``: all ones (the reader asserts its length is the response length);
+  ``response``: the decoded text; ``teacher_log_probs``: the cached teacher ``logprobs``; with ``ref_logprobs=True``
+  also ``student_log_probs``: the cached ``ref_logprobs`` (pi_ref at temperature 1), which the reader passes on as
+  rollout log-probs for the importance weight pi_theta / pi_ref}. A row whose decoded prompt does not re-encode to
+  exactly the cached prompt ids is refused and counted: training on it would feed other ids than were scored.
 
 Each row holds the rollout's columns (ids, token ids, ``finish_reason``, ``sampling_logprobs``, ``ref_logprobs``,
 ``reward``, ``answer``), its prompt and response decoded with the cache's own tokenizer beside the ids (the ids
@@ -21,13 +30,13 @@ from opdcache import shards
 from opdcache.cache import Cache
 from opdcache.errors import ConfigError
 
-FORMATS = ("jsonl", "parquet-flat")
+FORMATS = ("jsonl", "parquet-flat", "lightning-opd")
 ROLLOUT_COLUMNS = ("id", "prompt_index", "sample_index", "prompt_ids", "response_ids", "finish_reason", "sampling_logprobs",
                    "ref_logprobs", "reward", "answer")
 TEACHER_COLUMNS = ("logprobs", "logsumexp", "topk_ids", "topk_logprobs")
 
 
-def export(cache_root: str | Path, to: str, out: str | Path, teacher: str | None = None) -> dict:
+def export(cache_root: str | Path, to: str, out: str | Path, teacher: str | None = None, ref_logprobs: bool = False) -> dict:
     """Write the cache's rows in format ``to`` under ``out``; return what was written."""
     if to not in FORMATS:
         raise ConfigError(f"--to must be one of {', '.join(FORMATS)}, got {to!r}")
@@ -41,12 +50,17 @@ def export(cache_root: str | Path, to: str, out: str | Path, teacher: str | None
     out.mkdir(parents=True, exist_ok=True)
     rollout_paths = cache.shard_paths(base)
     teacher_paths = cache.shard_paths(table) if table else [None] * len(rollout_paths)
-    rows_written, files = 0, []
+    if to == "lightning-opd" and table is None:
+        raise ConfigError(f"{cache_root} has no teacher scores: lightning-opd needs teacher log-probs (run `opdcache score-teacher`)")
+    rows_written, refused, files = 0, 0, []
     jsonl_tmp = out / f".rollouts.jsonl.tmp-{os.getpid()}"
     sink = open(jsonl_tmp, "w") if to == "jsonl" else None
     try:
         for i, (rpath, tpath) in enumerate(zip(rollout_paths, teacher_paths)):
             rows = _rows(rpath, tpath, tokenizer)
+            if to == "lightning-opd":
+                rows, bad = _lightning_opd_rows(rows, tokenizer, ref_logprobs)
+                refused += bad
             rows_written += len(rows)
             if sink is not None:
                 for row in rows:
@@ -55,7 +69,8 @@ def export(cache_root: str | Path, to: str, out: str | Path, teacher: str | None
                 import pyarrow as pa
 
                 path = out / shards.shard_name(i, len(rollout_paths))
-                shards.write_table_atomic(pa.Table.from_pylist(rows), path, out)
+                schema = LIGHTNING_OPD_SCHEMA if to == "lightning-opd" else None
+                shards.write_table_atomic(pa.Table.from_pylist(rows, schema=schema), path, out)
                 files.append(path)
     finally:
         if sink is not None:
@@ -64,7 +79,37 @@ def export(cache_root: str | Path, to: str, out: str | Path, teacher: str | None
         final = out / "rollouts.jsonl"
         jsonl_tmp.replace(final)
         files.append(final)
-    return {"rows": rows_written, "files": [str(f) for f in files], "teacher": table}
+    return {"rows": rows_written, "refused": refused, "files": [str(f) for f in files], "teacher": table}
+
+
+def _lightning_opd_schema():
+    import pyarrow as pa
+
+    return pa.schema([("prompt", pa.string()), ("label", pa.string()), ("metadata", pa.struct([
+        ("is_lightning_opd", pa.bool_()), ("response_tokens", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())),
+        ("response", pa.string()), ("teacher_log_probs", pa.list_(pa.float64())), ("student_log_probs", pa.list_(pa.float64())),
+    ]))])
+
+
+LIGHTNING_OPD_SCHEMA = _lightning_opd_schema()
+
+
+def _lightning_opd_rows(rows: list[dict], tokenizer, ref_logprobs: bool) -> tuple[list[dict], int]:
+    """Rows in the release's layout; those whose prompt text does not re-encode to the cached ids are dropped (counted)."""
+    out, refused = [], 0
+    for row in rows:
+        prompt = tokenizer.decode(row["prompt_ids"], skip_special_tokens=False)
+        if tokenizer.encode(prompt, add_special_tokens=False) != list(row["prompt_ids"]):
+            refused += 1
+            continue
+        n = len(row["response_ids"])
+        out.append({"prompt": prompt, "label": "0", "metadata": {
+            "is_lightning_opd": True, "response_tokens": list(row["response_ids"]), "loss_mask": [1] * n,
+            "response": tokenizer.decode(row["response_ids"], skip_special_tokens=True),
+            "teacher_log_probs": [float(x) for x in row["teacher_logprobs"]],
+            "student_log_probs": [float(x) for x in row["ref_logprobs"]] if ref_logprobs and row.get("ref_logprobs") is not None else None,
+        }})
+    return out, refused
 
 
 def _rows(rollout_path: Path, teacher_path: Path | None, tokenizer) -> list[dict]:

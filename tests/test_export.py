@@ -42,4 +42,57 @@ def test_export_round_trips(hf_cache, tmp_path, capsys, fmt):
 def test_export_refuses_an_unknown_format(hf_cache, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["export", str(hf_cache), "--to", "csv", "--out", str(tmp_path / "x")])
-    assert e.value.code == 2 and "--to must be one of jsonl, parquet-flat, got 'csv'" in capsys.readouterr().err
+    assert e.value.code == 2 and "--to must be one of jsonl, parquet-flat, lightning-opd, got 'csv'" in capsys.readouterr().err
+
+
+def _release_reader(directory):
+    """What the Lightning OPD release's slime fork does (slime/utils/data.py, slime/rollout/sglang_rollout.py): every
+    .parquet under the directory, sorted, read with pandas' pyarrow backend, row by row."""
+    import os
+
+    import pandas as pd
+
+    files = sorted(os.path.join(root, f) for root, _, names in os.walk(directory) for f in names if f.endswith(".parquet"))
+    for path in files:
+        for _, row in pd.read_parquet(path, dtype_backend="pyarrow").iterrows():
+            yield row.to_dict()
+
+
+def test_lightning_opd_export_round_trips_through_the_release_reader(hf_cache, tmp_path, capsys):
+    import shutil
+
+    import pyarrow as pa
+    from transformers import AutoTokenizer
+
+    from opdcache import manifest as M
+
+    cache = tmp_path / "cache"
+    shutil.copytree(hf_cache, cache)
+    # one row whose prompt holds a reserved token: its decoded text ("<|reserved_0|>") cannot re-encode to that id
+    path = Cache(cache).shard_paths("rollouts")[1]
+    table = shards.read_table(path)
+    rows = table.to_pylist()
+    reserved = AutoTokenizer.from_pretrained(cache / "tokenizer").convert_tokens_to_ids("<|reserved_0|>")
+    rows[2]["prompt_ids"] = [rows[2]["prompt_ids"][0], reserved] + rows[2]["prompt_ids"][1:]
+    info = shards.write_table_atomic(pa.Table.from_pylist(rows, schema=table.schema), path, cache)
+    m = M.load(cache)
+    m["tables"]["rollouts"]["shards"][1] = info.to_dict()
+    M.save(cache, m)
+
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(cache), "--to", "lightning-opd", "--out", str(tmp_path / "lo"), "--ref-logprobs"])
+    assert e.value.code == 0
+    assert "exported 47 rows" in (out := capsys.readouterr().out) and "1 rows refused" in out
+    tok = AutoTokenizer.from_pretrained(cache / "tokenizer")
+    rollouts, teacher = _cache_rows(cache)
+    kept = [(r, t) for r, t in zip(rollouts, teacher) if reserved not in r["prompt_ids"]]
+    exported = list(_release_reader(tmp_path / "lo"))
+    assert len(exported) == len(kept) == 47
+    for row, (r, t) in zip(exported, kept):
+        meta = row["metadata"]
+        prompt = tok.encode(row["prompt"], add_special_tokens=False)  # what the reader does
+        tokens = [int(x) for x in prompt] + [int(x) for x in meta["response_tokens"]]
+        assert tokens == list(r["prompt_ids"]) + list(r["response_ids"])
+        assert meta["is_lightning_opd"] and row["label"] == "0" and sum(meta["loss_mask"]) == len(meta["loss_mask"]) == len(r["response_ids"])
+        assert [float(x) for x in meta["teacher_log_probs"]] == [float(x) for x in t["logprobs"]]  # float32 values, exactly
+        assert [float(x) for x in meta["student_log_probs"]] == [float(x) for x in r["ref_logprobs"]]
