@@ -244,11 +244,12 @@ class CacheLoader:
         self.dataset.epoch, self.dataset.start_batch = self.epoch, self.consumed
         loader = torch.utils.data.DataLoader(self.dataset, batch_size=None, num_workers=self.config.num_workers,
                                              persistent_workers=False, prefetch_factor=4 if self.config.num_workers else None)
+        total = len(self.dataset.batches(self.epoch))
         for batch in loader:
             self.consumed += 1
+            if self.consumed == total:  # the epoch ends with its last batch handed out, not when a consumer asks for
+                self.epoch, self.consumed = self.epoch + 1, 0  # one more (a Trainer that stops at len() never does)
             yield batch
-        self.epoch += 1
-        self.consumed = 0
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.config.seed, "batch_size": self.config.batch_size,

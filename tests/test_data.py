@@ -81,3 +81,16 @@ def test_batch_tensors_match_the_cache(hf_cache):
 def test_missing_stores_are_named(hf_cache):
     with pytest.raises(ConfigError, match="teacher 'teacher' has no svdx store"):
         CacheLoader(CacheLoaderConfig(cache=hf_cache, teacher="teacher", stores=("svdx",)))
+
+
+def test_a_consumer_that_stops_at_len_gets_the_next_epoch(hf_cache):
+    """transformers' Trainer takes exactly len(loader) batches per epoch and never asks for one more: the loader must
+    still move to the next epoch (it used to hand out nothing from then on)."""
+    import itertools
+
+    loader = CacheLoader(CacheLoaderConfig(cache=hf_cache, batch_size=16))
+    n = len(loader)
+    first = [b["response_ids"] for b in itertools.islice(iter(loader), n)]
+    second = [b["response_ids"] for b in itertools.islice(iter(loader), n)]
+    assert len(first) == len(second) == n and loader.state_dict()["epoch"] == 2
+    assert not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(first, second))  # epoch 1 reshuffled
