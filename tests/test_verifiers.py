@@ -197,3 +197,64 @@ def test_prompts_from_a_hub_dataset_id_offline(tmp_path, weights, monkeypatch):
     assert len(res.prompts.prompts) == 3 and [p.answer for p in res.prompts.prompts] == ["300", "302", "304"]
     with pytest.raises(ConfigError, match="org/missing is not in the local Hub cache and HF_HUB_OFFLINE is set"):
         run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig("org/missing"), out=tmp_path / "d"))
+
+
+def _math_models(tmp_path, weights):
+    """The demo models with a tokenizer whose first three reserved tokens are '\\', '{' and '}', so \\boxed{...} answers
+    are tokenizable (same vocabulary size, so the same weights run)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from opdcache.demo.models import build_tokenizer
+
+    tok = build_tokenizer()
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    for old, new in zip(("<|reserved_0|>", "<|reserved_1|>", "<|reserved_2|>"), ("\\", "{", "}")):
+        vocab[new] = vocab.pop(old)
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token=tok.eos_token,
+                                   pad_token=tok.pad_token, unk_token=tok.unk_token)
+    fast.chat_template = tok.chat_template
+    out = {}
+    for role in ("teacher", "student"):
+        shutil.copytree(weights / role, tmp_path / role)
+        fast.save_pretrained(tmp_path / role)
+        out[role] = tmp_path / role
+    loaded = AutoTokenizer.from_pretrained(out["student"])
+    assert loaded.decode(loaded.encode("so \\boxed{0.5}", add_special_tokens=False)) == "so \\boxed{0.5}"  # round-trips exactly
+    return out, loaded
+
+
+def test_math_task_end_to_end_build_sft_build_rollouts_score_teacher(tmp_path, weights, monkeypatch):
+    """A math-style prompt file (chat messages with a system turn, LaTeX answers) through build-sft (math verifier,
+    --keep correct) -> build-rollouts (math verifier) -> score-teacher, on the demo models' machinery, with constructed
+    responses: exact, equivalent, wrong and unparseable."""
+    from opdcache.prompts import read_prompts
+    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.validate import validate
+
+    models, tok = _math_models(tmp_path, weights)
+    rows = [{"messages": [{"role": "system", "content": "answer in a box."}, {"role": "user", "content": "1+1"}], "answer": "2"},
+            {"messages": [{"role": "user", "content": "1/2+0"}], "answer": "\\frac{1}{2}"},
+            {"messages": [{"role": "user", "content": "2*3"}], "answer": "6"},
+            {"messages": [{"role": "user", "content": "9-4"}], "answer": "5"}]
+    src = tmp_path / "math.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    responses = ["so \\boxed{2}", "we get \\boxed{0.5}", "it is \\boxed{7}", "no idea"]  # exact, equivalent, wrong, none
+    prompts = read_prompts(PromptConfig(src, messages_field="messages"), tok, None).prompts
+    monkeypatch.setattr(TransformersBackend, "generate", _scripted(dict(zip((p.prompt_ids for p in prompts), responses)))[1])
+    cfg = PromptConfig(src, messages_field="messages")
+    sft = run_generate(GenerateJob(model=models["teacher"], prompts=cfg, out=tmp_path / "sft", kind="sft", num_shards=2,
+                                   sampling=SamplingConfig(max_new_tokens=24), reward="math", keep="correct"))
+    kept = {r["prompt_index"]: r["reward"] for p in Cache(tmp_path / "sft").shard_paths("sft") for r in shards.read_table(p).to_pylist()}
+    assert kept == {0: 1.0, 1: 1.0} and sft.rejected == 2
+    run_generate(GenerateJob(model=models["student"], prompts=cfg, out=tmp_path / "ro", num_shards=2, sampling=SamplingConfig(max_new_tokens=24),
+                             reward="math", sft_teacher=models["teacher"]))
+    rewards = {r["prompt_index"]: r["reward"] for p in Cache(tmp_path / "ro").shard_paths("rollouts") for r in shards.read_table(p).to_pylist()}
+    assert rewards == {0: 1.0, 1: 1.0, 2: 0.0, 3: 0.0}
+    result = run_score(ScoreJob(cache=tmp_path / "ro", teacher=models["teacher"], stores=("logprob", "topk"), top_k=4))
+    assert result["consistency"]["verdict"] == "consistent" and validate(tmp_path / "ro") == []
