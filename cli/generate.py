@@ -46,6 +46,17 @@ def _run(kind: str, model: str, o: dict) -> None:
                             generate_batch_size=o["batch_size"]),
         num_workers=o["num_workers"], worker_index=o["worker_index"], progress=o["progress"],
     )
+    if o["executor"] == "ray":
+        from opdcache.executors import RayConfig, run_on_ray
+
+        results = run_on_ray(run_generate, job, RayConfig(workers=o["workers"], address=o["ray_address"], gpus_per_worker=o["gpus_per_worker"]), kind)
+        written = sorted(i for r in results for i in r.written)
+        typer.echo(f"{job.out}: {len(results)} Ray workers wrote shards {written or 'none (all present)'}; cache complete. {results[0].prompts.summary()}")
+        return
+    if o["executor"] != "local":
+        from opdcache.errors import ConfigError
+
+        raise ConfigError(f"--executor must be local or ray, got {o['executor']!r}")
     typer.echo(run_generate(job).summary())
 
 
@@ -62,6 +73,7 @@ def build_sft(
     seed: O.Seed = 0, backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto",
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
+    executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0,
 ) -> None:
     """Sample teacher trajectories for SFT (papers/000 eq. 5); the teacher's fingerprint is the lineage.
 
@@ -83,6 +95,7 @@ def build_rollouts(
     backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", quantize: O.Quantize = None,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
+    executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0,
 ) -> None:
     """Sample pi_ref rollouts with their log-probs (papers/000 eq. 7).
 

@@ -15,6 +15,11 @@ Revision = Annotated[Optional[str], typer.Option("--revision", help="Hub branch 
 NumWorkers = Annotated[Optional[int], typer.Option("--num-workers", help="Workers sharing the job (default: SLURM array size, torchrun WORLD_SIZE, or 1).", show_default=False)]
 WorkerIndex = Annotated[Optional[int], typer.Option("--worker-index", help="This worker's index in [0, num-workers) (default: SLURM array index, torchrun RANK, or 0).", show_default=False)]
 
+Executor = Annotated[str, typer.Option("--executor", help="local (this process; --num-workers/--worker-index for Slurm or torchrun) or ray (--workers tasks on a Ray cluster).")]
+RayAddress = Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster).", show_default=False)]
+RayWorkers = Annotated[int, typer.Option("--workers", help="--executor ray: tasks, each with its own engine and whole shards.")]
+GpusPerWorker = Annotated[float, typer.Option("--gpus-per-worker", help="--executor ray: GPUs each task reserves.")]
+
 # ---- models and engines
 ModelPath = Annotated[str, typer.Option("--model", help="Model: a local Hugging Face directory or a Hub id org/name[@revision] (offline from the Hub cache with HF_HUB_OFFLINE=1).", show_default=False)]
 TeacherModel = Annotated[str, typer.Option("--teacher", help="Teacher: a local Hugging Face directory or a Hub id org/name[@revision].", show_default=False)]

@@ -23,6 +23,7 @@ def score_teacher(
     backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", deterministic: O.Deterministic = False,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
+    executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0,
 ) -> None:
     """Score a rollouts cache with a teacher, once, into teachers/<name>/ (row-aligned).
 
@@ -37,7 +38,18 @@ def score_teacher(
                    engine=EngineConfig(backend=backend, dtype=dtype, device=device, deterministic=deterministic,
                                        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization),
                    num_workers=num_workers, worker_index=worker_index, progress=progress)
-    result = run_score(job)
+    if executor == "ray":
+        from opdcache.executors import RayConfig, run_on_ray
+
+        results = run_on_ray(run_score, job, RayConfig(workers=workers, address=ray_address, gpus_per_worker=gpus_per_worker),
+                             f"teachers/{job.table_slug}")
+        result = {**results[0], "written": sorted(i for r in results for i in r["written"]), "finished": True}
+    elif executor == "local":
+        result = run_score(job)
+    else:
+        from opdcache.errors import ConfigError
+
+        raise ConfigError(f"--executor must be local or ray, got {executor!r}")
     c = result["consistency"]
     typer.echo(f"teacher consistency: {c['verdict']} ({c['note']})")
     if result["svd"]:

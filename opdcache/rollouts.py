@@ -126,6 +126,8 @@ class GenerateJob:
     """This worker's index."""
     progress: bool | None = None
     """Show progress bars (default: only on a terminal)."""
+    finalize: bool = True
+    """Write the manifest when this worker finds every shard present (a Ray driver finalizes itself instead)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("sft", "rollouts"):
@@ -292,7 +294,7 @@ def run_generate(job: GenerateJob) -> GenerateResult:
         return records
 
     with closing(backend):
-        written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"build-{job.kind}", progress=job.progress, finalize=True,
+        written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"build-{job.kind}", progress=job.progress, finalize=job.finalize,
                                 rows_of=lambda i: (bounds[i + 1] - bounds[i]) * job.sampling.samples)
     finished = table.all_done()
     return GenerateResult(job.out, written, finished, prompts, quarantined, rejected)

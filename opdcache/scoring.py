@@ -57,6 +57,11 @@ class ScoreJob:
     """This worker's index."""
     progress: bool | None = None
     """Show progress bars (default: only on a terminal)."""
+    finalize: bool = True
+    """Write the manifest when this worker finds every shard present (a Ray driver finalizes itself instead)."""
+    prepare_only: bool = False
+    """Write the side files (head, fitted svd projection) and the job record, then stop: a distributed driver runs this
+    once first, so every worker reads one projection instead of fitting its own."""
 
     def __post_init__(self) -> None:
         stores = tuple(dict.fromkeys(("logprob",) + tuple(self.stores)))
@@ -164,6 +169,9 @@ def run_score(job: ScoreJob) -> dict:
     proj = None
     if "svd" in job.stores:
         proj, table.meta["svd"] = _svd_projection(job, cache, backend, table)
+    if job.prepare_only:  # the side files and the job record exist now: workers started after this share them
+        backend.close()
+        return {"slug": slug, "written": [], "finished": False, "consistency": verdict, "svd": table.meta.get("svd")}
     base_paths = cache.shard_paths(base)
     request_columns = ["id", "prompt_ids", "response_ids"] + (["ref_topk_ids"] if params.ref_top_k else []) + (["mc_ids"] if params.mc_samples else [])
 
@@ -192,7 +200,7 @@ def run_score(job: ScoreJob) -> dict:
         return records
 
     with closing(backend):
-        written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"score-teacher {slug}", progress=job.progress, finalize=True,
+        written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"score-teacher {slug}", progress=job.progress, finalize=job.finalize,
                                 rows_of=lambda i: base_entry["shards"][i]["rows"])
     finished = table.all_done()
     return {"slug": slug, "written": written, "finished": finished, "consistency": verdict, "svd": table.meta.get("svd")}
@@ -211,10 +219,7 @@ def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):
 
     path = table.dir / "svd.safetensors"
     if path.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            info = json.loads(f.metadata()["info"])
+        info = svd.read_metadata(path)["info"]
         return svd.load(path), info
     if not isinstance(backend, TransformersBackend):
         raise ConfigError("the svd store needs the transformers engine")

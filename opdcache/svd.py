@@ -190,14 +190,30 @@ def save(proj: SVDProjection, path, extra: dict) -> None:
     if proj.bias is not None:
         tensors["bias"] = proj.bias.contiguous()
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"format": "opdcache-svd-v1", "method": proj.method, "info": json.dumps(extra, sort_keys=True)})
+    # one metadata key: safetensors writes its metadata map in hash order, which differs between processes, so several
+    # keys would make the same projection's bytes (and its manifest sha256) depend on the process that wrote it
+    header = json.dumps({"format": "opdcache-svd-v1", "method": proj.method, "info": extra}, sort_keys=True)
+    save_file(tensors, str(tmp), metadata={"opdcache": header})
     tmp.replace(path)
+
+
+def read_metadata(path) -> dict:
+    """{format, method, info} of an svd.safetensors (also from files written with one key per field)."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    if "opdcache" in meta:
+        return json.loads(meta["opdcache"])
+    return {"format": meta.get("format"), "method": meta["method"], "info": json.loads(meta["info"])}
 
 
 def load(path) -> SVDProjection:
     from safetensors import safe_open
 
+    method = read_metadata(path)["method"]
     with safe_open(str(path), "pt") as f:
-        method = f.metadata()["method"]
         t = {k: f.get_tensor(k) for k in f.keys()}
     return SVDProjection(method, t["encoder"], t["decoder"], t.get("bias"))
