@@ -275,11 +275,9 @@ class Trainer:
         """Refuse a batch whose cached values are NaN or infinite at response positions (a damaged cache), before
         they reach the loss: no estimator may train through them."""
         mask = batch["response_mask"].bool()
-        for name, value in batch.items():
-            if not value.is_floating_point() or name == "response_mask":
-                continue
-            at = value[mask] if value.shape[:2] == mask.shape else value
-            bad = int((~torch.isfinite(at.float())).sum())
+        names = [n for n, v in batch.items() if v.is_floating_point() and n != "response_mask"]
+        counts = torch.stack([(~torch.isfinite(batch[n][mask] if batch[n].shape[:2] == mask.shape else batch[n])).sum() for n in names])
+        for name, bad in zip(names, counts.tolist()):  # one device sync per batch, not one per column
             if bad:
                 raise SchemaError(f"the cache holds {bad} non-finite values in {name} at response positions of this batch; "
                                   f"run `opdcache validate {self.cfg.cache}` to find the rows, then rebuild those shards")
@@ -353,7 +351,7 @@ class Trainer:
         """The mean over ranks of a per-rank number (the logged loss: each rank's share, times the world, averaged)."""
         if not self.ddp:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
         torch.distributed.all_reduce(t)
         return float(t) / self.world
 
