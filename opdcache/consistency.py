@@ -9,6 +9,11 @@ Two independent answers:
   (``logprobs``), as a token-weighted mean with a 95% bootstrap interval over sequences. pi_ref imitates
   its SFT teacher, so the consistent teacher is the one with the smallest gap. For two teachers a, b the
   per-sequence mismatch Delta = sum_t (T_a,t - T_b,t) gives sigma_Delta = sqrt(E[Delta^2]) (Assumption 3.4).
+
+With one teacher the probe cannot name the consistent one; it can place that teacher's gap against an untrained
+baseline: ``uniform_gap`` = mean_t r_t + log V, the gap a uniform teacher (log-prob -log V for every token) would
+have on the same samples, and ``gap_vs_uniform`` = gap / uniform_gap (near 0: pi_ref's samples are about as likely
+under the teacher as under pi_ref; near 1: no better than a teacher that knows nothing).
 """
 
 from __future__ import annotations
