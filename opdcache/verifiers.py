@@ -43,7 +43,7 @@ def exact(response: str, task: dict) -> float:
     return float(_normalise(response) == _normalise(str(task["answer"])))
 
 
-def math(response: str, task: dict) -> tuple[float, str]:
+def math_equivalent(response: str, task: dict) -> tuple[float, str]:
     """1.0 when the response's final answer is mathematically equivalent to the reference answer (math-verify)."""
     try:
         from math_verify import parse, verify
@@ -58,7 +58,7 @@ def math(response: str, task: dict) -> tuple[float, str]:
     return (1.0, "equivalent") if verify(gold, got) else (0.0, f"final answer {got[-1]!s} is not {task['answer']}")
 
 
-BUILTIN: dict[str, Callable] = {"exact": exact, "math": math}
+BUILTIN: dict[str, Callable] = {"exact": exact, "math": math_equivalent}
 
 
 def _plugins() -> dict:

@@ -36,7 +36,7 @@ def test_exact_normalises_whitespace_and_case():
     ("I do not know", "4", 0.0),                                  # unparseable: no final answer
 ])
 def test_math_verifier_on_constructed_responses(response, answer, expected):
-    verdict = V.score(V.math, response, {"answer": answer})
+    verdict = V.score(V.math_equivalent, response, {"answer": answer})
     assert verdict.score == expected, verdict
     if response == "I do not know":
         assert verdict.reason == "no final answer found in the response"
