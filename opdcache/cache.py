@@ -60,9 +60,8 @@ def worker_from_env(num_workers: int | None = None, worker_index: int | None = N
     return num_workers, worker_index
 
 
-SIDE_FILES = ("head.safetensors", "svd.safetensors")
-"""Files next to a table's shards that its stores need (hidden: the head; svd: the projection)."""
 SIDE_FILE_OF_STORE = {"hidden": "head.safetensors", "svd": "svd.safetensors"}
+"""Files next to a table's shards that its stores need (hidden: the head; svd: the projection), hashed in the manifest."""
 
 
 def shards_for_worker(num_shards: int, num_workers: int, worker_index: int, groups: Sequence[Sequence[int]] | None = None) -> list[int]:
@@ -207,7 +206,7 @@ class TableJob:
             "config_fingerprint": self.fingerprint, "shards": self.shard_infos(),
         }
         side = {name: {"bytes": (self.dir / name).stat().st_size, "sha256": sha256_file(self.dir / name)}
-                for name in SIDE_FILES if (self.dir / name).is_file()}
+                for name in SIDE_FILE_OF_STORE.values() if (self.dir / name).is_file()}
         if side:  # hashed like shards, checked by validate
             entry["files"] = side
         entry.update({k: v for k, v in extra.items() if v is not None})

@@ -37,8 +37,8 @@ def model_info(model: "str | Path | ModelRef", **engine) -> dict:
     return info
 
 
-def read_sft_lineage(model_dir: "str | Path | ModelRef") -> dict | None:
-    path = (model_dir.path if isinstance(model_dir, ModelRef) else Path(model_dir)) / LINEAGE_FILE
+def read_sft_lineage(model: "str | Path | ModelRef") -> dict | None:
+    path = resolve_model(model).path / LINEAGE_FILE
     return json.loads(path.read_text()) if path.is_file() else None
 
 

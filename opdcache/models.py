@@ -57,13 +57,12 @@ def resolve_model(spec: str | os.PathLike, revision: str | None = None, what: st
             raise ConfigError(f"{what} {text} is a directory but not a Hugging Face model (no config.json); "
                               "pass the folder that holds config.json and the weights")
         return ModelRef(local)
-    match = _HUB_ID.match(text)
-    if _looks_like_path(text) or local.exists() or match is None:
+    if local.exists() or not is_hub_id(text):
         raise ConfigError(f"{what} {text}: no such model directory (and not a Hub id of the form org/name); check the path")
     path = hub_snapshot(text, revision, what)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{what} {text}: the Hub snapshot {path} has no config.json; it is not a transformers model")
-    return ModelRef(path, repo_id=_HUB_ID.match(text)["repo"], commit=path.name)
+    return ModelRef(path, repo_id=_HUB_ID.match(text)["repo"], commit=path.name)  # the snapshot directory is named by its commit
 
 
 def hub_snapshot(spec: str, revision: str | None, what: str, repo_type: str = "model") -> Path:

@@ -240,6 +240,9 @@ def run_generate(job: GenerateJob) -> GenerateResult:
         "generate_batch_size": job.engine.generate_batch_size if job.engine.backend == "transformers" else None,
     }
     tok_info = {"fingerprint": config["tokenizer"], "name_or_path": ref.name, "chat_template_sha256": prompts.chat_template_sha256}
+    # the manifest's table stats: prompts kept; samples_drawn = prompts x --samples (rows = samples_drawn - quarantined
+    # - those --keep correct rejected); prompt rows skipped as malformed or too long; prompt_tokens over kept prompts,
+    # unknown_tokens of them the tokenizer's unknown token; duplicate_rows beyond the first copy of a prompt (kept)
     stats = {"prompts": len(prompts.prompts), "samples_drawn": len(prompts.prompts) * job.sampling.samples, "keep": job.keep,
              "malformed": prompts.malformed, "too_long": prompts.too_long,
              "prompt_tokens": prompts.prompt_tokens, "unknown_tokens": prompts.unknown_tokens,
@@ -248,7 +251,8 @@ def run_generate(job: GenerateJob) -> GenerateResult:
     num_shards = min(job.num_shards, len(prompts.prompts))
     n = len(prompts.prompts)
     bounds = np.linspace(0, n, num_shards + 1).astype(int)
-    groups = generation_groups([(bounds[i + 1] - bounds[i]) * job.sampling.samples for i in range(num_shards)], job.engine.generate_batch_size)
+    samples_per_shard = [int(bounds[i + 1] - bounds[i]) * job.sampling.samples for i in range(num_shards)]
+    groups = generation_groups(samples_per_shard, job.engine.generate_batch_size)
     table = TableJob(job.out, job.kind, job.kind, params, config, num_shards, meta=meta, groups=groups)
     table.begin()  # refuses changed inputs or settings before anything of the existing cache is touched
     write_errors(job.out / f"{job.kind}_errors.jsonl", prompts)
@@ -295,6 +299,6 @@ def run_generate(job: GenerateJob) -> GenerateResult:
 
     with closing(backend):
         written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"build-{job.kind}", progress=job.progress, finalize=job.finalize,
-                                rows_of=lambda i: (bounds[i + 1] - bounds[i]) * job.sampling.samples)
+                                rows_of=samples_per_shard.__getitem__)
     finished = table.all_done()
     return GenerateResult(job.out, written, finished, prompts, quarantined, rejected)

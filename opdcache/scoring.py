@@ -210,7 +210,6 @@ def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):
     """Fit (or reload) the chosen svd projection on the first rows of shard 0 and measure its distortion on the
     next rows. Memory: the calibration and held-out hidden states ([positions, H], decoded in the engine's
     token-budget batches), [H, H] float64 moments and [V, rank] decoder; never [positions, vocabulary]."""
-    import json
 
     import torch
 

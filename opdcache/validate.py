@@ -115,7 +115,7 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
             if quick:
                 continue
             # every column but the hidden states, which _check_hidden streams one row group at a time
-            table = shards.read_table(path, [c for c in shards.read_schema(path).names if c != "hidden"])
+            table = shards.read_table(path, [c.name for c in S.columns(entry["kind"], params) if c.name != "hidden"])
             tokens = shards.table_tokens(table)
             if tokens != info["tokens"]:
                 out.add(info["path"], f"{tokens} response tokens, the manifest says {info['tokens']} (info would report wrong totals)")
@@ -325,7 +325,7 @@ def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, par
     for name in ("ref_topk_logprobs", "mc_logprobs"):
         if name in table.column_names:
             _check_logprobs(file, name, shards.token_values(table[name]), offsets, out)
-    if "hidden" in shards.read_schema(root / file).names:
+    if "hidden" in params.stores:  # _check_file verified the shard's schema is the declared one
         _check_hidden(root, file, entry, response, logprobs, offsets, lengths, out)
 
 

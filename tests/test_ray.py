@@ -2,7 +2,6 @@
 bytes as one local process, and a worker killed mid-job leaves no partial shard while the job completes."""
 
 import os
-import sys
 from pathlib import Path
 
 import pytest

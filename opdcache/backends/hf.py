@@ -80,10 +80,10 @@ def _base(model):
 
 
 def _head_transform(model):
-    """Elementwise logit transforms some models apply after the head (scaling, soft-capping)."""
-    cfg = model.config
-    scale = getattr(cfg, "logit_scale", None)
-    cap = getattr(cfg, "final_logit_softcapping", None)
+    """Elementwise logit transforms some models apply after the head (scaling, then soft-capping)."""
+    from opdcache.logprobs import head_transform_of
+
+    scale, cap = head_transform_of(model)
 
     def transform(x: torch.Tensor) -> torch.Tensor:
         if scale is not None:
