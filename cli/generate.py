@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -60,7 +59,7 @@ def _run(kind: str, model: str, o: dict) -> None:
     typer.echo(run_generate(job).summary())
 
 
-Out = Annotated[Path, typer.Option("--out", help="Cache directory to write (resumed if it holds a partial run).", show_default=False)]
+Out = Annotated[str, typer.Option("--out", help="Cache to write, a directory or a URL such as s3://bucket/prefix (resumed if it holds a partial run).", show_default=False)]
 
 
 def build_sft(

@@ -36,6 +36,21 @@ def _register() -> None:
     _registered = True
 
 
+_STORAGE_MODULES = ("botocore", "aiobotocore", "s3fs", "gcsfs", "google", "aiohttp", "fsspec", "adlfs", "azure")
+
+
+def _storage_failure(exc: Exception) -> str | None:
+    """One line for an object-store or disk failure (credentials, endpoint, permissions, disk full), else None."""
+    module = type(exc).__module__.split(".")[0]
+    if module not in _STORAGE_MODULES and not isinstance(exc, OSError):
+        return None
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    hint = ("check the URL, the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS), "
+            "AWS_ENDPOINT_URL for S3-compatible stores, and the network" if module in _STORAGE_MODULES
+            else "check the path, its permissions and the free disk space")
+    return f"storage: {type(exc).__name__}: {first}; {hint}. Rerun the same command to resume"
+
+
 def main(argv: list[str] | None = None) -> None:
     _register()
     try:
@@ -54,7 +69,11 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(exc, click.exceptions.ClickException):
             exc.show()
             sys.exit(exc.exit_code)
-        raise
+        line = _storage_failure(exc)
+        if line is None:
+            raise
+        typer.echo(f"error: {line}", err=True)
+        sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
 
 

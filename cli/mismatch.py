@@ -37,7 +37,9 @@ def mismatch_report(
     problems = M.crossed(rep, limits)
     rep["thresholds"] = dict(vars(limits))
     rep["crossed"] = problems
-    out = out or Path(cache) / "mismatch-report"
+    from opdcache.storage import is_url
+
+    out = out or (Path("mismatch-report") if is_url(cache) else Path(cache) / "mismatch-report")  # the report is written locally
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "mismatch_report.json", json.dumps(rep, indent=2) + "\n")
     typer.echo(M.render(rep))

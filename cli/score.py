@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Optional
 
 import typer
@@ -64,14 +63,7 @@ def finalize(cache: O.CachePath,
     """Write the manifest after all workers of a job are done (any worker that finishes last does it too)."""
     from opdcache.cache import TableJob, finalize_table
 
-    job = TableJob.from_job_file(cache, table)
-    svd_path = job.dir / "svd.safetensors"
-    if svd_path.is_file() and "svd" not in job.meta:
-        from safetensors import safe_open
-
-        with safe_open(str(svd_path), "pt") as f:
-            job.meta["svd"] = json.loads(f.metadata()["info"])
-    finalize_table(job)
+    finalize_table(TableJob.from_job_file(cache, table))
     typer.echo(f"{cache}: {table} finalized")
 
 

@@ -13,7 +13,7 @@ from opdcache.cli import options as O
 
 def sft(
     model: O.ModelPath,
-    data: Annotated[Path, typer.Option("--data", help="SFT cache from `opdcache build-sft`.", show_default=False)],
+    data: Annotated[str, typer.Option("--data", help="SFT cache from `opdcache build-sft` (a directory or a URL such as s3://bucket/prefix).", show_default=False)],
     out: Annotated[Path, typer.Option("--out", help="Output model directory.", show_default=False)],
     steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 500,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per step.")] = 64,
@@ -33,7 +33,7 @@ def sft(
 
 def train(
     model: Annotated[Optional[Path], typer.Option("--model", help="pi_ref (the SFT student).", show_default=False)] = None,
-    cache: Annotated[Optional[Path], typer.Option("--cache", help="Rollouts cache.", show_default=False)] = None,
+    cache: Annotated[Optional[str], typer.Option("--cache", help="Rollouts cache: a directory or a URL (s3://bucket/prefix, gs://..., hf://datasets/org/name).", show_default=False)] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (resumed if it holds a checkpoint).", show_default=False)] = None,
     config: Annotated[Optional[Path], typer.Option("--config", help="YAML file of TrainConfig fields; flags override it.", show_default=False)] = None,
     teacher: Annotated[Optional[str], typer.Option("--teacher", help="Teacher table name in the cache.", show_default=False)] = None,
@@ -95,7 +95,7 @@ def train(
     for required in ("model", "cache", "out"):
         if values.get(required) is None:
             raise ConfigError(f"--{required} is required (as a flag or in --config)")
-    for key in ("model", "cache", "out", "teacher_model"):
+    for key in ("model", "out", "teacher_model"):  # the cache stays a string: it may be a URL (s3://...)
         if values.get(key) is not None:
             values[key] = Path(values[key])
     cfg = TrainConfig(**values, corrections=Corrections(**corr))

@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
 from opdcache import manifest as M
 from opdcache import schema as S
-from opdcache import shards
+from opdcache import shards, storage
 from opdcache.errors import ConfigError, ManifestError, ResumeError
 from opdcache.fingerprint import config_fingerprint, sha256_file
 
@@ -101,7 +100,7 @@ def config_diff(old: dict, new: dict) -> list[str]:
 class TableJob:
     """Fills one table of a cache, shard by shard, resumably."""
 
-    root: Path
+    root: storage.AnyPath  # a local directory or an object-store URL (opdcache.storage)
     table: str  # "sft", "rollouts" or "teachers/<slug>"
     kind: str
     params: S.StoreParams
@@ -113,7 +112,7 @@ class TableJob:
     fingerprint: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.root = Path(self.root)
+        self.root = storage.as_path(self.root)
         if self.num_shards < 1:
             raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
         full = {"table": self.table, "kind": self.kind, "params": self.params.to_dict(), "num_shards": self.num_shards,
@@ -122,10 +121,10 @@ class TableJob:
         self.fingerprint = config_fingerprint(full, self.parent_fingerprint)
 
     @property
-    def dir(self) -> Path:
+    def dir(self) -> storage.AnyPath:
         return self.root / self.table
 
-    def shard_path(self, index: int) -> Path:
+    def shard_path(self, index: int) -> storage.AnyPath:
         return self.dir / shards.shard_name(index, self.num_shards)
 
     def _job_record(self) -> dict:
@@ -135,12 +134,12 @@ class TableJob:
     @classmethod
     def from_job_file(cls, root: str | os.PathLike, table: str) -> "TableJob":
         """Rebuild a running job from the record it left, e.g. to finalize after all workers are done."""
-        path = Path(root) / table / JOB_FILE
+        path = storage.as_path(root) / table / JOB_FILE
         if not path.is_file():
             raise ManifestError(f"no job in progress for {table!r} under {root} ({path} is missing)")
         rec = json.loads(path.read_text())
         cfg = dict(rec["config"])
-        job = cls(Path(root), cfg.pop("table"), cfg.pop("kind"), S.StoreParams.from_dict(cfg.pop("params")),
+        job = cls(storage.as_path(root), cfg.pop("table"), cfg.pop("kind"), S.StoreParams.from_dict(cfg.pop("params")),
                   {k: v for k, v in cfg.items() if k not in ("num_shards", "format_version")}, cfg["num_shards"],
                   rec["parent_fingerprint"], rec.get("meta", {}))
         if job.fingerprint != rec["config_fingerprint"]:
@@ -260,10 +259,10 @@ def run_table_job(
 
 
 class Cache:
-    """A finished cache on local disk: its manifest and its tables' shard paths."""
+    """A finished cache, on a local disk or an object store: its manifest and its tables' shard paths."""
 
     def __init__(self, root: str | os.PathLike):
-        self.root = Path(root)
+        self.root = storage.as_path(root)
         if not self.root.is_dir():
             raise ManifestError(f"{self.root} does not exist or is not a directory")
         self.manifest = M.load(self.root)
@@ -288,10 +287,19 @@ class Cache:
             raise ManifestError(f"{self.root} has no table {name!r}; it has {', '.join(sorted(tables))}")
         return tables[name]
 
+    def tokenizer(self):
+        """The tokenizer the cache carries (read from a local copy when the cache is remote), or None without one."""
+        path = self.root / "tokenizer"
+        if not path.is_dir():
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(storage.local_copy(path))
+
     def params(self, name: str) -> S.StoreParams:
         return S.StoreParams.from_dict(self.table(name)["params"])
 
-    def shard_paths(self, name: str) -> list[Path]:
+    def shard_paths(self, name: str) -> list[storage.AnyPath]:
         return [self.root / s["path"] for s in self.table(name)["shards"]]
 
     def sequences(self, table: str, column: str) -> list[np.ndarray]:
@@ -321,6 +329,11 @@ def finalize_table(job: TableJob, tokenizer: dict | None = None, lineage: dict |
     tokenizer = tokenizer or job.meta.get("tokenizer")
     lineage = lineage or job.meta.get("lineage")
     entry_extra = {k: v for k, v in job.meta.items() if k not in ("tokenizer", "lineage")} | entry_extra
+    svd_file = job.dir / SIDE_FILE_OF_STORE["svd"]
+    if "svd" in job.params.stores and "svd" not in entry_extra and svd_file.is_file():
+        from opdcache.svd import read_metadata  # a job rebuilt from its job file (finalize, Ray driver): the fit's record
+
+        entry_extra["svd"] = read_metadata(svd_file)["info"]
     if M.exists(job.root):
         manifest = M.load(job.root)
     else:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import yaml
 
@@ -72,7 +71,9 @@ HIDDEN_RECIPES = {
 """How to turn a row's 16-bit ``hidden`` bit patterns back into numbers, per stored dtype (shown in the card, run by a test)."""
 
 
-def write(root: str | Path, manifest: dict) -> Path:
-    path = Path(root) / "README.md"
+def write(root, manifest: dict):
+    from opdcache.storage import as_path
+
+    path = as_path(root) / "README.md"
     write_json_atomic(path, render(manifest))
     return path

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opdcache import shards
+from opdcache import shards, storage
 from opdcache.cache import Cache
 from opdcache.errors import ConfigError
 
@@ -32,7 +32,7 @@ from opdcache.errors import ConfigError
 class CacheLoaderConfig:
     """What to load and how."""
 
-    cache: Path
+    cache: Path | str
     """Cache directory."""
     teacher: str | None = None
     """Teacher table name (teachers/<name>); None loads rollouts only."""
@@ -71,7 +71,8 @@ def _dist() -> tuple[int, int]:
 class _Shard:
     """One shard's columns as flat numpy arrays plus row offsets (decoded once, sliced per row)."""
 
-    def __init__(self, rollout_path: Path, teacher_path: Path | None, rollout_cols: list[str], teacher_cols: list[str]):
+    def __init__(self, rollout_path, teacher_path, rollout_cols: list[str], teacher_cols: list[str]):
+        """Each source: a local path, an object-store path, or a shard's bytes already fetched (opdcache.shards.read_table)."""
         r = shards.read_table(rollout_path, rollout_cols)
         self.offsets = shards.list_offsets(r["response_ids"])
         self.prompt_offsets = shards.list_offsets(r["prompt_ids"])
@@ -135,16 +136,28 @@ def collate(rows: list[dict], hidden_dtype: str | None = None) -> dict[str, torc
     return batch
 
 
-def _verify_shard(path: Path, entry: dict, root) -> None:
-    """Refuse a shard whose size or sha256 differs from the manifest's (truncated, replaced or corrupted)."""
+def _verify_shard(path, entry: dict, root):
+    """Refuse a shard whose size or sha256 differs from the manifest's (truncated, replaced or corrupted).
+
+    Returns what to decode: the local path, or, for an object-store shard, the bytes fetched for the hash (so the
+    shard is downloaded once, not once to hash and once to decode)."""
+    import hashlib
+
     from opdcache.errors import SchemaError
     from opdcache.fingerprint import sha256_file
 
     if not path.is_file():
         raise SchemaError(f"{path} is listed in the manifest but missing; run `opdcache validate {root}`")
-    if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+    if storage.is_remote(path):
+        data = path.read_bytes()
+        good = len(data) == entry["bytes"] and hashlib.sha256(data).hexdigest() == entry["sha256"]
+    else:
+        data = path
+        good = path.stat().st_size == entry["bytes"] and sha256_file(path) == entry["sha256"]
+    if not good:
         raise SchemaError(f"{path} does not match the manifest's size and sha256 (corrupted or replaced); "
                           f"run `opdcache validate {root}` and rebuild or re-pull that shard")
+    return data
 
 
 class CacheDataset(torch.utils.data.IterableDataset):
@@ -208,13 +221,13 @@ class CacheDataset(torch.utils.data.IterableDataset):
     def _load(self, shard: int, cache: dict) -> _Shard:
         if shard not in cache:
             cache.clear()  # one shard decoded at a time per worker
+            sources = [self.rollout_paths[shard], None if self.teacher_paths is None else self.teacher_paths[shard]]
             if self.config.verify:
-                for path in (self.rollout_paths[shard], None if self.teacher_paths is None else self.teacher_paths[shard]):
+                for k, path in enumerate(sources):
                     if path is not None and path not in self.verified:
-                        _verify_shard(path, self.expected[path], self.config.cache)
+                        sources[k] = _verify_shard(path, self.expected[path], self.config.cache)
                         self.verified.add(path)
-            cache[shard] = _Shard(self.rollout_paths[shard], None if self.teacher_paths is None else self.teacher_paths[shard],
-                                  self.rollout_cols, self.teacher_cols)
+            cache[shard] = _Shard(*sources, self.rollout_cols, self.teacher_cols)
         return cache[shard]
 
     def __iter__(self):

@@ -40,12 +40,13 @@ def export(cache_root: str | Path, to: str, out: str | Path, teacher: str | None
     """Write the cache's rows in format ``to`` under ``out``; return what was written."""
     if to not in FORMATS:
         raise ConfigError(f"--to must be one of {', '.join(FORMATS)}, got {to!r}")
-    from transformers import AutoTokenizer
 
     cache = Cache(cache_root)
     base = cache.base_table
     table = cache.teacher_table(teacher) if (teacher or cache.teachers) else None
-    tokenizer = AutoTokenizer.from_pretrained(cache.root / "tokenizer")
+    tokenizer = cache.tokenizer()
+    if tokenizer is None:
+        raise ConfigError(f"{cache_root} carries no tokenizer folder; rebuild it with this opdcache version")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rollout_paths = cache.shard_paths(base)

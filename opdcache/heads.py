@@ -36,16 +36,18 @@ def save_head(head: Head, path: str | Path) -> None:
     tensors = {"weight": head.weight.contiguous().cpu()}
     if head.bias is not None:
         tensors["bias"] = head.bias.contiguous().cpu()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"format": "opdcache-head-v1"})
-    tmp.replace(path)
+    from opdcache import storage
+
+    with storage.staged(storage.as_path(path)) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "opdcache-head-v1"})
 
 
 def load_head(path: str | Path) -> Head:
     from safetensors.torch import load_file
 
-    tensors = load_file(str(path))
+    from opdcache.storage import as_path, local_copy
+
+    tensors = load_file(str(local_copy(as_path(path))))
     return Head(tensors["weight"], tensors.get("bias"))
 
 

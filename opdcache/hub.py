@@ -39,7 +39,11 @@ def push(root: str | Path, repo_id: str, private: bool = False, token: str | Non
     from opdcache import card
     from opdcache.validate import validate
 
-    root = Path(root)
+    from opdcache import storage
+
+    root = storage.as_path(root)
+    if storage.is_remote(root):  # the Hub client uploads local folders: an object-store cache is downloaded first
+        root = storage.local_copy(root)
     errors = [p for p in validate(root) if not p.warning]  # the full check: nothing corrupt leaves this machine
     if errors:
         raise HubError(f"refusing to push an invalid cache ({len(errors)} problems; first: {errors[0]}); run `opdcache validate {root}`")

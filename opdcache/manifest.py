@@ -136,8 +136,11 @@ def _validator():
     return jsonschema.validators.validator_for(schema)(schema)
 
 
-def manifest_path(root: str | Path) -> Path:
-    return Path(root) / MANIFEST_NAME
+def manifest_path(root):
+    """The manifest's path under a local or object-store root (opdcache.storage)."""
+    from opdcache.storage import as_path
+
+    return as_path(root) / MANIFEST_NAME
 
 
 def exists(root: str | Path) -> bool:

@@ -190,13 +190,11 @@ def teacher_section(cache: Cache, a: str, b: str) -> Section:
 def report(cache_root: str | Path, model: str | Path | None = None, teachers: list[str] | None = None, rollouts: bool = True,
            worst: int = 5, device: str = "auto", progress: bool | None = None) -> tuple[dict, list[Section]]:
     """The mismatch figures of a cache, and the sections they came from (for the histogram)."""
-    from transformers import AutoTokenizer
 
     if worst < 0:
         raise ConfigError(f"--worst must be 0 or more, got {worst}")
     cache = Cache(cache_root)
-    tok_dir = cache.root / "tokenizer"
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir) if tok_dir.is_dir() else None
+    tokenizer = cache.tokenizer()
     sections = []
     if rollouts and cache.kind == "rollouts":
         sections.append(rollout_section(cache, model, device, progress))

@@ -222,14 +222,13 @@ def read_prompts(cfg: PromptConfig, tokenizer, max_prompt_tokens: int | None) ->
     return out
 
 
-def write_errors(path: Path, prompts: PromptSet) -> Path | None:
+def write_errors(path, prompts: PromptSet):
     """Write the skipped rows and duplicate report next to a cache (errors.jsonl); None when there are none."""
+    from opdcache.storage import write_text_atomic
+
     if not prompts.errors and not prompts.duplicates:
         return None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for e in prompts.errors:
-            f.write(json.dumps(e) + "\n")
-        for lines in prompts.duplicates.values():
-            f.write(json.dumps({"lines": lines, "reason": "duplicate prompt (all copies kept)"}) + "\n")
+    lines = [json.dumps(e) + "\n" for e in prompts.errors]
+    lines += [json.dumps({"lines": lines, "reason": "duplicate prompt (all copies kept)"}) + "\n" for lines in prompts.duplicates.values()]
+    write_text_atomic(path, "".join(lines))
     return path

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from opdcache import schema as S
-from opdcache import shards, verifiers
+from opdcache import shards, storage, verifiers
 from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig
 from opdcache.cache import TableJob, run_table_job, worker_from_env
 from opdcache.errors import ConfigError
@@ -101,8 +101,8 @@ class GenerateJob:
     """The model to sample: the teacher (build-sft) or pi_ref (build-rollouts); a local directory or a Hub id (org/name[@rev])."""
     prompts: PromptConfig
     """Where the prompts come from and how they are read."""
-    out: Path
-    """The cache directory to write."""
+    out: Path | str
+    """The cache to write: a local directory or an object-store URL (s3://bucket/prefix, gs://...)."""
     kind: str = "rollouts"
     """sft or rollouts."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -191,11 +191,8 @@ def _record(kind: str, prompt, sample_index: int, gen: Generation, reward: float
     return rec
 
 
-def _append_jsonl(path: Path, entries: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        for e in entries:
-            f.write(json.dumps(e) + "\n")
+def _append_jsonl(path, entries: list[dict]) -> None:
+    storage.append_text(path, "".join(json.dumps(e) + "\n" for e in entries))
 
 
 def generation_groups(items_per_shard: Sequence[int], batch_size: int) -> list[list[int]]:
@@ -223,8 +220,9 @@ def run_generate(job: GenerateJob) -> GenerateResult:
     backend = make_backend(ref.path, job.engine, max_logprobs=max(job.sampling.ref_top_k or 0, 1))
     decodable = check_vocab_sizes(tokenizer, backend.vocab_size, ref.name)
     prompts = read_prompts(job.prompts, tokenizer, backend.max_length - job.sampling.max_new_tokens)
-    if not (job.out / "tokenizer").is_dir():  # the cache carries its tokenizer: decode and compare without the model
-        tokenizer.save_pretrained(job.out / "tokenizer")
+    out = storage.as_path(job.out)
+    if not (out / "tokenizer").is_dir():  # the cache carries its tokenizer: decode and compare without the model
+        storage.save_tokenizer(tokenizer, out / "tokenizer")
     model = model_info(ref, **backend.model_info())
     sft_teacher = resolve_sft_teacher(ref, job.sft_teacher) if job.kind == "rollouts" else None
     params = _store_params(job.kind, job.sampling)
@@ -255,7 +253,7 @@ def run_generate(job: GenerateJob) -> GenerateResult:
     groups = generation_groups(samples_per_shard, job.engine.generate_batch_size)
     table = TableJob(job.out, job.kind, job.kind, params, config, num_shards, meta=meta, groups=groups)
     table.begin()  # refuses changed inputs or settings before anything of the existing cache is touched
-    write_errors(job.out / f"{job.kind}_errors.jsonl", prompts)
+    write_errors(out / f"{job.kind}_errors.jsonl", prompts)
     group_of = {i: group for group in groups for i in group}
     generated: dict[int, list] = {}  # shard -> its (prompt, sample index, generation), for the rest of the current group
     quarantined = rejected = 0
@@ -292,9 +290,9 @@ def run_generate(job: GenerateJob) -> GenerateResult:
                 rejected += 1
         if bad:
             quarantined += len(bad)
-            _append_jsonl(job.out / job.kind / QUARANTINE_FILE, bad)
+            _append_jsonl(out / job.kind / QUARANTINE_FILE, bad)
         if failed:
-            _append_jsonl(job.out / job.kind / VERIFIER_ERRORS_FILE, failed)
+            _append_jsonl(out / job.kind / VERIFIER_ERRORS_FILE, failed)
         return records
 
     with closing(backend):

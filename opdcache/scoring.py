@@ -132,10 +132,9 @@ def run_score(job: ScoreJob) -> dict:
     base_entry = cache.table(base)
     base_params = cache.params(base)
     num_workers, worker_index = worker_from_env(job.num_workers, job.worker_index)
-    own = cache.root / "tokenizer"
     ref = resolve_model(job.teacher, job.revision, "--teacher")
     check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], AutoTokenizer.from_pretrained(ref.path), f"teacher {ref.name}",
-                         AutoTokenizer.from_pretrained(own) if own.is_dir() else None)
+                         cache.tokenizer())
     teacher_fp_info = model_info(ref)
     verdict = consistency_verdict(cache.manifest["lineage"], teacher_fp_info, job.allow_inconsistent_teacher)
     want_hidden = "hidden" in job.stores or "svd" in job.stores
@@ -161,7 +160,6 @@ def run_score(job: ScoreJob) -> dict:
     table = TableJob(cache.root, f"teachers/{slug}", "teacher", params, config, len(base_entry["shards"]),
                      parent_fingerprint=base_entry["config_fingerprint"], meta={"model": info, "consistency": verdict})
     table.begin()
-    table.dir.mkdir(parents=True, exist_ok=True)
     if "hidden" in job.stores and not (table.dir / "head.safetensors").is_file():
         from opdcache.heads import head_of, save_head
 

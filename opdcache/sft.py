@@ -131,9 +131,8 @@ def run_sft(model: Path, data: Path, out: Path, config: SFTConfig, only_correct:
         raise ConfigError(f"--data {data} is a {cache.kind} cache; `opdcache sft` trains on an sft cache from `opdcache build-sft`")
     ref = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(ref.path)
-    own = cache.root / "tokenizer"
     check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], tokenizer, f"model {model}",
-                         AutoTokenizer.from_pretrained(own) if own.is_dir() else None)
+                         cache.tokenizer())
     pairs, skipped = [], 0
     for path in cache.shard_paths("sft"):
         t = shards.read_table(path, ["prompt_ids", "response_ids", "reward"])

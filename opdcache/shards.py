@@ -1,9 +1,11 @@
 """The only module that reads and writes Parquet.
 
 Writing: records (dicts of numpy arrays) become an Arrow table built from flat buffers and offsets
-(no per-token Python objects), checked against the declared schema, and written to a temporary name,
-fsynced, and renamed, so a file under its final name is always complete. The bytes depend only on the
+(no per-token Python objects), checked against the declared schema, and written so that a file under its
+final name is always complete (opdcache.storage.staged). The bytes depend only on the
 data and the schema, never on the time or the process, so a rerun reproduces the same sha256.
+
+Where the bytes go (a local disk or an object store) is opdcache.storage's business.
 
 Reading: shards come back as Arrow tables, and per-token columns as one flat numpy array plus row
 offsets, zero-copy where Arrow allows.
@@ -15,10 +17,7 @@ only for strings.
 
 from __future__ import annotations
 
-import hashlib
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -27,6 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from opdcache import schema as S
+from opdcache import storage
 from opdcache.errors import SchemaError
 
 COMPRESSION = "zstd"
@@ -169,77 +169,57 @@ def _row_group_rows(table: pa.Table) -> int:
     return int(max(1, min(ROW_GROUP_MAX_ROWS, ROW_GROUP_TARGET_BYTES // per_row)))
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_table_atomic(table: pa.Table, path: str | os.PathLike, root: str | os.PathLike) -> ShardInfo:
-    """Write ``table`` to ``path`` via a temporary name, fsync, rename; return what the manifest needs."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def write_table_atomic(table: pa.Table, path, root) -> ShardInfo:
+    """Write ``table`` so that it appears under ``path`` only when complete (opdcache.storage.staged: rename on a local
+    disk, one upload on an object store); return what the manifest needs."""
     encodings = _encodings(table.schema)
     dict_cols = [f.name for f in table.schema if f.type == pa.string()]
-    try:
-        with open(tmp, "wb") as f:
-            pq.write_table(
-                table, f,
-                row_group_size=_row_group_rows(table),
-                compression=COMPRESSION, compression_level=COMPRESSION_LEVEL,
-                use_dictionary=dict_cols, column_encoding=encodings or None,
-                write_statistics=False,  # min/max of list elements is useless and costs bytes
-                store_schema=True,
-            )
-            f.flush()
-            os.fsync(f.fileno())
-        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    with storage.staged(path) as tmp:
+        pq.write_table(
+            table, str(tmp),
+            row_group_size=_row_group_rows(table),
+            compression=COMPRESSION, compression_level=COMPRESSION_LEVEL,
+            use_dictionary=dict_cols, column_encoding=encodings or None,
+            write_statistics=False,  # min/max of list elements is useless and costs bytes
+            store_schema=True,
+        )
+        digest = storage.sha256_of(tmp)
         size = tmp.stat().st_size
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return ShardInfo(
         path=path.relative_to(root).as_posix(), rows=table.num_rows, tokens=table_tokens(table), bytes=size, sha256=digest
     )
 
 
-def write_json_atomic(path: str | os.PathLike, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+def write_json_atomic(path, text: str) -> None:
+    storage.write_text_atomic(storage.as_path(path), text)
 
 
-def is_temporary(path: Path) -> bool:
+def is_temporary(path) -> bool:
     return path.name.startswith(".") and ".tmp-" in path.name
 
 
 # ---------------------------------------------------------------- reading
 
 
-def read_schema(path: str | os.PathLike) -> pa.Schema:
-    return pq.read_schema(path)
+def read_schema(path) -> pa.Schema:
+    source, fs = storage.arrow_source(path)
+    return pq.read_schema(source, filesystem=fs)
 
 
-def read_table(path: str | os.PathLike, columns: Iterable[str] | None = None) -> pa.Table:
-    return pq.read_table(path, columns=list(columns) if columns is not None else None, memory_map=True)
+def read_table(path, columns: Iterable[str] | None = None) -> pa.Table:
+    """A shard (or some of its columns): memory-mapped on a local disk, ranged reads on an object store, or parsed from
+    bytes already in memory."""
+    if isinstance(path, (bytes, pa.Buffer)):
+        return pq.read_table(pa.BufferReader(path), columns=list(columns) if columns is not None else None)
+    source, fs = storage.arrow_source(path)
+    return pq.read_table(source, columns=list(columns) if columns is not None else None, memory_map=fs is None, filesystem=fs)
 
 
-def open_parquet(path: str | os.PathLike) -> pq.ParquetFile:
-    return pq.ParquetFile(path, memory_map=True)
+def open_parquet(path) -> pq.ParquetFile:
+    source, fs = storage.arrow_source(path)
+    if fs is None:
+        return pq.ParquetFile(source, memory_map=True)
+    return pq.ParquetFile(fs.open(source, "rb"))
 
 
 def list_offsets(array: pa.ChunkedArray | pa.Array) -> np.ndarray:

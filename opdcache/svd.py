@@ -189,12 +189,13 @@ def save(proj: SVDProjection, path, extra: dict) -> None:
     tensors = {"encoder": proj.encoder.contiguous(), "decoder": proj.decoder.contiguous()}
     if proj.bias is not None:
         tensors["bias"] = proj.bias.contiguous()
-    tmp = path.with_name(f".{path.name}.tmp")
+    from opdcache import storage
+
     # one metadata key: safetensors writes its metadata map in hash order, which differs between processes, so several
     # keys would make the same projection's bytes (and its manifest sha256) depend on the process that wrote it
     header = json.dumps({"format": "opdcache-svd-v1", "method": proj.method, "info": extra}, sort_keys=True)
-    save_file(tensors, str(tmp), metadata={"opdcache": header})
-    tmp.replace(path)
+    with storage.staged(storage.as_path(path)) as tmp:
+        save_file(tensors, str(tmp), metadata={"opdcache": header})
 
 
 def read_metadata(path) -> dict:
@@ -203,7 +204,9 @@ def read_metadata(path) -> dict:
 
     from safetensors import safe_open
 
-    with safe_open(str(path), "pt") as f:
+    from opdcache.storage import as_path, local_copy
+
+    with safe_open(str(local_copy(as_path(path))), "pt") as f:
         meta = f.metadata() or {}
     if "opdcache" in meta:
         return json.loads(meta["opdcache"])
@@ -213,7 +216,9 @@ def read_metadata(path) -> dict:
 def load(path) -> SVDProjection:
     from safetensors import safe_open
 
+    from opdcache.storage import as_path, local_copy
+
     method = read_metadata(path)["method"]
-    with safe_open(str(path), "pt") as f:
+    with safe_open(str(local_copy(as_path(path))), "pt") as f:
         t = {k: f.get_tensor(k) for k in f.keys()}
     return SVDProjection(method, t["encoder"], t["decoder"], t.get("bias"))

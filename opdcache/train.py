@@ -60,7 +60,7 @@ class TrainConfig:
 
     model: Path
     """pi_ref: the SFT student the run starts from (a local directory or a Hub id, org/name[@rev])."""
-    cache: Path
+    cache: Path | str
     """The rollouts cache."""
     out: Path
     """Output directory: final model, checkpoints, metrics.jsonl."""

@@ -38,7 +38,7 @@ import pyarrow as pa
 
 from opdcache import manifest as M
 from opdcache import schema as S
-from opdcache import shards
+from opdcache import shards, storage
 from opdcache.errors import ManifestError, SchemaError
 from opdcache.fingerprint import config_fingerprint, sha256_file
 
@@ -82,8 +82,9 @@ class _Collector:
 
 
 def validate(root: str | Path, quick: bool = False) -> list[Problem]:
-    """All problems found in the cache at ``root`` (an empty list means it is valid)."""
-    root = Path(root)
+    """All problems found in the cache at ``root`` (a local directory or an object-store URL; an empty list means it is
+    valid). On an object store each shard is read twice: once whole for its sha256, once by columns to check rows."""
+    root = storage.as_path(root)
     out = _Collector()
     try:
         manifest = M.load(root)

@@ -13,7 +13,7 @@ PARAMS = S.StoreParams(stores=("base", "ref_topk", "mc", "task"), ref_top_k=4, m
 
 
 def job(root: str, num_shards: int, temperature: float = 0.8) -> TableJob:
-    return TableJob(Path(root), "rollouts", "rollouts", PARAMS, {"vocab_size": VOCAB, "sampling": {"temperature": temperature}}, num_shards)
+    return TableJob(root, "rollouts", "rollouts", PARAMS, {"vocab_size": VOCAB, "sampling": {"temperature": temperature}}, num_shards)
 
 
 def main(root: str, num_shards: int, temperature: float) -> None:

@@ -1,0 +1,182 @@
+"""Where a cache lives: a local directory, or an object store named by an fsspec URL.
+
+A cache root is either a local path (a :class:`pathlib.Path`) or a URL such as ``s3://bucket/prefix``,
+``gs://bucket/prefix`` or ``hf://datasets/org/name`` (a :class:`upath.UPath` over the fsspec filesystem of
+that protocol: s3fs, gcsfs, huggingface_hub's HfFileSystem). Both offer the same path operations
+(``/``, ``is_file``, ``read_text``, ``stat``, ``open``, ``rglob``), so the cache code is written once.
+
+What differs is how a file becomes visible under its final name, and this module is the only place that knows:
+
+- local disk: write to a temporary name in the same folder, fsync, rename (the rename is atomic);
+- object stores have no rename: the file is first written to a local spool file, then uploaded to its final key
+  in one request (single or multipart upload). The store shows the object only when the upload completes,
+  so a writer killed at any moment leaves no partial object; an upload that fails is aborted.
+
+Readers that need a real local file (safetensors, tokenizers) get a downloaded copy from :func:`local_copy`.
+Credentials and endpoints come from the filesystem's usual configuration (for S3: ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL`` for MinIO or other S3-compatible stores).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Union
+
+from opdcache.errors import ConfigError, MissingDependencyError
+
+AnyPath = Union[Path, "UPath"]  # noqa: F821 (upath is imported lazily)
+
+_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub", "az": "adlfs", "abfs": "adlfs"}
+_EXTRAS = {"s3fs": "s3", "gcsfs": "gcs"}
+_NO_LISTING_CACHE = {"s3", "s3a", "gs", "gcs"}  # other workers write under the same prefix: never trust a cached listing
+
+
+def is_url(root: str | os.PathLike) -> bool:
+    text = str(root)
+    return "://" in text and not text.startswith("file://")
+
+
+def as_path(root: str | os.PathLike) -> AnyPath:
+    """A local path, or a UPath for a URL (``s3://``, ``gs://``, ``hf://`` ...) with a clear error when the
+    filesystem package for that protocol is missing."""
+    if not isinstance(root, Path) and is_remote(root):
+        return root
+    text = os.fspath(root)
+    if not is_url(text):
+        return Path(text.removeprefix("file://"))
+    protocol = text.split("://", 1)[0]
+    try:
+        from upath import UPath
+
+        options = {"use_listings_cache": False} if protocol in _NO_LISTING_CACHE else {}
+        return UPath(text, **options)
+    except ImportError as exc:
+        package = _PACKAGES.get(protocol, f"the fsspec filesystem for {protocol}://")
+        extra = _EXTRAS.get(package)
+        hint = f"pip install 'opdcache[{extra}]'" if extra else f"pip install {package}"
+        raise MissingDependencyError(f"{text}: reading and writing {protocol}:// needs {package} ({exc}); {hint}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{text}: not a storage URL opdcache can open ({exc})") from None
+
+
+def is_remote(path) -> bool:
+    """True for a path on an object store (anything that is not a local pathlib.Path)."""
+    return not isinstance(path, (str, Path)) and hasattr(path, "fs")
+
+
+@contextlib.contextmanager
+def staged(path: AnyPath) -> Iterator[Path]:
+    """A local file to write ``path``'s content into; on a clean exit it appears under ``path`` atomically.
+
+    Local: a temporary name next to ``path``, fsynced and renamed. Remote: a spool file, uploaded to the final key
+    in one request. On an exception nothing appears and the temporary file is removed.
+    """
+    if is_remote(path):
+        fd, name = tempfile.mkstemp(prefix=".opdcache-upload-", suffix="-" + path.name)
+        os.close(fd)
+        tmp = Path(name)
+        try:
+            yield tmp
+            path.fs.put_file(str(tmp), path.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_text_atomic(path: AnyPath, text: str) -> None:
+    with staged(path) as tmp:
+        tmp.write_text(text)
+
+
+def append_text(path: AnyPath, text: str) -> None:
+    """Append to a small log file (error and quarantine records). Object stores cannot append: the whole object is
+    rewritten, which is fine for these files (one line per bad input)."""
+    if not is_remote(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(text)
+        return
+    old = path.read_text() if path.is_file() else ""
+    write_text_atomic(path, old + text)
+
+
+def upload_dir(local_dir: Path, path: AnyPath) -> None:
+    """Copy a small local folder (a tokenizer) to ``path``, file by file, each atomically."""
+    for src in sorted(p for p in Path(local_dir).rglob("*") if p.is_file()):
+        with staged(path / src.relative_to(local_dir).as_posix()) as tmp:
+            shutil.copyfile(src, tmp)
+
+
+def save_tokenizer(tokenizer, path: AnyPath) -> None:
+    """``tokenizer.save_pretrained`` into a local folder or, through a temporary folder, into an object store."""
+    if not is_remote(path):
+        tokenizer.save_pretrained(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="opdcache-tokenizer-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        upload_dir(Path(tmp), path)
+
+
+def sha256_of(path: AnyPath, block: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+_DOWNLOADS: dict[str, Path] = {}
+
+
+def local_copy(path: AnyPath) -> Path:
+    """``path`` itself when local; otherwise a downloaded copy (file or folder) in a temporary folder removed at
+    exit, fetched once per process. For readers that need a real file (safetensors, tokenizers)."""
+    if not is_remote(path):
+        return path
+    key = str(path)
+    if key not in _DOWNLOADS:
+        root = Path(tempfile.mkdtemp(prefix="opdcache-remote-"))
+        atexit.register(shutil.rmtree, root, True)
+        target = root / path.name
+        if path.is_dir():
+            path.fs.get(path.path.rstrip("/") + "/", str(target), recursive=True)
+        else:
+            path.fs.get_file(path.path, str(target))
+        _DOWNLOADS[key] = target
+    return _DOWNLOADS[key]
+
+
+def arrow_source(path: AnyPath) -> tuple[str, object]:
+    """(source, filesystem) for pyarrow: a local path with no filesystem (memory-mapped), or the object's key with
+    its fsspec filesystem (read with ranged requests, row group by row group)."""
+    if is_remote(path):
+        return path.path, path.fs
+    return os.fspath(path), None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
