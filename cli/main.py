@@ -48,7 +48,7 @@ def _storage_failure(exc: Exception) -> str | None:
     hint = ("check the URL, the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS), "
             "AWS_ENDPOINT_URL for S3-compatible stores, and the network" if module in _STORAGE_MODULES
             else "check the path, its permissions and the free disk space")
-    return f"storage: {type(exc).__name__}: {first}; {hint}. Rerun the same command to resume"
+    return f"storage: {type(exc).__name__}: {first}; {hint}, then rerun the same command (finished shards are kept)"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -55,7 +55,9 @@ def as_path(root: str | os.PathLike) -> AnyPath:
         from upath import UPath
 
         options = {"use_listings_cache": False} if protocol in _NO_LISTING_CACHE else {}
-        return UPath(text, **options)
+        path = UPath(text, **options)
+        path.fs  # noqa: B018 (UPath opens its filesystem lazily; open it here, where a missing package is reported)
+        return path
     except ImportError as exc:
         package = _PACKAGES.get(protocol, f"the fsspec filesystem for {protocol}://")
         extra = _EXTRAS.get(package)

@@ -168,3 +168,13 @@ def test_progress_is_reported_per_sequence_as_plain_lines_when_not_on_a_terminal
     run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=6), out=tmp_path / "d", num_shards=2,
                              sampling=FAST, progress=False))
     assert "build-rollouts:" not in capsys.readouterr().err
+
+
+def test_a_url_whose_filesystem_is_not_installed_is_one_line_exit_2(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed")
+    code, out = _cli(["info", "gs://bucket/cache"], capsys)
+    assert code == 2 and "Traceback" not in out
+    assert "gs://bucket/cache" in out and "pip install 'opdcache[gcs]'" in out

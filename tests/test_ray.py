@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from opdcache import manifest as M
 from opdcache.backends.base import SamplingConfig
 from opdcache.fingerprint import sha256_file
 from opdcache.prompts import PromptConfig
@@ -66,6 +67,8 @@ def test_ray_workers_write_the_same_bytes_as_one_local_process(ray_cluster, weig
         run_on_ray(run_score, score, RayConfig(workers=workers), "teachers/teacher")
         assert _hashes(out) == local, workers
         assert validate(out) == []
+        # the driver's manifest is the local one (the svd fit's record included, read back from svd.safetensors)
+        assert M.content_view(M.load(out)) == M.content_view(M.load(tmp_path / "local")), workers
 
 
 def test_a_killed_worker_leaves_no_partial_shard_and_the_job_completes(ray_cluster, weights, opd_prompts, tmp_path):

@@ -251,3 +251,17 @@ def test_push_reads_a_remote_cache(s3_cache, monkeypatch):
     monkeypatch.setattr(hub, "_upload", fake_upload)
     assert hub.push(s3_cache, "org/cache").endswith("org/cache")
     assert "opdcache.json" in seen["files"] and "rollouts/part-00000-of-00002.parquet" in seen["files"]
+
+
+def test_missing_credentials_are_one_line_exit_1(capsys, monkeypatch, tmp_path):
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # a client made by an earlier test holds credentials
+    code, out = _cli(["info", f"s3://{BUCKET}/nocreds-{random.randrange(1 << 30)}"], capsys)
+    assert code == 1 and "Traceback" not in out and len(out.strip().splitlines()) == 1
+    assert "NoCredentialsError" in out and "AWS_ACCESS_KEY_ID" in out
