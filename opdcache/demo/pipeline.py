@@ -64,6 +64,8 @@ class DemoConfig:
     teacher's stored hidden states (the expectation that Alg. 1's sampled-token advantage estimates). The sampled-token
     ``lightning`` estimator degrades this toy student: its near-deterministic teacher gives wrong tokens log-probs near
     -20, and pi_ref's fixed samples keep pushing them toward that (README, "What the demo shows")."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to pi_ref (k3 estimator on pi_ref's cached samples); 0 turns it off."""
 
 
 STAGE_FIELDS = ("seed", "n_train", "n_opd", "n_heldout", "sft_steps", "samples")
@@ -85,7 +87,7 @@ FIGURES = {
 
 def run_name(cfg: DemoConfig) -> str:
     """The OPD run's directory name: the settings that change it, so a run with other settings never reuses it."""
-    return f"{cfg.loss}-lr{cfg.opd_lr:g}-{cfg.opd_steps}x{cfg.opd_batch_size}"
+    return f"{cfg.loss}{f'-kl{cfg.kl_coef:g}' if cfg.kl_coef else ''}-lr{cfg.opd_lr:g}-{cfg.opd_steps}x{cfg.opd_batch_size}"
 
 
 @dataclass
@@ -229,7 +231,8 @@ def _train(cfg: DemoConfig, report: DemoReport, pi_ref: Path, cache: Path, run_d
 
     _stage(report, f"train {run_dir.name}", (run_dir / "model" / "config.json").is_file(), lambda: "{loss}: {steps} steps, final loss {l:.4f}".format(
         loss=cfg.loss, steps=cfg.opd_steps, l=run_train(TrainConfig(model=pi_ref, cache=cache, out=run_dir, loss=cfg.loss, steps=cfg.opd_steps, teacher=teacher,
-                                                                  batch_size=cfg.opd_batch_size, lr=cfg.opd_lr, seed=cfg.seed, **extra))["last"]["loss"]))
+                                                                  batch_size=cfg.opd_batch_size, lr=cfg.opd_lr, seed=cfg.seed,
+                                                                  kl_coef=cfg.kl_coef, kl_estimator="k3", **extra))["last"]["loss"]))
     return run_dir / "model"
 
 

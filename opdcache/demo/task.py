@@ -8,7 +8,9 @@ sum, then the answer::
 
 Two trace styles exist so that two teachers of the same task can differ in style (the teacher
 consistency ablation): ``"columns"`` (above) and ``"carry"`` (``c0:7+9=16;c1:4+8=13;c1:3+5=09;=0936``).
-The checker reads only the number after the last ``=``, so both styles are graded the same way.
+The checker reads only the number after the last ``=``, so both styles are graded the same way. Each column's terms
+may come in any order (addition commutes), so a problem has many valid traces, and the teachers are trained on
+traces in random orders (see :func:`solution`).
 
 Prompts are generated deterministically from a seed; the ``train``, ``opd`` and ``heldout`` splits
 draw from disjoint operand pairs.
@@ -41,18 +43,25 @@ class Problem:
         return f"{self.a + self.b:0{self.digits + 1}d}"
 
 
-def solution(problem: Problem, style: str = "columns") -> str:
-    """The reference trace of ``problem`` in ``style``."""
+def solution(problem: Problem, style: str = "columns", rng: random.Random | None = None) -> str:
+    """A trace of ``problem`` in ``style``: the canonical one, or with ``rng`` one of the several valid ones.
+
+    Addition commutes, so each column's two digits may be written in either order. A teacher trained on traces in
+    random orders spreads its mass over the valid continuations (about ln 2 nats at a column's first digit when the
+    digits differ) and stays near-certain on sums and answers: the shape of an LLM teacher's entropy on a reasoning
+    trace (uncertain wording, certain arithmetic), rather than a teacher that puts every token at probability 1.
+    """
     if style not in STYLES:
         raise ValueError(f"style must be one of {STYLES}, got {style!r}")
     a, b = f"{problem.a:0{problem.digits}d}", f"{problem.b:0{problem.digits}d}"
     carry, steps = 0, []
     for da, db in zip(reversed(a), reversed(b)):
         s = int(da) + int(db) + carry
+        x, y = (db, da) if rng is not None and rng.random() < 0.5 else (da, db)
         if style == "columns":
-            steps.append(f"{da}+{db}+{carry}={s:02d}")
+            steps.append(f"{x}+{y}+{carry}={s:02d}")
         else:
-            steps.append(f"c{carry}:{da}+{db}={s:02d}")
+            steps.append(f"c{carry}:{x}+{y}={s:02d}")
         carry = s // 10
     return ";".join(steps) + f";={problem.answer}"
 
