@@ -35,7 +35,7 @@ def variant_settings(variant: str, kl_coef: float, teacher_model: Path) -> tuple
         raise SystemExit(f"unknown estimator {loss!r} in variant {variant!r}; choose from {', '.join(ESTIMATORS)}")
     extra = {}
     if kl:
-        extra |= {"kl_coef": kl_coef, "kl_estimator": "k3"}
+        extra |= {"kl_coef": kl_coef}  # the demo pipeline uses the k3 estimator
     if online:  # standard OPD: the demo's rollout settings, sampled live from the current student
         extra |= {"online": True, "teacher_model": teacher_model, "max_new_tokens": 48, "temperature": 1.0}
     return loss, extra
@@ -47,18 +47,20 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--lr", type=float, default=DemoConfig.opd_lr)
     ap.add_argument("--steps", type=int, default=DemoConfig.opd_steps)
-    ap.add_argument("--kl-coef", type=float, default=DemoConfig.kl_coef or 0.1, help="the KL penalty's weight in +kl variants")
+    ap.add_argument("--sft-steps", type=int, default=DemoConfig.sft_steps, help="SFT steps of the base student into pi_ref")
+    ap.add_argument("--kl-coef", type=float, default=DemoConfig.kl_coef, help="the KL penalty's weight in +kl variants (others: none)")
+    ap.add_argument("--tau", type=float, default=DemoConfig.tau, help="lightning's advantage clip (TrainConfig.tau)")
     ap.add_argument("--variants", nargs="+", default=list(ESTIMATORS))
     args = ap.parse_args()
     rows: dict[str, list[dict]] = {"pi_ref": []} | {v: [] for v in args.variants}
     for seed in args.seeds:
         report = DemoReport()
-        cfg = DemoConfig(workdir=args.root / f"seed{seed}", seed=seed, opd_lr=args.lr, opd_steps=args.steps)
+        cfg = DemoConfig(workdir=args.root / f"seed{seed}", seed=seed, opd_lr=args.lr, opd_steps=args.steps, sft_steps=args.sft_steps)
         p = _prepare(cfg, report)
         rows["pi_ref"].append(report.figures["pi_ref"] | {"k1": 0.0, "is_weight": []})
         for variant in args.variants:
             loss, extra = variant_settings(variant, args.kl_coef, p["teacher"])
-            run_cfg = dataclasses.replace(cfg, loss=loss, kl_coef=extra.get("kl_coef", 0.0))
+            run_cfg = dataclasses.replace(cfg, loss=loss, kl_coef=extra.get("kl_coef", 0.0), tau=args.tau)
             run = cfg.workdir / "runs" / f"{variant}-{run_name(run_cfg)}"
             model = _train(run_cfg, report, p["pi_ref"], p["rollouts"], run, teacher="teacher", **{k: v for k, v in extra.items() if k != "kl_coef"})
             fig = evaluate(variant, model, p["teacher_model"], cfg, report)
@@ -70,7 +72,8 @@ def main() -> None:
         sd = statistics.stdev(values) if len(values) > 1 else 0.0
         return f"{format(statistics.mean(values), fmt)} +- {format(sd, fmt)}"
 
-    print(f"\nlr {args.lr:g}, {args.steps} steps, seeds {args.seeds}, kl_coef {args.kl_coef:g} (+kl variants)")
+    print(f"\nlr {args.lr:g}, {args.steps} steps, SFT {args.sft_steps} steps, seeds {args.seeds}, tau {args.tau:g}, "
+          f"kl_coef {args.kl_coef:g} (+kl variants)")
     print("| variant | held-out accuracy | reverse KL to teacher | final K1(pi_ref, pi_theta) | importance weight, last step | per seed accuracy |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for name, figs in rows.items():

@@ -16,6 +16,8 @@ def demo(
     loss: Annotated[str, typer.Option("--loss", help="Estimator of the OPD stage.")] = DemoConfig.loss,
     opd_steps: Annotated[int, typer.Option("--opd-steps", help="OPD optimizer steps.")] = DemoConfig.opd_steps,
     opd_lr: Annotated[float, typer.Option("--opd-lr", help="OPD learning rate.")] = DemoConfig.opd_lr,
+    tau: Annotated[float, typer.Option("--tau", help="lightning: advantage clip.")] = DemoConfig.tau,
+    kl_coef: Annotated[float, typer.Option("--kl-coef", help="Weight of the KL penalty to pi_ref (0: none).")] = DemoConfig.kl_coef,
     ablation: Annotated[Optional[str], typer.Option("--ablation", help="consistency (teacher 1 vs teacher 2, papers/000 Table 4) or quantized (int8 rollouts with and without corrections).", show_default=False)] = None,
 ) -> None:
     """Run the whole pipeline on the embedded task, on CPU, with tiny local models (no network).
@@ -26,7 +28,7 @@ def demo(
 
     if ablation is not None and ablation not in ABLATIONS:
         raise ConfigError(f"--ablation must be one of {', '.join(ABLATIONS)}, got {ablation!r}")
-    cfg = DemoConfig(workdir=workdir, seed=seed, loss=loss, opd_steps=opd_steps, opd_lr=opd_lr)
+    cfg = DemoConfig(workdir=workdir, seed=seed, loss=loss, opd_steps=opd_steps, opd_lr=opd_lr, tau=tau, kl_coef=kl_coef)
     (ABLATIONS[ablation] if ablation else run_demo)(cfg)
 
 

@@ -32,6 +32,10 @@ class SFTConfig:
     """AdamW weight decay."""
     seed: int = 0
     """Seed of the batch order and dropout."""
+    label_smoothing: float = 0.0
+    """Mix the target with the uniform distribution over the vocabulary: loss (1 - e) CE(target) + e CE(uniform),
+    CE(uniform) = log-partition - mean logit (exact, without [tokens, vocabulary] logits). A model trained with it keeps
+    every token's log-prob above about log(e / V) instead of driving wrong tokens toward -inf."""
 
     def __post_init__(self) -> None:
         from opdcache.errors import ConfigError
@@ -42,6 +46,8 @@ class SFTConfig:
             raise ConfigError(f"--batch-size must be at least 1, got {self.batch_size}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
 
 
 def collate_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int):
@@ -95,8 +101,12 @@ def train_sft(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], confi
             targets = labels[:, 1:]  # position t predicts token t + 1
             select = targets != -100
             positions = torch.arange(targets.shape[1]).expand_as(targets)
-            logprobs, _, _ = forward(input_ids, mask, positions, select, targets[select][:, None])
+            smooth = config.label_smoothing
+            logprobs, _, uniform_ce = forward(input_ids, mask, positions, select, targets[select][:, None],
+                                              divergence="uniform" if smooth else None)
             loss = -logprobs.mean()  # token-mean cross-entropy, from the fused head pass (no [B, L, V] logits)
+            if smooth:
+                loss = (1 - smooth) * loss + smooth * uniform_ce.mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -50,7 +50,12 @@ class StudentForward(torch.nn.Module):
         bias = getattr(head, "bias", None)
         lp_NK, lse_N = chunked_logprobs(h_NH, head.weight, ids_NK, bias, self.chunk, self.scale, self.softcap)
         div_N = None
-        if divergence is not None:
+        if divergence == "uniform":  # cross-entropy of the uniform distribution against the student: lse - mean logit, O(N x H)
+            mean_logit_N = h_NH @ head.weight.mean(0).to(h_NH.dtype) + (0 if bias is None else bias.mean())
+            if self.scale is not None or self.softcap is not None:
+                raise ConfigError("label smoothing does not support models with logit scaling or soft-capping yet")
+            div_N = lse_N - mean_logit_N.float()
+        elif divergence is not None:
             if self.scale is not None or self.softcap is not None:
                 raise ConfigError("the full-vocabulary losses do not support models with logit scaling or soft-capping yet; use lightning")
             from opdcache.divergence import chunked_divergence

@@ -330,7 +330,7 @@ class Trainer:
         loss = L.reduce(terms, mask, weights)
         if cfg.kl_coef > 0:  # KL(pi_ref || pi_theta) on pi_ref's own samples, from the cached ref_logprobs
             penalty = L.reduce(L.kl_penalty_terms(s, batch["ref_logprobs"], cfg.kl_estimator), mask)
-            stats["kl_penalty"] = float(penalty)
+            stats["kl_penalty"] = float(penalty.detach())
             loss = loss + cfg.kl_coef * penalty
         if "ref_logprobs" in batch:
             log_ratio = (s - batch["ref_logprobs"]).detach()

@@ -153,3 +153,48 @@ def test_fsdp_on_two_cpu_processes_matches_one_process_and_resumes(hf_cache, wei
     assert (tmp_path / "two" / "model" / "model.safetensors").is_file()
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) < FSDP_TOLERANCE, (a, b)
+
+
+def test_label_smoothing_term_equals_the_full_logits_reference(weights):
+    """SFT's label smoothing: CE(uniform, p) = lse - mean logit from the fused pass equals -mean log_softmax over the
+    full logits, in value and gradient; and SFTConfig(label_smoothing=e) trains on (1 - e) CE(target) + e CE(uniform)."""
+    from transformers import AutoModelForCausalLM
+
+    from opdcache.student import StudentForward
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(weights / "teacher", dtype=torch.float64)
+    ids = torch.randint(5, 20, (3, 9))
+    mask = torch.ones_like(ids)
+    select = torch.zeros_like(ids, dtype=torch.bool)
+    select[:, 4:] = True
+    positions = torch.arange(9).expand(3, 9)
+    targets = ids.roll(-1, 1)[select][:, None]
+    _, _, got = StudentForward(model, chunk=7)(ids, mask, positions, select, targets, divergence="uniform")
+    grads = torch.autograd.grad(got.sum(), [model.lm_head.weight])[0]
+    logits = model(input_ids=ids, attention_mask=mask).logits[select]
+    want = -torch.log_softmax(logits, -1).mean(-1)
+    ref_grads = torch.autograd.grad(want.sum(), [model.lm_head.weight])[0]
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)  # the fused pass keeps its log-partition in float32
+    torch.testing.assert_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
+
+
+def test_label_smoothing_keeps_every_token_above_the_floor(weights):
+    """A model fitted with label smoothing e keeps wrong tokens near log(e / V), not near -inf."""
+    from transformers import AutoModelForCausalLM
+
+    from opdcache.sft import SFTConfig, train_sft
+
+    pairs = [([3, 5, 6], [7, 8, 1])] * 8
+    floor = {}
+    for eps in (0.0, 0.05):
+        model = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float32)
+        train_sft(model, pairs, SFTConfig(steps=150, batch_size=8, lr=1e-2, warmup=5, label_smoothing=eps), pad_id=0, progress=False)
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([[3, 5, 6, 7, 8]])).logits[0, 2:], -1)
+        floor[eps] = lp.min().item()
+    V = 64
+    assert floor[0.05] > math.log(0.05 / V) - 1.5  # near the smoothing floor (about -7.2)
+    assert floor[0.0] < floor[0.05] - 3  # without smoothing, wrong tokens fall far lower
+    with pytest.raises(ConfigError, match="--label-smoothing must be in"):
+        SFTConfig(label_smoothing=1.0)

@@ -5,7 +5,6 @@ The weights under ``opdcache/demo/weights/`` were produced by this script (seed 
 * ``teacher``: Qwen3-architecture, trained on ground-truth traces of the ``train`` split (``columns`` style), each
   column's digits in a random order, so the teacher spreads its mass over the valid traces (task.solution);
 * ``teacher_carry``: the same architecture and data in the ``carry`` trace style (teacher-consistency ablation);
-  this style is harder for the tiny model, so it trains longer to reach a comparable accuracy;
 * ``student``: the base student, Llama-architecture and smaller, given only a short warm-up on the same traces
   so it knows the format but not the procedure (clearly weaker: it starts the OPD pipeline).
 """
@@ -19,9 +18,9 @@ from pathlib import Path
 
 WEIGHTS = Path(__file__).parent / "weights"
 RECIPES = {
-    "teacher": dict(role="teacher", style="columns", steps=600, lr=3e-3),
-    "teacher_carry": dict(role="teacher", style="carry", steps=1000, lr=3e-3),
-    "student": dict(role="student", style="columns", steps=150, lr=3e-3),
+    "teacher": dict(role="teacher", style="columns", steps=600, lr=3e-3, label_smoothing=0.01),
+    "teacher_carry": dict(role="teacher", style="carry", steps=1000, lr=3e-3, label_smoothing=0.01),
+    "student": dict(role="student", style="columns", steps=150, lr=3e-3, label_smoothing=0.0),
 }
 
 
@@ -52,7 +51,8 @@ def build(name: str, out: Path, seed: int = 0, progress: bool = True, steps: int
     model = models.new_model(recipe["role"], seed=seed)
     start = time.perf_counter()
     train_sft(model, training_pairs(tokenizer, recipe["style"], seed=seed),
-              SFTConfig(steps=recipe["steps"], batch_size=64, lr=recipe["lr"], warmup=30, seed=seed), pad_id=tokenizer.pad_token_id,
+              SFTConfig(steps=recipe["steps"], batch_size=64, lr=recipe["lr"], warmup=30, seed=seed, label_smoothing=recipe["label_smoothing"]),
+              pad_id=tokenizer.pad_token_id,
               progress=progress)
     seconds = time.perf_counter() - start
     result = evaluate_accuracy(model, tokenizer, n=500)
