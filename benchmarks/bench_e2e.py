@@ -78,7 +78,7 @@ def paper_proportions(args) -> None:
     ratio = _forward_seconds(teacher, 8 * (length + 10)) / _forward_seconds(student, 8 * (length + 10))
     prompts = task.write_prompts(w / "prompts.jsonl", "opd", args.n_opd, seed=args.seed)
     steps = max(1, round(2.26 * args.n_opd / args.batch_size))
-    train = dict(model=student, loss="lightning", steps=steps, batch_size=args.batch_size, lr=1e-5, seed=args.seed, teacher="teacher")
+    train = dict(model=student, loss="lightning", tau=DemoConfig.tau, steps=steps, batch_size=args.batch_size, lr=1e-5, seed=args.seed, teacher="teacher")
 
     t0 = time.perf_counter()  # Lightning OPD: cache construction + training
     rollouts = w / "caches" / f"rollouts-{time.time_ns()}"
@@ -88,10 +88,10 @@ def paper_proportions(args) -> None:
     t_rollouts = time.perf_counter() - t0
     run_score(ScoreJob(cache=rollouts, teacher=teacher, stores=("logprob",), allow_inconsistent_teacher=True))
     t_cache = time.perf_counter() - t0
-    run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-lightning"), **train))
+    run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-lightning"), kl_coef=DemoConfig.kl_coef, **train))
     t_lightning = time.perf_counter() - t0
 
-    t0 = time.perf_counter()  # standard OPD: live rollouts and live teacher at every step
+    t0 = time.perf_counter()  # standard OPD: live rollouts and live teacher at every step (no cached pi_ref: no KL penalty)
     online = run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-online"), online=True, teacher_model=teacher,
                                    max_new_tokens=length, temperature=1.0, **train))
     t_online = time.perf_counter() - t0
@@ -139,7 +139,7 @@ def main() -> None:
     w = cfg.workdir
     pi_ref = sft_stages(cfg, DemoReport(), paths)  # the demo's teacher trajectories and SFT (reused when present)
     stores = stores_for(args.loss)[0]
-    train = dict(model=pi_ref, loss=args.loss, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=cfg.seed)
+    train = dict(model=pi_ref, loss=args.loss, tau=d.tau, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=cfg.seed)
 
     load(pi_ref), load(paths["teacher"])  # warm-up: transformers' lazy model imports, paid once per process, by whichever side ran first
 
@@ -151,10 +151,10 @@ def main() -> None:
     t_rollouts = time.perf_counter() - t0
     run_score(ScoreJob(cache=rollouts, teacher=paths["teacher"], stores=stores))
     t_cache = time.perf_counter() - t0
-    run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-lightning"), **train))
+    run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-lightning"), kl_coef=d.kl_coef, **train))
     t_lightning = time.perf_counter() - t0
 
-    t0 = time.perf_counter()  # standard OPD: live rollouts and live teacher at every step
+    t0 = time.perf_counter()  # standard OPD: live rollouts and live teacher at every step (no cached pi_ref: no KL penalty)
     online = run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-online"), online=True, teacher_model=paths["teacher"],
                                    max_new_tokens=48, temperature=1.0, **train))
     t_online = time.perf_counter() - t0

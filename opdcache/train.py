@@ -158,6 +158,9 @@ class TrainConfig:
             raise ConfigError(f"--topk-support must be teacher or ref, got {self.topk_support!r}")
         if self.online and self.teacher_model is None:
             raise ConfigError("--online needs --teacher-model (the live teacher)")
+        if self.online and self.kl_coef > 0:  # its batches carry the sampler's (the current student's) log-probs, not pi_ref's
+            raise ConfigError("--kl-coef is a penalty to pi_ref on pi_ref's cached samples; the --online baseline samples the current "
+                              "student and has no pi_ref log-probs to penalise against: use --kl-coef 0 with --online")
         online_losses = ("lightning", "is") + L.FULL_VOCABULARY
         if self.online and self.loss not in online_losses:
             raise ConfigError(f"--online supports --loss {', '.join(online_losses[:-1])} or {online_losses[-1]}, got {self.loss!r}")

@@ -59,3 +59,17 @@ def test_a_work_directory_built_with_other_settings_is_refused(tmp_path):
         setup(DemoConfig(workdir=cfg.workdir, seed=1, n_train=8, n_opd=8, n_heldout=8))
     assert first["prompts_opd"].read_text() == before  # nothing was overwritten
     assert run_name(cfg) != run_name(DemoConfig(opd_lr=1e-5))
+
+
+def test_figures_at_the_default_settings_print_the_measured_seed_range():
+    from opdcache.demo.pipeline import SEED_RANGES, _seed_range
+
+    line = _seed_range("opd", DemoConfig(workdir="anywhere", seed=7))
+    lo, hi = SEED_RANGES["opd"]["accuracy"]
+    assert line.startswith("   [seeds 0-2: ") and f"{lo:.1%}-{hi:.1%}" in line
+    assert _seed_range("opd", DemoConfig(opd_lr=1e-4)) == ""  # other settings: the range does not apply
+    assert _seed_range("opd_teacher_carry", DemoConfig()) == ""  # a figure without a measured range
+    assert {"teacher", "base", "pi_ref", "opd"} <= set(SEED_RANGES)
+    for figure in SEED_RANGES.values():
+        for low, high in figure.values():
+            assert low <= high

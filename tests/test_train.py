@@ -111,3 +111,5 @@ def test_online_refuses_a_loss_it_cannot_feed(hf_cache, weights, tmp_path):
         TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss="mc", online=True, teacher_model=weights / "teacher")
     with pytest.raises(ConfigError, match="--online needs --teacher-model"):
         TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, online=True)
+    with pytest.raises(ConfigError, match="use --kl-coef 0 with --online"):
+        TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, online=True, teacher_model=weights / "teacher", kl_coef=1.0)

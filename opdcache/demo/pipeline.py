@@ -88,7 +88,10 @@ FIGURES = {
 
 
 SEED_RANGES = {
-    "teacher": {"accuracy": (0.0, 0.0), "reverse_kl": (0.0, 0.0)},
+    "teacher": {"accuracy": (0.997, 1.0), "reverse_kl": (0.0, 0.0)},
+    "base": {"accuracy": (0.0, 0.0), "reverse_kl": (2.3828, 2.3959)},
+    "pi_ref": {"accuracy": (0.343, 0.883), "reverse_kl": (0.0665, 0.3372)},
+    "opd": {"accuracy": (0.397, 0.897), "reverse_kl": (0.0505, 0.2960)},
 }
 """(lowest, highest) of each figure over seeds 0, 1 and 2 of ``opdcache demo --seed S`` at the default settings in a fresh
 clone (BENCHMARKS.md, "The demo"); printed beside the figures, so a run far outside them points at a broken setup."""
