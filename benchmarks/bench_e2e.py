@@ -31,9 +31,9 @@ from opdcache.scoring import ScoreJob, run_score
 from opdcache.train import TrainConfig, run_train, stores_for
 
 
-PAPER_SIZES = {  # random-weight Llama models; the teacher's decoder costs ~4x the student's per token (4x the matmul FLOPs)
+PAPER_SIZES = {  # random-weight Llama models; the teacher's forward costs ~4x the student's per token (measured and printed each run)
     "student": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=64),
-    "teacher": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, head_dim=64),
+    "teacher": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=8, head_dim=64),
 }
 
 
@@ -78,7 +78,8 @@ def paper_proportions(args) -> None:
     ratio = _forward_seconds(teacher, 8 * (length + 10)) / _forward_seconds(student, 8 * (length + 10))
     prompts = task.write_prompts(w / "prompts.jsonl", "opd", args.n_opd, seed=args.seed)
     steps = max(1, round(2.26 * args.n_opd / args.batch_size))
-    train = dict(model=student, loss="lightning", tau=DemoConfig.tau, steps=steps, batch_size=args.batch_size, lr=1e-5, seed=args.seed, teacher="teacher")
+    train = dict(model=student, loss="lightning", tau=DemoConfig.tau, kl_coef=DemoConfig.kl_coef, steps=steps, batch_size=args.batch_size,
+                 lr=1e-5, seed=args.seed, teacher="teacher")
 
     t0 = time.perf_counter()  # Lightning OPD: cache construction + training
     rollouts = w / "caches" / f"rollouts-{time.time_ns()}"
@@ -88,14 +89,14 @@ def paper_proportions(args) -> None:
     t_rollouts = time.perf_counter() - t0
     run_score(ScoreJob(cache=rollouts, teacher=teacher, stores=("logprob",), allow_inconsistent_teacher=True))
     t_cache = time.perf_counter() - t0
-    run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-lightning"), kl_coef=DemoConfig.kl_coef, **train))
+    run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-lightning"), **train))
     t_lightning = time.perf_counter() - t0
 
-    t0 = time.perf_counter()  # standard OPD: live rollouts and live teacher at every step (no cached pi_ref: no KL penalty)
+    t0 = time.perf_counter()  # standard OPD: live rollouts, live teacher and live pi_ref (the KL penalty) at every step
     online = run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-online"), online=True, teacher_model=teacher,
                                    max_new_tokens=length, temperature=1.0, **train))
     t_online = time.perf_counter() - t0
-    sampling, live_teacher = online["online_seconds"]["sampling"], online["online_seconds"]["teacher"]
+    sampling, live_teacher = online["online_seconds"]["sampling"], online["online_seconds"]["teacher"] + online["online_seconds"]["pi_ref"]
     t_train = t_lightning - t_cache
     print(f"\npaper proportions: teacher/student forward time per token {ratio:.2f}x (random weights: student "
           f"{PAPER_SIZES['student']['hidden_size']}x{PAPER_SIZES['student']['num_hidden_layers']}, teacher "
@@ -105,7 +106,7 @@ def paper_proportions(args) -> None:
     print(f"{'run':<32} {'wall-clock s':>12}")
     print(f"{'Lightning OPD (cache + train)':<32} {t_lightning:>12.1f}   (build-rollouts {t_rollouts:.1f}, score-teacher "
           f"{t_cache - t_rollouts:.1f}, training {t_train:.1f})")
-    print(f"{'standard OPD (--online)':<32} {t_online:>12.1f}   (sampling {sampling:.1f}, live teacher {live_teacher:.1f}, "
+    print(f"{'standard OPD (--online)':<32} {t_online:>12.1f}   (sampling {sampling:.1f}, live teacher and pi_ref {live_teacher:.1f}, "
           f"training and the rest {t_online - sampling - live_teacher:.1f})")
     print(f"{'speed-up, same devices':<32} {t_online / t_lightning:>11.2f}x")
     print(f"{'speed-up if the cache were free':<32} {t_online / t_train:>11.2f}x   (online / Lightning's training alone)")
@@ -139,7 +140,7 @@ def main() -> None:
     w = cfg.workdir
     pi_ref = sft_stages(cfg, DemoReport(), paths)  # the demo's teacher trajectories and SFT (reused when present)
     stores = stores_for(args.loss)[0]
-    train = dict(model=pi_ref, loss=args.loss, tau=d.tau, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=cfg.seed)
+    train = dict(model=pi_ref, loss=args.loss, tau=d.tau, kl_coef=d.kl_coef, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=cfg.seed)
 
     load(pi_ref), load(paths["teacher"])  # warm-up: transformers' lazy model imports, paid once per process, by whichever side ran first
 
@@ -151,14 +152,14 @@ def main() -> None:
     t_rollouts = time.perf_counter() - t0
     run_score(ScoreJob(cache=rollouts, teacher=paths["teacher"], stores=stores))
     t_cache = time.perf_counter() - t0
-    run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-lightning"), kl_coef=d.kl_coef, **train))
+    run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-lightning"), **train))
     t_lightning = time.perf_counter() - t0
 
-    t0 = time.perf_counter()  # standard OPD: live rollouts and live teacher at every step (no cached pi_ref: no KL penalty)
+    t0 = time.perf_counter()  # standard OPD: live rollouts, live teacher and live pi_ref (the KL penalty) at every step
     online = run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-online"), online=True, teacher_model=paths["teacher"],
                                    max_new_tokens=48, temperature=1.0, **train))
     t_online = time.perf_counter() - t0
-    sampling, live_teacher = online["online_seconds"]["sampling"], online["online_seconds"]["teacher"]
+    sampling, live_teacher = online["online_seconds"]["sampling"], online["online_seconds"]["teacher"] + online["online_seconds"]["pi_ref"]
 
     teacher, _ = load(paths["teacher"])
     fig = {}
@@ -178,7 +179,7 @@ def main() -> None:
     print(f"{'speed-up':<32} {t_online / t_lightning:>11.2f}x")
     t_train = t_lightning - t_cache
     print(f"\nwhere the time went (s): Lightning: build-rollouts {t_rollouts:.1f}, score-teacher {t_cache - t_rollouts:.1f}, "
-          f"training {t_train:.1f}; online: sampling {sampling:.1f}, live teacher {live_teacher:.1f}, "
+          f"training {t_train:.1f}; online: sampling {sampling:.1f}, live teacher and pi_ref {live_teacher:.1f}, "
           f"training and the rest {t_online - sampling - live_teacher:.1f}")
     print(f"speed-up if the cache cost nothing (online / Lightning's training alone): {t_online / t_train:.2f}x")
 

@@ -18,6 +18,10 @@ the cached rollouts are pi_ref's samples, so the penalty estimates KL(pi_ref || 
 from l_t = s_t - r_t:  k1 = -l (unbiased, high variance), k3 = exp(l) - 1 - l (unbiased, non-negative, low variance:
 E_ref[exp(l)] = 1; the form verl calls low_var_kl), k2 = l^2 / 2 (biased, the squared-log-ratio penalty). k1 and k3
 have the same expected gradient, -E_ref[grad s]; l is clamped to [-20, 20] inside k3 so one far-off token cannot overflow.
+The online baseline samples the current student instead, and uses the forms for samples from pi_theta (what verl and
+TRL compute): k1 = l, k2 = l^2 / 2, k3 = exp(-l) - 1 + l. Its k3 has the same expected gradient as the cached one,
+E_theta[(1 - exp(-l)) grad s] = -E_ref[grad s] = grad KL(pi_ref || pi_theta), so online and offline runs with the
+same --kl-coef are pulled toward pi_ref by the same force.
 
 Corrections (papers/003 section 4.2, papers/004 section 3.2), with log ratio l_t = r_train_t - r_rollout_t:
 
@@ -46,15 +50,22 @@ FULL_VOCABULARY = ("full-fkl", "full-rkl", "jsd")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def kl_penalty_terms(s: torch.Tensor, r: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi_ref || pi_theta) on pi_ref's samples, differentiable through s. [B, T]"""
+def kl_penalty_terms(s: torch.Tensor, r: torch.Tensor, estimator: str, samples: str = "ref") -> torch.Tensor:
+    """Per-token KL penalty between pi_theta and pi_ref, differentiable through s. [B, T]
+
+    ``samples="ref"``: the tokens are pi_ref's samples (the cache): estimates of KL(pi_ref || pi_theta).
+    ``samples="student"``: the tokens are the current student's (the online baseline): the forms for pi_theta's samples.
+    """
     l = s - r.detach()
+    if samples not in ("ref", "student"):
+        raise ValueError(f"samples must be 'ref' or 'student', got {samples!r}")
+    sign = 1.0 if samples == "ref" else -1.0  # the ratio that has expectation 1 under the sampling policy: exp(sign * l)
     if estimator == "k1":
-        return -l
+        return -sign * l
     if estimator == "k2":
         return 0.5 * l * l
     if estimator == "k3":
-        l = l.clamp(-20.0, 20.0)
+        l = (sign * l).clamp(-20.0, 20.0)
         return torch.exp(l) - 1 - l
     raise ValueError(f"--kl-estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
 

@@ -35,10 +35,13 @@ class OnlineSource:
         self.student = TransformersBackend.from_model(model)
         self.teacher = TransformersBackend(resolve_model(cfg.teacher_model, what="--teacher-model").path, dtype="float32", device=str(device))
         self.want_hidden = cfg.loss in FULL_VOCABULARY  # the live teacher's final hidden states
+        # with a KL penalty, a frozen pi_ref scores the fresh samples, so ref_logprobs are pi_ref's (as in a cache) and the
+        # logged importance weight is pi_theta / pi_ref; without one, ref_logprobs are the sampler's own (weight 1)
+        self.ref = TransformersBackend(resolve_model(cfg.model).path, dtype="float32", device=str(device)) if cfg.kl_coef > 0 else None
         self.rng = np.random.default_rng(cfg.seed)
         self.order: list[int] = []
         self.calls = 0
-        self.seconds = {"sampling": 0.0, "teacher": 0.0}  # wall-clock spent in each, over all batches
+        self.seconds = {"sampling": 0.0, "teacher": 0.0, "pi_ref": 0.0}  # wall-clock spent in each, over all batches
 
     def next_batch(self) -> dict:
         if len(self.order) < self.cfg.batch_size:
@@ -54,9 +57,14 @@ class OnlineSource:
         self.model.train(was_training)
         scores = self.teacher.score([ScoreRequest(r.prompt_ids, g.response_ids) for r, g in zip(reqs, gens)], hidden=self.want_hidden)
         self.seconds["sampling"] += t1 - t0
-        self.seconds["teacher"] += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        self.seconds["teacher"] += t2 - t1
+        ref = [g.ref_logprobs for g in gens]
+        if self.ref is not None:
+            ref = [sc.logprobs for sc in self.ref.score([ScoreRequest(r.prompt_ids, g.response_ids) for r, g in zip(reqs, gens)])]
+            self.seconds["pi_ref"] += time.perf_counter() - t2
         rows = [{"prompt_ids": np.asarray(r.prompt_ids), "response_ids": g.response_ids, "sampling_logprobs": g.sampling_logprobs,
-                 "ref_logprobs": g.ref_logprobs, "teacher_logprobs": sc.logprobs} for r, g, sc in zip(reqs, gens, scores)]
+                 "ref_logprobs": lp, "teacher_logprobs": sc.logprobs} for r, g, sc, lp in zip(reqs, gens, scores, ref)]
         if self.want_hidden:
             for row, sc in zip(rows, scores):
                 row["teacher_hidden"] = sc.hidden.float().numpy()

@@ -158,9 +158,6 @@ class TrainConfig:
             raise ConfigError(f"--topk-support must be teacher or ref, got {self.topk_support!r}")
         if self.online and self.teacher_model is None:
             raise ConfigError("--online needs --teacher-model (the live teacher)")
-        if self.online and self.kl_coef > 0:  # its batches carry the sampler's (the current student's) log-probs, not pi_ref's
-            raise ConfigError("--kl-coef is a penalty to pi_ref on pi_ref's cached samples; the --online baseline samples the current "
-                              "student and has no pi_ref log-probs to penalise against: use --kl-coef 0 with --online")
         online_losses = ("lightning", "is") + L.FULL_VOCABULARY
         if self.online and self.loss not in online_losses:
             raise ConfigError(f"--online supports --loss {', '.join(online_losses[:-1])} or {online_losses[-1]}, got {self.loss!r}")
@@ -331,8 +328,8 @@ class Trainer:
             weights, cstats = L.correction_weights(cfg.corrections, s, r_train, batch["ref_logprobs"], advantage, mask)
             stats.update({k: float(v) for k, v in cstats.items()})
         loss = L.reduce(terms, mask, weights)
-        if cfg.kl_coef > 0:  # KL(pi_ref || pi_theta) on pi_ref's own samples, from the cached ref_logprobs
-            penalty = L.reduce(L.kl_penalty_terms(s, batch["ref_logprobs"], cfg.kl_estimator), mask)
+        if cfg.kl_coef > 0:  # cached: on pi_ref's samples, from the cached ref_logprobs; online: on the student's, pi_ref scored live
+            penalty = L.reduce(L.kl_penalty_terms(s, batch["ref_logprobs"], cfg.kl_estimator, "student" if cfg.online else "ref"), mask)
             stats["kl_penalty"] = float(penalty.detach())
             loss = loss + cfg.kl_coef * penalty
         if "ref_logprobs" in batch:

@@ -106,10 +106,20 @@ def test_online_baseline_samples_from_the_current_student_with_a_live_teacher(hf
     assert all(m["tokens"] <= 6 * 24 for m in metrics)
 
 
+def test_online_kl_penalty_scores_pi_ref_live(hf_cache, weights, tmp_path):
+    """--online --kl-coef: a frozen pi_ref scores the fresh samples, so the logged weight is pi_theta / pi_ref (exactly 1
+    at the first step, before any update) and the penalty is measured against pi_ref, not against the sampler."""
+    result = run_train(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss="lightning", steps=4, batch_size=6, lr=3e-3,
+                                   online=True, teacher_model=weights / "teacher", max_new_tokens=24, temperature=1.0, kl_coef=1.0))
+    metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and metrics[0]["kl_penalty"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics[-1]["kl_penalty"] > 1e-4 and abs(metrics[-1]["is_weight_mean"] - 1) > 1e-4  # the student moved; pi_ref did not
+    assert result["online_seconds"]["pi_ref"] > 0
+
+
 def test_online_refuses_a_loss_it_cannot_feed(hf_cache, weights, tmp_path):
     with pytest.raises(ConfigError, match="--online supports --loss lightning, is, full-fkl, full-rkl or jsd, got 'mc'"):
         TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss="mc", online=True, teacher_model=weights / "teacher")
     with pytest.raises(ConfigError, match="--online needs --teacher-model"):
         TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, online=True)
-    with pytest.raises(ConfigError, match="use --kl-coef 0 with --online"):
-        TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, online=True, teacher_model=weights / "teacher", kl_coef=1.0)
+

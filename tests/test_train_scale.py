@@ -107,6 +107,27 @@ def test_kl_penalty_estimators():
         TrainConfig(model="m", cache="c", out="o", kl_estimator="k4")
 
 
+def test_online_kl_forms_have_the_cached_forms_expected_gradient():
+    """On the student's own samples (online) k3 = exp(-l) - 1 + l; in expectation over pi_theta its gradient equals the
+    cached k3's expectation over pi_ref, grad KL(pi_ref || pi_theta), computed here exactly on a 5-token distribution."""
+    torch.manual_seed(0)
+    z = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    r = torch.log_softmax(torch.randn(5, dtype=torch.float64), 0)
+    s = torch.log_softmax(z, 0)
+    p, q = s.exp().detach(), r.exp()
+    l = (s - r).detach()
+    student = L.kl_penalty_terms(s, r, "k3", samples="student")
+    torch.testing.assert_close(student.detach(), (-l).exp() - 1 + l)
+    torch.testing.assert_close(L.kl_penalty_terms(s, r, "k1", samples="student").detach(), l)
+    online = torch.autograd.grad((p * student).sum(), z, retain_graph=True)[0]  # E_theta[grad k3], samples held fixed
+    cached = torch.autograd.grad((q * L.kl_penalty_terms(s, r, "k3")).sum(), z, retain_graph=True)[0]  # E_ref[grad k3]
+    exact = torch.autograd.grad((q * (r - s)).sum(), z)[0]  # grad KL(pi_ref || pi_theta)
+    torch.testing.assert_close(online, exact)
+    torch.testing.assert_close(cached, exact)
+    with pytest.raises(ValueError, match="samples must be 'ref' or 'student'"):
+        L.kl_penalty_terms(s, r, "k3", samples="teacher")
+
+
 def test_kl_penalty_is_logged_and_pulls_toward_pi_ref(hf_cache, weights, tmp_path):
     common = dict(model=weights / "student", cache=hf_cache, loss="lightning", steps=6, batch_size=8, lr=3e-3, deterministic=True)
     run_train(TrainConfig(out=tmp_path / "free", **common))
