@@ -101,6 +101,10 @@ def test_real_round_trip(synth_cache, tmp_path):
         hub.push(synth_cache, repo, private=True)
         out = hub.pull(repo, tmp_path / "pulled")
         assert Cache(out).manifest["tables"].keys() == Cache(synth_cache).manifest["tables"].keys()
+        from opdcache.validate import validate
+
+        url = f"hf://datasets/{repo}"  # read in place through huggingface_hub's fsspec filesystem, no download
+        assert Cache(url).manifest == Cache(out).manifest and validate(url) == []
     finally:
         HfApi().delete_repo(repo, repo_type="dataset")
 
