@@ -262,6 +262,36 @@ def test_missing_credentials_are_one_line_exit_1(capsys, monkeypatch, tmp_path):
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()  # a client made by an earlier test holds credentials
-    code, out = _cli(["info", f"s3://{BUCKET}/nocreds-{random.randrange(1 << 30)}"], capsys)
+    try:
+        code, out = _cli(["info", f"s3://{BUCKET}/nocreds-{random.randrange(1 << 30)}"], capsys)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()  # ...and the one made here holds none: later tests must not reuse it
     assert code == 1 and "Traceback" not in out and len(out.strip().splitlines()) == 1
     assert "NoCredentialsError" in out and "AWS_ACCESS_KEY_ID" in out
+
+
+def test_ray_workers_write_a_cache_on_s3(s3, weights, opd_prompts, tmp_path):
+    """--executor ray with an s3:// cache: every worker uploads its own shards, the driver finalizes, and the bytes
+    equal a local one-thread run's (a Ray task with one CPU runs one torch thread)."""
+    ray = pytest.importorskip("ray")
+    from opdcache.executors import RayConfig, run_on_ray
+    from opdcache.validate import validate
+    from test_ray import TESTS, _local
+
+    root = str(Path(__file__).parent.parent)
+    env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([TESTS, root]), "OPDCACHE_PROGRESS": "0", **env}})
+    try:
+        url = f"s3://{BUCKET}/ray/cache"
+        gen, score = _jobs(weights, opd_prompts, url)
+        run_on_ray(run_generate, gen, RayConfig(workers=2), "rollouts")
+        run_on_ray(run_score, score, RayConfig(workers=2), "teachers/teacher")
+    finally:
+        ray.shutdown()
+    local = tmp_path / "local"
+    gen, score = _jobs(weights, opd_prompts, local)
+    _local(run_generate, gen)
+    _local(run_score, score)
+    assert _remote_hashes(s3, "ray/cache") == _local_hashes(local)
+    assert validate(url) == [] and not [k for k in _keys(s3, "ray/cache") if k.endswith("_opdcache_job.json")]
