@@ -27,7 +27,8 @@ def score_teacher(
 
     Memory: the teacher, decoder activations of ~1,024 padded tokens, one ~2,048-position x 1,024-column float32
     logit block and the running top-k, and one shard's stored values; the svd fit adds [hidden, hidden] float64
-    moments and the calibration states. Never tokens x vocabulary."""
+    moments and the calibration states. Never tokens x vocabulary. To an object store, each finished shard is
+    spooled to a local temporary file (one shard on disk) and uploaded whole."""
     from opdcache.rollouts import EngineConfig
     from opdcache.scoring import ScoreJob, run_score
 

@@ -69,7 +69,8 @@ def train(
 
     Memory grows with the model (16 bytes per parameter in float32 with AdamW, split over processes with --fsdp),
     batch x length x hidden activations (one layer's with --gradient-checkpointing) and response tokens x --chunk;
-    never with tokens x vocabulary. Several processes: torchrun --nproc-per-node N -m opdcache.cli.main train ...
+    never with tokens x vocabulary. A --cache on an object store holds one verified shard's bytes in memory while it
+    is decoded. Several processes: torchrun --nproc-per-node N -m opdcache.cli.main train ...
     """
     import yaml
 

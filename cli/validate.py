@@ -16,7 +16,8 @@ def validate(
     """Check a cache against its manifest, its schema and the data invariants. Exit 1 on any problem.
 
     Memory: one shard's columns at a time, hidden states one row group at a time, a [1,024, 8,192] float32
-    logit block for rebuilding log-probs from them; never tokens x vocabulary."""
+    logit block for rebuilding log-probs from them; never tokens x vocabulary. A cache on an object store (s3://...)
+    is read in place: each shard is streamed once for its sha256, then read again by columns."""
     from opdcache.validate import validate as run
 
     problems = run(cache, quick=quick)

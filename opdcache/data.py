@@ -33,7 +33,7 @@ class CacheLoaderConfig:
     """What to load and how."""
 
     cache: Path | str
-    """Cache directory."""
+    """The cache: a directory or an object-store URL (s3://, gs://, hf://datasets/...), read in place."""
     teacher: str | None = None
     """Teacher table name (teachers/<name>); None loads rollouts only."""
     stores: tuple[str, ...] = ("logprob",)

@@ -31,8 +31,8 @@ HELDOUT_SEQUENCES = 64  # the next rows, for measuring its distortion
 class ScoreJob:
     """A score-teacher job."""
 
-    cache: Path
-    """A finished rollouts (or sft) cache."""
+    cache: Path | str
+    """A finished rollouts (or sft) cache: a directory or an object-store URL (the teacher's tables are written there)."""
     teacher: Path
     """The teacher: a local model directory or a Hub id (org/name[@rev])."""
     revision: str | None = None

@@ -61,7 +61,7 @@ class TrainConfig:
     model: Path
     """pi_ref: the SFT student the run starts from (a local directory or a Hub id, org/name[@rev])."""
     cache: Path | str
-    """The rollouts cache."""
+    """The rollouts cache: a directory or an object-store URL (s3://, gs://, hf://datasets/...)."""
     out: Path
     """Output directory: final model, checkpoints, metrics.jsonl."""
     teacher: str | None = None
