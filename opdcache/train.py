@@ -29,6 +29,7 @@ RNG state -- no pickle -- and a resumed run reproduces an uninterrupted one exac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -454,15 +455,17 @@ class Trainer:
         cfg.out.mkdir(parents=True, exist_ok=True)
         resumed = self.maybe_resume()
         metrics_path = cfg.out / "metrics.jsonl"
-        kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= self.step] if metrics_path.exists() and resumed else []
-        metrics_path.write_text("".join(l + "\n" for l in kept))
+        if self.rank == 0:  # rank 0 alone owns the metrics file: another rank rewriting it could truncate what rank 0 appends
+            kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= self.step] if metrics_path.exists() and resumed else []
+            metrics_path.write_text("".join(l + "\n" for l in kept))
         writer = None
         if cfg.tensorboard and self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
             writer = SummaryWriter(str(cfg.out / "tensorboard"))
         start, done_now, last = time.perf_counter(), 0, {}
-        with bar(total=cfg.steps, desc=f"train {cfg.loss}", unit="step", enabled=cfg.progress) as pbar, open(metrics_path, "a") as mf:
+        with bar(total=cfg.steps, desc=f"train {cfg.loss}", unit="step", enabled=cfg.progress) as pbar, \
+                (open(metrics_path, "a") if self.rank == 0 else contextlib.nullcontext()) as mf:
             pbar.update(self.step)
             while self.step < cfg.steps:
                 self.opt.zero_grad(set_to_none=True)

@@ -83,6 +83,8 @@ def test_sft_command_records_the_teacher_as_lineage(tmp_path, weights, opd_promp
 def test_ddp_with_two_cpu_processes(hf_cache, weights, tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(
+        # a rank stuck for 120 s prints every thread's stack and exits, so a hang fails with the place it hung
+        "import faulthandler; faulthandler.dump_traceback_later(120, exit=True)\n"
         "import sys, json\nfrom pathlib import Path\nfrom opdcache.train import TrainConfig, run_train\n"
         f"r = run_train(TrainConfig(model=Path({str(weights / 'student')!r}), cache=Path({str(hf_cache)!r}), out=Path({str(tmp_path / 'out')!r}), "
         "steps=2, batch_size=4, lr=1e-3, deterministic=True))\nprint('RESULT', json.dumps(r['steps']))\n")
