@@ -55,13 +55,14 @@ class OnlineSource:
         gens = self.student.generate(reqs, SamplingConfig(temperature=self.cfg.temperature, max_new_tokens=self.cfg.max_new_tokens))
         t1 = time.perf_counter()
         self.model.train(was_training)
-        scores = self.teacher.score([ScoreRequest(r.prompt_ids, g.response_ids) for r, g in zip(reqs, gens)], hidden=self.want_hidden)
+        scored = [ScoreRequest(r.prompt_ids, g.response_ids) for r, g in zip(reqs, gens)]
+        scores = self.teacher.score(scored, hidden=self.want_hidden)
         self.seconds["sampling"] += t1 - t0
         t2 = time.perf_counter()
         self.seconds["teacher"] += t2 - t1
         ref = [g.ref_logprobs for g in gens]
         if self.ref is not None:
-            ref = [sc.logprobs for sc in self.ref.score([ScoreRequest(r.prompt_ids, g.response_ids) for r, g in zip(reqs, gens)])]
+            ref = [sc.logprobs for sc in self.ref.score(scored)]
             self.seconds["pi_ref"] += time.perf_counter() - t2
         rows = [{"prompt_ids": np.asarray(r.prompt_ids), "response_ids": g.response_ids, "sampling_logprobs": g.sampling_logprobs,
                  "ref_logprobs": lp, "teacher_logprobs": sc.logprobs} for r, g, sc, lp in zip(reqs, gens, scores, ref)]
