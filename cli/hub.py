@@ -14,7 +14,8 @@ RepoId = Annotated[str, typer.Argument(help="Hub dataset repo, e.g. my-org/my-op
 
 def push(cache: CachePath, repo_id: RepoId, private: Annotated[bool, typer.Option(help="Create the repo as private.")] = False,
          token: Token = None, revision: Revision = None) -> None:
-    """Upload a validated cache to the Hub (resumable; the manifest goes last). Memory: as validate."""
+    """Upload a validated cache to the Hub (resumable; the manifest goes last). Memory: as validate. A cache on an object
+    store is first downloaded to a temporary folder (disk: the cache's size), since the Hub client uploads folders."""
     from opdcache.hub import push as run
 
     typer.echo(f"pushed {cache} to {run(cache, repo_id, private=private, token=token, revision=revision)}")

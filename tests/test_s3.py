@@ -253,6 +253,14 @@ def test_push_reads_a_remote_cache(s3_cache, monkeypatch):
     assert "opdcache.json" in seen["files"] and "rollouts/part-00000-of-00002.parquet" in seen["files"]
 
 
+def test_writing_to_a_missing_bucket_fails_before_any_work_in_one_line(s3, weights, opd_prompts, capsys):
+    url = f"s3://no-such-bucket-{random.randrange(1 << 30)}/cache"
+    code, out = _cli(["build-rollouts", "--model", weights / "student", "--prompts", opd_prompts, "--limit", 4, "--max-new-tokens", 8,
+                      "--out", url], capsys)
+    assert code == 1 and "Traceback" not in out and len(out.strip().splitlines()) == 1, out
+    assert out.startswith("error: storage:") and "rerun the same command" in out
+
+
 def test_missing_credentials_are_one_line_exit_1(capsys, monkeypatch, tmp_path):
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(key, raising=False)
