@@ -87,13 +87,15 @@ def test_ddp_with_two_cpu_processes(hf_cache, weights, tmp_path):
         "import faulthandler; faulthandler.dump_traceback_later(120, exit=True)\n"
         "import sys, json\nfrom pathlib import Path\nfrom opdcache.train import TrainConfig, run_train\n"
         f"r = run_train(TrainConfig(model=Path({str(weights / 'student')!r}), cache=Path({str(hf_cache)!r}), out=Path({str(tmp_path / 'out')!r}), "
-        "steps=2, batch_size=4, lr=1e-3, deterministic=True))\nprint('RESULT', json.dumps(r['steps']))\n")
+        "steps=2, batch_size=4, lr=1e-3, deterministic=True))\n"
+        # one write per rank: torchrun runs the ranks unbuffered, and print()'s separate writes interleave character by character
+        "sys.stdout.write(f'RESULT {json.dumps(r[\"steps\"])}\\n')\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517", str(script)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # both ranks print together after the final barrier, so their lines may interleave
-    assert proc.stdout.count("RESULT") == 2 and proc.stdout.replace("RESULT", " ").split() == ["2", "2"]
+    # both ranks print after the final barrier, in either order
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("RESULT")) == ["RESULT 2", "RESULT 2"], proc.stdout
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
 
 
