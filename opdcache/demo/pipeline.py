@@ -21,10 +21,10 @@ rerun resumes. The README shows the equivalent commands.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
