@@ -27,18 +27,15 @@ from opdcache.demo.pipeline import DemoConfig, DemoReport, _prepare, _train, eva
 from opdcache.losses import ESTIMATORS
 
 
-def variant_settings(variant: str, kl_coef: float, teacher_model: Path) -> tuple[str, dict]:
-    """(estimator, extra TrainConfig fields) of a variant name such as ``lightning+kl@online``."""
+def variant_settings(variant: str, kl_coef: float, teacher_model: Path) -> tuple[str, float, dict]:
+    """(estimator, KL penalty weight, online TrainConfig fields) of a variant name such as ``lightning+kl@online``."""
     name, online = (variant[: -len("@online")], True) if variant.endswith("@online") else (variant, False)
     loss, kl = (name[: -len("+kl")], True) if name.endswith("+kl") else (name, False)
     if loss not in ESTIMATORS:
         raise SystemExit(f"unknown estimator {loss!r} in variant {variant!r}; choose from {', '.join(ESTIMATORS)}")
-    extra = {}
-    if kl:
-        extra |= {"kl_coef": kl_coef}  # the demo pipeline uses the k3 estimator
-    if online:  # standard OPD: the demo's rollout settings, sampled live from the current student
-        extra |= {"online": True, "teacher_model": teacher_model, "max_new_tokens": 48, "temperature": 1.0}
-    return loss, extra
+    # online: standard OPD, with the demo's rollout settings, sampled live from the current student
+    online_fields = {"online": True, "teacher_model": teacher_model, "max_new_tokens": 48, "temperature": 1.0} if online else {}
+    return loss, kl_coef if kl else 0.0, online_fields  # the demo pipeline's penalty uses the k3 estimator
 
 
 def main() -> None:
@@ -59,10 +56,10 @@ def main() -> None:
         p = _prepare(cfg, report)
         rows["pi_ref"].append(report.figures["pi_ref"] | {"k1": 0.0, "is_weight": []})
         for variant in args.variants:
-            loss, extra = variant_settings(variant, args.kl_coef, p["teacher"])
-            run_cfg = dataclasses.replace(cfg, loss=loss, kl_coef=extra.get("kl_coef", 0.0), tau=args.tau)
+            loss, kl_coef, online_fields = variant_settings(variant, args.kl_coef, p["teacher"])
+            run_cfg = dataclasses.replace(cfg, loss=loss, kl_coef=kl_coef, tau=args.tau)
             run = cfg.workdir / "runs" / f"{variant}-{run_name(run_cfg)}"
-            model = _train(run_cfg, report, p["pi_ref"], p["rollouts"], run, teacher="teacher", **{k: v for k, v in extra.items() if k != "kl_coef"})
+            model = _train(run_cfg, report, p["pi_ref"], p["rollouts"], run, teacher="teacher", **online_fields)
             fig = evaluate(variant, model, p["teacher_model"], cfg, report)
             metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             rows[variant].append(fig | {"k1": metrics[-1].get("k1", float("nan")),

@@ -30,7 +30,7 @@ def mismatch_report(
 
     Memory: as score-teacher for the float32 recompute (streamed head, no tokens x vocabulary), plus the per-token deltas."""
     from opdcache import mismatch as M
-    from opdcache.shards import write_json_atomic
+    from opdcache.storage import write_text_atomic
 
     rep, sections = M.report(cache, model, teacher, rollouts, worst, device, progress)
     limits = M.Thresholds(max_abs_delta, max_mean_abs_delta, max_flip_fraction, max_k3)
@@ -41,7 +41,7 @@ def mismatch_report(
 
     out = out or (Path("mismatch-report") if is_url(cache) else Path(cache) / "mismatch-report")  # the report is written locally
     out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "mismatch_report.json", json.dumps(rep, indent=2) + "\n")
+    write_text_atomic(out / "mismatch_report.json", json.dumps(rep, indent=2) + "\n")
     typer.echo(M.render(rep))
     typer.echo(f"\nwrote {out / 'mismatch_report.json'}" + (f" and {M.histogram_png(sections, out / 'mismatch_hist.png')}" if png else ""))
     for line in problems:

@@ -157,7 +157,7 @@ class TableJob:
             old = json.loads(job_file.read_text())
             self._refuse_if_changed(old["config"], old["config_fingerprint"], "the partial run")
         else:
-            shards.write_json_atomic(job_file, json.dumps(self._job_record(), indent=2, sort_keys=True) + "\n")
+            storage.write_text_atomic(job_file, json.dumps(self._job_record(), indent=2, sort_keys=True) + "\n")
 
     def _refuse_if_changed(self, old_config: dict, old_fp: str, what: str) -> None:
         if old_fp == self.fingerprint:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import yaml
 
 from opdcache import schema as S
-from opdcache.shards import write_json_atomic
+from opdcache.storage import write_text_atomic
 
 
 def config_name(table: str) -> str:
@@ -75,5 +75,5 @@ def write(root, manifest: dict):
     from opdcache.storage import as_path
 
     path = as_path(root) / "README.md"
-    write_json_atomic(path, render(manifest))
+    write_text_atomic(path, render(manifest))
     return path

@@ -43,9 +43,9 @@ def read_sft_lineage(model: "str | Path | ModelRef") -> dict | None:
 
 
 def write_sft_lineage(model_dir: str | Path, sft_teacher: dict, data_fingerprint: str, base_model: dict) -> None:
-    from opdcache.shards import write_json_atomic
+    from opdcache.storage import write_text_atomic
 
-    write_json_atomic(Path(model_dir) / LINEAGE_FILE, json.dumps(
+    write_text_atomic(Path(model_dir) / LINEAGE_FILE, json.dumps(
         {"sft_teacher": sft_teacher, "sft_data_fingerprint": data_fingerprint, "base_model": base_model}, indent=2, sort_keys=True) + "\n")
 
 

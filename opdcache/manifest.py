@@ -18,7 +18,7 @@ from opdcache import __version__
 from opdcache import schema as S
 from opdcache.errors import ManifestError
 from opdcache.fingerprint import canonical_json
-from opdcache.shards import write_json_atomic
+from opdcache.storage import write_text_atomic
 
 MANIFEST_NAME = "opdcache.json"
 
@@ -163,7 +163,7 @@ def load(root: str | Path) -> dict:
 
 def save(root: str | Path, manifest: dict) -> None:
     check(manifest)
-    write_json_atomic(manifest_path(root), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(manifest_path(root), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 def content_view(manifest: dict) -> str:

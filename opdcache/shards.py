@@ -190,10 +190,6 @@ def write_table_atomic(table: pa.Table, path, root) -> ShardInfo:
     )
 
 
-def write_json_atomic(path, text: str) -> None:
-    storage.write_text_atomic(storage.as_path(path), text)
-
-
 def is_temporary(path) -> bool:
     return path.name.startswith(".") and ".tmp-" in path.name
 

@@ -102,8 +102,9 @@ def staged(path: AnyPath) -> Iterator[Path]:
             tmp.unlink()
 
 
-def write_text_atomic(path: AnyPath, text: str) -> None:
-    with staged(path) as tmp:
+def write_text_atomic(path, text: str) -> None:
+    """Write a small text file (manifest, card, job record, report) so that it appears whole or not at all."""
+    with staged(as_path(path)) as tmp:
         tmp.write_text(text)
 
 

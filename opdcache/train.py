@@ -9,12 +9,14 @@ scores them with a live teacher every step, with the same estimator and settings
 
 Logged every step (metrics.jsonl): loss; mean and std of the per-token importance weight
 pi_theta/pi_ref = exp(s - r) (papers/000 Fig. 3a); advantage (T - s) mean and std; ``clip_fraction`` (lightning: tokens with |T - s| > tau);
-K1 = mean(r - s) and K3 = mean(exp(s - r) - 1 - (s - r)), estimates of KL(pi_ref || pi_theta) from pi_ref's samples;
+K1 = mean(r - s) and K3 = mean(exp(s - r) - 1 - (s - r)), estimates of KL(pi_ref || pi_theta) from pi_ref's samples.
+Online, r is pi_ref's log-prob scored live when ``kl_coef > 0`` (the weight is then pi_theta/pi_ref on the student's own
+samples), and the sampler's own log-prob otherwise (weight 1, K1 0 by construction);
 ``tokens``, response tokens in the step; ``grad_norm``, the total gradient norm before clipping; ``lr``; ``seconds``,
 wall-clock since this invocation started. With corrections (l = r_train - r_rollout, r_train the trainer's float32
 pi_ref, r_rollout the cached ``ref_logprobs``): ``tis_clip_fraction``, response tokens whose exp(l) exceeded the TIS cap;
 ``rejected_fraction``, sequences dropped by K1/K3 rejection; ``band_rejected_fraction``, sequences outside the trust band.
-With ``kl_coef > 0``: ``kl_penalty``, the chosen estimator's mean of KL(pi_ref || pi_theta) (opdcache/losses.py), added
+With ``kl_coef > 0``: ``kl_penalty``, the chosen estimator's mean (opdcache/losses.py; the cached or the online form), added
 to the loss times ``kl_coef``. Token statistics are means over response tokens, averaged over micro-batches; sequence fractions are over the batch.
 
 Memory: the model, its gradients and AdamW's two moments in float32 (16 bytes per parameter; divided by the
@@ -504,7 +506,7 @@ class Trainer:
         if writer:
             writer.close()
         result = {"steps": self.step, "last": last, "resumed": resumed, "seconds": time.perf_counter() - start}
-        if cfg.online:  # wall-clock seconds of this invocation spent sampling the student and in the live teacher's forward
+        if cfg.online:  # wall-clock seconds of this invocation sampling the student, in the live teacher's forward, in pi_ref's (KL)
             result["online_seconds"] = dict(self.source.seconds)
         return result
 
@@ -514,11 +516,11 @@ class Trainer:
         self.model.save_pretrained(self.cfg.out / "model", state_dict=model_sd)
         AutoTokenizer.from_pretrained(self.model_path).save_pretrained(self.cfg.out / "model")
         from opdcache.lineage import read_sft_lineage
-        from opdcache.shards import write_json_atomic
+        from opdcache.storage import write_text_atomic
 
         lineage = read_sft_lineage(self.model_path)
         if lineage:  # the OPD student keeps its SFT lineage
-            write_json_atomic(self.cfg.out / "model" / "opdcache_lineage.json", json.dumps(lineage, indent=2, sort_keys=True))
+            write_text_atomic(self.cfg.out / "model" / "opdcache_lineage.json", json.dumps(lineage, indent=2, sort_keys=True))
 
 
 def run_train(cfg: TrainConfig) -> dict:

@@ -126,7 +126,7 @@ def setup(cfg: DemoConfig) -> dict[str, Path]:
     """Copy the shipped models and write the prompt splits into the work directory; refuse a work directory whose
     stages were built with other settings (finished stages are reused, so their figures would not be this run's)."""
     from opdcache.errors import ConfigError
-    from opdcache.shards import write_json_atomic
+    from opdcache.storage import write_text_atomic
 
     mine = {k: getattr(cfg, k) for k in STAGE_FIELDS}
     record = cfg.workdir / "demo_config.json"
@@ -138,7 +138,7 @@ def setup(cfg: DemoConfig) -> dict[str, Path]:
                               "use another --workdir for these settings, or delete it")
     else:
         cfg.workdir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(record, json.dumps(mine, indent=2) + "\n")
+        write_text_atomic(record, json.dumps(mine, indent=2) + "\n")
     paths = {}
     for name in SHIPPED:
         dst = cfg.workdir / "models" / name
