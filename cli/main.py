@@ -22,6 +22,8 @@ app = typer.Typer(
 USAGE_ERRORS = (ConfigError, ResumeError, InputError, TokenizerMismatchError, ConsistencyError, MissingDependencyError)
 
 
+INTERRUPTED = "interrupted: finished shards and checkpoints are kept; rerun the same command to resume"
+
 _registered = False
 
 
@@ -51,6 +53,34 @@ def _storage_failure(exc: Exception) -> str | None:
     return f"storage: {type(exc).__name__}: {first}; {hint}, then rerun the same command (finished shards are kept)"
 
 
+def _click_exception_types() -> tuple[type, ...]:
+    """Click's exception classes, from click and from typer's vendored copy (typer >= 0.29 raises its own)."""
+    types = []
+    for module in ("click.exceptions", "typer._click.exceptions"):
+        try:
+            types.append(__import__(module, fromlist=["ClickException"]).ClickException)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(types)
+
+
+def _usage_line(exc: Exception) -> str:
+    """One line for a command-line usage error: what is wrong and where to read the usage."""
+    ctx = getattr(exc, "ctx", None)
+    command = getattr(ctx, "command_path", None) or "opdcache"
+    if type(exc).__name__ == "NoArgsIsHelpError":  # the message is the whole help page
+        if command == "opdcache":
+            names = ", ".join(sorted(app_commands()))
+            return f"usage: opdcache COMMAND [OPTIONS]; commands: {names}; see `opdcache --help`"
+        return f"usage: {command} needs arguments; see `{command} --help`"
+    message = " ".join(str(exc.format_message()).split()).rstrip(".")
+    return f"error: {message}; see `{command} --help`"
+
+
+def app_commands() -> list[str]:
+    return [c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands]
+
+
 def main(argv: list[str] | None = None) -> None:
     _register()
     try:
@@ -60,20 +90,19 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2 if isinstance(exc, USAGE_ERRORS) else 1)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except typer.Abort:
-        typer.echo("aborted", err=True)
-        sys.exit(130)
-    except Exception as exc:  # click usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        code = 130
+    except Exception as exc:
+        if isinstance(exc, _click_exception_types()):
+            typer.echo(_usage_line(exc), err=True)
+            sys.exit(2)
         line = _storage_failure(exc)
         if line is None:
             raise
         typer.echo(f"error: {line}", err=True)
         sys.exit(1)
+    if code == 130:  # typer turns Ctrl-C into Exit(130); whatever a stage finished is already on disk under its final name
+        typer.echo(INTERRUPTED, err=True)
     sys.exit(code if isinstance(code, int) else 0)
 
 

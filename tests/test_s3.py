@@ -49,7 +49,9 @@ def s3():
     os.environ.update(env)
     import fsspec
 
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    # no listing cache: s3fs answers info()/open() from a cached parent listing, so a key that another process wrote
+    # after this client listed the prefix would be "not found" (the fresh-clone failure of the killed-writer test)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False)
     fs.mkdir(BUCKET)
     yield fs
     server.stop()
@@ -216,6 +218,32 @@ def test_a_killed_writer_leaves_no_visible_shard_and_the_rerun_resumes(s3):
     _writer(url, n)
     assert _remote_hashes(s3, prefix) == ref
     assert not [p for p in validate(url) if not p.warning]
+
+
+def test_readers_never_trust_a_stale_listing(s3):
+    """A cache path opened before another process adds a shard sees and reads the new shard (no listing cache).
+
+    s3fs's default answers open()/info() from a cached parent listing; a reader that listed a prefix would then call a
+    shard written afterwards by another worker "not found". storage.as_path turns the listing cache off for s3.
+    """
+    import fsspec
+
+    from opdcache import storage
+
+    writer = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False)
+    writer.pipe(f"{BUCKET}/stale/rollouts/part-0.parquet", b"first")
+    root = storage.as_path(f"s3://{BUCKET}/stale")
+    assert [p.name for p in (root / "rollouts").iterdir()] == ["part-0.parquet"]
+    writer.pipe(f"{BUCKET}/stale/rollouts/part-1.parquet", b"second")
+    assert (root / "rollouts" / "part-1.parquet").is_file()
+    assert (root / "rollouts" / "part-1.parquet").read_bytes() == b"second"
+    assert sorted(p.name for p in (root / "rollouts").iterdir()) == ["part-0.parquet", "part-1.parquet"]
+    # the same check against a client with s3fs's default listing cache, so the test shows what it guards against
+    cached = fsspec.filesystem("s3", skip_instance_cache=True)
+    cached.find(f"{BUCKET}/stale")
+    writer.pipe(f"{BUCKET}/stale/rollouts/part-2.parquet", b"third")
+    with pytest.raises(FileNotFoundError):
+        cached.open(f"{BUCKET}/stale/rollouts/part-2.parquet").read()
 
 
 def test_a_failing_write_leaves_no_object(s3):

@@ -1,0 +1,62 @@
+"""Usage errors through the installed ``opdcache`` entry point: one line on stderr, exit 2, never a traceback.
+
+Run as a user runs it (a subprocess of the console script), so the typer/click version the install resolved is the
+one under test: typer >= 0.29 raises its vendored click exceptions, which an ``isinstance`` check on ``click`` misses.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+OPDCACHE = shutil.which("opdcache") or str(Path(sys.executable).with_name("opdcache"))
+
+CASES = [
+    ([], "usage: opdcache COMMAND [OPTIONS]; commands: "),
+    (["info"], "error: Missing argument 'cache'; see `opdcache info --help`"),
+    (["bogus"], "error: No such command 'bogus'; see `opdcache --help`"),
+    (["train", "--stepz", "3"], "error: No such option: --stepz"),
+    (["export", "x"], "error: Missing option '--to'; see `opdcache export --help`"),
+    (["train", "--steps", "abc"], "error: Invalid value for '--steps'"),
+    (["build-rollouts", "--samples", "1.5"], "error: Invalid value for '--samples'"),
+]
+
+
+@pytest.mark.parametrize("args,expected", CASES, ids=[" ".join(a) or "no-args" for a, _ in CASES])
+def test_a_usage_error_is_one_line_and_exit_2(args, expected):
+    assert Path(OPDCACHE).exists(), "the opdcache console script is not installed (pip install -e .)"
+    proc = subprocess.run([OPDCACHE, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
+
+
+def test_no_arguments_also_prints_the_help_on_stdout():
+    proc = subprocess.run([OPDCACHE], capture_output=True, text=True, timeout=120)
+    assert "Usage: opdcache [OPTIONS] COMMAND" in proc.stdout and "build-rollouts" in proc.stdout
+
+
+def test_ctrl_c_is_one_line_saying_what_is_kept(tmp_path):
+    """SIGINT while a command runs: exit 130 and one line saying finished work is kept and how to resume."""
+    import signal
+
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import sys, time\n"
+        "from opdcache.cli import main as m\n"
+        "import typer\n"
+        "def slow(seconds: float = 60.0) -> None:\n"
+        "    print('started', flush=True)\n"
+        "    time.sleep(seconds)\n"
+        "m._register()\n"
+        "m.app.command('slow')(slow)\n"
+        "m.main(['slow'])\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "started"  # wait on the command's own signal, not on a clock
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert err.strip() == "interrupted: finished shards and checkpoints are kept; rerun the same command to resume"
