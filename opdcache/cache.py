@@ -116,7 +116,7 @@ class TableJob:
         if self.num_shards < 1:
             raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
         full = {"table": self.table, "kind": self.kind, "params": self.params.to_dict(), "num_shards": self.num_shards,
-                "format_version": S.FORMAT_VERSION, **self.config}
+                "format_version": S.version_of(self.params), **self.config}
         self.config = full
         self.fingerprint = config_fingerprint(full, self.parent_fingerprint)
 
@@ -341,6 +341,7 @@ def finalize_table(job: TableJob, tokenizer: dict | None = None, lineage: dict |
             raise ManifestError(f"{job.root} has no manifest: score a finished rollouts or sft cache")
         manifest = M.new_manifest(job.kind, tokenizer or {}, lineage)
     manifest["tables"][job.table] = job.table_entry(**entry_extra)
+    manifest["format_version"] = max(manifest["format_version"], S.version_of(job.params))  # the newest its tables use
     card.write(job.root, manifest)
     job.finish(manifest)
     return manifest

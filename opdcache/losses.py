@@ -9,6 +9,10 @@ weights and sequence-level masks from the corrections multiply the terms before 
 * lightning (papers/000 Alg. 1):  A_t = clip(T_t - sg(s_t), -tau, tau);  term_t = -A_t * s_t
 * is (papers/001 eq. 5/7, "A_theta, no clip"):  rho_t = exp(s_t - b_t);  term_t = -rho_t * sg(T_t - s_t)
 * mc (papers/001 section 6.1): the is term averaged over the m cached samples of each position
+* is / mc without importance weights (papers/001 App. F's "no IS" ablation): rho_t replaced by exp(s_t - sg(s_t)),
+  which is 1 in value with the gradient of s_t: the score-function surrogate applied to stale samples as if on-policy
+* ppo (papers/001 eq. 6, "A_old, clip"): A_t = T_t - r_t with r_t the rollout policy's temperature-1 log-prob
+  (held fixed: the advantage as it was at rollout time); term_t = -min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t)
 * topk_fkl / topk_rkl: KL on a cached top-k support, both distributions renormalised on it, optionally with the
   remaining mass as one extra "tail" bin
 * full_fkl / full_rkl / jsd: exact full-vocabulary divergences, see opdcache/divergence.py
@@ -42,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-ESTIMATORS = ("lightning", "is", "mc", "topk-fkl", "topk-rkl", "full-fkl", "full-rkl", "jsd")
+ESTIMATORS = ("lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "full-fkl", "full-rkl", "jsd")
 FULL_VOCABULARY = ("full-fkl", "full-rkl", "jsd")
 """Estimators computed exactly over the vocabulary from the teacher's final hidden states and unembedding."""
 
@@ -82,16 +86,33 @@ def lightning_terms(s: torch.Tensor, teacher: torch.Tensor, tau: float) -> tuple
     return -clipped * s, {"advantage": adv, "clipped": (adv.abs() > tau).float()}
 
 
-def is_terms(s: torch.Tensor, sampling: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def _ratio(s: torch.Tensor, sampling: torch.Tensor, weighted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the factor multiplying the advantage, the old-to-current ratio pi_theta / pi_old it stands for)."""
     rho = torch.exp(s - sampling)
+    return (rho if weighted else torch.exp(s - s.detach())), rho.detach()
+
+
+def is_terms(s: torch.Tensor, sampling: torch.Tensor, teacher: torch.Tensor, weighted: bool = True) -> tuple[torch.Tensor, dict]:
+    """papers/001 eq. 7, L_theta^noclip: A_theta recomputed at learner time, unclipped old-to-current weight."""
+    factor, rho = _ratio(s, sampling, weighted)
     adv = (teacher - s).detach()
-    return -rho * adv, {"advantage": adv, "rho": rho.detach()}
+    return -factor * adv, {"advantage": adv, "rho": rho}
 
 
-def mc_terms(s_BTM: torch.Tensor, sampling_BTM: torch.Tensor, teacher_BTM: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    rho = torch.exp(s_BTM - sampling_BTM)
+def mc_terms(s_BTM: torch.Tensor, sampling_BTM: torch.Tensor, teacher_BTM: torch.Tensor, weighted: bool = True) -> tuple[torch.Tensor, dict]:
+    """papers/001 eq. 15: the is term over the m cached samples of each position, averaged."""
+    factor, rho = _ratio(s_BTM, sampling_BTM, weighted)
     adv = (teacher_BTM - s_BTM).detach()
-    return (-rho * adv).mean(-1), {"advantage": adv.mean(-1), "rho": rho.detach().mean(-1)}
+    return (-factor * adv).mean(-1), {"advantage": adv.mean(-1), "rho": rho.mean(-1)}
+
+
+def ppo_terms(s: torch.Tensor, sampling: torch.Tensor, teacher: torch.Tensor, rollout: torch.Tensor, eps: float) -> tuple[torch.Tensor, dict]:
+    """papers/001 eq. 6, L_old^clip: the rollout-time advantage A_old = T - r_old, PPO's clipped ratio."""
+    rho = torch.exp(s - sampling)
+    adv = (teacher - rollout).detach()
+    clipped = rho.clamp(1 - eps, 1 + eps)
+    terms = -torch.minimum(rho * adv, clipped * adv)
+    return terms, {"advantage": adv, "rho": rho.detach(), "clipped": (rho.detach() - clipped.detach()).abs().gt(0).float()}
 
 
 def _support_logprobs(lp_BTK: torch.Tensor, tail: bool) -> torch.Tensor:

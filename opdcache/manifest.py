@@ -72,16 +72,16 @@ _TABLE = {
 }
 
 
-def json_schema() -> dict:
-    """JSON Schema (draft 2020-12) of the manifest, format v1."""
+def json_schema(version: int = S.FORMAT_VERSION) -> dict:
+    """JSON Schema (draft 2020-12) of the manifest of format ``version`` (they differ only in that number)."""
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "title": "opdcache manifest (opdcache.json), format v1",
+        "title": f"opdcache manifest (opdcache.json), format v{version}",
         "type": "object",
         "required": ["format", "format_version", "kind", "opdcache_version", "created", "tokenizer", "tables", "lineage"],
         "properties": {
             "format": {"const": S.FORMAT_NAME},
-            "format_version": {"const": S.FORMAT_VERSION},
+            "format_version": {"const": version},
             "kind": {"enum": ["sft", "rollouts"]},
             "opdcache_version": {"type": "string"},
             "created": {"type": "string"},
@@ -103,7 +103,7 @@ def json_schema() -> dict:
 def new_manifest(kind: str, tokenizer: dict, lineage: dict | None = None) -> dict:
     return {
         "format": S.FORMAT_NAME,
-        "format_version": S.FORMAT_VERSION,
+        "format_version": 1,  # raised by finalize to the newest version a table uses (schema.version_of)
         "kind": kind,
         "opdcache_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -117,12 +117,12 @@ def check(manifest: dict, where: str = MANIFEST_NAME) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != S.FORMAT_NAME:
         raise ManifestError(f"{where}: not an opdcache manifest (no \"format\": \"{S.FORMAT_NAME}\")")
     version = manifest.get("format_version")
-    if version != S.FORMAT_VERSION:
+    if version not in S.READABLE_VERSIONS:
         raise ManifestError(
-            f"{where}: format version {version}, this opdcache {__version__} reads version {S.FORMAT_VERSION}; "
-            "install the opdcache version that wrote it, or rebuild the cache"
+            f"{where}: format version {version}, this opdcache {__version__} reads versions "
+            f"{', '.join(map(str, S.READABLE_VERSIONS))}; install the opdcache version that wrote it, or rebuild the cache"
         )
-    exc = jsonschema.exceptions.best_match(_validator().iter_errors(manifest))  # the error jsonschema.validate would raise
+    exc = jsonschema.exceptions.best_match(_validator(version).iter_errors(manifest))  # the error jsonschema.validate would raise
     if exc is not None:
         path = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
         raise ManifestError(f"{where}: {path}: {exc.message}")
@@ -130,9 +130,9 @@ def check(manifest: dict, where: str = MANIFEST_NAME) -> dict:
 
 
 @functools.cache
-def _validator():
-    """The manifest validator, built once (``jsonschema.validate`` re-checks the schema at every call)."""
-    schema = json_schema()
+def _validator(version: int = S.FORMAT_VERSION):
+    """The manifest validator, built once per version (``jsonschema.validate`` re-checks the schema at every call)."""
+    schema = json_schema(version)
     return jsonschema.validators.validator_for(schema)(schema)
 
 

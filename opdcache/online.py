@@ -18,6 +18,7 @@ from opdcache.cache import Cache
 from opdcache.data import collate
 from opdcache.losses import FULL_VOCABULARY
 from opdcache.models import resolve_model
+from opdcache.schedule import PromptSchedule
 
 
 class OnlineSource:
@@ -38,17 +39,14 @@ class OnlineSource:
         # with a KL penalty, a frozen pi_ref scores the fresh samples, so ref_logprobs are pi_ref's (as in a cache) and the
         # logged importance weight is pi_theta / pi_ref; without one, ref_logprobs are the sampler's own (weight 1)
         self.ref = TransformersBackend(resolve_model(cfg.model).path, dtype="float32", device=str(device)) if cfg.kl_coef > 0 else None
-        self.rng = np.random.default_rng(cfg.seed)
-        self.order: list[int] = []
-        self.calls = 0
+        self.schedule = PromptSchedule(len(prompts), cfg.batch_size, cfg.seed)
+        self.calls = 0  # batches drawn so far
         self.seconds = {"sampling": 0.0, "teacher": 0.0, "pi_ref": 0.0}  # wall-clock spent in each, over all batches
 
     def next_batch(self) -> dict:
-        if len(self.order) < self.cfg.batch_size:
-            self.order.extend(self.rng.permutation(len(self.prompts)).tolist())
-        idx, self.order = self.order[: self.cfg.batch_size], self.order[self.cfg.batch_size:]
+        idx, seeds = self.schedule.batch(self.calls)
         self.calls += 1
-        reqs = [GenerateRequest(self.prompts[i], seed=self.cfg.seed * 1_000_003 + self.calls * 1009 + j) for j, i in enumerate(idx)]
+        reqs = [GenerateRequest(self.prompts[i], seed=seed) for i, seed in zip(idx, seeds)]
         was_training = self.model.training
         self.model.eval()
         t0 = time.perf_counter()
@@ -72,4 +70,7 @@ class OnlineSource:
         return collate(rows, hidden_dtype="float32")
 
     def state_dict(self) -> dict:
-        return {}
+        return {"batches": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = int(state.get("batches", 0))  # a resumed run draws the batches an uninterrupted one would

@@ -25,10 +25,16 @@ import pyarrow as pa
 from opdcache.errors import ConfigError, SchemaError
 
 FORMAT_NAME = "opdcache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest format. A shard (and a manifest) declares the lowest version that holds every column it uses, so a cache
+that uses nothing newer than v1 is written exactly as v1 was (same bytes, same fingerprints) and older readers keep
+reading it. v2 = v1 + the rollouts' optional ``version`` store (``student_version``: async runs)."""
+READABLE_VERSIONS = (1, 2)
+STORE_SINCE = {"version": 2}
+"""Stores added after v1, with the format version that added them; ``schemas/format-v<N>.json`` freezes each version."""
 
 TABLE_KINDS = ("sft", "rollouts", "teacher")
-ROLLOUT_STORES = ("base", "ref_topk", "mc", "task")
+ROLLOUT_STORES = ("base", "ref_topk", "mc", "task", "version")
 TEACHER_STORES = ("logprob", "topk", "hidden", "svd")
 HIDDEN_DTYPES = ("float32", "bfloat16", "float16")
 FINISH_REASONS = ("stop", "length")
@@ -93,6 +99,9 @@ ROLLOUT_COLUMNS: tuple[Column, ...] = (
     Column("mc_sampling_logprobs", "token_vector", "float32", "mc",
            "Log-prob of each mc_ids sample under the sampling distribution it was drawn from.", width="mc_samples", requires=("mc_samples",)),
     _ANSWER, _REWARD, _METADATA,
+    Column("student_version", "row", "int64", "version",
+           "Async runs (opdcache async): the learner step whose published student snapshot sampled this row (0: the "
+           "initial student). Within an async run, ref_logprobs and sampling_logprobs are that snapshot's."),
 )
 
 TEACHER_COLUMNS: tuple[Column, ...] = (
@@ -213,6 +222,11 @@ def arrow_field(kind: str, col: Column, params: StoreParams) -> pa.Field:
     return pa.field(col.name, typ, nullable=col.nullable, metadata=metadata)
 
 
+def version_of(params: StoreParams) -> int:
+    """The lowest format version holding every store of ``params``."""
+    return max([1] + [STORE_SINCE.get(store, 1) for store in params.stores])
+
+
 def arrow_schema(kind: str, params: StoreParams, config_fingerprint: str = "") -> pa.Schema:
     """The exact Arrow schema of a shard, with the key-value metadata that makes it self-describing."""
     import json
@@ -220,27 +234,33 @@ def arrow_schema(kind: str, params: StoreParams, config_fingerprint: str = "") -
     fields = [arrow_field(kind, c, params) for c in columns(kind, params)]
     return pa.schema(fields, metadata={
         META_FORMAT: FORMAT_NAME.encode(),
-        META_VERSION: str(FORMAT_VERSION).encode(),
+        META_VERSION: str(version_of(params)).encode(),
         META_KIND: kind.encode(),
         META_PARAMS: json.dumps(params.to_dict(), sort_keys=True).encode(),
         META_CONFIG_FP: config_fingerprint.encode(),
     })
 
 
-def describe() -> dict:
-    """A JSON-able description of format v1: the frozen snapshot in ``schemas/format-v1.json``."""
+def describe(version: int = FORMAT_VERSION) -> dict:
+    """A JSON-able description of format ``version``: the frozen snapshot in ``schemas/format-v<version>.json``."""
+    if version not in READABLE_VERSIONS:
+        raise SchemaError(f"unknown format version {version}; this opdcache knows {', '.join(map(str, READABLE_VERSIONS))}")
+
+    def known(store: str) -> bool:
+        return STORE_SINCE.get(store, 1) <= version
+
     return {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": version,
         "position_convention": "per-token value t is for predicting response_ids[t] from prompt_ids + response_ids[:t]",
         "tables": {
             kind: [
                 {k: v for k, v in dataclasses.asdict(c).items() if k != "requires"} | {"requires": list(c.requires)}
-                for c in cols
+                for c in cols if known(c.store)
             ]
             for kind, cols in _COLUMNS.items()
         },
-        "stores": {"rollouts": list(ROLLOUT_STORES), "teacher": list(TEACHER_STORES)},
+        "stores": {"rollouts": [s for s in ROLLOUT_STORES if known(s)], "teacher": [s for s in TEACHER_STORES if known(s)]},
         "hidden_dtypes": list(HIDDEN_DTYPES),
         "finish_reasons": list(FINISH_REASONS),
     }
@@ -259,9 +279,9 @@ def params_from_schema(schema: pa.Schema) -> tuple[str, StoreParams, int]:
         params = StoreParams.from_dict(json.loads(meta[META_PARAMS]))
     except (KeyError, ValueError) as exc:
         raise SchemaError(f"unreadable opdcache shard metadata: {exc}") from exc
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise SchemaError(
-            f"shard has format version {version}, this opdcache reads version {FORMAT_VERSION}; "
+            f"shard has format version {version}, this opdcache reads versions {', '.join(map(str, READABLE_VERSIONS))}; "
             "install the opdcache version that wrote it or rebuild the cache"
         )
     return kind, params, version

@@ -34,147 +34,20 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import shutil
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-
 import torch
 
+from opdcache import checkpoint
 from opdcache import losses as L
-from opdcache.errors import ConfigError, OpdcacheError, SchemaError
-from opdcache.logprobs import check_chunk
+from opdcache.errors import OpdcacheError, SchemaError
 from opdcache.models import resolve_model
 from opdcache.progress import bar
-from opdcache.student import (DTYPES, StudentForward, autocast_dtype, enable_activation_checkpointing, full_tensor, init_distributed,
-                              shard_fsdp)
-
-LR_SCHEDULES = ("constant", "cosine")
+from opdcache.student import StudentForward, autocast_dtype, enable_activation_checkpointing, full_tensor, init_distributed, shard_fsdp
+from opdcache.trainconfig import LR_SCHEDULES, TrainConfig, learning_rate, stores_for  # noqa: F401 (the public names live here too)
 
 
 class TrainingDiverged(OpdcacheError, FloatingPointError):
     """The optimisation produced non-finite numbers from finite inputs."""
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Settings of `opdcache train` (also readable from a YAML file; flags override it)."""
-
-    model: Path
-    """pi_ref: the SFT student the run starts from (a local directory or a Hub id, org/name[@rev])."""
-    cache: Path | str
-    """The rollouts cache: a directory or an object-store URL (s3://, gs://, hf://datasets/...)."""
-    out: Path
-    """Output directory: final model, checkpoints, metrics.jsonl."""
-    teacher: str | None = None
-    """Teacher table in the cache (default: the only one)."""
-    loss: str = "lightning"
-    """lightning, is, mc, topk-fkl, topk-rkl, full-fkl, full-rkl or jsd."""
-    steps: int = 150
-    """Optimizer steps (papers/000 Table 6: 150)."""
-    batch_size: int = 16
-    """Sequences per micro-batch."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step."""
-    lr: float = 2e-6
-    """AdamW peak learning rate (papers/000 Table 6: 2e-6, constant)."""
-    lr_schedule: str = "constant"
-    """constant or cosine (decay from lr to lr * min_lr_ratio over the steps after warm-up)."""
-    warmup_steps: int = 0
-    """Linear warm-up from 0 to lr over this many steps."""
-    min_lr_ratio: float = 0.0
-    """cosine: the final learning rate as a fraction of lr."""
-    weight_decay: float = 0.1
-    """AdamW weight decay (Table 6)."""
-    beta1: float = 0.9
-    """AdamW beta1 (Table 6)."""
-    beta2: float = 0.98
-    """AdamW beta2 (Table 6)."""
-    tau: float = 5.0
-    """Lightning advantage clip (Alg. 1); Table 6 gives no value, 5 only bounds outliers."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping."""
-    topk_support: str = "teacher"
-    """topk-* losses: the teacher's own top-k ids or pi_ref's ('ref')."""
-    tail: bool = False
-    """topk-* losses: keep the mass outside the support as one extra bin."""
-    chunk: int = 8192
-    """Vocabulary slice width of the fused student head pass (and of the full-* losses): memory O(tokens x chunk)."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty to pi_ref computed from the cached ref_logprobs (0: off)."""
-    kl_estimator: str = "k3"
-    """Per-token KL(pi_ref || pi_theta) estimator on pi_ref's samples, l = s - r: k1 = -l, k2 = l^2 / 2, k3 = exp(l) - 1 - l."""
-    dtype: str = "auto"
-    """Compute precision: float32, bfloat16 (autocast over float32 master weights) or auto (bfloat16 on a CUDA GPU that has it)."""
-    gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward (activation memory of one layer, ~1.3x compute)."""
-    fsdp: bool = False
-    """Shard parameters, gradients and optimizer state over the processes of a torchrun launch (FSDP2)."""
-    corrections: L.Corrections = field(default_factory=L.Corrections)
-    """Training-inference mismatch corrections."""
-    seed: int = 0
-    """Seed of the data order and initialisation."""
-    deterministic: bool = False
-    """Deterministic kernels (CPU runs become bit-reproducible, including across a resume)."""
-    checkpoint_every: int = 0
-    """Save a checkpoint every N steps (0: only at the end)."""
-    stop_after: int | None = None
-    """Stop after this many steps of this invocation, leaving the checkpoint (for tests of resume)."""
-    tensorboard: bool = False
-    """Also write TensorBoard events."""
-    num_loader_workers: int = 0
-    """DataLoader worker processes."""
-    online: bool = False
-    """Standard-OPD baseline: fresh student rollouts scored by a live teacher every step."""
-    teacher_model: Path | None = None
-    """online: the live teacher model."""
-    max_new_tokens: int = 64
-    """online: response length limit."""
-    temperature: float = 0.8
-    """online: sampling temperature."""
-    progress: bool | None = None
-    """Progress bar (default: only on a terminal)."""
-
-    def __post_init__(self) -> None:
-        if self.loss not in L.ESTIMATORS:
-            raise ConfigError(f"--loss must be one of {', '.join(L.ESTIMATORS)}, got {self.loss!r}")
-        for name in ("steps", "batch_size", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ConfigError(f"--lr must be positive, got {self.lr}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ConfigError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
-        if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"--warmup-steps must be >= 0 and --min-lr-ratio in [0, 1], got {self.warmup_steps} and {self.min_lr_ratio}")
-        if self.kl_coef < 0:
-            raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
-        if self.kl_estimator not in L.KL_ESTIMATORS:
-            raise ConfigError(f"--kl-estimator must be one of {', '.join(L.KL_ESTIMATORS)}, got {self.kl_estimator!r}")
-        check_chunk(self.chunk)
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.fsdp and self.online:
-            raise ConfigError("--fsdp trains from a cache; the --online baseline runs without it")
-        if self.topk_support not in ("teacher", "ref"):
-            raise ConfigError(f"--topk-support must be teacher or ref, got {self.topk_support!r}")
-        if self.online and self.teacher_model is None:
-            raise ConfigError("--online needs --teacher-model (the live teacher)")
-        online_losses = ("lightning", "is") + L.FULL_VOCABULARY
-        if self.online and self.loss not in online_losses:
-            raise ConfigError(f"--online supports --loss {', '.join(online_losses[:-1])} or {online_losses[-1]}, got {self.loss!r}")
-
-
-def stores_for(loss: str, topk_support: str = "teacher") -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(teacher stores, rollout stores) an estimator reads: what score-teacher and build-rollouts must have stored."""
-    if loss in L.FULL_VOCABULARY:
-        return ("logprob", "hidden"), ("base",)
-    if loss.startswith("topk"):
-        return (("logprob", "topk"), ("base",)) if topk_support == "teacher" else (("logprob",), ("base", "ref_topk"))
-    if loss == "mc":
-        return ("logprob",), ("base", "mc")
-    return ("logprob",), ("base",)
 
 
 def _masked_mean_std(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
@@ -184,20 +57,38 @@ def _masked_mean_std(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]
     return float(mean), float(var.sqrt())
 
 
-def learning_rate(cfg: "TrainConfig", step: int) -> float:
-    """The learning rate of optimizer step ``step`` (0-based): linear warm-up, then constant or cosine decay."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+class CacheSource:
+    """The offline learner's batches: a CacheLoader over a finished cache, epoch after epoch.
+
+    Every batch source of the Trainer has ``next_batch()``, ``state_dict()`` and ``load_state_dict()``; it may also have
+    ``after_step(trainer, record)`` (called once a step is checkpointed: the async learner's ledger and snapshots) and
+    ``after_resume(trainer)``.
+    """
+
+    def __init__(self, config):
+        from opdcache.data import CacheLoader
+
+        self.loader = CacheLoader(config)
+        self._iter = None
+
+    def next_batch(self) -> dict:
+        if self._iter is None:
+            self._iter = iter(self.loader)
+        try:
+            return next(self._iter)
+        except StopIteration:
+            self._iter = iter(self.loader)
+            return next(self._iter)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, source=None):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -226,7 +117,9 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
         self.step = 0
         head = None  # the teacher's unembedding, for the full-vocabulary losses
-        if cfg.online:
+        if source is not None:  # the async learner's queue (opdcache/asyncopd), or any object with the BatchSource methods
+            self.source = source
+        elif cfg.online:
             from opdcache.online import OnlineSource
 
             self.source = OnlineSource(cfg, self.model, self.device)
@@ -236,12 +129,12 @@ class Trainer:
                 head = head_of(self.source.teacher.model)
         else:
             from opdcache.cache import Cache
-            from opdcache.data import CacheLoader, CacheLoaderConfig
+            from opdcache.data import CacheLoaderConfig
 
             cache = Cache(cfg.cache)
             table = cache.teacher_table(cfg.teacher)  # the only teacher when not named
             stores, rstores = stores_for(cfg.loss, cfg.topk_support)
-            self.source = CacheLoader(CacheLoaderConfig(cache=cfg.cache, teacher=table.split("/", 1)[1], stores=stores, rollout_stores=rstores,
+            self.source = CacheSource(CacheLoaderConfig(cache=cfg.cache, teacher=table.split("/", 1)[1], stores=stores, rollout_stores=rstores,
                                                         batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers))
             if "hidden" in stores:
                 from opdcache.heads import load_head
@@ -250,20 +143,8 @@ class Trainer:
         # moved to the device in float32 once, not at every step
         self.teacher_w = None if head is None else head.weight.to(self.device, torch.float32)
         self.teacher_b = None if head is None or head.bias is None else head.bias.to(self.device, torch.float32)
-        self._iter = None
 
     # ------------------------------------------------------------ one step
-
-    def _next_batch(self) -> dict:
-        if self.cfg.online:
-            return self.source.next_batch()
-        if self._iter is None:
-            self._iter = iter(self.source)
-        try:
-            return next(self._iter)
-        except StopIteration:
-            self._iter = iter(self.source)
-            return next(self._iter)
 
     def _support(self, batch: dict, sel: torch.Tensor) -> torch.Tensor | None:
         """[N, K] ids besides the sampled token at which the estimator needs the student's log-probs (mc, topk-*)."""
@@ -309,12 +190,15 @@ class Trainer:
             terms, st = L.lightning_terms(s, teacher, cfg.tau)
             stats["clip_fraction"] = float((st["clipped"] * mask).sum() / mask.sum())
         elif cfg.loss == "is":
-            terms, st = L.is_terms(s, batch["sampling_logprobs"], teacher)
+            terms, st = L.is_terms(s, batch["sampling_logprobs"], teacher, cfg.importance_weights)
+        elif cfg.loss == "ppo":
+            terms, st = L.ppo_terms(s, batch["sampling_logprobs"], teacher, batch["ref_logprobs"], cfg.ppo_clip)
+            stats["clip_fraction"] = float((st["clipped"] * mask).sum() / mask.sum())
         elif support is not None:
             s_K = lp_NK.new_zeros(B, T, support.shape[1])
             s_K[sel] = lp_NK[:, 1:]  # [B, T, K] at the support ids
             if cfg.loss == "mc":
-                terms, st = L.mc_terms(s_K, batch["mc_sampling_logprobs"], batch["teacher_mc_logprobs"])
+                terms, st = L.mc_terms(s_K, batch["mc_sampling_logprobs"], batch["teacher_mc_logprobs"], cfg.importance_weights)
             else:
                 t_lp = batch["teacher_topk_logprobs"] if cfg.topk_support == "teacher" else batch["teacher_ref_topk_logprobs"]
                 terms, st = L.topk_terms(s_K, t_lp, cfg.loss.split("-")[1], cfg.tail)
@@ -340,6 +224,9 @@ class Trainer:
             stats["is_weight_mean"], stats["is_weight_std"] = _masked_mean_std(log_ratio.exp(), mask)
             stats["k1"] = float(((-log_ratio) * mask).sum() / mask.sum())
             stats["k3"] = float(((log_ratio.exp() - 1 - log_ratio) * mask).sum() / mask.sum())
+        if "rho" in st:  # the old-to-current ratio pi_theta / pi_old = exp(s - b) on the sampled (or mc) tokens
+            stats["rho_mean"], stats["rho_std"] = _masked_mean_std(st["rho"], mask)
+            stats["rho_max"] = float(st["rho"][mask.bool()].max()) if mask.any() else 1.0
         if teacher is not None:
             stats["advantage_mean"], stats["advantage_std"] = _masked_mean_std(advantage, mask)
         stats["tokens"] = int(mask.sum())
@@ -358,97 +245,13 @@ class Trainer:
         torch.distributed.all_reduce(t)
         return float(t) / self.world
 
-    # ------------------------------------------------------------ checkpoints
-
-    def _full_state(self) -> tuple[dict | None, dict[str, torch.Tensor], list[dict]]:
-        """(model state dict, or None to save the live model; optimizer tensors keyed '<parameter index>.<name>';
-        param groups). Under FSDP every rank must call it: the full tensors are gathered to rank 0's CPU."""
-        names = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
-        model_sd = None
-        if self.cfg.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            model_sd = {k.removeprefix("model."): v for k, v in get_model_state_dict(self.forward, options=options).items()}
-            optim = get_optimizer_state_dict(self.forward, self.opt, options=options)
-            per_param = {names[fqn.removeprefix("model.")]: st for fqn, st in optim.get("state", {}).items()}
-        else:
-            index = {id(p): i for i, p in enumerate(self.model.parameters())}
-            per_param = {index[id(p)]: st for p, st in self.opt.state.items()}
-        tensors = {f"{i}.{k}": v.detach().cpu().contiguous() if torch.is_tensor(v) else torch.tensor(v)
-                   for i, st in per_param.items() for k, v in st.items()}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
-        return model_sd, tensors, groups
+    # ------------------------------------------------------------ checkpoints (opdcache/checkpoint.py)
 
     def save_checkpoint(self) -> dict | None:
-        """Write ``checkpoint/`` atomically (rank 0); every rank calls it. Returns the full model state (FSDP) for reuse."""
-        from safetensors.torch import save_file
-
-        if not self.cfg.fsdp and self.rank != 0:
-            return None
-        model_sd, tensors, groups = self._full_state()
-        if self.rank != 0:
-            return None
-        final = self.cfg.out / "checkpoint"
-        tmp = self.cfg.out / f".checkpoint.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp / "model", state_dict=model_sd)
-        tensors["rng.torch"] = torch.get_rng_state()
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        state = {"step": self.step, "param_groups": groups, "config": json.loads(json.dumps(asdict(self.cfg), default=str)),
-                 "loader": None if self.cfg.online else self.source.state_dict()}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        old = self.cfg.out / f".checkpoint.old-{os.getpid()}"
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-        return model_sd
+        return checkpoint.save(self)
 
     def maybe_resume(self) -> bool:
-        from safetensors.torch import load_file
-
-        ckpt = self.cfg.out / "checkpoint"
-        if not (ckpt / "trainer_state.json").is_file():
-            return False
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        mine = json.loads(json.dumps(asdict(self.cfg), default=str))
-        ignore = {"stop_after", "steps", "progress", "checkpoint_every", "tensorboard", "num_loader_workers"}
-        diff = sorted(k for k in set(mine) | set(state["config"]) if k not in ignore and mine.get(k) != state["config"].get(k))
-        if diff:
-            changes = ", ".join(f"{k}: {state['config'].get(k)!r} -> {mine.get(k)!r}" for k in diff)
-            raise ConfigError(f"{ckpt} was written with different settings ({changes}); use the original settings to resume, or a new --out")
-        from transformers import AutoModelForCausalLM
-
-        weights = AutoModelForCausalLM.from_pretrained(ckpt / "model", dtype=torch.float32).state_dict()
-        tensors = load_file(str(ckpt / "optimizer.safetensors"))
-        per_param: dict[int, dict] = {}
-        for key, value in tensors.items():
-            if not key.startswith("rng."):
-                i, name = key.split(".", 1)
-                per_param.setdefault(int(i), {})[name] = value
-        if self.cfg.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-            options = StateDictOptions(full_state_dict=True)
-            names = [f"model.{n}" for n, _ in self.model.named_parameters()]
-            set_model_state_dict(self.forward, {f"model.{k}": v for k, v in weights.items()}, options=options)
-            optim = {"state": {names[i]: st for i, st in per_param.items()},
-                     "param_groups": [{**{k: (tuple(v) if isinstance(v, list) else v) for k, v in g.items()}, "params": names}
-                                      for g in state["param_groups"]]}
-            set_optimizer_state_dict(self.forward, self.opt, optim, options=options)
-        else:
-            self.model.load_state_dict(weights)
-            params = list(self.model.parameters())
-            for i, st in per_param.items():
-                self.opt.state[params[i]].update({k: v.to(self.device) if k != "step" else v for k, v in st.items()})
-            for g, saved in zip(self.opt.param_groups, state["param_groups"]):
-                g.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
-        torch.set_rng_state(tensors["rng.torch"])
-        self.step = state["step"]
-        if state["loader"] is not None:
-            self.source.load_state_dict(state["loader"])
-        return True
+        return checkpoint.resume(self)
 
     # ------------------------------------------------------------ the loop
 
@@ -456,6 +259,8 @@ class Trainer:
         cfg = self.cfg
         cfg.out.mkdir(parents=True, exist_ok=True)
         resumed = self.maybe_resume()
+        if hasattr(self.source, "after_resume"):
+            self.source.after_resume(self)
         metrics_path = cfg.out / "metrics.jsonl"
         if self.rank == 0:  # rank 0 alone owns the metrics file: another rank rewriting it could truncate what rank 0 appends
             kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= self.step] if metrics_path.exists() and resumed else []
@@ -473,7 +278,7 @@ class Trainer:
                 self.opt.zero_grad(set_to_none=True)
                 agg: dict = {}
                 for _ in range(cfg.grad_accum):
-                    loss, stats = self.loss_and_stats(self._next_batch())
+                    loss, stats = self.loss_and_stats(self.source.next_batch())
                     (loss / cfg.grad_accum).backward()
                     for k, v in {"loss": self._global_mean(loss.item()), **stats}.items():
                         agg[k] = agg.get(k, 0.0) + v / cfg.grad_accum
@@ -488,6 +293,8 @@ class Trainer:
                 self.step += 1
                 done_now += 1
                 last = {"step": self.step, **agg, "grad_norm": float(grad_norm), "lr": lr, "seconds": time.perf_counter() - start}
+                if hasattr(self.source, "step_stats"):  # what the source knows of the batch (async: its staleness)
+                    last.update(self.source.step_stats())
                 if self.rank == 0:
                     mf.write(json.dumps(last) + "\n")
                     mf.flush()
@@ -496,8 +303,11 @@ class Trainer:
                             writer.add_scalar(k, v, self.step)
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{agg['loss']:.4f}")
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                saved = bool(cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0)
+                if saved:
                     self.save_checkpoint()
+                if hasattr(self.source, "after_step"):  # after the checkpoint: what it publishes is never ahead of it
+                    self.source.after_step(self, last, saved)
                 if cfg.stop_after is not None and done_now >= cfg.stop_after:
                     return {"stopped_at": self.step, "last": last, "resumed": resumed}
         model_sd = self.save_checkpoint()

@@ -13,14 +13,27 @@ from opdcache.errors import ConfigError, SchemaError
 SCHEMAS = Path(__file__).parent.parent / "schemas"
 
 
-def test_format_snapshot_matches_code():
-    frozen = json.loads((SCHEMAS / f"format-v{S.FORMAT_VERSION}.json").read_text())
-    assert frozen == S.describe(), "schema changed: bump FORMAT_VERSION and add a new snapshot, never edit v1 in place"
+@pytest.mark.parametrize("version", S.READABLE_VERSIONS)
+def test_format_snapshot_matches_code(version):
+    frozen = json.loads((SCHEMAS / f"format-v{version}.json").read_text())
+    assert frozen == S.describe(version), "schema changed: bump FORMAT_VERSION and add a new snapshot, never edit one in place"
 
 
-def test_manifest_json_schema_snapshot_matches_code():
-    frozen = json.loads((SCHEMAS / f"manifest-v{S.FORMAT_VERSION}.schema.json").read_text())
-    assert frozen == M.json_schema()
+@pytest.mark.parametrize("version", S.READABLE_VERSIONS)
+def test_manifest_json_schema_snapshot_matches_code(version):
+    frozen = json.loads((SCHEMAS / f"manifest-v{version}.schema.json").read_text())
+    assert frozen == M.json_schema(version)
+
+
+def test_a_cache_without_newer_stores_is_written_as_v1():
+    """Writers declare the lowest version that holds their columns: a cache using only v1 stores is byte-for-byte v1."""
+    v1 = S.StoreParams(stores=("base", "task"))
+    v2 = S.StoreParams(stores=("base", "task", "version"))
+    assert S.version_of(v1) == 1 and S.version_of(v2) == 2
+    assert S.arrow_schema("rollouts", v1).metadata[S.META_VERSION] == b"1"
+    assert S.arrow_schema("rollouts", v2).metadata[S.META_VERSION] == b"2"
+    assert "student_version" in S.arrow_schema("rollouts", v2).names and "student_version" not in S.arrow_schema("rollouts", v1).names
+    assert "student_version" not in json.dumps(S.describe(1))
 
 
 def test_every_column_is_documented_once():
@@ -66,6 +79,6 @@ def test_foreign_or_future_shard_metadata_is_refused():
     with pytest.raises(SchemaError, match="not an opdcache shard"):
         S.params_from_schema(pa.schema([pa.field("x", pa.int32())]))
     schema = S.arrow_schema("rollouts", S.StoreParams(stores=("base",)))
-    future = schema.with_metadata({**schema.metadata, S.META_VERSION: b"2"})
-    with pytest.raises(SchemaError, match="format version 2, this opdcache reads version 1"):
+    future = schema.with_metadata({**schema.metadata, S.META_VERSION: b"9"})
+    with pytest.raises(SchemaError, match="format version 9, this opdcache reads versions 1, 2"):
         S.params_from_schema(future)

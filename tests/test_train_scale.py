@@ -16,7 +16,7 @@ from opdcache.train import TrainConfig, Trainer, learning_rate, run_train
 
 
 def _batch(trainer):
-    return next(iter(trainer.source))
+    return trainer.source.next_batch()
 
 
 @pytest.mark.parametrize("loss", ["lightning", "mc", "topk-rkl", "full-rkl"])

@@ -126,7 +126,7 @@ def test_missing_or_foreign_manifest(tmp_path, capsys):
     assert code == 1 and "has no opdcache.json: the cache is incomplete" in out
     (tmp_path / "opdcache.json").write_text(json.dumps({"format": "opdcache", "format_version": 9}))
     code, out = _cli(["validate", str(tmp_path)], capsys)
-    assert code == 1 and "format version 9, this opdcache 0.1.0 reads version 1" in out
+    assert code == 1 and "format version 9, this opdcache 0.1.0 reads versions 1, 2" in out
 
 
 def test_info_reports_stores_and_bytes_per_token(synth_cache, capsys):

@@ -1,0 +1,154 @@
+"""The settings of a training run (offline from a cache, online, or the async learner), and what follows from them:
+which stores an estimator reads and the learning-rate schedule. One frozen dataclass feeds the CLI, YAML files and
+the Python API."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opdcache import losses as L
+from opdcache.errors import ConfigError
+from opdcache.logprobs import check_chunk
+from opdcache.student import DTYPES
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of `opdcache train` (also readable from a YAML file; flags override it)."""
+
+    model: Path
+    """pi_ref: the SFT student the run starts from (a local directory or a Hub id, org/name[@rev])."""
+    cache: Path | str
+    """The rollouts cache: a directory or an object-store URL (s3://, gs://, hf://datasets/...)."""
+    out: Path
+    """Output directory: final model, checkpoints, metrics.jsonl."""
+    teacher: str | None = None
+    """Teacher table in the cache (default: the only one)."""
+    loss: str = "lightning"
+    """lightning, is, mc, topk-fkl, topk-rkl, full-fkl, full-rkl or jsd."""
+    steps: int = 150
+    """Optimizer steps (papers/000 Table 6: 150)."""
+    batch_size: int = 16
+    """Sequences per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    lr: float = 2e-6
+    """AdamW peak learning rate (papers/000 Table 6: 2e-6, constant)."""
+    lr_schedule: str = "constant"
+    """constant or cosine (decay from lr to lr * min_lr_ratio over the steps after warm-up)."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to lr over this many steps."""
+    min_lr_ratio: float = 0.0
+    """cosine: the final learning rate as a fraction of lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (Table 6)."""
+    beta1: float = 0.9
+    """AdamW beta1 (Table 6)."""
+    beta2: float = 0.98
+    """AdamW beta2 (Table 6)."""
+    tau: float = 5.0
+    """Lightning advantage clip (Alg. 1); Table 6 gives no value, 5 only bounds outliers."""
+    ppo_clip: float = 0.2
+    """ppo: clip range eps of the old-to-current ratio (papers/001 eq. 6)."""
+    importance_weights: bool = True
+    """is, mc: weight each stale sample by pi_theta / pi_old (papers/001 section 6); off is the paper's no-IS ablation."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping."""
+    topk_support: str = "teacher"
+    """topk-* losses: the teacher's own top-k ids or pi_ref's ('ref')."""
+    tail: bool = False
+    """topk-* losses: keep the mass outside the support as one extra bin."""
+    chunk: int = 8192
+    """Vocabulary slice width of the fused student head pass (and of the full-* losses): memory O(tokens x chunk)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to pi_ref computed from the cached ref_logprobs (0: off)."""
+    kl_estimator: str = "k3"
+    """Per-token KL(pi_ref || pi_theta) estimator on pi_ref's samples, l = s - r: k1 = -l, k2 = l^2 / 2, k3 = exp(l) - 1 - l."""
+    dtype: str = "auto"
+    """Compute precision: float32, bfloat16 (autocast over float32 master weights) or auto (bfloat16 on a CUDA GPU that has it)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward (activation memory of one layer, ~1.3x compute)."""
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state over the processes of a torchrun launch (FSDP2)."""
+    corrections: L.Corrections = field(default_factory=L.Corrections)
+    """Training-inference mismatch corrections."""
+    seed: int = 0
+    """Seed of the data order and initialisation."""
+    deterministic: bool = False
+    """Deterministic kernels (CPU runs become bit-reproducible, including across a resume)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    stop_after: int | None = None
+    """Stop after this many steps of this invocation, leaving the checkpoint (for tests of resume)."""
+    tensorboard: bool = False
+    """Also write TensorBoard events."""
+    num_loader_workers: int = 0
+    """DataLoader worker processes."""
+    online: bool = False
+    """Standard-OPD baseline: fresh student rollouts scored by a live teacher every step."""
+    teacher_model: Path | None = None
+    """online: the live teacher model."""
+    max_new_tokens: int = 64
+    """online: response length limit."""
+    temperature: float = 0.8
+    """online: sampling temperature."""
+    progress: bool | None = None
+    """Progress bar (default: only on a terminal)."""
+
+    def __post_init__(self) -> None:
+        if self.loss not in L.ESTIMATORS:
+            raise ConfigError(f"--loss must be one of {', '.join(L.ESTIMATORS)}, got {self.loss!r}")
+        for name in ("steps", "batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--warmup-steps must be >= 0 and --min-lr-ratio in [0, 1], got {self.warmup_steps} and {self.min_lr_ratio}")
+        if self.kl_coef < 0:
+            raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        if self.kl_estimator not in L.KL_ESTIMATORS:
+            raise ConfigError(f"--kl-estimator must be one of {', '.join(L.KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        check_chunk(self.chunk)
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.fsdp and self.online:
+            raise ConfigError("--fsdp trains from a cache; the --online baseline runs without it")
+        if self.topk_support not in ("teacher", "ref"):
+            raise ConfigError(f"--topk-support must be teacher or ref, got {self.topk_support!r}")
+        if self.online and self.teacher_model is None:
+            raise ConfigError("--online needs --teacher-model (the live teacher)")
+        if not 0 < self.ppo_clip < 1:
+            raise ConfigError(f"--ppo-clip must be in (0, 1), got {self.ppo_clip}")
+        online_losses = ("lightning", "is") + L.FULL_VOCABULARY
+        if self.online and self.loss not in online_losses:
+            raise ConfigError(f"--online supports --loss {', '.join(online_losses[:-1])} or {online_losses[-1]}, got {self.loss!r}")
+
+
+def stores_for(loss: str, topk_support: str = "teacher") -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(teacher stores, rollout stores) an estimator reads: what score-teacher and build-rollouts must have stored."""
+    if loss in L.FULL_VOCABULARY:
+        return ("logprob", "hidden"), ("base",)
+    if loss.startswith("topk"):
+        return (("logprob", "topk"), ("base",)) if topk_support == "teacher" else (("logprob",), ("base", "ref_topk"))
+    if loss == "mc":
+        return ("logprob",), ("base", "mc")
+    return ("logprob",), ("base",)
+
+
+def learning_rate(cfg: "TrainConfig", step: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based): linear warm-up, then constant or cosine decay."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
