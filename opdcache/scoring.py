@@ -123,6 +123,34 @@ def score_requests(table) -> list[ScoreRequest]:
             for i, p in enumerate(table["prompt_ids"].to_pylist())]
 
 
+def teacher_columns(params: S.StoreParams) -> list[str]:
+    """The rollout columns a teacher pass over a table with these store parameters reads."""
+    return ["id", "prompt_ids", "response_ids"] + (["ref_topk_ids"] if params.ref_top_k else []) + (["mc_ids"] if params.mc_samples else [])
+
+
+def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, where: str = "") -> list[dict]:
+    """A teacher table's rows from the engine's scores of the rollout rows ``ids`` (row-aligned); refuses non-finite values."""
+    records = []
+    for row_id, sc in zip(ids, scores):
+        rec = {"id": row_id, "logprobs": sc.logprobs, "logsumexp": sc.logsumexp}
+        if params.top_k:
+            rec["topk_ids"], rec["topk_logprobs"] = sc.topk_ids, sc.topk_logprobs
+        if params.ref_top_k:
+            rec["ref_topk_logprobs"] = sc.ref_topk_logprobs
+        if params.mc_samples:
+            rec["mc_logprobs"] = sc.mc_logprobs
+        if "hidden" in params.stores:
+            rec["hidden"] = shards.hidden_to_numpy(sc.hidden)
+        if proj is not None:
+            rec["svd"] = proj.encode(sc.hidden).numpy()
+        reason = shards.first_non_finite(rec)
+        if reason:
+            raise SchemaError(f"teacher produced {reason} for rollout row {row_id} ({where}); "
+                              "nothing was written for this shard. Check the teacher's dtype (try --dtype float32)")
+        records.append(rec)
+    return records
+
+
 def run_score(job: ScoreJob) -> dict:
     """Run (or resume) score-teacher; return the verdict and what was written."""
     from transformers import AutoTokenizer
@@ -171,31 +199,12 @@ def run_score(job: ScoreJob) -> dict:
         backend.close()
         return {"slug": slug, "written": [], "finished": False, "consistency": verdict, "svd": table.meta.get("svd")}
     base_paths = cache.shard_paths(base)
-    request_columns = ["id", "prompt_ids", "response_ids"] + (["ref_topk_ids"] if params.ref_top_k else []) + (["mc_ids"] if params.mc_samples else [])
+    request_columns = teacher_columns(params)
 
     def make_shard(index: int) -> list[dict]:
         rows = shards.read_table(base_paths[index], request_columns)
-        ids = rows["id"].to_pylist()
         scores = backend.score(score_requests(rows), top_k=params.top_k, hidden=want_hidden)
-        records = []
-        for row_id, sc in zip(ids, scores):
-            rec = {"id": row_id, "logprobs": sc.logprobs, "logsumexp": sc.logsumexp}
-            if params.top_k:
-                rec["topk_ids"], rec["topk_logprobs"] = sc.topk_ids, sc.topk_logprobs
-            if params.ref_top_k:
-                rec["ref_topk_logprobs"] = sc.ref_topk_logprobs
-            if params.mc_samples:
-                rec["mc_logprobs"] = sc.mc_logprobs
-            if "hidden" in job.stores:
-                rec["hidden"] = shards.hidden_to_numpy(sc.hidden)
-            if proj is not None:
-                rec["svd"] = proj.encode(sc.hidden).numpy()
-            reason = shards.first_non_finite(rec)
-            if reason:
-                raise SchemaError(f"teacher produced {reason} for rollout row {row_id} (shard {index}); "
-                                  "nothing was written for this shard. Check the teacher's dtype (try --dtype float32)")
-            records.append(rec)
-        return records
+        return teacher_records(rows["id"].to_pylist(), scores, params, proj, f"shard {index}")
 
     with closing(backend):
         written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"score-teacher {slug}", progress=job.progress, finalize=job.finalize,

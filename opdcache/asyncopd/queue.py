@@ -1,0 +1,98 @@
+"""Where every batch, snapshot and record of an async run lives, and waiting for them.
+
+In the cache (a directory or an object-store URL; the only thing the stages share):
+
+    rollouts/part-<b>-of-<steps>.parquet          batch b, sampled by snapshot v(b) (its rows' student_version)
+    teachers/<slug>/part-<b>-of-<steps>.parquet   the teacher's scores of batch b, row-aligned
+    snapshots/student-v<v>.safetensors            the learner's weights after update v (float32, safetensors)
+
+In the run directory (the learner's, local):
+
+    run.json            the settings (a resume with other settings is refused, with the difference)
+    ledger.jsonl        one line per consumed batch: batch, student_version, consumed_at (learner step), staleness
+    learner/            the learner's checkpoint/, metrics.jsonl and, at the end, model/
+    stages/<stage>.log  each stage's output; stages/<stage>.busy.jsonl its busy intervals (for the overlap figure)
+
+Every file appears whole under its final name (opdcache.storage.staged), so a reader that sees a name may read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from opdcache import storage
+from opdcache.errors import OpdcacheError
+
+SNAPSHOTS = "snapshots"
+LEDGER = "ledger.jsonl"
+RUN_FILE = "run.json"
+
+
+class StageStopped(OpdcacheError, RuntimeError):
+    """A stage stopped waiting because its supervisor is gone (the run was stopped or killed)."""
+
+
+def snapshot_path(cache_root, version: int):
+    return storage.as_path(cache_root) / SNAPSHOTS / f"student-v{version:06d}.safetensors"
+
+
+def publish_snapshot(model: torch.nn.Module, cache_root, version: int) -> None:
+    """Write the model's float32 weights as snapshot ``version``, whole or not at all (tied weights stored once)."""
+    from safetensors.torch import save_model
+
+    path = snapshot_path(cache_root, version)
+    with storage.staged(path) as tmp:
+        save_model(model, str(tmp), metadata={"opdcache.student_version": str(version)})
+
+
+def load_snapshot(model: torch.nn.Module, cache_root, version: int) -> None:
+    """Load snapshot ``version`` into ``model`` in place (every parameter must be present: a snapshot of another
+    architecture is refused by safetensors with the missing names)."""
+    from safetensors.torch import load_model
+
+    load_model(model, str(storage.local_copy(snapshot_path(cache_root, version))), strict=True)
+
+
+class Waiter:
+    """Polls for a path with a growing interval; stops when the supervisor that started this stage has gone."""
+
+    def __init__(self, parent_pid: int | None = None, first: float = 0.02, longest: float = 0.5):
+        self.parent_pid, self.first, self.longest = parent_pid, first, longest
+        self.waited = 0.0  # seconds spent waiting, over the stage's life
+
+    def until(self, ready, what: str) -> None:
+        interval, start = self.first, time.perf_counter()
+        while not ready():
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                raise StageStopped(f"the run was stopped while this stage waited for {what}")
+            time.sleep(interval)
+            interval = min(self.longest, interval * 1.5)
+        self.waited += time.perf_counter() - start
+
+    def for_file(self, path, what: str) -> None:
+        self.until(path.is_file, what)
+
+
+def append_busy(out: Path, stage: str, batch: int, start: float, end: float) -> None:
+    """Record one busy interval of a stage (wall-clock seconds since the epoch), for papers/001's overlap figure."""
+    path = out / "stages" / f"{stage}.busy.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"batch": batch, "start": start, "end": end}) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            break  # a line cut by a crash: everything before it is whole
+    return out

@@ -1,0 +1,211 @@
+"""The supervisor of an async run: records the settings, starts the three stages, stops them all when one fails,
+and, when the learner is done, finalizes the cache (manifest with each shard's sampling snapshot and the staleness at
+which it was consumed) and reports papers/001's throughput and overlap figures.
+
+Memory of the supervisor: the ledger and the stages' busy intervals; each stage's is in its own docstring
+(opdcache/asyncopd/stages.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from opdcache import storage
+from opdcache.asyncopd import queue as Q
+from opdcache.asyncopd.config import AsyncConfig
+from opdcache.asyncopd.stages import STAGES
+from opdcache.cache import JOB_FILE, TableJob, config_diff, finalize_table
+from opdcache.errors import ConfigError, OpdcacheError, ResumeError
+
+WARMUP_UPDATES = 5  # papers/001 App. G: throughput discards the first five learner updates
+
+
+class StageFailed(OpdcacheError, RuntimeError):
+    """A stage of an async run stopped with an error; the others were stopped, and everything written is kept."""
+
+
+def stage_threads(cfg: AsyncConfig) -> int:
+    """Torch threads per stage: --threads, else the CPUs this process may use shared by the three stages (at least 1).
+    Three processes each spinning the machine's full thread count collapse on a busy machine (issue 22)."""
+    if cfg.threads:
+        return cfg.threads
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // len(STAGES))
+
+
+def _begin(cfg: AsyncConfig) -> None:
+    """Write run.json, or refuse a resume whose settings differ from it."""
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    path = cfg.out / Q.RUN_FILE
+    record = {"config": cfg.to_json(), "identity": cfg.identity()}
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = config_diff(old["identity"], record["identity"])
+        if diff:
+            raise ResumeError(f"{cfg.out} holds an async run with other settings:\n  " + "\n  ".join(diff)
+                              + f"\nRerun with the original settings to resume, or use a new --out (or delete {cfg.out}).")
+    storage.write_text_atomic(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def _check_inputs(cfg: AsyncConfig) -> None:
+    """What a stage would only find out after starting its engine: refuse it before anything starts."""
+    from opdcache.models import is_hub_id, resolve_model
+
+    resolve_model(cfg.model, what="--model")
+    resolve_model(cfg.teacher, what="--teacher")
+    if not Path(cfg.prompts.path).exists() and not is_hub_id(str(cfg.prompts.path)):
+        raise ConfigError(f"prompt file {cfg.prompts.path} does not exist; check --prompts")
+    storage.as_path(cfg.cache_root)  # a URL whose filesystem package is missing fails here
+
+
+def _last_line(path: Path) -> str:
+    lines = [l for l in path.read_text(errors="replace").splitlines() if l.strip()] if path.is_file() else []
+    errors = [l for l in lines if l.startswith("error: ")]
+    return (errors or lines or ["(no output)"])[-1].removeprefix("error: ")
+
+
+def _run_local(cfg: AsyncConfig) -> None:
+    logs = cfg.out / "stages"
+    logs.mkdir(parents=True, exist_ok=True)
+    threads = stage_threads(cfg)
+    env = {**os.environ, "OPDCACHE_STAGE_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for name in STAGES:
+            log = open(logs / f"{name}.log", "w")
+            procs[name] = subprocess.Popen([sys.executable, "-m", "opdcache.asyncopd.worker", name, str(cfg.out), str(os.getpid())],
+                                           stdout=log, stderr=subprocess.STDOUT, env=env)
+            (logs / f"{name}.pid").write_text(f"{procs[name].pid}\n")
+        while True:
+            codes = {name: p.poll() for name, p in procs.items()}
+            failed = [n for n, c in codes.items() if c not in (None, 0)]
+            if failed:
+                name = failed[0]
+                how = f"signal {-codes[name]}" if codes[name] < 0 else f"exit {codes[name]}"
+                raise StageFailed(f"the {name} stage stopped ({how}): {_last_line(logs / f'{name}.log')}; the other stages were "
+                                  f"stopped and every finished shard and checkpoint is kept: rerun the same command to resume "
+                                  f"(log: {logs / f'{name}.log'})")
+            if codes["learner"] == 0 and all(c is not None for c in codes.values()):
+                return
+            time.sleep(0.1)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _run_ray(cfg: AsyncConfig) -> None:
+    """Each stage as one Ray task with its own engine and GPUs; they share only the cache (and the run directory,
+    which must be on a filesystem every node sees: the learner writes it, the stages log their busy intervals there)."""
+    try:
+        import ray
+    except ImportError:
+        from opdcache.errors import MissingDependencyError
+
+        raise MissingDependencyError("--executor ray needs the ray package; pip install 'opdcache[ray]'") from None
+    from opdcache.asyncopd.stages import run_stage
+
+    if not ray.is_initialized():
+        ray.init(address=cfg.ray_address or os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+    threads = stage_threads(cfg)
+
+    def stage(name: str, cfg: AsyncConfig):
+        import torch
+
+        torch.set_num_threads(threads)
+        try:
+            run_stage(name, cfg)
+        except OpdcacheError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    task = ray.remote(max_retries=0)(stage)
+    refs = {name: task.options(num_gpus=gpus, num_cpus=1).remote(name, cfg) for name, gpus in zip(STAGES, cfg.gpus_per_stage)}
+    pending = dict(refs)
+    try:
+        while pending:
+            done, _ = ray.wait(list(pending.values()), num_returns=1)
+            name = next(n for n, r in pending.items() if r == done[0])
+            del pending[name]
+            try:
+                error = ray.get(done[0])
+            except Exception as exc:  # the task died (worker killed, out of memory): Ray's own error, first line
+                error = str(exc).strip().splitlines()[0][:300]
+            if error:
+                raise StageFailed(f"the {name} stage stopped: {error}; the other stages were stopped and every finished "
+                                  "shard and checkpoint is kept: rerun the same command to resume")
+    finally:
+        for ref in pending.values():
+            ray.cancel(ref, force=True)
+
+
+def finalize(cfg: AsyncConfig) -> dict:
+    """Write the cache's manifest: both tables, and per rollout shard the snapshot that sampled it and the staleness at
+    which the learner consumed it (from the ledger). Idempotent."""
+    from opdcache import manifest as M
+    from opdcache.asyncopd.stages import teacher_slug
+
+    root = storage.as_path(cfg.cache_root)
+    ledger = {e["batch"]: e for e in Q.read_jsonl(cfg.out / Q.LEDGER)}
+    consumption = {"staleness": cfg.staleness, "steps": cfg.steps, "batch_size": cfg.batch_size, "loss": cfg.loss,
+                   "shards": [{"shard": b, "student_version": cfg.version_for(b), "consumed_at_step": ledger[b]["consumed_at_step"],
+                               "staleness": ledger[b]["staleness"]} for b in sorted(ledger)]}
+    for table in ("rollouts", f"teachers/{teacher_slug(cfg)}"):
+        if (root / table / JOB_FILE).is_file():
+            extra = {"async": consumption} if table == "rollouts" else {}
+            finalize_table(TableJob.from_job_file(root, table), **extra)
+    return M.load(root)
+
+
+def figures(cfg: AsyncConfig) -> dict:
+    """papers/001's throughput (response tokens per second of learner time after 5 warm-up updates, App. G) and overlap
+    (sum over stages of merged busy time / wall time, rollout averaged over its workers), with each stage's busy time."""
+    ledger = [e for e in Q.read_jsonl(cfg.out / Q.LEDGER) if e.get("time") is not None]
+    out: dict = {"updates": len(ledger)}
+    if len(ledger) > WARMUP_UPDATES + 1:
+        t5 = ledger[WARMUP_UPDATES - 1]["time"]
+        tokens = sum(e["tokens"] for e in ledger[WARMUP_UPDATES:])
+        out["throughput_tokens_per_s"] = tokens / max(1e-9, ledger[-1]["time"] - t5)
+    busy = {}
+    intervals = {s: Q.read_jsonl(cfg.out / "stages" / f"{s}.busy.jsonl") for s in STAGES}
+    everything = [iv for ivs in intervals.values() for iv in ivs]
+    if everything:
+        start, end = min(iv["start"] for iv in everything), max(iv["end"] for iv in everything)
+        for s, ivs in intervals.items():
+            merged, total = sorted((iv["start"], iv["end"]) for iv in ivs), 0.0
+            cur = None
+            for a, b in merged:
+                if cur is None or a > cur[1]:
+                    total += 0 if cur is None else cur[1] - cur[0]
+                    cur = [a, b]
+                else:
+                    cur[1] = max(cur[1], b)
+            total += 0 if cur is None else cur[1] - cur[0]
+            busy[s] = total
+        out["wall_s"] = end - start
+        out["busy_s"] = busy
+        out["overlap"] = sum(busy.values()) / max(1e-9, end - start)
+    return out
+
+
+def run_async(cfg: AsyncConfig) -> dict:
+    """Run (or resume) an async OPD run to its end; return the manifest's consumption record and the figures."""
+    _check_inputs(cfg)
+    _begin(cfg)
+    done = len(Q.read_jsonl(cfg.out / Q.LEDGER)) >= cfg.steps and (cfg.out / "learner" / "model").is_dir()
+    if not done:
+        (_run_ray if cfg.executor == "ray" else _run_local)(cfg)
+    manifest = finalize(cfg)
+    return {"out": str(cfg.out), "cache": cfg.cache_root, "async": manifest["tables"]["rollouts"].get("async"),
+            "figures": figures(cfg), "resumed_finished": done}
