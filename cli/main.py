@@ -15,7 +15,7 @@ from opdcache.errors import (ConfigError, ConsistencyError, InputError, MissingD
                              ResumeError, TokenizerMismatchError)
 
 app = typer.Typer(
-    name="opdcache", no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
+    name="opdcache", no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False, rich_markup_mode=None,
     help="Offline on-policy distillation caches: build, score, check, share, and train from them.",
 )
 
@@ -31,9 +31,9 @@ def _register() -> None:
     global _registered
     if _registered:
         return
-    from opdcache.cli import consistency, demo, export, generate, hub, info, mismatch, score, train, validate
+    from opdcache.cli import asyncopd, consistency, demo, export, generate, hub, info, mismatch, score, train, validate
 
-    for module in (demo, generate, score, train, validate, info, hub, consistency, mismatch, export):
+    for module in (demo, generate, score, train, asyncopd, validate, info, hub, consistency, mismatch, export):
         module.register(app)
     _registered = True
 

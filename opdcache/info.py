@@ -53,10 +53,14 @@ def summary(root: str | Path) -> dict:
             "consistency": (entry.get("consistency") or {}).get("verdict"),
             "reward_mean": _reward_mean(cache, name) if "task" in entry["params"]["stores"] else None,
         }
-    return {
+    out = {
         "path": str(root), "kind": m["kind"], "format_version": m["format_version"], "opdcache_version": m["opdcache_version"],
         "created": m["created"], "tokenizer": m["tokenizer"]["fingerprint"], "lineage": m["lineage"], "tables": tables,
     }
+    consumed = m["tables"].get("rollouts", {}).get("async")
+    if consumed:  # an async run's cache: which snapshot sampled each shard, and how stale it was when consumed
+        out["async"] = consumed
+    return out
 
 
 def _fmt_bytes(n: float) -> str:
@@ -86,4 +90,17 @@ def render(info: dict) -> str:
             lines.append(f"{'':<28} model {t['model']} ({(t['model_fingerprint'] or '')[:16]}){extra}")
         if t.get("reward_mean") is not None:
             lines.append(f"{'':<28} reward mean {t['reward_mean']:.3f} (over the rows that have one)")
+    if "async" in info:
+        lines += ["", _render_async(info["async"])]
+    return "\n".join(lines)
+
+
+def _render_async(a: dict) -> str:
+    """Per shard of an async run: the student snapshot (learner step) that sampled it, the learner step that consumed
+    it, and the staleness between them (papers/001 App. B)."""
+    k = "no refresh (Lightning)" if a["staleness"] is None else f"K = {a['staleness']}"
+    lines = [f"async run: {a['steps']} steps of {a['loss']}, {k}; per shard (batch): sampled by snapshot -> consumed at step (staleness)"]
+    cells = [f"{s['shard']:>4}: v{s['student_version']} -> {s['consumed_at_step']} ({s['staleness']})" for s in a["shards"]]
+    for i in range(0, len(cells), 4):  # four to a line: fits 80 columns
+        lines.append("  " + "   ".join(f"{c:<16}" for c in cells[i: i + 4]).rstrip())
     return "\n".join(lines)

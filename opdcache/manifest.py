@@ -72,6 +72,23 @@ _TABLE = {
 }
 
 
+_ASYNC = {
+    "type": "object",
+    "description": "an async run's rollouts (opdcache async): per shard, the student snapshot that sampled it and the staleness at which the learner consumed it",
+    "required": ["staleness", "steps", "shards"],
+    "properties": {
+        "staleness": {"type": ["integer", "null"]}, "steps": {"type": "integer"}, "batch_size": {"type": "integer"}, "loss": {"type": "string"},
+        "shards": {"type": "array", "items": {"type": "object", "required": ["shard", "student_version", "consumed_at_step", "staleness"]}},
+    },
+}
+
+
+def _table(version: int) -> dict:
+    if version < 2:
+        return _TABLE
+    return {**_TABLE, "properties": {**_TABLE["properties"], "async": _ASYNC}}
+
+
 def json_schema(version: int = S.FORMAT_VERSION) -> dict:
     """JSON Schema (draft 2020-12) of the manifest of format ``version`` (they differ only in that number)."""
     return {
@@ -90,7 +107,7 @@ def json_schema(version: int = S.FORMAT_VERSION) -> dict:
                 "required": ["fingerprint"],
                 "properties": {"fingerprint": _SHA, "name_or_path": {"type": "string"}, "chat_template_sha256": {"type": ["string", "null"]}},
             },
-            "tables": {"type": "object", "additionalProperties": _TABLE, "minProperties": 1},
+            "tables": {"type": "object", "additionalProperties": _table(version), "minProperties": 1},
             "lineage": {
                 "type": "object",
                 "description": "sft_teacher: the teacher pi_ref was fine-tuned on (papers/000 teacher consistency); parent: the fingerprint of the cache this one was built from",

@@ -165,6 +165,9 @@ def finalize(cfg: AsyncConfig) -> dict:
         if (root / table / JOB_FILE).is_file():
             extra = {"async": consumption} if table == "rollouts" else {}
             finalize_table(TableJob.from_job_file(root, table), **extra)
+    if not cfg.keep_snapshots and (root / Q.SNAPSHOTS).is_dir():  # the run is over: the final model is in learner/model
+        for path in (root / Q.SNAPSHOTS).iterdir():
+            path.unlink()
     return M.load(root)
 
 
@@ -173,7 +176,7 @@ def figures(cfg: AsyncConfig) -> dict:
     (sum over stages of merged busy time / wall time, rollout averaged over its workers), with each stage's busy time."""
     ledger = [e for e in Q.read_jsonl(cfg.out / Q.LEDGER) if e.get("time") is not None]
     out: dict = {"updates": len(ledger)}
-    if len(ledger) > WARMUP_UPDATES + 1:
+    if len(ledger) > WARMUP_UPDATES:  # J >= 6: updates 6..J after t_5
         t5 = ledger[WARMUP_UPDATES - 1]["time"]
         tokens = sum(e["tokens"] for e in ledger[WARMUP_UPDATES:])
         out["throughput_tokens_per_s"] = tokens / max(1e-9, ledger[-1]["time"] - t5)

@@ -1,0 +1,193 @@
+"""AsyncOPD over the cache (opdcache/asyncopd): three stage processes that share only the cache.
+
+K = 0 equals the synchronous online trainer step for step; a stage killed at any moment resumes to the same run;
+the logged importance weights are pi_theta / pi_old recomputed independently; a changed setting is refused.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from opdcache.asyncopd import AsyncConfig, run_async
+from opdcache.asyncopd import queue as Q
+from opdcache.backends.base import SamplingConfig
+from opdcache.prompts import PromptConfig
+
+FAST = SamplingConfig(temperature=1.0, max_new_tokens=8)
+
+
+def _cfg(weights, prompts, out, **kw):
+    base = dict(model=weights / "student", teacher=weights / "teacher", prompts=PromptConfig(prompts), out=out, staleness=1,
+                steps=4, batch_size=4, sampling=FAST, lr=1e-4, device="cpu", threads=1)
+    return AsyncConfig(**{**base, **kw})
+
+
+def _metrics(out, learner="learner"):
+    return [json.loads(l) for l in (Path(out) / learner / "metrics.jsonl").read_text().splitlines()]
+
+
+def _hashes(cache):
+    from opdcache.fingerprint import sha256_file
+
+    return {p.relative_to(cache).as_posix(): sha256_file(p) for p in sorted(Path(cache).rglob("*.parquet"))}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, weights, opd_prompts):
+    """An uninterrupted run at K = 1 (6 steps), the reference of the kill tests."""
+    cfg = _cfg(weights, opd_prompts, tmp_path_factory.mktemp("async") / "ref", steps=6)
+    return cfg, run_async(cfg)
+
+
+def test_k0_equals_the_synchronous_online_trainer_step_for_step(tmp_path, weights, opd_prompts):
+    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.train import TrainConfig, run_train
+
+    cfg = _cfg(weights, opd_prompts, tmp_path / "async", staleness=0)
+    run_async(cfg)
+    # the online baseline draws its prompts from a cache built on the same prompt file (same order)
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=tmp_path / "prompts_cache",
+                             num_shards=1, sampling=SamplingConfig(max_new_tokens=2)))
+    run_train(TrainConfig(model=weights / "student", cache=tmp_path / "prompts_cache", out=tmp_path / "online", loss="is", online=True,
+                          teacher_model=weights / "teacher", steps=4, batch_size=4, lr=1e-4, max_new_tokens=8, temperature=1.0))
+    a, b = _metrics(tmp_path / "async"), _metrics(tmp_path / "online", learner="")
+    assert [m["tokens"] for m in a] == [m["tokens"] for m in b]
+    for x, y in zip(a, b, strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6), (x["step"], x["loss"], y["loss"])
+        assert x["rho_mean"] == pytest.approx(y["rho_mean"], abs=1e-5)
+    assert [m["staleness"] for m in a] == [0, 0, 0, 0]
+
+
+def test_a_run_validates_and_records_each_shards_snapshot_and_staleness(reference, capsys):
+    from opdcache.cli.main import main
+    from opdcache.validate import validate
+
+    cfg, result = reference
+    assert [s["student_version"] for s in result["async"]["shards"]] == [0, 0, 1, 2, 3, 4]  # max(0, b - 1)
+    assert [s["staleness"] for s in result["async"]["shards"]] == [0, 1, 1, 1, 1, 1]  # ramps, then plateaus at K
+    assert [m["staleness"] for m in _metrics(cfg.out)] == [0, 1, 1, 1, 1, 1]
+    assert not [p for p in validate(cfg.cache_root) if not p.warning]
+    import pyarrow.parquet as pq
+
+    versions = [pq.read_table(p, columns=["student_version"])["student_version"].to_pylist()
+                for p in sorted((Path(cfg.cache_root) / "rollouts").glob("*.parquet"))]
+    assert versions == [[v] * 4 for v in (0, 0, 1, 2, 3, 4)]  # every row records the snapshot that sampled it
+    with pytest.raises(SystemExit) as e:
+        main(["info", cfg.cache_root])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "async run: 6 steps of is, K = 1" in out and "3: v2 -> 4 (1)" in out
+    assert not list((Path(cfg.cache_root) / Q.SNAPSHOTS).iterdir())  # snapshots are gone once the run is over
+    figures = result["figures"]
+    assert figures["updates"] == 6 and 0 < figures["overlap"] <= 3 and figures["throughput_tokens_per_s"] > 0
+
+
+def test_logged_importance_weights_equal_pi_theta_over_pi_old_recomputed(tmp_path, weights, opd_prompts):
+    """Batch 3 at K = 1 is sampled by snapshot v2 and consumed by the learner after 3 updates (snapshot v3): the logged
+    rho_mean must be exp(log pi_v3 - log pi_v2) over its tokens, recomputed here with a plain full-logits forward."""
+    from transformers import AutoModelForCausalLM
+
+    from opdcache.data import _Shard, collate
+
+    cfg = _cfg(weights, opd_prompts, tmp_path / "run", steps=5, keep_snapshots=True)
+    run_async(cfg)
+    model = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float32).eval()
+    rollout = Path(cfg.cache_root) / "rollouts" / "part-00003-of-00005.parquet"
+    shard = _Shard(rollout, None, ["prompt_ids", "response_ids", "sampling_logprobs"], [])
+    batch = collate([shard.row(i) for i in range(4)])
+    mask = batch["response_mask"].bool()
+
+    def logprobs(version):
+        Q.load_snapshot(model, cfg.cache_root, version)
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+        full = torch.log_softmax(logits, -1)  # [B, L, V]: position p predicts token p + 1
+        rows = torch.arange(full.shape[0])[:, None]
+        return full[rows, batch["logit_positions"], batch["response_ids"]]  # [B, T] at the response tokens
+
+    pi_old, pi_theta = logprobs(2), logprobs(3)
+    assert (pi_old - batch["sampling_logprobs"].double())[mask].abs().max() < 1e-4  # the batch was sampled by v2
+    rho = (pi_theta - pi_old).exp()[mask]
+    logged = _metrics(cfg.out)[3]
+    assert logged["student_version"] == 2 and logged["staleness"] == 1
+    assert logged["rho_mean"] == pytest.approx(float(rho.mean()), abs=2e-5)
+    assert logged["rho_max"] == pytest.approx(float(rho.max()), abs=2e-5)
+    assert float(rho.std()) > 1e-4  # the student moved: the test would see a wrong weight
+
+
+def _start(cfg_args, out):
+    return subprocess.Popen([sys.executable, "-m", "opdcache.cli.main", "async", *cfg_args, "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _cli_args(weights, prompts, steps=6):
+    return ["--model", str(weights / "student"), "--teacher", str(weights / "teacher"), "--prompts", str(prompts),
+            "--staleness", "1", "--steps", str(steps), "--batch-size", "4", "--temperature", "1.0", "--max-new-tokens", "8",
+            "--lr", "1e-4", "--device", "cpu", "--threads", "1"]
+
+
+@pytest.mark.parametrize("stage,after", [("rollout", 2), ("teacher", 3), ("learner", 2)])
+def test_a_killed_stage_resumes_to_the_uninterrupted_run(tmp_path, weights, opd_prompts, reference, stage, after):
+    """SIGKILL one stage once ``after`` learner updates are in the ledger: the run stops with one line and keeps everything;
+    the same command resumes it, every batch is consumed once, and shards and losses equal the uninterrupted run's."""
+    ref_cfg, _ = reference
+    out = tmp_path / "run"
+    proc = _start(_cli_args(weights, opd_prompts), out)
+    ledger, pid_file = out / Q.LEDGER, out / "stages" / f"{stage}.pid"
+    deadline = time.monotonic() + 300  # a guard against a hang, not a measured duration
+    while len(Q.read_jsonl(ledger)) < after and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in err
+    assert f"the {stage} stage stopped (signal 9)" in err and "rerun the same command to resume" in err and len(err.strip().splitlines()) == 1
+    again = _start(_cli_args(weights, opd_prompts), out)
+    stdout, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err
+    assert [e["batch"] for e in Q.read_jsonl(ledger)] == list(range(6))  # none consumed twice, none skipped
+    assert _hashes(out / "cache") == _hashes(Path(ref_cfg.cache_root))
+    for x, y in zip(_metrics(out), _metrics(ref_cfg.out), strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6)
+
+
+def test_resume_with_other_settings_is_refused_with_the_difference(reference, weights, opd_prompts):
+    cfg, _ = reference
+    proc = subprocess.run([sys.executable, "-m", "opdcache.cli.main", "async", *_cli_args(weights, opd_prompts), "--out", str(cfg.out),
+                           "--lr", "3e-4"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "holds an async run with other settings" in proc.stderr and "lr: 0.0001 -> 0.0003" in proc.stderr
+
+
+def test_a_stage_that_cannot_start_stops_the_run_in_one_line(tmp_path, weights, opd_prompts, capsys):
+    from opdcache.cli.main import main
+
+    args = _cli_args(weights, opd_prompts)
+    with pytest.raises(SystemExit) as e:
+        main(["async", *[a if a != str(weights / "teacher") else str(tmp_path / "no-teacher") for a in args], "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no-teacher" in err and len(err.strip().splitlines()) == 1
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"question": "1+2"}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["async", *[a if a != str(opd_prompts) else str(bad) for a in args], "--out", str(tmp_path / "r2")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "the rollout stage stopped (exit 2): no usable prompt" in err and len(err.strip().splitlines()) == 1
+
+
+def test_settings_that_cannot_work_asynchronously_are_refused():
+    from opdcache.errors import ConfigError
+
+    p = PromptConfig(Path("p.jsonl"))
+    with pytest.raises(ConfigError, match="full-vocabulary losses need the teacher's hidden states"):
+        AsyncConfig(model=Path("m"), teacher=Path("t"), prompts=p, out=Path("o"), loss="full-rkl")
+    with pytest.raises(ConfigError, match="--loss mc needs --mc-samples"):
+        AsyncConfig(model=Path("m"), teacher=Path("t"), prompts=p, out=Path("o"), loss="mc")
+    with pytest.raises(ConfigError, match="--staleness must be >= 0"):
+        AsyncConfig(model=Path("m"), teacher=Path("t"), prompts=p, out=Path("o"), staleness=-1)
