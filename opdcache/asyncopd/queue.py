@@ -53,9 +53,18 @@ def publish_snapshot(model: torch.nn.Module, cache_root, version: int) -> None:
 def load_snapshot(model: torch.nn.Module, cache_root, version: int) -> None:
     """Load snapshot ``version`` into ``model`` in place (every parameter must be present: a snapshot of another
     architecture is refused by safetensors with the missing names)."""
+    import tempfile
+
     from safetensors.torch import load_model
 
-    load_model(model, str(storage.local_copy(snapshot_path(cache_root, version))), strict=True)
+    path = snapshot_path(cache_root, version)
+    if not storage.is_remote(path):
+        load_model(model, str(path), strict=True)
+        return
+    with tempfile.TemporaryDirectory(prefix="opdcache-snapshot-") as tmp:  # one snapshot on local disk at a time, not one per version
+        local = Path(tmp) / path.name
+        path.fs.get_file(path.path, str(local))
+        load_model(model, str(local), strict=True)
 
 
 class Waiter:

@@ -131,7 +131,9 @@ def _run_ray(cfg: AsyncConfig) -> None:
         return None
 
     task = ray.remote(max_retries=0)(stage)
-    refs = {name: task.options(num_gpus=gpus, num_cpus=1).remote(name, cfg) for name, gpus in zip(STAGES, cfg.gpus_per_stage)}
+    # all three must run at once (each waits on the others' files): reserve at most a third of the cluster's CPUs each
+    cpus = min(1.0, float(ray.cluster_resources().get("CPU", 3)) / len(STAGES))
+    refs = {name: task.options(num_gpus=gpus, num_cpus=cpus).remote(name, cfg) for name, gpus in zip(STAGES, cfg.gpus_per_stage)}
     pending = dict(refs)
     try:
         while pending:
