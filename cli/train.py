@@ -37,12 +37,14 @@ def train(
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (resumed if it holds a checkpoint).", show_default=False)] = None,
     config: Annotated[Optional[Path], typer.Option("--config", help="YAML file of TrainConfig fields; flags override it.", show_default=False)] = None,
     teacher: Annotated[Optional[str], typer.Option("--teacher", help="Teacher table name in the cache.", show_default=False)] = None,
-    loss: Annotated[Optional[str], typer.Option("--loss", help="lightning, is, mc, topk-fkl, topk-rkl, full-fkl, full-rkl, jsd.", show_default=False)] = None,
+    loss: Annotated[Optional[str], typer.Option("--loss", help="lightning, is, mc, ppo, topk-fkl, topk-rkl, full-fkl, full-rkl, jsd.", show_default=False)] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", show_default=False)] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", show_default=False)] = None,
     grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", show_default=False)] = None,
     lr: Annotated[Optional[float], typer.Option("--lr", show_default=False)] = None,
     tau: Annotated[Optional[float], typer.Option("--tau", help="Lightning advantage clip.", show_default=False)] = None,
+    ppo_clip: Annotated[Optional[float], typer.Option("--ppo-clip", help="ppo: clip range of the old-to-current ratio (default 0.2).", show_default=False)] = None,
+    importance_weights: Annotated[Optional[bool], typer.Option("--importance-weights/--no-importance-weights", help="is/mc: weight by pi_theta/pi_old (default on).", show_default=False)] = None,
     tis_cap: Annotated[Optional[float], typer.Option("--tis-cap", help="Token-level truncated IS cap C.", show_default=False)] = None,
     reject_k: Annotated[Optional[str], typer.Option("--reject-k", help="Sequence rejection estimator: k1 or k3.", show_default=False)] = None,
     reject_threshold: Annotated[Optional[float], typer.Option("--reject-threshold", show_default=False)] = None,
@@ -82,7 +84,7 @@ def train(
     if not isinstance(values, dict):
         raise ConfigError(f"--config {config} must hold a mapping of TrainConfig fields")
     flags = dict(model=model, cache=cache, out=out, teacher=teacher, loss=loss, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
-                 lr=lr, tau=tau, checkpoint_every=checkpoint_every, seed=seed, deterministic=deterministic, tensorboard=tensorboard,
+                 lr=lr, tau=tau, ppo_clip=ppo_clip, importance_weights=importance_weights, checkpoint_every=checkpoint_every, seed=seed, deterministic=deterministic, tensorboard=tensorboard,
                  online=online, teacher_model=teacher_model, stop_after=stop_after, progress=progress, lr_schedule=lr_schedule,
                  warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, kl_coef=kl_coef, kl_estimator=kl_estimator, chunk=chunk, dtype=dtype,
                  gradient_checkpointing=gradient_checkpointing, fsdp=fsdp)

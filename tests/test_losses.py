@@ -49,6 +49,39 @@ def test_mc_averages_the_samples():
     torch.testing.assert_close(terms, manual)
 
 
+def test_without_importance_weights_the_gradient_is_the_plain_score_function():
+    """papers/001 App. F's no-IS ablation: the same advantage, no old-to-current weight: d/ds = -(T - s) / tokens."""
+    s = _rand(2, 5).requires_grad_()
+    b, T = _rand(2, 5, seed=4), _rand(2, 5, seed=5)
+    mask = torch.ones(2, 5, dtype=torch.float64)
+    terms, stats = L.is_terms(s, b, T, weighted=False)
+    L.reduce(terms, mask).backward()
+    torch.testing.assert_close(s.grad, (-(T - s) / 10).detach())
+    torch.testing.assert_close(stats["rho"], torch.exp(s - b).detach())  # the ratio is still reported
+    s2 = _rand(2, 3, 4).requires_grad_()
+    b2, T2 = _rand(2, 3, 4, seed=6), _rand(2, 3, 4, seed=7)
+    L.reduce(L.mc_terms(s2, b2, T2, weighted=False)[0], torch.ones(2, 3, dtype=torch.float64)).backward()
+    torch.testing.assert_close(s2.grad, (-(T2 - s2) / 4 / 6).detach())
+
+
+def test_ppo_matches_a_plain_loop_of_the_clipped_surrogate():
+    """papers/001 eq. 6, L_old^clip: rho = exp(s - b), A_old = T - r (fixed), term = -min(rho A, clip(rho) A)."""
+    s = _rand(3, 4).requires_grad_()
+    b, T, r = s.detach() + 0.4 * torch.randn(3, 4, dtype=torch.float64), _rand(3, 4, seed=8), _rand(3, 4, seed=9)
+    mask = torch.ones(3, 4, dtype=torch.float64)
+    terms, stats = L.ppo_terms(s, b, T, r, eps=0.2)
+    L.reduce(terms, mask).backward()
+    for i in range(3):
+        for t in range(4):
+            rho, A = math.exp(float(s[i, t] - b[i, t])), float(T[i, t] - r[i, t])
+            clipped = min(max(rho, 0.8), 1.2)
+            value = -min(rho * A, clipped * A)
+            assert terms[i, t].item() == pytest.approx(value)
+            active = rho * A <= clipped * A  # the unclipped branch is the min: it carries the gradient
+            assert s.grad[i, t].item() == pytest.approx(-rho * A / 12 if active else 0.0, abs=1e-12)
+            assert stats["clipped"][i, t].item() == float(clipped != rho)
+
+
 @pytest.mark.parametrize("direction", ["fkl", "rkl"])
 @pytest.mark.parametrize("tail", [False, True])
 def test_topk_kl_properties(direction, tail):
