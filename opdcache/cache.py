@@ -294,7 +294,12 @@ class Cache:
             return None
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(storage.local_copy(path))
+        try:  # a cache is untrusted input: never run code it carries (auto_map), and a bad folder is one line, not a traceback
+            return AutoTokenizer.from_pretrained(storage.local_copy(path), trust_remote_code=False)
+        except Exception as exc:  # noqa: BLE001 (transformers raises ValueError, OSError, JSONDecodeError, TypeError...)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise ManifestError(f"{path} cannot be loaded as a tokenizer without running code from the cache "
+                                f"({type(exc).__name__}: {first}); run `opdcache validate {self.root}`") from None
 
     def params(self, name: str) -> S.StoreParams:
         return S.StoreParams.from_dict(self.table(name)["params"])

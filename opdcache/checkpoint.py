@@ -125,9 +125,9 @@ def resume(trainer) -> bool:
     if diff:
         raise ConfigError(f"{ckpt} was written with different settings ({', '.join(diff)}); use the original settings to resume, "
                           "or a new --out")
-    from transformers import AutoModelForCausalLM
+    from opdcache.models import load_causal_lm
 
-    weights = AutoModelForCausalLM.from_pretrained(ckpt / "model", dtype=torch.float32, trust_remote_code=False).state_dict()
+    weights = load_causal_lm(ckpt / "model", torch.float32).state_dict()
     tensors = load_file(str(ckpt / "optimizer.safetensors"))
     per_param: dict[int, dict] = {}
     for key, value in tensors.items():

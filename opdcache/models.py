@@ -108,3 +108,29 @@ def hub_blob_sha256(path: Path) -> str | None:
     if target.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", target.name):
         return target.name
     return None
+
+
+def _untrusted_load(what: str, path, load):
+    """Run a transformers loader with remote code refused; any failure is one line naming ``what`` and the folder."""
+    try:
+        return load()
+    except Exception as exc:  # noqa: BLE001 (transformers raises ValueError, OSError, JSONDecodeError, TypeError ...)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]
+        custom = "custom code" in first or "trust_remote_code" in first
+        hint = ("opdcache never runs code that comes with a model or a cache (auto_map); use a model whose architecture "
+                "transformers ships" if custom else "check that the folder is a complete Hugging Face model/tokenizer")
+        raise ConfigError(f"{path}: the {what} cannot be loaded ({type(exc).__name__}: {first}); {hint}") from None
+
+
+def load_tokenizer(path):
+    """A tokenizer from a local folder, never running code from it (trust_remote_code=False), errors in one line."""
+    from transformers import AutoTokenizer
+
+    return _untrusted_load("tokenizer", path, lambda: AutoTokenizer.from_pretrained(path, trust_remote_code=False))
+
+
+def load_causal_lm(path, dtype):
+    """A causal LM from a local folder, never running code from it (trust_remote_code=False), errors in one line."""
+    from transformers import AutoModelForCausalLM
+
+    return _untrusted_load("model", path, lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False))

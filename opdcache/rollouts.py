@@ -34,7 +34,7 @@ from opdcache.cache import TableJob, run_table_job, worker_from_env
 from opdcache.errors import ConfigError
 from opdcache.fingerprint import row_id, tokenizer_fingerprint
 from opdcache.lineage import check_vocab_sizes, model_info, resolve_sft_teacher, undecodable_reason
-from opdcache.models import resolve_model
+from opdcache.models import load_tokenizer, resolve_model
 from opdcache.prompts import PromptConfig, PromptSet, read_prompts, write_errors
 
 QUARANTINE_FILE = "quarantine.jsonl"
@@ -212,11 +212,9 @@ def generation_groups(items_per_shard: Sequence[int], batch_size: int) -> list[l
 
 def run_generate(job: GenerateJob) -> GenerateResult:
     """Run (or resume) a build-sft / build-rollouts job; the last worker to finish writes the manifest."""
-    from transformers import AutoTokenizer
-
     num_workers, worker_index = worker_from_env(job.num_workers, job.worker_index)
     ref = resolve_model(job.model, job.revision, "--model" if job.kind == "rollouts" else "--teacher")
-    tokenizer = AutoTokenizer.from_pretrained(ref.path)
+    tokenizer = load_tokenizer(ref.path)
     backend = make_backend(ref.path, job.engine, max_logprobs=max(job.sampling.ref_top_k or 0, 1))
     decodable = check_vocab_sizes(tokenizer, backend.vocab_size, ref.name)
     prompts = read_prompts(job.prompts, tokenizer, backend.max_length - job.sampling.max_new_tokens)

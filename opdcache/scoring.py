@@ -20,7 +20,7 @@ from opdcache.backends.base import ScoreRequest
 from opdcache.cache import Cache, TableJob, run_table_job, worker_from_env
 from opdcache.errors import ConfigError, ConsistencyError, SchemaError
 from opdcache.lineage import check_same_tokenizer, model_info
-from opdcache.models import resolve_model
+from opdcache.models import load_tokenizer, resolve_model
 from opdcache.rollouts import EngineConfig, make_backend
 
 CALIBRATION_SEQUENCES = 64  # sequences for fitting the svd projection (the first rows of shard 0)
@@ -153,15 +153,13 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
 
 def run_score(job: ScoreJob) -> dict:
     """Run (or resume) score-teacher; return the verdict and what was written."""
-    from transformers import AutoTokenizer
-
     cache = Cache(job.cache)
     base = cache.base_table
     base_entry = cache.table(base)
     base_params = cache.params(base)
     num_workers, worker_index = worker_from_env(job.num_workers, job.worker_index)
     ref = resolve_model(job.teacher, job.revision, "--teacher")
-    check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], AutoTokenizer.from_pretrained(ref.path), f"teacher {ref.name}",
+    check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], load_tokenizer(ref.path), f"teacher {ref.name}",
                          cache.tokenizer())
     teacher_fp_info = model_info(ref)
     verdict = consistency_verdict(cache.manifest["lineage"], teacher_fp_info, job.allow_inconsistent_teacher)

@@ -126,7 +126,7 @@ def run_sft(model: Path, data: Path, out: Path, config: SFTConfig, only_correct:
     produced the trajectories and the data's fingerprint, so ``build-rollouts`` carries teacher consistency on.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from opdcache.models import load_causal_lm, load_tokenizer
     from transformers.utils import logging as hf_logging
 
     from opdcache import shards
@@ -140,7 +140,7 @@ def run_sft(model: Path, data: Path, out: Path, config: SFTConfig, only_correct:
     if cache.kind != "sft":
         raise ConfigError(f"--data {data} is a {cache.kind} cache; `opdcache sft` trains on an sft cache from `opdcache build-sft`")
     ref = resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(ref.path)
+    tokenizer = load_tokenizer(ref.path)
     check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], tokenizer, f"model {model}",
                          cache.tokenizer())
     pairs, skipped = [], 0
@@ -154,7 +154,7 @@ def run_sft(model: Path, data: Path, out: Path, config: SFTConfig, only_correct:
     if not pairs:
         raise ConfigError(f"no trajectories to train on in {data}" + (" with --only-correct (no row has reward 1)" if only_correct else ""))
     torch.manual_seed(config.seed)
-    student = AutoModelForCausalLM.from_pretrained(ref.path, dtype=torch.float32)
+    student = load_causal_lm(ref.path, torch.float32)
     losses = train_sft(student, pairs, config, pad_id=tokenizer.pad_token_id or 0, progress=progress)
     out = Path(out)
     student.save_pretrained(out)

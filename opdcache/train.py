@@ -40,7 +40,7 @@ import torch
 from opdcache import checkpoint
 from opdcache import losses as L
 from opdcache.errors import OpdcacheError, SchemaError
-from opdcache.models import resolve_model
+from opdcache.models import load_causal_lm, load_tokenizer, resolve_model
 from opdcache.progress import bar
 from opdcache.student import StudentForward, autocast_dtype, enable_activation_checkpointing, full_tensor, init_distributed, shard_fsdp
 from opdcache.trainconfig import LR_SCHEDULES, TrainConfig, learning_rate, stores_for  # noqa: F401 (the public names live here too)
@@ -89,7 +89,6 @@ class CacheSource:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, source=None):
-        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -101,13 +100,13 @@ class Trainer:
         self.autocast = autocast_dtype(cfg.dtype, self.device)
         # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32
         self.model_path = resolve_model(cfg.model).path  # a local directory or a Hub id
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
+        self.model = load_causal_lm(self.model_path, torch.float32).to(self.device)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
         self.model.train()
         self.ref_forward = None
         if cfg.corrections.active:  # r_train: the trainer-side pi_ref, frozen
-            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device).eval()
+            ref = load_causal_lm(self.model_path, torch.float32).to(self.device).eval()
             self.ref_forward = StudentForward(ref, cfg.chunk)
         self.forward = StudentForward(self.model, cfg.chunk)
         if cfg.fsdp:
@@ -321,10 +320,8 @@ class Trainer:
         return result
 
     def _save_final(self, model_sd: dict | None) -> None:
-        from transformers import AutoTokenizer
-
         self.model.save_pretrained(self.cfg.out / "model", state_dict=model_sd)
-        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(self.cfg.out / "model")
+        load_tokenizer(self.model_path).save_pretrained(self.cfg.out / "model")
         from opdcache.lineage import read_sft_lineage
         from opdcache.storage import write_text_atomic
 

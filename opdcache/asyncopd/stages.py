@@ -26,7 +26,7 @@ from opdcache.backends.base import GenerateRequest
 from opdcache.cache import JOB_FILE, TableJob
 from opdcache.errors import InputError, SchemaError
 from opdcache.fingerprint import tokenizer_fingerprint
-from opdcache.models import resolve_model
+from opdcache.models import load_tokenizer, resolve_model
 from opdcache.rollouts import EngineConfig, make_backend
 from opdcache.schedule import PromptSchedule
 
@@ -70,14 +70,12 @@ def rollout_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
     """Sample every missing batch with the snapshot its staleness prescribes; return the batches written."""
     from dataclasses import asdict
 
-    from transformers import AutoTokenizer
-
     from opdcache.lineage import check_vocab_sizes, model_info, resolve_sft_teacher, undecodable_reason
     from opdcache.prompts import read_prompts, write_errors
     from opdcache.rollouts import QUARANTINE_FILE, _record
 
     ref = resolve_model(cfg.model, what="--model")
-    tokenizer = AutoTokenizer.from_pretrained(ref.path, trust_remote_code=False)
+    tokenizer = load_tokenizer(ref.path)
     engine = _engine(cfg)
     backend = make_backend(ref.path, engine, max_logprobs=1)
     decodable = check_vocab_sizes(tokenizer, backend.vocab_size, ref.name)
@@ -144,8 +142,6 @@ def rollout_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
 
 def teacher_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
     """Score every rollout batch as soon as it lands; return the batches written."""
-    from transformers import AutoTokenizer
-
     from opdcache.lineage import check_same_tokenizer, model_info
     from opdcache.scoring import consistency_verdict, score_requests, teacher_columns, teacher_records
 
@@ -153,7 +149,7 @@ def teacher_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
     waiter.for_file(root / "rollouts" / JOB_FILE, "the rollout worker's job record")
     rollouts = TableJob.from_job_file(root, "rollouts")
     ref = resolve_model(cfg.teacher, what="--teacher")
-    check_same_tokenizer(rollouts.config["tokenizer"], AutoTokenizer.from_pretrained(ref.path, trust_remote_code=False), f"teacher {ref.name}")
+    check_same_tokenizer(rollouts.config["tokenizer"], load_tokenizer(ref.path), f"teacher {ref.name}")
     params = S.StoreParams(stores=cfg.teacher_stores(), top_k=cfg.top_k if cfg.loss == "topk-fkl" else None,
                            mc_samples=rollouts.params.mc_samples)
     engine = _engine(cfg)

@@ -48,7 +48,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_model(path: str | Path, dtype: str = "auto", device: str = "auto", quantize: str | None = None):
     """Load a local HF causal LM for inference; ``quantize='int8'`` applies dynamic int8 linear layers (CPU)."""
-    from transformers import AutoModelForCausalLM
+    from opdcache.models import load_causal_lm
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -56,7 +56,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "auto", quan
     torch_dtype = resolve_dtype(dtype, dev)
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"{path} is not a local Hugging Face model directory (no config.json); opdcache never downloads models")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(dev).eval()
+    model = load_causal_lm(path, torch_dtype).to(dev).eval()
     if quantize is not None:
         if quantize != "int8":
             raise ConfigError(f"--quantize must be int8 on the transformers backend, got {quantize!r}")

@@ -158,11 +158,12 @@ def setup(cfg: DemoConfig) -> dict[str, Path]:
 
 def load(path: Path):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from opdcache.models import load_causal_lm, load_tokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+    return (load_causal_lm(path, torch.float32).eval(),
+            load_tokenizer(path))
 
 
 def evaluate(name: str, path: Path, teacher, cfg: DemoConfig, report: DemoReport) -> dict:
@@ -346,4 +347,10 @@ def run_quantized_ablation(cfg: DemoConfig) -> DemoReport:
     return _finish(report, cfg, start, f"ablation_quantized_{cfg.loss}.json")
 
 
-ABLATIONS = {"consistency": run_consistency_ablation, "quantized": run_quantized_ablation}
+def run_staleness_ablation(cfg: DemoConfig) -> DemoReport:
+    from opdcache.demo.staleness import run_staleness_ablation as run
+
+    return run(cfg)
+
+
+ABLATIONS = {"consistency": run_consistency_ablation, "quantized": run_quantized_ablation, "staleness": run_staleness_ablation}
