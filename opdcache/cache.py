@@ -305,7 +305,21 @@ class Cache:
         return S.StoreParams.from_dict(self.table(name)["params"])
 
     def shard_paths(self, name: str) -> list[storage.AnyPath]:
-        return [self.root / s["path"] for s in self.table(name)["shards"]]
+        return [storage.confined(self.root, self.root / s["path"]) for s in self.table(name)["shards"]]
+
+    def side_file(self, table: str, name: str) -> storage.AnyPath:
+        """A side file of a table (head.safetensors, svd.safetensors), checked against the manifest's size and sha256
+        before anything loads it; refused in one line when missing, outside the cache, or changed."""
+        from opdcache.errors import SchemaError
+
+        path = storage.confined(self.root, self.root / table / name)
+        want = self.table(table).get("files", {}).get(name)
+        if not path.is_file():
+            raise SchemaError(f"{path} is missing; run `opdcache validate {self.root}`")
+        if want is not None and (path.stat().st_size != want["bytes"] or sha256_file(path) != want["sha256"]):
+            raise SchemaError(f"{path} does not match the manifest's size and sha256 (truncated, corrupted or replaced); "
+                              f"run `opdcache validate {self.root}`, then rescore the teacher or re-pull the cache")
+        return path
 
     def sequences(self, table: str, column: str) -> list[np.ndarray]:
         """A per-token column of a whole table, one array per row, in row order over the shards."""

@@ -26,7 +26,7 @@ import json
 import os
 from pathlib import Path
 
-from opdcache import shards
+from opdcache import shards, storage
 from opdcache.cache import Cache
 from opdcache.errors import ConfigError
 
@@ -42,12 +42,18 @@ def export(cache_root: str | Path, to: str, out: str | Path, teacher: str | None
         raise ConfigError(f"--to must be one of {', '.join(FORMATS)}, got {to!r}")
 
     cache = Cache(cache_root)
+    out = Path(out)
+    if not storage.is_remote(cache.root) and out.resolve().is_relative_to(Path(cache.root).resolve()):
+        raise ConfigError(f"--out {out} is inside the cache {cache_root}: an export there would overwrite or mix with the "
+                          "cache's own files; give a directory outside it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} is not empty (an earlier export?): a reader of *.parquet or *.jsonl there would mix two "
+                          "exports; give a new or empty directory")
     base = cache.base_table
     table = cache.teacher_table(teacher) if (teacher or cache.teachers) else None
     tokenizer = cache.tokenizer()
     if tokenizer is None:
         raise ConfigError(f"{cache_root} carries no tokenizer folder; rebuild it with this opdcache version")
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rollout_paths = cache.shard_paths(base)
     teacher_paths = cache.shard_paths(table) if table else [None] * len(rollout_paths)

@@ -47,8 +47,15 @@ def load_head(path: str | Path) -> Head:
 
     from opdcache.storage import as_path, local_copy
 
-    tensors = load_file(str(local_copy(as_path(path))))
-    return Head(tensors["weight"], tensors.get("bias"))
+    from opdcache.errors import SchemaError
+
+    try:
+        tensors = load_file(str(local_copy(as_path(path))))
+        return Head(tensors["weight"], tensors.get("bias"))
+    except Exception as exc:  # noqa: BLE001 (safetensors raises its own error type for a truncated or foreign file)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise SchemaError(f"{path} is not a readable unembedding (safetensors with a 'weight' tensor): "
+                          f"{type(exc).__name__}: {first}; run `opdcache validate` on the cache") from None
 
 
 def token_logprobs_from_hidden(hidden_NH: torch.Tensor, head: Head, ids_N: torch.Tensor) -> torch.Tensor:

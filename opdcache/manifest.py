@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -130,6 +131,26 @@ def new_manifest(kind: str, tokenizer: dict, lineage: dict | None = None) -> dic
     }
 
 
+TABLE_NAME = re.compile(r"(sft|rollouts|teachers/[A-Za-z0-9][A-Za-z0-9._-]*)")
+SHARD_FILE = re.compile(r"part-\d{5,}-of-\d{5,}\.parquet")
+
+
+def _check_paths(manifest: dict, where: str) -> None:
+    """Every path the manifest names stays inside the cache: a table name is ``sft``, ``rollouts`` or ``teachers/<slug>``
+    and a shard is ``<table>/part-<i>-of-<n>.parquet`` (no absolute path, no ``..``, no other folder). A cache is
+    untrusted input: a reader must never be sent outside it (symlinks are refused where a file is opened:
+    opdcache.storage.confined)."""
+    for name, entry in manifest["tables"].items():
+        if not TABLE_NAME.fullmatch(name) or ".." in name:
+            raise ManifestError(f"{where}: table name {name!r} is not sft, rollouts or teachers/<name>; refusing a manifest "
+                                "that points outside its cache")
+        for i, shard in enumerate(entry["shards"]):
+            rel = shard["path"]
+            if rel.rsplit("/", 1)[0] != name or not SHARD_FILE.fullmatch(rel.rsplit("/", 1)[-1]):
+                raise ManifestError(f"{where}: tables/{name}/shards/{i}: path {rel!r} is not {name}/part-<i>-of-<n>.parquet; "
+                                    "refusing a manifest that points outside its table")
+
+
 def check(manifest: dict, where: str = MANIFEST_NAME) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != S.FORMAT_NAME:
         raise ManifestError(f"{where}: not an opdcache manifest (no \"format\": \"{S.FORMAT_NAME}\")")
@@ -143,6 +164,7 @@ def check(manifest: dict, where: str = MANIFEST_NAME) -> dict:
     if exc is not None:
         path = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
         raise ManifestError(f"{where}: {path}: {exc.message}")
+    _check_paths(manifest, where)
     return manifest
 
 

@@ -19,6 +19,12 @@ from opdcache.errors import ConfigError, InputError
 from opdcache.fingerprint import chat_template_hash
 
 
+TEMPLATE_CALL_ARGUMENTS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+"""apply_chat_template's own arguments: a --chat-template-kwargs key among them would collide with opdcache's call."""
+
+
 @dataclass(frozen=True)
 class PromptConfig:
     """How prompts are read and turned into token ids."""
@@ -49,6 +55,10 @@ class PromptConfig:
     def __post_init__(self) -> None:
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
             raise ConfigError(f"--chat-template-kwargs must be a JSON object, got {self.chat_template_kwargs!r}")
+        taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_CALL_ARGUMENTS)
+        if taken:
+            raise ConfigError(f"--chat-template-kwargs may not set {', '.join(taken)}: opdcache passes those to "
+                              "apply_chat_template itself (the template's own variables only, e.g. enable_thinking)")
         if not self.prompt_field and not self.messages_field:
             raise ConfigError("give --prompt-field or --messages-field")
         if self.limit is not None and self.limit < 1:
@@ -121,6 +131,9 @@ def _rows(path: Path) -> Iterator[tuple[int, dict | None, str | None]]:
                 except json.JSONDecodeError as exc:
                     yield i + 1, None, f"invalid JSON: {exc.msg} at column {exc.colno}"
                     continue
+                except RecursionError:  # e.g. a 200,000-deep nested list: one bad line, not the whole job
+                    yield i + 1, None, "invalid JSON: nested too deeply to read"
+                    continue
                 if not isinstance(row, dict):
                     yield i + 1, None, f"expected a JSON object, got {type(row).__name__}"
                     continue
@@ -171,6 +184,30 @@ def _messages(row: dict, cfg: PromptConfig) -> tuple[list[dict] | None, str | No
     return [{"role": "user", "content": text}], None
 
 
+def _tokenize(row: dict, cfg: PromptConfig, tokenizer) -> tuple[tuple[int, ...] | None, str | None, str | None, str | None]:
+    """(prompt ids, metadata JSON, answer, error) of one row; raises on whatever the row's content makes fail."""
+    msgs, error = _messages(row, cfg)
+    if error is not None:
+        return None, None, None, error
+    if cfg.system_prompt and not any(m.get("role") == "system" for m in msgs):
+        msgs = [{"role": "system", "content": cfg.system_prompt}] + list(msgs)
+    if cfg.chat_template:
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **(cfg.chat_template_kwargs or {}))
+    else:
+        text = "".join(str(m["content"]) for m in msgs)
+    text.encode("utf-8")  # a lone surrogate (valid JSON, not valid text) fails here, for this row
+    ids = tuple(tokenizer(text, add_special_tokens=not cfg.chat_template)["input_ids"])
+    extra = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.messages_field, cfg.answer_field)}
+    meta = json.dumps(extra, sort_keys=True, default=str) if extra else None
+    if meta is not None:
+        meta.encode("utf-8")
+    answer = row.get(cfg.answer_field) if cfg.answer_field else None
+    answer = None if answer is None else str(answer)
+    if answer is not None:
+        answer.encode("utf-8")
+    return ids, meta, answer, None
+
+
 def read_prompts(cfg: PromptConfig, tokenizer, max_prompt_tokens: int | None) -> PromptSet:
     """Read and tokenise prompts; ``max_prompt_tokens`` is the model's limit minus max new tokens."""
     template = getattr(tokenizer, "chat_template", None)
@@ -183,21 +220,18 @@ def read_prompts(cfg: PromptConfig, tokenizer, max_prompt_tokens: int | None) ->
     for line, row, error in _rows(resolve_prompts(cfg)):
         if cfg.limit is not None and line > cfg.limit:
             break
-        msgs = None
+        ids = None
         if error is None:
-            msgs, error = _messages(row, cfg)
+            try:  # anything one row does (a lone surrogate, a template error, an odd type) fails that row only
+                ids, extra, answer, error = _tokenize(row, cfg, tokenizer)
+            except Exception as exc:  # noqa: BLE001
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                error = f"could not turn the row into prompt ids: {type(exc).__name__}: {first}"
         if error is not None:
             if cfg.strict:
                 raise InputError(f"{cfg.path} line {line}: {error} (drop --strict to skip such rows)")
             out.errors.append({"line": line, "reason": error})
             continue
-        if cfg.system_prompt and not any(m.get("role") == "system" for m in msgs):
-            msgs = [{"role": "system", "content": cfg.system_prompt}] + list(msgs)
-        if cfg.chat_template:
-            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **(cfg.chat_template_kwargs or {}))
-        else:
-            text = "".join(str(m["content"]) for m in msgs)
-        ids = tuple(tokenizer(text, add_special_tokens=not cfg.chat_template)["input_ids"])
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             out.too_long += 1
             out.errors.append({"line": line, "reason": f"prompt has {len(ids)} tokens, more than the {max_prompt_tokens} allowed "
@@ -205,9 +239,7 @@ def read_prompts(cfg: PromptConfig, tokenizer, max_prompt_tokens: int | None) ->
             continue
         key = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
         seen[key].append(line)
-        extra = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.messages_field, cfg.answer_field)}
-        answer = row.get(cfg.answer_field) if cfg.answer_field else None
-        prompt = Prompt(line - 1, ids, None if answer is None else str(answer), json.dumps(extra, sort_keys=True, default=str) if extra else None)
+        prompt = Prompt(line - 1, ids, answer, extra)
         out.prompts.append(prompt)
         out.prompt_tokens += len(ids)
         if unk is not None:

@@ -67,6 +67,25 @@ def as_path(root: str | os.PathLike) -> AnyPath:
         raise ConfigError(f"{text}: not a storage URL opdcache can open ({exc})") from None
 
 
+def confined(root: AnyPath, path: AnyPath) -> AnyPath:
+    """``path`` if it lies inside ``root`` once symlinks are followed; otherwise a ManifestError naming where it leads.
+    A cache is untrusted input: a symlinked shard or side file must not make a reader open a file outside it. (Object
+    stores have no symlinks; their keys are checked lexically by the manifest.)"""
+    if is_remote(path):
+        return path
+    try:
+        target = Path(path).resolve()
+        inside = target.is_relative_to(Path(root).resolve())
+    except (OSError, RuntimeError):  # a symlink loop
+        target, inside = Path(path), False
+    if not inside:
+        from opdcache.errors import ManifestError
+
+        raise ManifestError(f"{path} leads outside the cache (to {target}); refusing to read it. Replace it with the real "
+                            "file (opdcache pull, or rebuild the shard)")
+    return path
+
+
 def is_remote(path) -> bool:
     """True for a path on an object store (anything that is not a local pathlib.Path)."""
     return not isinstance(path, (str, Path)) and hasattr(path, "fs")

@@ -138,7 +138,7 @@ class Trainer:
             if "hidden" in stores:
                 from opdcache.heads import load_head
 
-                head = load_head(cache.root / table / "head.safetensors")
+                head = load_head(cache.side_file(table, "head.safetensors"))  # hash-checked first, like every shard
         # moved to the device in float32 once, not at every step
         self.teacher_w = None if head is None else head.weight.to(self.device, torch.float32)
         self.teacher_b = None if head is None or head.bias is None else head.bias.to(self.device, torch.float32)

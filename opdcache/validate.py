@@ -111,7 +111,7 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
         _check_side_files(root, name, entry, params, out)
         for index, info in enumerate(entry["shards"]):
             path = root / info["path"]
-            if not _check_file(path, info, entry, params, out):
+            if not _inside(root, path, info["path"], out) or not _check_file(path, info, entry, params, out):
                 continue
             if quick:
                 continue
@@ -138,6 +138,8 @@ def _check_side_files(root: Path, name: str, entry: dict, params: S.StoreParams,
         path = root / rel
         if store not in params.stores and fname not in recorded:
             continue
+        if not _inside(root, path, rel, out):
+            continue
         if not path.is_file():
             out.add(rel, f"missing: the {store} store needs it")
             continue
@@ -150,6 +152,16 @@ def _check_side_files(root: Path, name: str, entry: dict, params: S.StoreParams,
             out.add(rel, f"size is {size} bytes, the manifest says {want['bytes']} (truncated or replaced)")
         elif sha256_file(path) != want["sha256"]:
             out.add(rel, "sha256 does not match the manifest's (corrupted)")
+
+
+def _inside(root, path, rel: str, out: _Collector) -> bool:
+    """False, with a problem, for a file that is a symlink leading out of the cache (never opened, nothing disclosed)."""
+    try:
+        storage.confined(root, path)
+    except ManifestError:
+        out.add(rel, "is a symlink that leads outside the cache; not read (replace it with the real file)")
+        return False
+    return True
 
 
 def _check_stray_files(root: Path, tables: dict, out: _Collector) -> None:
@@ -343,7 +355,11 @@ def _check_hidden(root: Path, file: str, entry: dict, response: np.ndarray, logp
     if not head_path.is_file():
         out.add(file, "hidden store without head.safetensors next to it")
         return
-    head = load_head(head_path)
+    try:
+        head = load_head(head_path)
+    except SchemaError as exc:
+        out.add(file, f"cannot check the hidden states: {exc}")
+        return
     pf = shards.open_parquet(root / file)
     dtype = shards.hidden_dtype_of(pf.schema_arrow.field("hidden"))
     tol = HIDDEN_TOL[dtype]

@@ -82,8 +82,10 @@ def resolve(spec: str) -> Callable:
         module, _, name = spec.partition(":")
         try:
             fn = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"--reward {spec}: cannot import {name!r} from {module!r} ({exc}); check the module path") from None
+        except Exception as exc:  # noqa: BLE001 (ImportError, AttributeError, a SyntaxError in it, whatever its import raises)
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise ConfigError(f"--reward {spec}: cannot import {name!r} from {module!r} ({type(exc).__name__}: {first}); "
+                              "check the module path and that the module imports on its own") from None
         if not callable(fn):
             raise ConfigError(f"--reward {spec}: {name!r} is not a function")
         return fn
@@ -99,12 +101,16 @@ def score(fn: Callable, response: str, task: dict) -> Verdict:
     except Exception as exc:  # a verifier's bug or a row it cannot read: mark the row, keep the job
         return Verdict(None, f"verifier raised {type(exc).__name__}: {str(exc)[:200]}")
     reason = None
-    if isinstance(out, tuple):
-        out, reason = out
+    if isinstance(out, tuple):  # (score, reason); any other tuple shape is this row's failure, not the job's
+        if len(out) != 2:
+            return Verdict(None, f"verifier returned a tuple of {len(out)} items, not (score, reason): {str(out)[:100]}")
+        out, reason = out[0], (None if out[1] is None else str(out[1])[:500])
     try:
         value = float(out)
-    except (TypeError, ValueError):
-        return Verdict(None, f"verifier returned {out!r}, not a number in [0, 1]")
+    except (TypeError, ValueError, OverflowError):
+        return Verdict(None, f"verifier returned {repr(out)[:100]}, not a number in [0, 1]")
+    if value != value:
+        return Verdict(None, "verifier returned NaN, not a number in [0, 1]")
     if not 0.0 <= value <= 1.0:
         return Verdict(None, f"verifier returned {value}, outside [0, 1]")
     return Verdict(value, reason)
