@@ -211,9 +211,8 @@ class TableJob:
         entry.update({k: v for k, v in extra.items() if v is not None})
         return entry
 
-    def finish(self, manifest: dict) -> None:
-        """Write the manifest (last), then drop the job file."""
-        M.save(self.root, manifest)
+    def finish(self) -> None:
+        """Drop the job file (the manifest holds the finished table)."""
         job_file = self.dir / JOB_FILE
         if job_file.exists():
             job_file.unlink()
@@ -336,12 +335,35 @@ class Cache:
         return name
 
 
+TABLE_RECORD = "_table.json"
+"""Each finished table's manifest entry, beside its shards: finalize merges every table's record into opdcache.json."""
+
+
+def _table_records(root) -> dict[str, dict]:
+    """Every finished table's entry, from its record file (``<table>/_table.json``)."""
+    records = {}
+    for table_dir in [root / "sft", root / "rollouts"] + (sorted((root / "teachers").iterdir()) if (root / "teachers").is_dir() else []):
+        path = table_dir / TABLE_RECORD
+        if path.is_file():
+            rec = json.loads(path.read_text())
+            records[rec["table"]] = rec["entry"]
+    return records
+
+
 def finalize_table(job: TableJob, tokenizer: dict | None = None, lineage: dict | None = None, **entry_extra) -> dict:
     """Add the finished table to the manifest (creating it for a base table): card first, manifest last.
 
     ``tokenizer`` and ``lineage`` are needed when the manifest does not exist yet (the base table); they and
     the table's extra entries default to what the job recorded in ``job.meta``.
     Safe to call from every worker: it refuses until all shards exist, and rewriting gives the same content.
+
+    Concurrent finalizes of different tables (two score-teacher jobs on one cache) lose nothing, on a local disk or an
+    object store alike, without a lock: each writes its table's entry to ``<table>/_table.json`` first, then merges
+    every table record it finds into the manifest, writes it, and lists the records again; if one appeared that its
+    manifest lacks, it merges and writes again. The last manifest written was written after its writer's final
+    listing, and any record written after that listing is merged by its own writer later still, so the last manifest
+    holds every table. (Object stores have no rename-based lock and s3fs no portable conditional put; this needs
+    neither.)
     """
     from opdcache import card
 
@@ -353,14 +375,24 @@ def finalize_table(job: TableJob, tokenizer: dict | None = None, lineage: dict |
         from opdcache.svd import read_metadata  # a job rebuilt from its job file (finalize, Ray driver): the fit's record
 
         entry_extra["svd"] = read_metadata(svd_file)["info"]
-    if M.exists(job.root):
-        manifest = M.load(job.root)
-    else:
-        if job.kind == "teacher":
-            raise ManifestError(f"{job.root} has no manifest: score a finished rollouts or sft cache")
-        manifest = M.new_manifest(job.kind, tokenizer or {}, lineage)
-    manifest["tables"][job.table] = job.table_entry(**entry_extra)
-    manifest["format_version"] = max(manifest["format_version"], S.version_of(job.params))  # the newest its tables use
-    card.write(job.root, manifest)
-    job.finish(manifest)
+    if job.kind == "teacher" and not M.exists(job.root):
+        raise ManifestError(f"{job.root} has no manifest: score a finished rollouts or sft cache")
+    storage.write_text_atomic(job.dir / TABLE_RECORD, json.dumps({"table": job.table, "entry": job.table_entry(**entry_extra)},
+                                                                 indent=2, sort_keys=True) + "\n")
+    for _ in range(100):
+        if M.exists(job.root):
+            manifest = M.load(job.root)
+        else:
+            manifest = M.new_manifest(job.kind, dict(tokenizer or {}), lineage)
+            if storage.folder_complete(job.root / "tokenizer"):  # hashed, so validate notices a damaged tokenizer folder
+                manifest["tokenizer"]["files"] = storage.folder_hashes(job.root / "tokenizer")
+        records = _table_records(job.root)
+        manifest["tables"].update(records)
+        for entry in records.values():  # the newest format version any table uses
+            manifest["format_version"] = max(manifest["format_version"], S.version_of(S.StoreParams.from_dict(entry["params"])))
+        card.write(job.root, manifest)
+        M.save(job.root, manifest)
+        if all(manifest["tables"].get(t) == e for t, e in _table_records(job.root).items()):
+            break
+    job.finish()
     return manifest

@@ -54,6 +54,8 @@ class CacheLoaderConfig:
     """Distributed world size (default: torch.distributed, then WORLD_SIZE, then 1)."""
     verify: bool = True
     """Check each shard's size and sha256 against the manifest before decoding it (once per shard and process)."""
+    max_length: int | None = None
+    """Refuse a row whose prompt + response is longer than this (the model's context: Trainer sets it)."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -69,18 +71,41 @@ def _dist() -> tuple[int, int]:
 
 
 class _Shard:
-    """One shard's columns as flat numpy arrays plus row offsets (decoded once, sliced per row)."""
+    """One shard's columns as flat numpy arrays plus row offsets (decoded once, sliced per row).
 
-    def __init__(self, rollout_path, teacher_path, rollout_cols: list[str], teacher_cols: list[str]):
+    What it trains on is checked first: teacher rows aligned with the rollout rows by id, every per-token column as
+    long as its row's response, and (with ``max_length``) every prompt + response within the model's context; a
+    violation is one line naming the shard and `opdcache validate`, never a misaligned or oversized batch."""
+
+    def __init__(self, rollout_path, teacher_path, rollout_cols: list[str], teacher_cols: list[str], where: str = "this shard",
+                 max_length: int | None = None):
         """Each source: a local path, an object-store path, or a shard's bytes already fetched (opdcache.shards.read_table)."""
-        r = shards.read_table(rollout_path, rollout_cols)
+        from opdcache.errors import SchemaError
+
+        def refuse(what: str):
+            raise SchemaError(f"{where}: {what}; run `opdcache validate` on the cache and rebuild that shard")
+
+        r = shards.read_table(rollout_path, list(dict.fromkeys(["id"] + rollout_cols)))
         self.offsets = shards.list_offsets(r["response_ids"])
         self.prompt_offsets = shards.list_offsets(r["prompt_ids"])
+        lengths = np.diff(self.offsets)
+        if max_length is not None:
+            total = lengths + np.diff(self.prompt_offsets)
+            if len(total) and total.max() > max_length:
+                refuse(f"row {int(total.argmax())} has {int(total.max())} prompt + response tokens, more than the model's "
+                       f"context of {max_length}")
+        for name in rollout_cols:
+            if name not in ("prompt_ids", "response_ids") and not np.array_equal(np.diff(shards.list_offsets(r[name])), lengths):
+                refuse(f"per-token column {name} is not as long as the responses")
         self.cols = {name: shards.token_values(r[name]) for name in rollout_cols}
         self.hidden_dtype = None
         if teacher_path is not None:
-            t = shards.read_table(teacher_path, teacher_cols)
+            t = shards.read_table(teacher_path, ["id"] + teacher_cols)
+            if t.num_rows != r.num_rows or t["id"].to_pylist() != r["id"].to_pylist():
+                refuse("teacher rows are not aligned with the rollout rows (ids differ)")
             for name in teacher_cols:  # per-token columns only (CacheDataset leaves out row columns such as id)
+                if not np.array_equal(np.diff(shards.list_offsets(t[name])), lengths):
+                    refuse(f"teacher column {name} is not as long as the responses (shifted or truncated rows)")
                 self.cols["teacher_" + name] = shards.token_values(t[name])
                 if name == "hidden":
                     self.hidden_dtype = shards.hidden_dtype_of(t.schema.field("hidden"))
@@ -171,6 +196,12 @@ class CacheDataset(torch.utils.data.IterableDataset):
         self.expected = {p: s for p, s in zip(self.rollout_paths, cache.table(base)["shards"])}  # path -> manifest entry
         self.verified: set = set()
         self.rows_per_shard = [s["rows"] for s in cache.table(base)["shards"]]
+        for path, rows in zip(self.rollout_paths, self.rows_per_shard):  # before anything is sized by the manifest's claim
+            actual = shards.open_parquet(path).metadata.num_rows
+            if actual != rows:
+                from opdcache.errors import SchemaError
+
+                raise SchemaError(f"{path} holds {actual} rows, the manifest says {rows}; run `opdcache validate {config.cache}`")
         rparams = cache.params(base)
         cols = ["prompt_ids", "response_ids", "sampling_logprobs"] + (["ref_logprobs"] if base == "rollouts" else [])
         if "ref_topk" in config.rollout_stores:
@@ -227,7 +258,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
                     if path is not None and path not in self.verified:
                         sources[k] = _verify_shard(path, self.expected[path], self.config.cache)
                         self.verified.add(path)
-            cache[shard] = _Shard(*sources, self.rollout_cols, self.teacher_cols)
+            cache[shard] = _Shard(*sources, self.rollout_cols, self.teacher_cols, where=str(self.rollout_paths[shard]),
+                                  max_length=self.config.max_length)
         return cache[shard]
 
     def __iter__(self):

@@ -219,7 +219,7 @@ def run_generate(job: GenerateJob) -> GenerateResult:
     decodable = check_vocab_sizes(tokenizer, backend.vocab_size, ref.name)
     prompts = read_prompts(job.prompts, tokenizer, backend.max_length - job.sampling.max_new_tokens)
     out = storage.as_path(job.out)
-    if not (out / "tokenizer").is_dir():  # the cache carries its tokenizer: decode and compare without the model
+    if not storage.folder_complete(out / "tokenizer"):  # the cache carries its tokenizer: decode and compare without the model
         storage.save_tokenizer(tokenizer, out / "tokenizer")
     model = model_info(ref, **backend.model_info())
     sft_teacher = resolve_sft_teacher(ref, job.sft_teacher) if job.kind == "rollouts" else None

@@ -146,14 +146,28 @@ def upload_dir(local_dir: Path, path: AnyPath) -> None:
             shutil.copyfile(src, tmp)
 
 
+COMPLETE = ".complete"
+"""Marker written last into a folder written file by file (the cache's tokenizer): without it the folder is unfinished."""
+
+
 def save_tokenizer(tokenizer, path: AnyPath) -> None:
-    """``tokenizer.save_pretrained`` into a local folder or, through a temporary folder, into an object store."""
-    if not is_remote(path):
-        tokenizer.save_pretrained(path)
-        return
+    """``tokenizer.save_pretrained`` into a temporary folder, then each file into ``path`` atomically, then the
+    completion marker: a run killed (or out of disk) midway leaves a folder without the marker, which the rerun
+    rewrites (:func:`folder_complete`), never a half-written file under a final name."""
     with tempfile.TemporaryDirectory(prefix="opdcache-tokenizer-") as tmp:
         tokenizer.save_pretrained(tmp)
         upload_dir(Path(tmp), path)
+    write_text_atomic(path / COMPLETE, "complete\n")
+
+
+def folder_complete(path: AnyPath) -> bool:
+    return (path / COMPLETE).is_file()
+
+
+def folder_hashes(path: AnyPath) -> dict[str, str]:
+    """sha256 of every file of a small folder (the tokenizer), by relative path, the marker excluded."""
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != COMPLETE)
+    return {p.relative_to(path).as_posix(): sha256_of(p) for p in files}
 
 
 def sha256_of(path: AnyPath, block: int = 1 << 22) -> str:

@@ -134,7 +134,8 @@ class Trainer:
             table = cache.teacher_table(cfg.teacher)  # the only teacher when not named
             stores, rstores = stores_for(cfg.loss, cfg.topk_support)
             self.source = CacheSource(CacheLoaderConfig(cache=cfg.cache, teacher=table.split("/", 1)[1], stores=stores, rollout_stores=rstores,
-                                                        batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers))
+                                                        batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers,
+                                                        max_length=getattr(self.model.config, "max_position_embeddings", None)))
             if "hidden" in stores:
                 from opdcache.heads import load_head
 

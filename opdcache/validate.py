@@ -97,6 +97,7 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
         out.add(M.MANIFEST_NAME, f"no {base_name!r} table although the cache kind is {base_name!r}")
         return out.problems
     _check_stray_files(root, tables, out)
+    _check_tokenizer(root, manifest, out)
     base_lengths: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # shard index -> (ids, response lengths)
     base = tables[base_name]
     for name in [base_name] + sorted(t for t in tables if t != base_name):
@@ -152,6 +153,30 @@ def _check_side_files(root: Path, name: str, entry: dict, params: S.StoreParams,
             out.add(rel, f"size is {size} bytes, the manifest says {want['bytes']} (truncated or replaced)")
         elif sha256_file(path) != want["sha256"]:
             out.add(rel, "sha256 does not match the manifest's (corrupted)")
+
+
+def _check_tokenizer(root, manifest: dict, out: _Collector) -> None:
+    """The tokenizer folder: each file against the hash the manifest recorded; for a cache from before those hashes, it
+    must at least load (without running any code from it)."""
+    folder = root / "tokenizer"
+    recorded = manifest["tokenizer"].get("files")
+    if recorded is None:
+        if folder.is_dir():
+            from opdcache.cache import Cache
+
+            try:
+                Cache(root).tokenizer()
+            except ManifestError as exc:
+                out.add("tokenizer", str(exc))
+        return
+    for rel, digest in sorted(recorded.items()):
+        path = folder / rel
+        if not _inside(root, path, f"tokenizer/{rel}", out):
+            continue
+        if not path.is_file():
+            out.add(f"tokenizer/{rel}", "missing: the manifest records it")
+        elif sha256_file(path) != digest:
+            out.add(f"tokenizer/{rel}", "sha256 does not match the manifest's (truncated, corrupted or replaced)")
 
 
 def _inside(root, path, rel: str, out: _Collector) -> bool:

@@ -83,7 +83,7 @@ def rollout_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
     if not prompts.prompts:
         raise InputError(f"no usable prompt in {cfg.prompts.path} ({prompts.summary()}); check --prompts and --prompt-field")
     root = storage.as_path(cfg.cache_root)
-    if not (root / "tokenizer").is_dir():
+    if not storage.folder_complete(root / "tokenizer"):
         storage.save_tokenizer(tokenizer, root / "tokenizer")
     write_errors(root / "rollouts_errors.jsonl", prompts)
     params = S.StoreParams(stores=("base", "task", "version") + (("mc",) if cfg.sampling.mc_samples else ()),
@@ -200,17 +200,12 @@ class QueueSource:
         b = self.next
         rollout, teacher = table_paths(self.cfg, b)
         self.waiter.for_file(teacher, f"the teacher's scores of batch {b}")
-        ids = shards.read_table(rollout, ["id", "student_version"])
-        teacher_ids = shards.read_table(teacher, ["id"])["id"].to_pylist()
-        if ids["id"].to_pylist() != teacher_ids:
-            raise SchemaError(f"{teacher} is not row-aligned with {rollout} (ids differ); run `opdcache validate "
-                              f"{self.cfg.cache_root}` and delete the teacher shard to rescore it")
-        versions = set(ids["student_version"].to_pylist())
+        versions = set(shards.read_table(rollout, ["student_version"])["student_version"].to_pylist())
         if versions != {self.cfg.version_for(b)}:
             raise SchemaError(f"{rollout} was sampled by snapshot(s) {sorted(versions)}, the run's staleness prescribes "
                               f"v{self.cfg.version_for(b)}; the cache belongs to another run")
-        shard = _Shard(rollout, teacher, self.rollout_cols, self.teacher_cols)
-        batch = collate([shard.row(i) for i in range(len(teacher_ids))])
+        shard = _Shard(rollout, teacher, self.rollout_cols, self.teacher_cols, where=str(rollout))  # checks the alignment
+        batch = collate([shard.row(i) for i in range(len(shard.offsets) - 1)])
         version = self.cfg.version_for(b)
         self.current = {"batch": b, "student_version": version, "staleness": b - version}
         self.next += 1
