@@ -10,6 +10,7 @@ downloaded. The resolved commit is recorded in the manifest with the repo id.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -110,13 +111,24 @@ def hub_blob_sha256(path: Path) -> str | None:
     return None
 
 
+def _has_auto_map(path) -> bool:
+    """Whether a folder's config names custom code (auto_map), which opdcache never runs."""
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            if "auto_map" in json.loads((Path(path) / name).read_text()):
+                return True
+        except (OSError, ValueError, TypeError):
+            continue
+    return False
+
+
 def _untrusted_load(what: str, path, load):
     """Run a transformers loader with remote code refused; any failure is one line naming ``what`` and the folder."""
     try:
         return load()
     except Exception as exc:  # noqa: BLE001 (transformers raises ValueError, OSError, JSONDecodeError, TypeError ...)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]
-        custom = "custom code" in first or "trust_remote_code" in first
+        custom = "custom code" in first or "trust_remote_code" in first or _has_auto_map(path)
         hint = ("opdcache never runs code that comes with a model or a cache (auto_map); use a model whose architecture "
                 "transformers ships" if custom else "check that the folder is a complete Hugging Face model/tokenizer")
         raise ConfigError(f"{path}: the {what} cannot be loaded ({type(exc).__name__}: {first}); {hint}") from None
