@@ -18,7 +18,9 @@ def sft(
     steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 500,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per step.")] = 64,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (warm-up, cosine decay).")] = 3e-3,
+    warmup: Annotated[int, typer.Option("--warmup", help="Linear warm-up steps.")] = 20,
     only_correct: Annotated[bool, typer.Option("--only-correct", help="Train only on trajectories with reward 1.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a model already in --out.")] = False,
     seed: O.Seed = 0, progress: O.Progress = None,
 ) -> None:
     """Supervised fine-tuning on teacher trajectories; the output records its SFT teacher (lineage).
@@ -27,7 +29,11 @@ def sft(
     [tokens, 8,192] float32 logit slices of the fused head pass; never tokens x vocabulary."""
     from opdcache.sft import SFTConfig, run_sft
 
-    result = run_sft(model, data, out, SFTConfig(steps=steps, batch_size=batch_size, lr=lr, seed=seed), only_correct, progress)
+    result = run_sft(model, data, out, SFTConfig(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed), only_correct,
+                     progress, overwrite)
+    if result.get("already_done"):
+        typer.echo(f"{result['out']}: already fine-tuned from this model on this data with these settings (its lineage says so); nothing to do")
+        return
     typer.echo(f"{result['out']}: fine-tuned on {result['pairs']} trajectories of {result['sft_teacher']} (final loss {result['final_loss']:.4f})")
 
 
@@ -55,6 +61,7 @@ def train(
     tensorboard: Annotated[Optional[bool], typer.Option("--tensorboard/--no-tensorboard", show_default=False)] = None,
     online: Annotated[Optional[bool], typer.Option("--online/--offline", help="Standard-OPD baseline with a live teacher.", show_default=False)] = None,
     teacher_model: Annotated[Optional[Path], typer.Option("--teacher-model", help="--online: the live teacher.", show_default=False)] = None,
+    allow_other_model: Annotated[Optional[bool], typer.Option("--allow-other-model", help="Train a --model other than the one that sampled the rollouts.", show_default=False)] = None,
     lr_schedule: Annotated[Optional[str], typer.Option("--lr-schedule", help="constant or cosine (after --warmup-steps).", show_default=False)] = None,
     warmup_steps: Annotated[Optional[int], typer.Option("--warmup-steps", help="Linear warm-up steps.", show_default=False)] = None,
     min_lr_ratio: Annotated[Optional[float], typer.Option("--min-lr-ratio", help="cosine: final lr as a fraction of --lr.", show_default=False)] = None,
@@ -85,7 +92,7 @@ def train(
         raise ConfigError(f"--config {config} must hold a mapping of TrainConfig fields")
     flags = dict(model=model, cache=cache, out=out, teacher=teacher, loss=loss, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
                  lr=lr, tau=tau, ppo_clip=ppo_clip, importance_weights=importance_weights, checkpoint_every=checkpoint_every, seed=seed, deterministic=deterministic, tensorboard=tensorboard,
-                 online=online, teacher_model=teacher_model, stop_after=stop_after, progress=progress, lr_schedule=lr_schedule,
+                 online=online, teacher_model=teacher_model, allow_other_model=allow_other_model, stop_after=stop_after, progress=progress, lr_schedule=lr_schedule,
                  warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, kl_coef=kl_coef, kl_estimator=kl_estimator, chunk=chunk, dtype=dtype,
                  gradient_checkpointing=gradient_checkpointing, fsdp=fsdp)
     values.update({k: v for k, v in flags.items() if v is not None})

@@ -163,10 +163,15 @@ class TableJob:
         if old_fp == self.fingerprint:
             return
         diff = config_diff(old_config, self.config) or [f"parent cache fingerprint changed (now {self.parent_fingerprint})"]
+        # a finished table's settings live in the manifest: deleting its folder alone would not start it afresh
+        if self.kind == "teacher":
+            fix = (f"score under another --name" if what == "the finished cache" else f"delete {self.dir}") + " to start over"
+        else:
+            fix = f"write to a new --out directory (or delete {self.root})"
         raise ResumeError(
             f"{self.dir} holds {what} with different settings; refusing to mix them:\n  "
             + "\n  ".join(diff)
-            + f"\nRerun with the original settings to resume, or write to a new --out directory (or delete {self.dir})."
+            + f"\nRerun with the original settings to resume, or {fix}."
         )
 
     def is_done(self, index: int) -> bool:

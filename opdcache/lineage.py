@@ -42,11 +42,14 @@ def read_sft_lineage(model: "str | Path | ModelRef") -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def write_sft_lineage(model_dir: str | Path, sft_teacher: dict, data_fingerprint: str, base_model: dict) -> None:
+def write_sft_lineage(model_dir: str | Path, sft_teacher: dict, data_fingerprint: str, base_model: dict, settings: dict | None = None) -> None:
+    """Record what an SFT run was trained from and how (``settings``: the SFT settings, so a rerun can recognise it)."""
     from opdcache.storage import write_text_atomic
 
-    write_text_atomic(Path(model_dir) / LINEAGE_FILE, json.dumps(
-        {"sft_teacher": sft_teacher, "sft_data_fingerprint": data_fingerprint, "base_model": base_model}, indent=2, sort_keys=True) + "\n")
+    record = {"sft_teacher": sft_teacher, "sft_data_fingerprint": data_fingerprint, "base_model": base_model}
+    if settings is not None:
+        record["sft_settings"] = settings
+    write_text_atomic(Path(model_dir) / LINEAGE_FILE, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
 def resolve_sft_teacher(pi_ref: str | Path, sft_teacher: str | Path | None) -> dict | None:

@@ -119,11 +119,14 @@ def train_sft(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], confi
     return losses
 
 
-def run_sft(model: Path, data: Path, out: Path, config: SFTConfig, only_correct: bool = False, progress: bool | None = None) -> dict:
+def run_sft(model: Path, data: Path, out: Path, config: SFTConfig, only_correct: bool = False, progress: bool | None = None,
+            overwrite: bool = False) -> dict:
     """``opdcache sft``: fine-tune ``model`` on an SFT cache's trajectories; record the SFT teacher as lineage.
 
     The output directory is a Hugging Face model whose ``opdcache_lineage.json`` names the teacher that
-    produced the trajectories and the data's fingerprint, so ``build-rollouts`` carries teacher consistency on.
+    produced the trajectories, the data's fingerprint and the SFT settings, so ``build-rollouts`` carries teacher
+    consistency on. An ``out`` that already holds a model is never replaced without ``overwrite``: when its lineage
+    records this base model, this data and these settings, the run is already done and nothing is written.
     """
     import torch
     from opdcache.models import load_causal_lm, load_tokenizer
@@ -136,6 +139,7 @@ def run_sft(model: Path, data: Path, out: Path, config: SFTConfig, only_correct:
     from opdcache.models import resolve_model
 
     hf_logging.disable_progress_bar()
+    out = Path(out)
     cache = Cache(data)
     if cache.kind != "sft":
         raise ConfigError(f"--data {data} is a {cache.kind} cache; `opdcache sft` trains on an sft cache from `opdcache build-sft`")
@@ -153,12 +157,26 @@ def run_sft(model: Path, data: Path, out: Path, config: SFTConfig, only_correct:
             pairs.append((p, r))
     if not pairs:
         raise ConfigError(f"no trajectories to train on in {data}" + (" with --only-correct (no row has reward 1)" if only_correct else ""))
+    import dataclasses
+
+    settings = {**dataclasses.asdict(config), "only_correct": only_correct}
+    base_info, data_fp = model_info(ref), cache.table("sft")["config_fingerprint"]
+    if (out / "config.json").is_file() and not overwrite:
+        from opdcache.lineage import LINEAGE_FILE, read_sft_lineage
+
+        done = read_sft_lineage(out)
+        if done and done.get("sft_settings") == settings and done.get("sft_data_fingerprint") == data_fp \
+                and (done.get("base_model") or {}).get("fingerprint") == base_info["fingerprint"]:
+            return {"out": str(out), "pairs": len(pairs), "skipped": skipped, "final_loss": None, "already_done": True,
+                    "sft_teacher": done["sft_teacher"]["name_or_path"]}
+        why = "was trained with other settings or data" if done else f"has no {LINEAGE_FILE}"
+        raise ConfigError(f"--out {out} already holds a model that {why}; pass --overwrite to replace it, or give another --out "
+                          "(models trained from it would no longer match their caches)")
     torch.manual_seed(config.seed)
     student = load_causal_lm(ref.path, torch.float32)
     losses = train_sft(student, pairs, config, pad_id=tokenizer.pad_token_id or 0, progress=progress)
-    out = Path(out)
     student.save_pretrained(out)
     tokenizer.save_pretrained(out)
     teacher = cache.table("sft")["model"]
-    write_sft_lineage(out, teacher, cache.table("sft")["config_fingerprint"], model_info(ref))
+    write_sft_lineage(out, teacher, data_fp, base_info, settings)
     return {"out": str(out), "pairs": len(pairs), "skipped": skipped, "final_loss": losses[-1], "sft_teacher": teacher["name_or_path"]}

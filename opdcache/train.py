@@ -131,6 +131,7 @@ class Trainer:
             from opdcache.data import CacheLoaderConfig
 
             cache = Cache(cfg.cache)
+            self._check_rollout_model(cache)
             table = cache.teacher_table(cfg.teacher)  # the only teacher when not named
             stores, rstores = stores_for(cfg.loss, cfg.topk_support)
             self.source = CacheSource(CacheLoaderConfig(cache=cfg.cache, teacher=table.split("/", 1)[1], stores=stores, rollout_stores=rstores,
@@ -143,6 +144,22 @@ class Trainer:
         # moved to the device in float32 once, not at every step
         self.teacher_w = None if head is None else head.weight.to(self.device, torch.float32)
         self.teacher_b = None if head is None or head.bias is None else head.bias.to(self.device, torch.float32)
+
+    def _check_rollout_model(self, cache) -> None:
+        """Lightning OPD trains pi_ref on pi_ref's own rollouts: refuse another --model unless told (the importance
+        weights, the KL penalty and the cached ref_logprobs would all describe a different policy)."""
+        from opdcache.fingerprint import model_fingerprint
+
+        sampler = (cache.table(cache.base_table).get("model") or {}) if cache.base_table == "rollouts" else {}
+        if not sampler.get("fingerprint") or self.cfg.allow_other_model:
+            return
+        mine = model_fingerprint(self.model_path)
+        if mine != sampler["fingerprint"]:
+            from opdcache.errors import ConfigError
+
+            raise ConfigError(f"--model {self.cfg.model} (fingerprint {mine[:12]}) is not the model that sampled the cache's rollouts, "
+                              f"{sampler.get('name_or_path')} ({sampler['fingerprint'][:12]}); train that model, or pass "
+                              "--allow-other-model to train this one on them anyway")
 
     # ------------------------------------------------------------ one step
 

@@ -88,6 +88,8 @@ class TrainConfig:
     """Also write TensorBoard events."""
     num_loader_workers: int = 0
     """DataLoader worker processes."""
+    allow_other_model: bool = False
+    """Train a --model other than the one that sampled the cache's rollouts (off: refused, with both fingerprints)."""
     online: bool = False
     """Standard-OPD baseline: fresh student rollouts scored by a live teacher every step."""
     teacher_model: Path | None = None

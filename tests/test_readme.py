@@ -1,0 +1,42 @@
+"""The README's hand-run block works as written after `opdcache demo` in the same work directory, and leaves what the
+work directory depends on untouched: every stage the demo ran finds its work done with the demo's settings."""
+
+import hashlib
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).parent.parent / "README.md"
+
+
+def _block() -> str:
+    text = README.read_text()
+    match = re.search(r"<!-- hand-run:[^\n]*-->\n```bash\n(.*?)```\n<!-- /hand-run -->", text, re.S)
+    assert match, "README.md has no hand-run block"
+    return match.group(1)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+def test_the_hand_run_block_works_after_the_demo_and_changes_nothing_the_demo_built(tmp_path):
+    env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
+    work = tmp_path / "opdcache-demo"
+    demo = subprocess.run(["opdcache", "demo", "--workdir", str(work)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=1200)
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    kept = {p: _digest(p) for p in [work / "models" / "pi_ref" / "model.safetensors", work / "caches" / "sft" / "opdcache.json",
+                                    work / "caches" / "rollouts" / "opdcache.json"]}
+    script = "set -euo pipefail\n" + _block()
+    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=1800)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out
+    assert "already fine-tuned from this model on this data with these settings" in out
+    assert {p: _digest(p) for p in kept} == kept  # pi_ref and both caches are the demo's, untouched
+    assert (work / "runs" / "lightning" / "model" / "config.json").is_file()
+    assert (work / "runs" / "async" / "learner" / "model" / "config.json").is_file()
