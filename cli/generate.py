@@ -34,7 +34,7 @@ def _run(kind: str, model: str, o: dict) -> None:
 
     job = GenerateJob(
         model=model, revision=o["revision"], out=o["out"], kind=kind, num_shards=o["num_shards"], sft_teacher=o.get("sft_teacher"), reward=o["reward"],
-        keep=o.get("keep", "all"),
+        keep=o.get("keep", "all"), credit_truncated=o["credit_truncated"],
         prompts=PromptConfig(o["prompts"], prompt_field=o["prompt_field"], messages_field=o["messages_field"], answer_field=o["answer_field"],
                              system_prompt=o["system_prompt"], chat_template_kwargs=_json_object(o["chat_template_kwargs"]), split=o["prompt_split"],
                              chat_template=o["chat_template"], strict=o["strict"], limit=o["limit"]),
@@ -66,7 +66,7 @@ def build_sft(
     teacher: O.TeacherModel, prompts: O.Prompts, out: Out, revision: O.ModelRevision = None,
     keep: Annotated[str, typer.Option("--keep", help="all samples, or only those the --reward verifier scores 1.0 (correct: rejection sampling).")] = "all",
     prompt_field: O.PromptField = "prompt", messages_field: O.MessagesField = None, answer_field: O.AnswerField = "answer",
-    chat_template: O.ChatTemplate = True, strict: O.Strict = False, limit: O.Limit = None, reward: O.Reward = None,
+    chat_template: O.ChatTemplate = True, strict: O.Strict = False, limit: O.Limit = None, reward: O.Reward = None, credit_truncated: O.CreditTruncated = False,
     system_prompt: O.SystemPrompt = None, chat_template_kwargs: O.ChatTemplateKwargs = None, prompt_split: O.PromptSplit = "train",
     samples: O.Samples = 1, temperature: O.Temperature = 0.8, top_p: O.TopP = 1.0, max_new_tokens: O.MaxNewTokens = 256,
     seed: O.Seed = 0, backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto",
@@ -85,7 +85,7 @@ def build_sft(
 def build_rollouts(
     model: O.ModelPath, prompts: O.Prompts, out: Out, revision: O.ModelRevision = None,
     prompt_field: O.PromptField = "prompt", messages_field: O.MessagesField = None, answer_field: O.AnswerField = "answer",
-    chat_template: O.ChatTemplate = True, strict: O.Strict = False, limit: O.Limit = None, reward: O.Reward = None,
+    chat_template: O.ChatTemplate = True, strict: O.Strict = False, limit: O.Limit = None, reward: O.Reward = None, credit_truncated: O.CreditTruncated = False,
     system_prompt: O.SystemPrompt = None, chat_template_kwargs: O.ChatTemplateKwargs = None, prompt_split: O.PromptSplit = "train",
     samples: O.Samples = 1, temperature: O.Temperature = 0.8, top_p: O.TopP = 1.0, max_new_tokens: O.MaxNewTokens = 256,
     seed: O.Seed = 0,

@@ -46,7 +46,8 @@ SystemPrompt = Annotated[Optional[str], typer.Option("--system-prompt", help="A 
 ChatTemplateKwargs = Annotated[Optional[str], typer.Option("--chat-template-kwargs", help='JSON object of chat-template variables, e.g. \'{"enable_thinking": true}\'.', show_default=False)]
 PromptSplit = Annotated[str, typer.Option("--prompt-split", help="Split to read when --prompts is a Hub dataset id.")]
 Limit = Annotated[Optional[int], typer.Option("--limit", help="Read at most this many prompt rows.", show_default=False)]
-Reward = Annotated[Optional[str], typer.Option("--reward", help="Verifier for the reward column: exact, math (opdcache[math]), a registered plugin (the demo's addition), or module:function.", show_default=False)]
+Reward = Annotated[Optional[str], typer.Option("--reward", help="Verifier for the reward column: exact (normalised text equals the answer), math (the last \\boxed{} is equivalent to the answer; opdcache[math]), math-fallback (math, else the last number), a registered plugin (the demo's addition), or module:function.", show_default=False)]
+CreditTruncated = Annotated[bool, typer.Option("--credit-truncated", help="Let the verifier judge responses cut at --max-new-tokens (default: they score 0).")]
 
 # ---- sampling
 Samples = Annotated[int, typer.Option("--samples", help="Samples per prompt.")]

@@ -116,6 +116,8 @@ class GenerateJob:
     (the demo's addition), or module:function (opdcache/verifiers.py)."""
     keep: str = "all"
     """build-sft: keep every sample (all) or only those the verifier scores 1.0 (correct: rejection sampling)."""
+    credit_truncated: bool = False
+    """Let the verifier judge responses cut at --max-new-tokens (default: they score 0, whatever they end with)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) when ``model`` is a Hub id."""
     sft_teacher: Path | None = None
@@ -232,6 +234,7 @@ def run_generate(job: GenerateJob) -> GenerateResult:
                             "chat_template_kwargs": job.prompts.chat_template_kwargs},
         "engine": job.engine.fingerprint_view() | {"engine_version": backend.version}, "vocab_size": backend.vocab_size,
         "sft_teacher": sft_teacher["fingerprint"] if sft_teacher else None, "reward": job.reward, "keep": job.keep,
+        **({"credit_truncated": True} if job.credit_truncated else {}),  # absent when off: older caches keep their fingerprint
         # batch composition changes the last bits of batched kernels' outputs (~1e-5): a resume must keep it
         "generate_batch_size": job.engine.generate_batch_size if job.engine.backend == "transformers" else None,
     }
@@ -273,8 +276,9 @@ def run_generate(job: GenerateJob) -> GenerateResult:
         for p, k, g in generated.pop(index):
             reward = None
             if verify is not None and p.answer is not None:
-                task = {"answer": p.answer, "metadata": json.loads(p.metadata) if p.metadata else {}, "prompt_index": p.index}
-                verdict = verifiers.score(verify, tokenizer.decode(g.response_ids, skip_special_tokens=True), task)
+                task = {"answer": p.answer, "metadata": json.loads(p.metadata) if p.metadata else {}, "prompt_index": p.index,
+                        "finish_reason": g.finish_reason}
+                verdict = verifiers.score(verify, tokenizer.decode(g.response_ids, skip_special_tokens=True), task, job.credit_truncated)
                 reward = verdict.score
                 if verdict.score is None:
                     failed.append({"id": row_id(p.prompt_ids, k), "prompt_index": p.index, "sample_index": k, "reason": verdict.reason})

@@ -6,8 +6,13 @@ optionally with a reason. ``--reward NAME`` picks a built-in or a registered plu
 imports any function. Built-ins:
 
 * ``exact``: the response, normalised (stripped, inner whitespace collapsed, case-folded), equals the ``answer``;
-* ``math``: the final answer (the last ``\\boxed{}``, else the last number or expression) is mathematically
-  equivalent to the ``answer``, by the ``math-verify`` package (``pip install 'opdcache[math]'``).
+* ``math``: the response's last ``\\boxed{...}`` is mathematically equivalent to the ``answer``, by the
+  ``math-verify`` package (``pip install 'opdcache[math]'``); a response with no ``\\boxed{}`` scores 0;
+* ``math-fallback``: as ``math``, but a response without ``\\boxed{}`` is judged by its last number or expression
+  (opt-in: a response that stops mid-sentence can end on the right number by chance).
+
+A response cut off by ``--max-new-tokens`` (``finish_reason`` 'length') scores 0 with every verifier, whatever it
+ends with, unless the job passes ``--credit-truncated`` (``task["finish_reason"]`` tells a verifier which it is).
 
 Other packages register verifiers under the ``opdcache.verifiers`` entry-point group (the embedded demo registers
 ``addition`` this way), so the library never imports them by name. A verifier that raises, or returns something
@@ -43,12 +48,31 @@ def exact(response: str, task: dict) -> float:
     return float(_normalise(response) == _normalise(str(task["answer"])))
 
 
-def math_equivalent(response: str, task: dict) -> tuple[float, str]:
-    """1.0 when the response's final answer is mathematically equivalent to the reference answer (math-verify)."""
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}``, braces balanced; None without one."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1: j]
+    return None  # unclosed
+
+
+def math_equivalent(response: str, task: dict, fallback: bool = False) -> tuple[float, str]:
+    """1.0 when the response's last \\boxed{} (with ``fallback``, else its last number or expression) is mathematically
+    equivalent to the reference answer (math-verify)."""
     try:
         from math_verify import parse, verify
     except ImportError:
         raise ConfigError("--reward math needs the math-verify package: pip install 'opdcache[math]'") from None
+    boxed = _last_boxed(response)
+    if boxed is None and not fallback:
+        return 0.0, "no \\boxed{} final answer (--reward math-fallback judges the last number instead)"
+    if boxed is not None:
+        response = f"$\\boxed{{{boxed}}}$"
     gold = parse(str(task["answer"]))
     if not gold:  # a bare reference ("1/2", "0.5") may need a math environment to parse
         gold = parse(f"${task['answer']}$")
@@ -58,7 +82,12 @@ def math_equivalent(response: str, task: dict) -> tuple[float, str]:
     return (1.0, "equivalent") if verify(gold, got) else (0.0, f"final answer {got[-1]!s} is not {task['answer']}")
 
 
-BUILTIN: dict[str, Callable] = {"exact": exact, "math": math_equivalent}
+def math_fallback(response: str, task: dict) -> tuple[float, str]:
+    """``math``, judging a response without \\boxed{} by its last number or expression (opt-in)."""
+    return math_equivalent(response, task, fallback=True)
+
+
+BUILTIN: dict[str, Callable] = {"exact": exact, "math": math_equivalent, "math-fallback": math_fallback}
 
 
 def _plugins() -> dict:
@@ -92,8 +121,11 @@ def resolve(spec: str) -> Callable:
     raise ConfigError(f"--reward must be one of {', '.join(available())} or module:function, got {spec!r}")
 
 
-def score(fn: Callable, response: str, task: dict) -> Verdict:
-    """Run one verifier on one row; never raises for the row's sake (the failure becomes the verdict's reason)."""
+def score(fn: Callable, response: str, task: dict, credit_truncated: bool = False) -> Verdict:
+    """Run one verifier on one row; never raises for the row's sake (the failure becomes the verdict's reason).
+    A response cut at the length limit scores 0 without asking the verifier, unless ``credit_truncated``."""
+    if task.get("finish_reason") == "length" and not credit_truncated:
+        return Verdict(0.0, "cut off by --max-new-tokens: no credit (--credit-truncated to let the verifier judge it)")
     try:
         out = fn(response, task)
     except ConfigError:

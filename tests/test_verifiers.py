@@ -39,14 +39,15 @@ def test_math_verifier_on_constructed_responses(response, answer, expected):
     verdict = V.score(V.math_equivalent, response, {"answer": answer})
     assert verdict.score == expected, verdict
     if response == "I do not know":
-        assert verdict.reason == "no final answer found in the response"
+        assert verdict.reason.startswith("no \\boxed{} final answer")
+        assert V.score(V.math_fallback, response, {"answer": answer}).reason == "no final answer found in the response"
 
 
 def test_resolution_and_failures_mark_one_row():
     assert V.resolve("exact") is V.exact
     assert V.resolve("addition").__name__ == "verify_addition"  # the demo's plugin, found by entry point
     assert V.resolve("test_verifiers:tricky") is tricky
-    with pytest.raises(ConfigError, match="--reward must be one of addition, exact, math or module:function, got 'nope'"):
+    with pytest.raises(ConfigError, match="--reward must be one of addition, exact, math, math-fallback or module:function, got 'nope'"):
         V.resolve("nope")
     with pytest.raises(ConfigError, match="--reward no_such_module:f: cannot import 'f' from 'no_such_module'"):
         V.resolve("no_such_module:f")
@@ -125,9 +126,9 @@ def test_the_math_verifier_through_build_rollouts(tmp_path, weights, monkeypatch
     texts = dict(zip((p.prompt_ids for p in prompts), ["=579", "=0500", "=223", "=="]))
     monkeypatch.setattr(TransformersBackend, "generate", _scripted(texts)[1])
     run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(src, messages_field="messages"), out=tmp_path / "c",
-                             num_shards=1, sampling=SamplingConfig(max_new_tokens=12), reward="math"))
+                             num_shards=1, sampling=SamplingConfig(max_new_tokens=12), reward="math-fallback"))
     rows = shards.read_table(Cache(tmp_path / "c").shard_paths("rollouts")[0]).to_pylist()
-    # "=579" vs 579, "=0500" vs 500 (equivalent), "=223" vs 222 (wrong), "==" (no answer)
+    # the demo tokenizer spells no backslash, so the opt-in fallback judges the last number: "=579" vs 579, "=0500" vs 500 (equivalent), "=223" vs 222 (wrong), "==" (no answer)
     assert [r["reward"] for r in sorted(rows, key=lambda r: r["prompt_index"])] == [1.0, 1.0, 0.0, 0.0]
 
 
@@ -258,3 +259,21 @@ def test_math_task_end_to_end_build_sft_build_rollouts_score_teacher(tmp_path, w
     assert rewards == {0: 1.0, 1: 1.0, 2: 0.0, 3: 0.0}
     result = run_score(ScoreJob(cache=tmp_path / "ro", teacher=models["teacher"], stores=("logprob", "topk"), top_k=4))
     assert result["consistency"]["verdict"] == "consistent" and validate(tmp_path / "ro") == []
+
+
+@pytest.mark.parametrize("response,finish,fn,credit,expected", [
+    (r"so \boxed{4}", "stop", "math", False, 1.0),                                   # boxed, finished
+    ("... The remaining 2 slices are", "length", "math-fallback", False, 0.0),        # cut off: no credit, even by luck
+    ("... The remaining 2 slices are", "length", "math-fallback", True, 0.0),         # asked for: judged, ends on 2, not 4
+    ("... that leaves 4", "length", "math-fallback", True, 1.0),                      # asked for: the last number judged
+    ("so the answer is 4", "stop", "math", False, 0.0),                               # unboxed: math wants \boxed{}
+    ("so the answer is 4", "stop", "math-fallback", False, 1.0),                      # the opt-in fallback takes it
+    (r"so \boxed{\frac{8}{2}} and then 7", "stop", "math", False, 1.0),              # the boxed answer, not the last number
+    (r"\boxed{4} \boxed{5}", "stop", "math", False, 0.0),                            # the last box counts
+    (r"so \boxed{4", "length", "math", True, 0.0),                                   # unclosed box: no final answer
+])
+def test_truncated_boxed_unboxed_and_equivalent_answers(response, finish, fn, credit, expected):
+    verdict = V.score(V.resolve(fn), response, {"answer": "4", "finish_reason": finish}, credit_truncated=credit)
+    assert verdict.score == expected, verdict
+    if finish == "length" and not credit:
+        assert verdict.reason.startswith("cut off by --max-new-tokens")
