@@ -75,3 +75,29 @@ def test_one_teacher_says_what_the_probe_can_and_cannot_tell(hf_cache, capsys):
     code, out = _cli(["check-consistency", hf_cache], capsys)
     assert code == 0
     assert "with one teacher the probe cannot name the consistent one" in out and "of an untrained (uniform) teacher's" in out
+
+
+def test_a_lone_teacher_far_from_pi_ref_is_likely_inconsistent(two_teacher_cache, tmp_path, capsys):
+    """One teacher, no lineage: the demo's teacher_carry (another trace style) explains pi_ref's samples worse than a
+    uniform teacher would (gap > 100% of the uniform gap): flagged, exit 1; pi_ref's own teacher stays far below 25%."""
+    import shutil
+
+    from opdcache.consistency import MAX_GAP_VS_UNIFORM
+
+    copy = tmp_path / "nolineage"
+    shutil.copytree(two_teacher_cache, copy)
+    m = M.load(copy)
+    m["lineage"]["sft_teacher"] = None
+    for name in ("teachers/teacher", "teachers/teacher_carry"):
+        m["tables"][name].pop("consistency")
+    M.save(copy, m)
+    carry = check(copy, ["teacher_carry"])
+    assert carry["likely_inconsistent"] == "teacher_carry" and carry["teachers"]["teacher_carry"]["gap_vs_uniform"] > 1.0
+    own = check(copy, ["teacher"])
+    assert own["likely_inconsistent"] is None and own["teachers"]["teacher"]["gap_vs_uniform"] < MAX_GAP_VS_UNIFORM / 2
+    code, out = _cli(["check-consistency", copy, "--teacher", "teacher_carry"], capsys)
+    assert code == 1 and "LIKELY INCONSISTENT: above the 25% threshold" in out
+    code, out = _cli(["check-consistency", copy, "--teacher", "teacher"], capsys)
+    assert code == 0 and "LIKELY INCONSISTENT" not in out
+    code, out = _cli(["check-consistency", copy, "--teacher", "teacher_carry", "--max-gap-vs-uniform", "2"], capsys)
+    assert code == 0
