@@ -26,6 +26,8 @@ def export(
     refused = f"; {result['refused']} rows refused (their prompt text does not re-encode to the cached ids)" if result["refused"] else ""
     typer.echo(f"exported {result['rows']} rows{' with ' + result['teacher'] if result['teacher'] else ''} to {out} "
                f"({len(result['files'])} file{'s' if len(result['files']) != 1 else ''}){refused}")
+    if result["left_out"]:
+        typer.echo(f"not exported (the cache keeps them): {', '.join(result['left_out'])}")
 
 
 def register(app: typer.Typer) -> None:

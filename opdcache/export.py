@@ -86,7 +86,13 @@ def export(cache_root: str | Path, to: str, out: str | Path, teacher: str | None
         final = out / "rollouts.jsonl"
         jsonl_tmp.replace(final)
         files.append(final)
-    return {"rows": rows_written, "refused": refused, "files": [str(f) for f in files], "teacher": table}
+    # what the flat formats leave out, said rather than silently dropped (the cache itself keeps everything)
+    present = {c for path in rollout_paths[:1] for c in shards.open_parquet(path).schema_arrow.names}
+    if table:
+        present |= {f"teacher_{c}" for path in teacher_paths[:1] for c in shards.open_parquet(path).schema_arrow.names}
+    kept = set(ROLLOUT_COLUMNS) | {f"teacher_{c}" for c in TEACHER_COLUMNS} | {"teacher_id"}
+    left_out = sorted(present - kept)
+    return {"rows": rows_written, "refused": refused, "files": [str(f) for f in files], "teacher": table, "left_out": left_out}
 
 
 def _lightning_opd_schema():
@@ -95,6 +101,7 @@ def _lightning_opd_schema():
     return pa.schema([("prompt", pa.string()), ("label", pa.string()), ("metadata", pa.struct([
         ("is_lightning_opd", pa.bool_()), ("response_tokens", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())),
         ("response", pa.string()), ("teacher_log_probs", pa.list_(pa.float64())), ("student_log_probs", pa.list_(pa.float64())),
+        ("opdcache_id", pa.string()),  # the cache row's id: the release's reader ignores it; a refused row's absence can be joined
     ]))])
 
 
@@ -115,6 +122,7 @@ def _lightning_opd_rows(rows: list[dict], tokenizer, ref_logprobs: bool) -> tupl
             "response": tokenizer.decode(row["response_ids"], skip_special_tokens=True),
             "teacher_log_probs": [float(x) for x in row["teacher_logprobs"]],
             "student_log_probs": [float(x) for x in row["ref_logprobs"]] if ref_logprobs and row.get("ref_logprobs") is not None else None,
+            "opdcache_id": row["id"],
         }})
     return out, refused
 

@@ -96,3 +96,6 @@ def test_lightning_opd_export_round_trips_through_the_release_reader(hf_cache, t
         assert meta["is_lightning_opd"] and row["label"] == "0" and sum(meta["loss_mask"]) == len(meta["loss_mask"]) == len(r["response_ids"])
         assert [float(x) for x in meta["teacher_log_probs"]] == [float(x) for x in t["logprobs"]]  # float32 values, exactly
         assert [float(x) for x in meta["student_log_probs"]] == [float(x) for x in r["ref_logprobs"]]
+        assert meta["opdcache_id"] == r["id"]  # joins back to the cache (the release's reader ignores the field)
+    assert {r["id"] for r, _ in kept} | {rows[2]["id"]} == {r["id"] for r in rollouts}  # the refused row is the one missing
+    assert "not exported (the cache keeps them): " in out and "mc_ids" in out and "teacher_hidden" in out
