@@ -74,32 +74,45 @@ def _fmt_bytes(n: float) -> str:
 def render(info: dict) -> str:
     lines = [
         f"cache      {info['path']}",
-        f"kind       {info['kind']} (format v{info['format_version']}, written by opdcache {info['opdcache_version']} at {info['created']})",
+        f"kind       {info['kind']} (format v{info['format_version']}, opdcache {info['opdcache_version']}, {info['created']})",
         f"tokenizer  {info['tokenizer'][:16]}",
     ]
     sft = info["lineage"].get("sft_teacher")
-    lines.append(f"lineage    pi_ref fine-tuned on teacher {sft['name_or_path']} ({sft['fingerprint'][:16]})" if sft
-                 else "lineage    pi_ref's SFT teacher unknown (no lineage recorded)")
-    header = f"{'table':<28} {'shards':>6} {'rows':>9} {'tokens':>11} {'size':>10}  bytes/token by store (compressed on disk, per response token)"
+    if sft:
+        lines.append(f"lineage    pi_ref fine-tuned on teacher {sft['fingerprint'][:16]}")
+        lines += _wrap(sft["name_or_path"], indent=" " * 11)
+    else:
+        lines.append("lineage    pi_ref's SFT teacher unknown (no lineage recorded)")
+    header = f"{'table':<30} {'shards':>6} {'rows':>10} {'tokens':>13} {'size':>11}"
     lines += ["", header, "-" * len(header)]
     for name, t in info["tables"].items():
+        lines.append(f"{name:<30} {t['shards']:>6} {t['rows']:>10,} {t['tokens']:>13,} {_fmt_bytes(t['bytes']):>11}")
         bpt = ", ".join(f"{k} {v:.1f}" for k, v in t["bytes_per_token"].items())
-        lines.append(f"{name:<28} {t['shards']:>6} {t['rows']:>9,} {t['tokens']:>11,} {_fmt_bytes(t['bytes']):>10}  {bpt}")
+        lines += _wrap(f"bytes/token by store (on disk, per response token): {bpt}")
         if t["model"]:
-            extra = f"  consistency: {t['consistency']}" if t["consistency"] else ""
-            lines.append(f"{'':<28} model {t['model']} ({(t['model_fingerprint'] or '')[:16]}){extra}")
+            extra = f"; consistency: {t['consistency']}" if t["consistency"] else ""
+            lines += _wrap(f"model {t['model']} ({(t['model_fingerprint'] or '')[:16]}){extra}")
         if t.get("reward_mean") is not None:
-            lines.append(f"{'':<28} reward mean {t['reward_mean']:.3f} (over the rows that have one)")
+            lines += _wrap(f"reward mean {t['reward_mean']:.3f} (over the rows that have one)")
     if "async" in info:
         lines += ["", _render_async(info["async"])]
     return "\n".join(lines)
+
+
+def _wrap(text: str, width: int = 80, indent: str = "    ") -> list[str]:
+    """A detail line under a table row, wrapped to the terminal's usual 80 columns (long paths are never cut)."""
+    import textwrap
+
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent + "  ", break_long_words=False,
+                         break_on_hyphens=False) or [indent]
 
 
 def _render_async(a: dict) -> str:
     """Per shard of an async run: the student snapshot (learner step) that sampled it, the learner step that consumed
     it, and the staleness between them (papers/001 App. B)."""
     k = "no refresh (Lightning)" if a["staleness"] is None else f"K = {a['staleness']}"
-    lines = [f"async run: {a['steps']} steps of {a['loss']}, {k}; per shard (batch): sampled by snapshot -> consumed at step (staleness)"]
+    lines = [f"async run: {a['steps']} steps of {a['loss']}, {k}",
+             "per shard (batch): sampled by snapshot -> consumed at step (staleness)"]
     cells = [f"{s['shard']:>4}: v{s['student_version']} -> {s['consumed_at_step']} ({s['staleness']})" for s in a["shards"]]
     for i in range(0, len(cells), 4):  # four to a line: fits 80 columns
         lines.append("  " + "   ".join(f"{c:<16}" for c in cells[i: i + 4]).rstrip())
