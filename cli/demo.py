@@ -7,6 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from opdcache.cli import options as O
+
 from opdcache.demo.pipeline import DemoConfig
 
 
@@ -23,6 +25,7 @@ def demo(
     """Run the whole pipeline on the embedded task, on CPU, with tiny local models (no network).
 
     Memory: under 1 GiB (the tiny models and caches of a few thousand sequences)."""
+    O.announce_threads()
     from opdcache.demo.pipeline import ABLATIONS, run_demo
     from opdcache.errors import ConfigError
 

@@ -28,6 +28,7 @@ def _json_object(text: str | None) -> dict | None:
 def _run(kind: str, model: str, o: dict) -> None:
     """Build and run the job from a command's options (``o``: its parameters by name; build-sft has no
     rollout-only options, which then take their defaults)."""
+    O.announce_threads()
     from opdcache.backends.base import SamplingConfig
     from opdcache.prompts import PromptConfig
     from opdcache.rollouts import EngineConfig, GenerateJob, run_generate

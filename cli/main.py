@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import sys
 
-import typer
+from opdcache.threads import prepare_environment
+
+prepare_environment()  # before anything imports torch: OpenMP reads its wait policy once, when it loads
+
+import typer  # noqa: E402
 
 from opdcache.errors import (ConfigError, ConsistencyError, InputError, MissingDependencyError, OpdcacheError,
                              ResumeError, TokenizerMismatchError)
@@ -25,6 +29,18 @@ USAGE_ERRORS = (ConfigError, ResumeError, InputError, TokenizerMismatchError, Co
 INTERRUPTED = "interrupted: finished shards and checkpoints are kept; rerun the same command to resume"
 
 _registered = False
+
+
+@app.callback()
+def _options(threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: OPDCACHE_THREADS, else the CPUs this process may use).", show_default=False)) -> None:
+    """Offline on-policy distillation caches: build, score, check, share, and train from them."""
+    import os
+
+    if threads is not None:
+        from opdcache.threads import ENV, pick
+
+        pick(threads)  # refuses a bad value here, in one line
+        os.environ[ENV] = str(threads)  # read by every stage, in this process and the ones it starts
 
 
 def _register() -> None:

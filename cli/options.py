@@ -55,3 +55,10 @@ Temperature = Annotated[float, typer.Option("--temperature", help="Sampling temp
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Maximum response length; longer ones end with finish_reason=length.")]
 Seed = Annotated[int, typer.Option("--seed", help="Random seed.")]
+
+
+def announce_threads() -> None:
+    """Pick torch's CPU threads (opdcache/threads.py) and say on stderr what was picked and why."""
+    from opdcache.threads import configure
+
+    typer.echo(configure(), err=True)

@@ -29,6 +29,7 @@ def score_teacher(
     logit block and the running top-k, and one shard's stored values; the svd fit adds [hidden, hidden] float64
     moments and the calibration states. Never tokens x vocabulary. To an object store, each finished shard is
     spooled to a local temporary file (one shard on disk) and uploaded whole."""
+    O.announce_threads()
     from opdcache.rollouts import EngineConfig
     from opdcache.scoring import ScoreJob, run_score
 

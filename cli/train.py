@@ -27,6 +27,7 @@ def sft(
 
     Memory: the model with AdamW (16 bytes per parameter), batch x length x hidden activations, and
     [tokens, 8,192] float32 logit slices of the fused head pass; never tokens x vocabulary."""
+    O.announce_threads()
     from opdcache.sft import SFTConfig, run_sft
 
     result = run_sft(model, data, out, SFTConfig(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed), only_correct,
@@ -81,6 +82,7 @@ def train(
     never with tokens x vocabulary. A --cache on an object store holds one verified shard's bytes in memory while it
     is decoded. Several processes: torchrun --nproc-per-node N -m opdcache.cli.main train ...
     """
+    O.announce_threads()
     import yaml
 
     from opdcache.errors import ConfigError

@@ -165,7 +165,7 @@ class TableJob:
         diff = config_diff(old_config, self.config) or [f"parent cache fingerprint changed (now {self.parent_fingerprint})"]
         # a finished table's settings live in the manifest: deleting its folder alone would not start it afresh
         if self.kind == "teacher":
-            fix = (f"score under another --name" if what == "the finished cache" else f"delete {self.dir}") + " to start over"
+            fix = ("score under another --name" if what == "the finished cache" else f"delete {self.dir}") + " to start over"
         else:
             fix = f"write to a new --out directory (or delete {self.root})"
         raise ResumeError(

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from opdcache import schema as S
-from opdcache import shards, storage, verifiers
+from opdcache import shards, storage, threads, verifiers
 from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig
 from opdcache.cache import TableJob, run_table_job, worker_from_env
 from opdcache.errors import ConfigError
@@ -246,7 +246,8 @@ def run_generate(job: GenerateJob) -> GenerateResult:
              "malformed": prompts.malformed, "too_long": prompts.too_long,
              "prompt_tokens": prompts.prompt_tokens, "unknown_tokens": prompts.unknown_tokens,
              "duplicate_rows": sum(len(v) - 1 for v in prompts.duplicates.values())}
-    meta = {"tokenizer": tok_info, "lineage": {"sft_teacher": sft_teacher, "parent_fingerprint": None}, "model": model, "stats": stats}
+    meta = {"tokenizer": tok_info, "lineage": {"sft_teacher": sft_teacher, "parent_fingerprint": None}, "model": model, "stats": stats,
+            "compute": threads.record()}  # recorded, not hashed: see opdcache/threads.py
     num_shards = min(job.num_shards, len(prompts.prompts))
     n = len(prompts.prompts)
     bounds = np.linspace(0, n, num_shards + 1).astype(int)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from opdcache import schema as S
-from opdcache import shards
+from opdcache import shards, threads
 from opdcache.backends.base import ScoreRequest
 from opdcache.cache import Cache, TableJob, run_table_job, worker_from_env
 from opdcache.errors import ConfigError, ConsistencyError, SchemaError
@@ -184,7 +184,7 @@ def run_score(job: ScoreJob) -> dict:
               "deterministic": engine.deterministic, "vocab_size": backend.vocab_size,
               "svd_method": job.svd_method if "svd" in job.stores else None}
     table = TableJob(cache.root, f"teachers/{slug}", "teacher", params, config, len(base_entry["shards"]),
-                     parent_fingerprint=base_entry["config_fingerprint"], meta={"model": info, "consistency": verdict})
+                     parent_fingerprint=base_entry["config_fingerprint"], meta={"model": info, "consistency": verdict, "compute": threads.record()})
     table.begin()
     if "hidden" in job.stores and not (table.dir / "head.safetensors").is_file():
         from opdcache.heads import head_of, save_head

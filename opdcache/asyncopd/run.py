@@ -33,10 +33,13 @@ class StageFailed(OpdcacheError, RuntimeError):
 def stage_threads(cfg: AsyncConfig) -> int:
     """Torch threads per stage: --threads, else the CPUs this process may use shared by the three stages (at least 1).
     Three processes each spinning the machine's full thread count collapse on a busy machine (issue 22)."""
+    from opdcache.threads import ENV, usable_cpus
+
     if cfg.threads:
         return cfg.threads
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // len(STAGES))
+    if os.environ.get(ENV):
+        return int(os.environ[ENV])
+    return max(1, usable_cpus() // len(STAGES))
 
 
 def _begin(cfg: AsyncConfig) -> None:
