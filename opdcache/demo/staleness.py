@@ -65,7 +65,11 @@ def run_staleness_ablation(cfg):
             report.figures["runs"][name] = {"variant": variant, "staleness": k_name(k), **figures}
             del report.figures[name]
     report.say("[result] held-out accuracy by variant and K:\n" + table([report.figures]))
-    return _finish(report, cfg, start, f"ablation_staleness_seed{cfg.seed}.json")
+    done = _finish(report, cfg, start, f"ablation_staleness_seed{cfg.seed}.json")
+    png = cfg.workdir / f"ablation_staleness_seed{cfg.seed}.png"
+    summarize([cfg.workdir / f"ablation_staleness_seed{cfg.seed}.json"], png)
+    report.say(f"[plot] held-out accuracy against K: {png}")
+    return done
 
 
 def table(reports: list[dict]) -> str:
