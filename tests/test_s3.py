@@ -199,15 +199,16 @@ def test_a_killed_writer_leaves_no_visible_shard_and_the_rerun_resumes(s3):
     from opdcache.validate import validate
 
     n = 6
-    start = time.perf_counter()
     _writer(f"s3://{BUCKET}/ref/cache", n)
-    duration = time.perf_counter() - start
     ref = _remote_hashes(s3, "ref/cache")
     url, prefix = f"s3://{BUCKET}/killed/cache", "killed/cache"
     rng = random.Random(7)
     for attempt in range(3):
         proc = _writer(url, n, wait=False)
-        time.sleep(rng.uniform(0.3, duration))
+        # kill once a chosen number of shards is visible (an event, not a clock): the kill lands during the next upload
+        target = rng.randrange(0, n)
+        while len(_remote_hashes(s3, prefix)) < target and proc.poll() is None:
+            time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         for key, digest in _remote_hashes(s3, prefix).items():  # every visible shard is whole and the reference's bytes
