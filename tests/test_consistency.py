@@ -48,16 +48,22 @@ def test_lineage_and_probe_agree_and_flag_teacher_2(two_teacher_cache, capsys):
     assert code == 0 and "pi_ref looks consistent with: teacher" in out
 
 
-def test_without_lineage_the_probe_alone_decides(two_teacher_cache, tmp_path, capsys):
+def _without_lineage(cache, tmp_path):
+    """A copy of the cache that records no SFT teacher and no consistency verdicts: the probe alone must decide."""
     import shutil
 
     copy = tmp_path / "nolineage"
-    shutil.copytree(two_teacher_cache, copy)
+    shutil.copytree(cache, copy)
     m = M.load(copy)
     m["lineage"]["sft_teacher"] = None
     for name in ("teachers/teacher", "teachers/teacher_carry"):
         m["tables"][name].pop("consistency")
     M.save(copy, m)
+    return copy
+
+
+def test_without_lineage_the_probe_alone_decides(two_teacher_cache, tmp_path, capsys):
+    copy = _without_lineage(two_teacher_cache, tmp_path)
     report = check(copy)
     assert report["consistent_by_lineage"] is None and report["consistent_with"] == "teacher"
     code, out = _cli(["check-consistency", copy, "--train-teacher", "teacher_carry", "--json"], capsys)
@@ -80,17 +86,9 @@ def test_one_teacher_says_what_the_probe_can_and_cannot_tell(hf_cache, capsys):
 def test_a_lone_teacher_far_from_pi_ref_is_likely_inconsistent(two_teacher_cache, tmp_path, capsys):
     """One teacher, no lineage: the demo's teacher_carry (another trace style) explains pi_ref's samples worse than a
     uniform teacher would (gap > 100% of the uniform gap): flagged, exit 1; pi_ref's own teacher stays far below 25%."""
-    import shutil
-
     from opdcache.consistency import MAX_GAP_VS_UNIFORM
 
-    copy = tmp_path / "nolineage"
-    shutil.copytree(two_teacher_cache, copy)
-    m = M.load(copy)
-    m["lineage"]["sft_teacher"] = None
-    for name in ("teachers/teacher", "teachers/teacher_carry"):
-        m["tables"][name].pop("consistency")
-    M.save(copy, m)
+    copy = _without_lineage(two_teacher_cache, tmp_path)
     carry = check(copy, ["teacher_carry"])
     assert carry["likely_inconsistent"] == "teacher_carry" and carry["teachers"]["teacher_carry"]["gap_vs_uniform"] > 1.0
     own = check(copy, ["teacher"])
