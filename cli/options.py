@@ -58,7 +58,12 @@ Seed = Annotated[int, typer.Option("--seed", help="Random seed.")]
 
 
 def announce_threads() -> None:
-    """Pick torch's CPU threads (opdcache/threads.py) and say on stderr what was picked and why."""
+    """Pick torch's CPU threads (opdcache/threads.py); say what was picked and why on a terminal (in logs and pipes the
+    manifest's `compute` record says it, and an error stays the one line on stderr)."""
+    import sys
+
     from opdcache.threads import configure
 
-    typer.echo(configure(), err=True)
+    line = configure()
+    if sys.stderr.isatty():
+        typer.echo(line, err=True)

@@ -2,6 +2,7 @@
 work directory depends on untouched: every stage the demo ran finds its work done with the demo's settings."""
 
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -29,14 +30,22 @@ def test_the_hand_run_block_works_after_the_demo_and_changes_nothing_the_demo_bu
     work = tmp_path / "opdcache-demo"
     demo = subprocess.run(["opdcache", "demo", "--workdir", str(work)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=1200)
     assert demo.returncode == 0, demo.stderr[-2000:]
-    kept = {p: _digest(p) for p in [work / "models" / "pi_ref" / "model.safetensors", work / "caches" / "sft" / "opdcache.json",
-                                    work / "caches" / "rollouts" / "opdcache.json"]}
+    def state():  # what the work directory depends on: pi_ref's weights, and each cache table's settings and shard bytes
+        tables = {}
+        for cache in ("sft", "rollouts"):
+            manifest = json.loads((work / "caches" / cache / "opdcache.json").read_text())
+            tables.update({f"{cache}:{name}": (t["config_fingerprint"], [s["sha256"] for s in t["shards"]])
+                           for name, t in manifest["tables"].items()})
+        shards = {p: _digest(p) for p in sorted((work / "caches").rglob("*.parquet"))}
+        return _digest(work / "models" / "pi_ref" / "model.safetensors"), tables, shards
+
+    kept = state()
     script = "set -euo pipefail\n" + _block()
     proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=1800)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "Traceback" not in out
     assert "already fine-tuned from this model on this data with these settings" in out
-    assert {p: _digest(p) for p in kept} == kept  # pi_ref and both caches are the demo's, untouched
+    assert state() == kept  # pi_ref, both caches' tables and every shard are the demo's, untouched
     assert (work / "runs" / "lightning" / "model" / "config.json").is_file()
     assert (work / "runs" / "async" / "learner" / "model" / "config.json").is_file()

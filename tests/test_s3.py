@@ -63,7 +63,8 @@ def s3():
 
 
 def _keys(fs, prefix):
-    return sorted(k.split(f"{prefix}/", 1)[1] for k in fs.find(f"{BUCKET}/{prefix}"))
+    # only keys below the prefix (a listing taken while an object is uploaded may name the prefix itself)
+    return sorted(k.split(f"{prefix}/", 1)[1] for k in fs.find(f"{BUCKET}/{prefix}") if f"{prefix}/" in k)
 
 
 def _remote_hashes(fs, prefix):
