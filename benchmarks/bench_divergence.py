@@ -75,12 +75,13 @@ def main() -> None:
     parser.add_argument("--variant")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--devices", nargs="+", default=["cpu", "cuda"], help="where to run (cuda only where available): cpu float32, cuda bfloat16")
     args = parser.parse_args()
     if args.variant:
         print(json.dumps(run(args.variant, args.tokens, args.vocab, args.hidden, args.kind, args.device, args.dtype, args.repeats)))
         return
-    configs = [("cpu", "float32")]
-    if torch.cuda.is_available():
+    configs = [("cpu", "float32")] if "cpu" in args.devices else []
+    if torch.cuda.is_available() and "cuda" in args.devices:
         configs.append(("cuda", "bfloat16"))
     print(f"{args.kind}: {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}; forward + backward\n")
     header = f"{'device':<6} {'dtype':<9} {'variant':<8} {'seconds':>8} {'time ratio':>11} {'peak MiB':>9} {'memory ratio':>13}"

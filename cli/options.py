@@ -31,6 +31,7 @@ Quantize = Annotated[Optional[str], typer.Option("--quantize", help="Low-bit wei
 Deterministic = Annotated[bool, typer.Option("--deterministic", help="Bit-identical scores whatever the batch (scores one sequence at a time).")]
 TensorParallel = Annotated[int, typer.Option("--tensor-parallel-size", help="vllm: GPUs per model.")]
 GenerateBatch = Annotated[int, typer.Option("--batch-size", help="transformers: sequences decoded together (KV-cache memory; larger is faster for small models).")]
+ScoreBatchTokens = Annotated[Optional[int], typer.Option("--max-batch-tokens", help="transformers scoring: padded tokens per decoder batch, the activation memory (default: 1,024 on a CPU, 16,384 on a GPU).", show_default=False)]
 GpuMemory = Annotated[float, typer.Option("--gpu-memory-utilization", help="vllm: fraction of device memory the engine may reserve.")]
 NumShards = Annotated[int, typer.Option("--num-shards", help="Shards of the table: the unit of resume and of parallel work.")]
 Progress = Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Progress bars (default: only on a terminal).", show_default=False)]

@@ -19,13 +19,13 @@ def score_teacher(
     name: Annotated[Optional[str], typer.Option("--name", help="Teacher table name (default: the teacher directory's name).", show_default=False)] = None,
     allow_inconsistent_teacher: Annotated[bool, typer.Option("--allow-inconsistent-teacher", help="Score even if this is not pi_ref's SFT teacher.")] = False,
     backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", deterministic: O.Deterministic = False,
-    tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85,
+    tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, max_batch_tokens: O.ScoreBatchTokens = None,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
     executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0,
 ) -> None:
     """Score a rollouts cache with a teacher, once, into teachers/<name>/ (row-aligned).
 
-    Memory: the teacher, decoder activations of ~1,024 padded tokens, one ~2,048-position x 1,024-column float32
+    Memory: the teacher, decoder activations of --max-batch-tokens padded tokens, one ~2,048-position x 1,024-column float32
     logit block and the running top-k, and one shard's stored values; the svd fit adds [hidden, hidden] float64
     moments and the calibration states. Never tokens x vocabulary. To an object store, each finished shard is
     spooled to a local temporary file (one shard on disk) and uploaded whole."""
@@ -36,7 +36,8 @@ def score_teacher(
     job = ScoreJob(cache=cache, teacher=teacher, revision=revision, stores=tuple(s.strip() for s in store.split(",") if s.strip()), top_k=top_k,
                    svd_rank=svd_rank, svd_method=svd_method, slug=name, allow_inconsistent_teacher=allow_inconsistent_teacher,
                    engine=EngineConfig(backend=backend, dtype=dtype, device=device, deterministic=deterministic,
-                                       tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization),
+                                       tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+                                       max_batch_tokens=max_batch_tokens),
                    num_workers=num_workers, worker_index=worker_index, progress=progress)
     if executor == "ray":
         from opdcache.executors import RayConfig, run_on_ray

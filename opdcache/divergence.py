@@ -19,24 +19,28 @@ from __future__ import annotations
 
 import torch
 
+from opdcache.logprobs import matmul_dtype
+
 KINDS = ("fkl", "rkl", "jsd")
 DEFAULT_CHUNK = 4096
 
 
-def _logits(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, a: int, c: int) -> torch.Tensor:
-    z = h @ W[a: a + c].T.to(h.dtype)
+def _logits(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, a: int, c: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Logits of vocabulary slice [a, a + c): the matmul in h's dtype, the result in ``dtype`` (default h's)."""
+    dtype = dtype or h.dtype
+    z = (h @ W[a: a + c].T.to(h.dtype)).to(dtype)
     if b is not None:
-        z = z + b[a: a + c].to(h.dtype)
+        z = z + b[a: a + c].to(dtype)
     return z
 
 
-def _lse(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, chunk: int) -> torch.Tensor:
+def _lse(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, chunk: int, dtype: torch.dtype) -> torch.Tensor:
     """[N, 2]: the running maximum m and log s of the online log-sum-exp (lse = m + log s, kept apart so that a
     log-prob is computed as (z - m) - log s and rounds at |z - m| rather than at |lse|)."""
-    m = torch.full((h.shape[0],), float("-inf"), dtype=h.dtype, device=h.device)
-    s = torch.zeros(h.shape[0], dtype=h.dtype, device=h.device)
+    m = torch.full((h.shape[0],), float("-inf"), dtype=dtype, device=h.device)
+    s = torch.zeros(h.shape[0], dtype=dtype, device=h.device)
     for a in range(0, W.shape[0], chunk):
-        z = _logits(h, W, b, a, chunk)
+        z = _logits(h, W, b, a, chunk, dtype)
         new_m = torch.maximum(m, z.amax(-1))
         s = s * torch.exp(m - new_m) + torch.exp(z - new_m[:, None]).sum(-1)
         m = new_m
@@ -58,18 +62,18 @@ def _mixture_log(lq: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
     return torch.logaddexp(lq, lp) - torch.log(torch.tensor(2.0, dtype=lq.dtype))
 
 
-def _online_kl(kind: str, hs, Ws, bs, ht, Wt, bt, chunk: int):
+def _online_kl(kind: str, hs, Ws, bs, ht, Wt, bt, chunk: int, dtype: torch.dtype):
     """One pass over the vocabulary for KL(p || q) or KL(q || p), with running maxima (papers/002's online form).
 
     KL(p || q) = sum_v p_v (z_t - z_s)_v - lse_t + lse_s; the expectation under p is accumulated as
     sum_v exp(z_t - m_t)(z_t - z_s) and rescaled whenever the running max m_t grows (and symmetrically for q).
     """
     N = hs.shape[0]
-    ms = torch.full((N,), float("-inf"), dtype=hs.dtype, device=hs.device)
+    ms = torch.full((N,), float("-inf"), dtype=dtype, device=hs.device)
     mt = ms.clone()
-    ss, st, acc = (torch.zeros(N, dtype=hs.dtype, device=hs.device) for _ in range(3))
+    ss, st, acc = (torch.zeros(N, dtype=dtype, device=hs.device) for _ in range(3))
     for a in range(0, Ws.shape[0], chunk):
-        zs, zt = _logits(hs, Ws, bs, a, chunk), _logits(ht, Wt, bt, a, chunk)
+        zs, zt = _logits(hs, Ws, bs, a, chunk, dtype), _logits(ht, Wt, bt, a, chunk, dtype)
         new_s, new_t = torch.maximum(ms, zs.amax(-1)), torch.maximum(mt, zt.amax(-1))
         es, et = torch.exp(zs - new_s[:, None]), torch.exp(zt - new_t[:, None])
         ss = ss * torch.exp(ms - new_s) + es.sum(-1)
@@ -89,25 +93,27 @@ def _online_kl(kind: str, hs, Ws, bs, ht, Wt, bt, chunk: int):
 class _ChunkedDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hs, Ws, bs, ht, Wt, bt, kind: str, chunk: int):
-        # compute in float32 at least (float64 stays float64 for gradcheck)
+        # the logit matmuls in the dtype the model's own head would use (autocast's, else the inputs'); everything
+        # after them in float32 at least (float64 stays float64 for gradcheck)
         dtype = torch.float64 if hs.dtype == torch.float64 else torch.float32
-        hs_, ht_ = hs.to(dtype), ht.to(dtype)
+        mm = matmul_dtype(hs)
+        hs_, ht_ = hs.to(mm), ht.to(mm)
         if kind in ("fkl", "rkl"):
-            lse_s, lse_t, div = _online_kl(kind, hs_, Ws, bs, ht_, Wt, bt, chunk)
+            lse_s, lse_t, div = _online_kl(kind, hs_, Ws, bs, ht_, Wt, bt, chunk, dtype)
             aux = div
         else:
-            lse_s, lse_t = _lse(hs_, Ws, bs, chunk), _lse(ht_, Wt, bt, chunk)
+            lse_s, lse_t = _lse(hs_, Ws, bs, chunk, dtype), _lse(ht_, Wt, bt, chunk, dtype)
             div = torch.zeros(hs.shape[0], dtype=dtype, device=hs.device)
             aux = torch.zeros_like(div)  # sum_v q_v g_v with g = log(q / m) / 2 (needed by the backward)
             for a in range(0, Ws.shape[0], chunk):
-                lq, lp, q, p = _slice_terms(_logits(hs_, Ws, bs, a, chunk), _logits(ht_, Wt, bt, a, chunk), lse_s, lse_t)
+                lq, lp, q, p = _slice_terms(_logits(hs_, Ws, bs, a, chunk, dtype), _logits(ht_, Wt, bt, a, chunk, dtype), lse_s, lse_t)
                 lm = _mixture_log(lq, lp)
                 kl_qm = (q * (lq - lm)).sum(-1)
                 div += 0.5 * ((p * (lp - lm)).sum(-1) + kl_qm)
                 aux += 0.5 * kl_qm
         ctx.save_for_backward(hs, Ws, bs if bs is not None else torch.empty(0), ht, Wt, bt if bt is not None else torch.empty(0),
                               lse_s, lse_t, aux)
-        ctx.kind, ctx.chunk, ctx.has_bs, ctx.has_bt = kind, chunk, bs is not None, bt is not None
+        ctx.kind, ctx.chunk, ctx.has_bs, ctx.has_bt, ctx.mm = kind, chunk, bs is not None, bt is not None, mm
         return div.to(hs.dtype)
 
     @staticmethod
@@ -115,17 +121,17 @@ class _ChunkedDivergence(torch.autograd.Function):
         hs, Ws, bs, ht, Wt, bt, lse_s, lse_t, aux = ctx.saved_tensors
         bs = bs if ctx.has_bs else None
         bt = bt if ctx.has_bt else None
-        dtype = lse_s.dtype
-        hs_, ht_ = hs.to(dtype), ht.to(dtype)
+        dtype, mm = lse_s.dtype, ctx.mm
+        hs_, ht_ = hs.to(mm), ht.to(mm)
         g = grad_out.to(dtype)
         need_h, need_W, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        grad_h = torch.zeros_like(hs_) if need_h else None
+        grad_h = torch.zeros(hs.shape, dtype=dtype, device=hs.device) if need_h else None
         grad_W = torch.zeros(Ws.shape, dtype=dtype, device=Ws.device) if need_W else None
         grad_b = torch.zeros(Ws.shape[0], dtype=dtype, device=Ws.device) if need_b and bs is not None else None
         for a in range(0, Ws.shape[0], ctx.chunk):
             # in place: one [N, C] buffer per side, so the backward holds ~3 slices at a time
-            lq = _log_probs(_logits(hs_, Ws, bs, a, ctx.chunk), lse_s)
-            lp = _log_probs(_logits(ht_, Wt, bt, a, ctx.chunk), lse_t)
+            lq = _log_probs(_logits(hs_, Ws, bs, a, ctx.chunk, dtype), lse_s)
+            lp = _log_probs(_logits(ht_, Wt, bt, a, ctx.chunk, dtype), lse_t)
             if ctx.kind == "fkl":
                 dz = lq.exp_().sub_(lp.exp_())  # q - p
             elif ctx.kind == "rkl":
@@ -135,10 +141,11 @@ class _ChunkedDivergence(torch.autograd.Function):
                 q = lq.exp()
                 dz = lq.sub_(_mixture_log(lq, lp)).mul_(0.5).sub_(aux[:, None]).mul_(q)  # q (g - E_q g)
             dz.mul_(g[:, None])  # [N, C]
+            dzm = dz.to(mm)  # the gradient matmuls in the forward's matmul dtype, accumulated in float32
             if grad_h is not None:
-                grad_h += dz @ Ws[a: a + ctx.chunk].to(dtype)
+                grad_h += dzm @ Ws[a: a + ctx.chunk].to(mm)
             if grad_W is not None:
-                grad_W[a: a + ctx.chunk] += dz.T @ hs_
+                grad_W[a: a + ctx.chunk] += dzm.T @ hs_
             if grad_b is not None:
                 grad_b[a: a + ctx.chunk] += dz.sum(0)
         return (None if grad_h is None else grad_h.to(hs.dtype), None if grad_W is None else grad_W.to(Ws.dtype),

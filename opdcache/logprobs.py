@@ -43,6 +43,15 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
     return torch.float64 if h.dtype == torch.float64 else torch.float32
 
 
+def matmul_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype the forward's logit matmuls run in: autocast's where it is on for h's device (as the model's own head
+    would run), else h's. The backward's gradient matmuls use it too (autocast is off in a backward): in float32
+    they ran 3x slower than the full-logits step on an H100 (benchmarks/bench_gpu.py)."""
+    if torch.is_autocast_enabled(h.device.type):
+        return torch.get_autocast_dtype(h.device.type)
+    return h.dtype
+
+
 def _slice_logits(h, W, b, a: int, c: int, scale: float | None, softcap: float | None, dtype) -> torch.Tensor:
     """Logits of vocabulary slice [a, a + c): the matmul in the inputs' dtype (bf16 stays bf16), then ``dtype``."""
     z = (h @ W[a: a + c].T.to(h.dtype)).to(dtype)
@@ -72,7 +81,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             m = new_m
         lse = m + torch.log(s)
         ctx.save_for_backward(h, W, b if b is not None else torch.empty(0), ids, lse)
-        ctx.chunk, ctx.scale, ctx.softcap, ctx.has_b = chunk, scale, softcap, b is not None
+        ctx.chunk, ctx.scale, ctx.softcap, ctx.has_b, ctx.mm = chunk, scale, softcap, b is not None, matmul_dtype(h)
         # (z - m) - log s rather than z - (m + log s): the subtraction then rounds at |z - m|, not at |lse|
         out = (picked - m[:, None]) - torch.log(s)[:, None]
         return out.to(h.dtype), lse.to(h.dtype)
@@ -89,9 +98,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_h = torch.zeros(h.shape, dtype=dtype, device=h.device) if need_h else None
         grad_W = torch.zeros(W.shape, dtype=dtype, device=W.device) if need_W else None
         grad_b = torch.zeros(W.shape[0], dtype=dtype, device=W.device) if need_b and b is not None else None
-        hc = h.to(dtype)
+        mm = ctx.mm
+        hm = h.to(mm)
         for a in range(0, W.shape[0], ctx.chunk):
-            z = _slice_logits(h, W, b, a, ctx.chunk, ctx.scale, ctx.softcap, dtype)
+            z = _slice_logits(hm, W, b, a, ctx.chunk, ctx.scale, ctx.softcap, dtype)
             C = z.shape[1]
             capped = z.clone() if ctx.softcap is not None else None
             dz = z.sub_(lse[:, None]).exp_().mul_(coef[:, None])  # (g_lse - sum g) * q
@@ -102,10 +112,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 dz.mul_(1 - t * t)
             if ctx.scale is not None:
                 dz.mul_(ctx.scale)
+            dzm = dz.to(mm)  # the gradient matmuls in the forward's matmul dtype, accumulated in float32
             if grad_h is not None:
-                grad_h += dz @ W[a: a + C].to(dtype)
+                grad_h += dzm @ W[a: a + C].to(mm)
             if grad_W is not None:
-                grad_W[a: a + C] += dz.T @ hc
+                grad_W[a: a + C] += dzm.T @ hm
             if grad_b is not None:
                 grad_b[a: a + C] += dz.sum(0)
         return (None if grad_h is None else grad_h.to(h.dtype), None if grad_W is None else grad_W.to(W.dtype),

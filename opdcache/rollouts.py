@@ -60,8 +60,9 @@ class EngineConfig:
     """vllm: GPUs per model."""
     gpu_memory_utilization: float = 0.85
     """vllm: fraction of accelerator (or, on CPU, host) memory the engine may reserve."""
-    max_batch_tokens: int = 1024
-    """transformers scoring: padded tokens per decoder batch (activation memory; head blocks are pooled separately)."""
+    max_batch_tokens: int | None = None
+    """transformers scoring: padded tokens per decoder batch (activation memory; head blocks are pooled separately);
+    None: 1,024 on a CPU, 16,384 on a GPU."""
     generate_batch_size: int = 64
     """transformers generation: sequences decoded together (KV-cache memory; larger is faster for small models)."""
 
@@ -72,6 +73,8 @@ class EngineConfig:
             raise ConfigError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise ConfigError(f"--max-batch-tokens must be at least 1, got {self.max_batch_tokens}")
         if self.generate_batch_size < 1:
             raise ConfigError(f"--batch-size must be at least 1, got {self.generate_batch_size}")
 

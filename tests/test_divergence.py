@@ -64,7 +64,7 @@ def test_memory_stays_per_chunk(monkeypatch):
 
     seen = []
     original = dv._logits
-    monkeypatch.setattr(dv, "_logits", lambda h, W, b, a, c: seen.append(original(h, W, b, a, c).shape) or original(h, W, b, a, c))
+    monkeypatch.setattr(dv, "_logits", lambda *args: seen.append(original(*args).shape) or original(*args))
     hs, Ws, bs, ht, Wt = _inputs(4, 1000, 8, 8)
     chunked_divergence("jsd", hs, Ws, ht, Wt, bs, chunk=100).sum().backward()
     assert max(s[1] for s in seen) == 100
@@ -76,3 +76,23 @@ def test_shape_errors_are_explained():
         chunked_divergence("fkl", hs, Ws, ht, Wt[:49])
     with pytest.raises(ValueError, match="kind must be one of"):
         chunked_divergence("kl", hs, Ws, ht, Wt)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_under_autocast_gradients_match_the_full_logits_path(kind):
+    """Under bf16 autocast the chunked path runs its matmuls in bf16 in the backward too (the forward's dtype) and its
+    gradients equal, to bf16 rounding, those of the plain full-logits path under the same autocast."""
+    hs, Ws, bs, ht, Wt = _inputs(40, 300, 16, 12, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked_divergence(kind, hs, Ws, ht, Wt, bs, chunk=64).sum().backward()
+    got = (hs.grad.clone(), Ws.grad.clone())
+    hs.grad = Ws.grad = bs.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        zs, zt = (hs @ Ws.T).float() + bs, (ht @ Wt.T).float()
+    lq, lp = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    q, p = lq.exp(), lp.exp()
+    lm = torch.log(0.5 * (p + q))
+    ref = {"fkl": (p * (lp - lq)), "rkl": (q * (lq - lp)), "jsd": 0.5 * (p * (lp - lm) + q * (lq - lm))}[kind].sum()
+    ref.backward()
+    for g, r in zip(got, (hs.grad, Ws.grad)):
+        assert float((g - r).norm() / r.norm()) < 3e-2

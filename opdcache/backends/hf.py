@@ -29,6 +29,10 @@ from opdcache.progress import advance
 POSITION_BLOCK = 2048  # positions scored together: enough rows that the head matmul runs at full rate
 NOISE_BLOCK_BYTES = 64 << 20  # generation: uniforms drawn ahead per batch ([rows, steps, vocabulary] float32)
 LOGIT_BLOCK_BYTES = 8 << 20  # float32 logits per [positions, vocabulary slice] block (1,024 columns at 2,048 positions; measured best on CPU)
+# on a GPU a 1,024-column slice is launch-bound: 1 GiB (131,072 columns at 2,048 positions) scored 8.3x faster than
+# 8 MiB on an H100 at vocabulary 151,936, hidden 4,096 (256 MiB: 6.3x; benchmarks/bench_gpu.py, BENCHMARKS.md)
+GPU_LOGIT_BLOCK_BYTES = 1 << 30
+SCORE_BATCH_TOKENS = {"cpu": 1024, "cuda": 16384}  # default padded tokens per scoring batch (the GPU's: 8.9x faster, bench_gpu.py)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -155,7 +159,7 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     W, b = head.weight, getattr(head, "bias", None)
     transform = _head_transform(model)
     P, V = hidden_PH.shape[0], W.shape[0]
-    C = max(1024, LOGIT_BLOCK_BYTES // (4 * max(P, 1)))
+    C = max(1024, (GPU_LOGIT_BLOCK_BYTES if hidden_PH.device.type == "cuda" else LOGIT_BLOCK_BYTES) // (4 * max(P, 1)))
     dev = hidden_PH.device
     m = torch.full((P,), float("-inf"), device=dev)
     s = torch.zeros(P, device=dev)
@@ -272,11 +276,11 @@ class TransformersBackend:
     name = "transformers"
 
     def __init__(self, model_path: str | Path, dtype: str = "auto", device: str = "auto", quantize: str | None = None,
-                 deterministic: bool = False, max_batch_tokens: int = 1024, generate_batch_size: int = 64):
+                 deterministic: bool = False, max_batch_tokens: int | None = None, generate_batch_size: int = 64):
         self._attach(load_model(model_path, dtype, device, quantize), deterministic, max_batch_tokens, generate_batch_size,
                      Path(model_path), quantize)
 
-    def _attach(self, model, deterministic: bool, max_batch_tokens: int, generate_batch_size: int, path: Path | None = None,
+    def _attach(self, model, deterministic: bool, max_batch_tokens: int | None, generate_batch_size: int, path: Path | None = None,
                 quantize: str | None = None) -> None:
         import transformers
 
@@ -284,7 +288,8 @@ class TransformersBackend:
         self.version = transformers.__version__
         self.device = next(model.parameters()).device
         self.dtype = str(next(model.get_output_embeddings().parameters()).dtype).replace("torch.", "")
-        self.deterministic, self.max_batch_tokens, self.generate_batch_size = deterministic, max_batch_tokens, generate_batch_size
+        self.max_batch_tokens = max_batch_tokens or SCORE_BATCH_TOKENS.get(self.device.type, 1024)
+        self.deterministic, self.generate_batch_size = deterministic, generate_batch_size
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = int(getattr(model.config, "max_position_embeddings", 1 << 20))
         eos = model.generation_config.eos_token_id
@@ -294,7 +299,7 @@ class TransformersBackend:
     def from_model(cls, model, deterministic: bool = False) -> "TransformersBackend":
         """Wrap a model already in memory (the online baseline samples from the student being trained)."""
         self = cls.__new__(cls)
-        self._attach(model, deterministic, 1024, 64)
+        self._attach(model, deterministic, None, 64)
         return self
 
     def close(self) -> None:

@@ -1,0 +1,390 @@
+"""The GPU suite (issue 22, item 8): score-teacher, the fused train step and the full-vocabulary divergence on a CUDA
+device in bf16, each against its plain baseline in the same run, written as one table. benchmarks/gpu_suite.sh runs it.
+
+Models, built here with random weights (nothing is fetched; throughput does not depend on the weights' values):
+
+* ``smollm2``: SmolLM2-135M-Instruct's own config.json and tokenizer (vocabulary 49,152, hidden 576, 30 layers), read from
+  ``--smollm2 DIR`` (a converted model directory such as ``~/.cache/opdcache/real``; only its config and tokenizer
+  files are read, so its 540 MB of weights need not travel to the device);
+* ``qwen3``: Qwen3 at real width -- vocabulary 151,936, hidden 4,096, intermediate 12,288, 32 heads (8 KV) -- with
+  ``--qwen3-layers`` layers (default 4), and a WordLevel tokenizer of 151,936 tokens.
+
+What is measured, each variant in its own process (peak memory is ``torch.cuda.max_memory_allocated`` during the work
+minus what was allocated just before it: the model and inputs are not counted):
+
+1. scoring, bf16 model: opdcache's engine (``TransformersBackend.score``, what ``score-teacher`` runs), with the
+   logit block as shipped and with ``--block-mib`` variants, against (a) ``plain``: one sequence at a time, the model's
+   full logits, a float32 log_softmax, gather, logsumexp, top-k; (b) ``batched``: the fair baseline -- the engine's own
+   batches through the decoder, the head at response positions only, one float32 log_softmax over [response tokens, V].
+   Same sequences (``--sequences`` of prompt ``--prompt`` + response up to ``--response`` tokens), top-k 20;
+   tokens/s from the median of 3 runs after a warm-up.
+2. ``opdcache build-rollouts`` and ``opdcache score-teacher --store logprob,hidden`` end to end (CLI, Parquet written) on
+   the qwen3 model: ``--train-batch`` prompts x ``--train-response`` tokens. Its cache feeds 3.
+3. one train step on qwen3 (batch ``--train-batch``): opdcache's fused step (``Trainer.loss_and_stats``, backward,
+   AdamW; float32 masters, bf16 autocast) against the full-logits step (the model's logits [B, L, V], a float32
+   log_softmax, the same loss, backward, AdamW), for the lightning and full-rkl losses; tokens/s from the median of 3
+   steps after a warm-up step, and peak GPU memory.
+4. ``bench_divergence.py --devices cuda`` (bf16) at 4,096 tokens, hidden 4,096 (its own table, printed and saved).
+
+    bash benchmarks/gpu_suite.sh                       # on the CUDA machine
+    python benchmarks/bench_gpu.py --smoke --device cpu   # a tiny run of the same code anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_scoring import PeakRSS, workload  # noqa: E402
+
+V = 151_936
+TOP_K = 20
+
+
+# ---------------------------------------------------------------------------------------------------- models
+def build_qwen3(path: Path, vocab: int, hidden: int, layers: int, device: str) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    heads = max(1, hidden // 128)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=min(128, hidden),
+                      max_position_embeddings=8192, tie_word_embeddings=False, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs: 2 B parameters initialise in seconds on a GPU
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", pad_token="t0", unk_token="t2").save_pretrained(path)
+
+
+def build_smollm2(path: Path, source: Path, device: str, layers: int | None) -> None:
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(source)
+    if layers:
+        cfg.num_hidden_layers = layers
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, path / name)
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+class PeakMemory:
+    """Peak memory of the work inside the block above what was allocated at its start: the CUDA allocator's own
+    count on a GPU, the sampled resident set on a CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    def __enter__(self):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.rss = PeakRSS().__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.delta = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.rss.__exit__(*exc)
+            self.delta = self.rss.delta
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, repeats: int = 3) -> tuple[list[float], int]:
+    """fn() once to warm up, then ``repeats`` times: (seconds of each, peak memory above the start)."""
+    fn()
+    sync(device)
+    times = []
+    with PeakMemory(device) as mem:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+    return times, mem.delta
+
+
+def child_score(variant: str, model_path: str, device: str, n: int, prompt: int, response: int, max_batch_tokens: int) -> dict:
+    import numpy as np
+    import torch
+
+    from opdcache.backends import hf
+    from opdcache.backends.base import ScoreRequest
+
+    backend = hf.TransformersBackend(model_path, dtype="bfloat16", device=device, max_batch_tokens=max_batch_tokens)
+    vocab = backend.vocab_size
+    work = [(p, r % vocab) for p, r in workload(n, prompt, response)]
+    work = [([t % vocab for t in p], r.astype(np.int32)) for p, r in work]
+    tokens = sum(len(r) for _, r in work)
+    reqs = [ScoreRequest(p, r) for p, r in work]
+    model, dev = backend.model, backend.device
+    if variant.startswith("opdcache"):
+        if variant != "opdcache":
+            hf.LOGIT_BLOCK_BYTES = hf.GPU_LOGIT_BLOCK_BYTES = int(variant.split("-")[1]) << 20
+
+        def fn():
+            out = backend.score(reqs, top_k=TOP_K)
+            assert all(np.isfinite(s.logprobs).all() for s in out)
+    elif variant == "plain":
+        @torch.no_grad()
+        def fn():
+            for p, r in work:
+                logits = model(torch.tensor([p + r.tolist()], device=dev)).logits[0].float()  # [L, V]
+                a = len(p) - 1
+                logp = torch.log_softmax(logits[a: a + len(r)], -1)
+                lp = logp.gather(1, torch.as_tensor(r, dtype=torch.long, device=dev)[:, None]).squeeze(1)
+                lse = torch.logsumexp(logits[a: a + len(r)], -1)
+                top = logp.topk(TOP_K, -1)
+                _ = (lp.cpu(), lse.cpu(), top.indices.cpu(), top.values.cpu())
+    else:  # batched: the engine's batches, the head at response positions only, one float32 log_softmax over them
+        head = model.get_output_embeddings().weight
+
+        @torch.no_grad()
+        def fn():
+            for batch in backend._batches(reqs):
+                hidden_NH, _ = backend.final_hidden([reqs[i] for i in batch])
+                z = (hidden_NH @ head.T).float()  # [response tokens, V]
+                sampled = torch.cat([torch.as_tensor(work[i][1], dtype=torch.long) for i in batch]).to(dev)
+                logp = torch.log_softmax(z, -1)
+                lp = logp.gather(1, sampled[:, None]).squeeze(1)
+                lse = torch.logsumexp(z, -1)
+                top = logp.topk(TOP_K, -1)
+                _ = (lp.cpu(), lse.cpu(), top.indices.cpu(), top.values.cpu())
+    times, peak = timed(fn, device)
+    return {"variant": variant, "tokens": tokens, "seconds": statistics.median(times), "runs": times, "peak_bytes": peak}
+
+
+def child_train(model_path: str, cache: str, loss: str, path: str, out: str, batch_size: int) -> dict:
+    import torch
+
+    from opdcache import losses as L
+    from opdcache.train import TrainConfig, Trainer
+
+    torch.manual_seed(0)
+    trainer = Trainer(TrainConfig(model=Path(model_path), cache=Path(cache), out=Path(out), loss=loss, batch_size=batch_size, lr=1e-5))
+    batch = trainer.source.next_batch()
+    device = str(trainer.device)
+
+    def fused():
+        value, _ = trainer.loss_and_stats(batch)
+        value.backward()
+        trainer.opt.step()
+        trainer.opt.zero_grad(set_to_none=True)
+        return value
+
+    def plain():  # the model's full logits: [B, L, V] in bf16, then [B, T, V] float32
+        b = {k: v.to(trainer.device) for k, v in batch.items()}
+        mask = b["response_mask"]
+        with torch.autocast(trainer.device.type, dtype=torch.bfloat16, enabled=trainer.autocast is not None):
+            logits = trainer.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        pos = b["logit_positions"]
+        logp = torch.log_softmax(logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).float(), -1)
+        s = logp.gather(-1, b["response_ids"][..., None]).squeeze(-1)
+        if loss == "lightning":
+            terms, _ = L.lightning_terms(s, b["teacher_logprobs"], trainer.cfg.tau)
+        else:
+            t_logp = torch.log_softmax(b["teacher_hidden"].float() @ trainer.teacher_w.T, -1)
+            terms = (logp.exp() * (logp - t_logp)).sum(-1)
+        value = L.reduce(terms, mask)
+        value.backward()
+        trainer.opt.step()
+        trainer.opt.zero_grad(set_to_none=True)
+        return value
+
+    times, peak = timed(fused if path == "fused" else plain, device)
+    return {"seconds": statistics.median(times), "runs": times, "peak_bytes": peak, "tokens": int(batch["response_mask"].sum()),
+            "loss": float((fused if path == "fused" else plain)())}
+
+
+# ---------------------------------------------------------------------------------------------------- driving
+def child(kind: str, *args) -> dict:
+    out = subprocess.run([sys.executable, __file__, f"_{kind}", *map(str, args)], capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:300]}
+    return json.loads(lines[-1])
+
+
+def cli(*args, env=None, timeout: float | None = None) -> float:
+    """Run an opdcache command (its progress bars and messages pass through); its wall time in seconds."""
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "opdcache.cli.main", *map(str, args)], env=env, timeout=timeout)
+    if out.returncode != 0:
+        raise SystemExit(f"opdcache {args[0]} failed ({out.returncode})")
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--smollm2", type=Path, help="a SmolLM2 model directory (config and tokenizer are read)")
+    ap.add_argument("--qwen3-layers", type=int, default=4)
+    ap.add_argument("--sequences", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--response", type=int, default=1024)
+    ap.add_argument("--max-batch-tokens", type=int, nargs="+", default=[1024, 16384])
+    ap.add_argument("--block-mib", type=int, nargs="*", default=[64, 256], help="logit block sizes tried beside the shipped one")
+    ap.add_argument("--train-batch", type=int, default=4)
+    ap.add_argument("--train-response", type=int, default=1024)
+    ap.add_argument("--sections", default="cli,train,divergence,score", help="which of cli, train, divergence, score to run, in this order")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes: checks the code, measures nothing")
+    ap.add_argument("--cli-timeout", type=float, default=300, help="seconds each CLI command may take")
+    ap.add_argument("--out", type=Path, help="folder for results.json and table.md")
+    ap.add_argument("--workdir", type=Path)
+    args = ap.parse_args()
+    vocab, hidden = (1024, 64) if args.smoke else (V, 4096)
+    if args.smoke:
+        args.sequences, args.prompt, args.response, args.train_response, args.qwen3_layers = 4, 8, 16, 16, 1
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    models = {}
+    for name in ("smollm2", "qwen3"):
+        if name == "smollm2" and not args.smollm2:
+            print("smollm2: skipped (no --smollm2 directory)", flush=True)
+            continue
+        models[name] = root / name
+        if not (models[name] / "config.json").exists():
+            subprocess.run([sys.executable, __file__, "_build", name, str(models[name]), str(vocab), str(hidden), str(args.qwen3_layers),
+                            args.device, str(args.smollm2), "2" if args.smoke else "0"], check=True)
+    rows: list[dict] = []
+
+    def add(section: str, model: str, variant: str, res: dict, base: dict | None) -> None:
+        row = {**res, "section": section, "model": model, "variant": variant}
+        if "error" not in res and base and "error" not in base:
+            row["speedup"] = (res["tokens"] / res["seconds"]) / (base["tokens"] / base["seconds"])
+            row["memory_ratio"] = res["peak_bytes"] / max(base["peak_bytes"], 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    sections = args.sections.split(",")
+    for section in sections:
+        {"score": run_score_section, "cli": run_cli_section, "train": run_train_section, "divergence": run_divergence_section}[section](
+            args, models, root, add, rows)
+    table = render(rows, args)
+    print("\n" + table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+        (args.out / "table.md").write_text(table + "\n")
+
+
+def run_score_section(args, models, root, add, rows) -> None:
+    for name, path in models.items():
+        base = child("score", "plain", path, args.device, args.sequences, args.prompt, args.response, max(args.max_batch_tokens))
+        add("score", name, "plain", base, base)
+        for mbt in args.max_batch_tokens:
+            for variant in ("batched", "opdcache"):
+                add("score", name, f"{variant} (batch tokens {mbt})",
+                    child("score", variant, path, args.device, args.sequences, args.prompt, args.response, mbt), base)
+        for mib in args.block_mib:  # the logit block is the knob a GPU may want larger than the CPU's measured best
+            mbt = max(args.max_batch_tokens)
+            add("score", name, f"opdcache, logit block {mib} MiB (batch tokens {mbt})",
+                child("score", f"opdcache-{mib}", path, args.device, args.sequences, args.prompt, args.response, mbt), base)
+
+
+
+def run_cli_section(args, models, root, add, rows) -> None:
+    """build-rollouts and score-teacher end to end; their cache feeds the train step."""
+    env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
+    q = models["qwen3"]
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (13 * i + 7 * j) % 5000}" for j in range(16))}) + "\n"
+                               for i in range(args.train_batch)))
+    cache = root / "cache"
+    if not (cache / "manifest.json").exists():
+        tokens = args.train_batch * args.train_response
+        s = cli("build-rollouts", "--model", q, "--prompts", prompts, "--out", cache, "--max-new-tokens", args.train_response,
+                "--temperature", "1.0", "--no-chat-template", "--num-shards", "1", "--batch-size", args.train_batch, "--progress", env=env,
+                timeout=args.cli_timeout)
+        rows.append({"section": "cli", "model": "qwen3", "variant": "build-rollouts", "tokens": tokens, "seconds": s, "peak_bytes": 0})
+        s = cli("score-teacher", cache, "--teacher", q, "--store", "logprob,hidden", "--progress", env=env, timeout=args.cli_timeout)
+        rows.append({"section": "cli", "model": "qwen3", "variant": "score-teacher logprob,hidden", "tokens": tokens, "seconds": s, "peak_bytes": 0})
+        for r in rows[-2:]:
+            print(json.dumps(r), flush=True)
+
+
+
+def run_train_section(args, models, root, add, rows) -> None:
+    q, cache = models["qwen3"], root / "cache"
+    for loss in ("lightning", "full-rkl"):
+        base = child("train", q, cache, loss, "plain", root / f"run-{loss}-plain", args.train_batch)
+        add("train", "qwen3", f"{loss} full logits", base, base)
+        add("train", "qwen3", f"{loss} fused", child("train", q, cache, loss, "fused", root / f"run-{loss}-fused", args.train_batch), base)
+
+
+def run_divergence_section(args, models, root, add, rows) -> None:
+    """bench_divergence.py on this device in bf16 at the real width (its own table, printed as it is)."""
+    tokens, hidden = (64, 64) if args.smoke else (4096, 4096)
+    out = subprocess.run([sys.executable, str(Path(__file__).parent / "bench_divergence.py"), "--devices", "cuda" if args.device.startswith("cuda") else "cpu",
+                          "--tokens", str(tokens), "--hidden", str(hidden), "--vocab", str(1024 if args.smoke else V), "--kind", "fkl"],
+                         capture_output=True, text=True)
+    print(out.stdout + out.stderr[-2000:], flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "divergence.txt").write_text(out.stdout)
+
+
+def render(rows: list[dict], args) -> str:
+    lines = [f"device {args.device}; scoring: {args.sequences} sequences, prompt {args.prompt} + response <= {args.response}, top-k {TOP_K}; "
+             f"train: batch {args.train_batch} x {args.train_response} response tokens", "",
+             "| section | model | variant | tokens/s | vs baseline | peak GiB | memory vs baseline |", "|---|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['section']} | {r['model']} | {r['variant']} | failed: {r['error']} | | | |")
+            continue
+        tps = r["tokens"] / r["seconds"]
+        sp = f"{r['speedup']:.2f}x" if "speedup" in r else ""
+        mem = f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else ""
+        mr = f"{r['memory_ratio']:.3f}x" if "memory_ratio" in r else ""
+        lines.append(f"| {r['section']} | {r['model']} | {r['variant']} | {tps:,.0f} | {sp} | {mem} | {mr} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_build":
+        name, path, vocab, hidden, layers, device, source, smoke = sys.argv[2:10]
+        if name == "qwen3":
+            build_qwen3(Path(path), int(vocab), int(hidden), int(layers), device)
+        else:
+            build_smollm2(Path(path), Path(source), device, int(smoke) or None)
+    elif len(sys.argv) > 1 and sys.argv[1] == "_score":
+        v, path, device, n, p, r, mbt = sys.argv[2:9]
+        print(json.dumps(child_score(v, path, device, int(n), int(p), int(r), int(mbt))))
+    elif len(sys.argv) > 1 and sys.argv[1] == "_train":
+        path, cache, loss, kind, out, bs = sys.argv[2:8]
+        print(json.dumps(child_train(path, cache, loss, kind, out, int(bs))))
+    else:
+        main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU suite (issue 22, item 8): one command on a CUDA machine with torch and transformers, no network.
+# Packages opdcache needs that such a machine may lack travel as wheels in .whl/ (see BENCHMARKS.md for the list);
+# SmolLM2's config and tokenizer in .gpu/smollm2/ (copied from a converted model directory, no weights).
+# Writes $OUT/gpu/{results.json,table.md,divergence.txt} and $OUT/bench_gpu.log (OUT defaults to ./gpu-results).
+#
+#     bash benchmarks/gpu_suite.sh [extra bench_gpu.py arguments]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT=${OUT:-$PWD/gpu-results}
+mkdir -p "$OUT"
+# opdcache as the wheel lays it out (cli/ is the package opdcache.cli), without pip: a copy on PYTHONPATH
+rm -rf /tmp/opdcache-src && mkdir -p /tmp/opdcache-src && cp -r opdcache /tmp/opdcache-src/ && cp -r cli /tmp/opdcache-src/opdcache/cli
+export PYTHONPATH="/tmp/opdcache-src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OPDCACHE_PROGRESS=0
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/opdcache-site .whl/*.whl
+    export PYTHONPATH="$PYTHONPATH:/tmp/opdcache-site"
+fi
+smollm2=()
+[ -f .gpu/smollm2/config.json ] && smollm2=(--smollm2 "$REPO/.gpu/smollm2")
+cd /tmp  # not the repository root: its opdcache/ (no cli inside) would shadow the copy
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+python3 -c "import opdcache.cli.main" || { echo "opdcache does not import here: carry the missing packages as wheels in .whl/"; exit 2; }
+python3 "$REPO/benchmarks/bench_gpu.py" --device cuda "${smollm2[@]}" --out "$OUT/gpu" "$@" 2>&1 | tee "$OUT/bench_gpu.log"
