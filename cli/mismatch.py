@@ -23,16 +23,18 @@ def mismatch_report(
     max_mean_abs_delta: Annotated[Optional[float], typer.Option("--max-mean-abs-delta", help="Exit 1 if any mean |delta| exceeds this (nats).", show_default=False)] = None,
     max_flip_fraction: Annotated[Optional[float], typer.Option("--max-flip-fraction", help="Exit 1 if the fraction of argmax flips exceeds this.", show_default=False)] = None,
     max_k3: Annotated[Optional[float], typer.Option("--max-k3", help="Exit 1 if K3 per token exceeds this.", show_default=False)] = None,
+    rollout_aligned: Annotated[bool, typer.Option("--rollout-aligned", help="Also recompute pi_ref in the rollouts' recorded low-bit scheme (train --rollout-aligned's learner) and compare.")] = False,
     device: O.Device = "auto",
     progress: O.Progress = None,
 ) -> None:
-    """Training-inference mismatch: delta = log pi_train - log pi_rollout per token (papers/003 eq. 1), and between teacher engines.
+    """Training-inference mismatch: delta = log pi_train - log pi_rollout per token (papers/003 eq. 1), and between teacher engines;
+    for rollouts also papers/004's error tokens (the rule is printed with them).
 
     Memory: as score-teacher for the float32 recompute (streamed head, no tokens x vocabulary), plus the per-token deltas."""
     from opdcache import mismatch as M
     from opdcache.storage import write_text_atomic
 
-    rep, sections = M.report(cache, model, teacher, rollouts, worst, device, progress)
+    rep, sections = M.report(cache, model, teacher, rollouts, worst, device, progress, rollout_aligned)
     limits = M.Thresholds(max_abs_delta, max_mean_abs_delta, max_flip_fraction, max_k3)
     problems = M.crossed(rep, limits)
     rep["thresholds"] = dict(vars(limits))

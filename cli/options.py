@@ -27,7 +27,7 @@ ModelRevision = Annotated[Optional[str], typer.Option("--revision", help="Hub br
 Backend = Annotated[str, typer.Option("--backend", help="transformers (exact reference, any device) or vllm (fast engine).")]
 Dtype = Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16.")]
 Device = Annotated[str, typer.Option("--device", help="transformers backend: auto, cpu, cuda, cuda:N.")]
-Quantize = Annotated[Optional[str], typer.Option("--quantize", help="Low-bit weights: int8 (transformers, CPU) or a vLLM method (fp8, awq, ...).", show_default=False)]
+Quantize = Annotated[Optional[str], typer.Option("--quantize", help="Low-bit rollouts. transformers: w4a16[:g<N>][:sym|:asym] (int4 weight groups, default g128 sym), w8a8 (int8 weights per channel, activations per token), fp8[:per-tensor|:per-channel] (e4m3 weights, activations per token) -- emulated on any device: quantize, dequantize, compute in the model's dtype; add :keep=NAME,... for layers kept exact (default lm_head); int8: torch dynamic int8, CPU. vllm: its method (fp8, awq, ...).", show_default=False)]
 Deterministic = Annotated[bool, typer.Option("--deterministic", help="Bit-identical scores whatever the batch (scores one sequence at a time).")]
 TensorParallel = Annotated[int, typer.Option("--tensor-parallel-size", help="vllm: GPUs per model.")]
 GenerateBatch = Annotated[int, typer.Option("--batch-size", help="transformers: sequences decoded together (KV-cache memory; larger is faster for small models).")]

@@ -21,7 +21,8 @@ KL penalty to pi_ref (papers/000 section 3.3 keeps the student near pi_ref with 
 the cached rollouts are pi_ref's samples, so the penalty estimates KL(pi_ref || pi_theta) = E_ref[r - s] per token
 from l_t = s_t - r_t:  k1 = -l (unbiased, high variance), k3 = exp(l) - 1 - l (unbiased, non-negative, low variance:
 E_ref[exp(l)] = 1; the form verl calls low_var_kl), k2 = l^2 / 2 (biased, the squared-log-ratio penalty). k1 and k3
-have the same expected gradient, -E_ref[grad s]; l is clamped to [-20, 20] inside k3 so one far-off token cannot overflow.
+have the same expected gradient, -E_ref[grad s]; l is clamped to [-20, 20] inside k3 so one far-off token cannot overflow,
+and each term is capped at --kl-cap (default 10 nats, verl's clamp) so one token cannot outweigh a batch.
 The online baseline samples the current student instead, and uses the forms for samples from pi_theta (what verl and
 TRL compute): k1 = l, k2 = l^2 / 2, k3 = exp(-l) - 1 + l. Its k3 has the same expected gradient as the cached one,
 E_theta[(1 - exp(-l)) grad s] = -E_ref[grad s] = grad KL(pi_ref || pi_theta), so online and offline runs with the
@@ -54,12 +55,18 @@ FULL_VOCABULARY = ("full-fkl", "full-rkl", "jsd")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def kl_penalty_terms(s: torch.Tensor, r: torch.Tensor, estimator: str, samples: str = "ref") -> torch.Tensor:
+def kl_penalty_terms(s: torch.Tensor, r: torch.Tensor, estimator: str, samples: str = "ref", cap: float = 0.0) -> torch.Tensor:
     """Per-token KL penalty between pi_theta and pi_ref, differentiable through s. [B, T]
 
     ``samples="ref"``: the tokens are pi_ref's samples (the cache): estimates of KL(pi_ref || pi_theta).
     ``samples="student"``: the tokens are the current student's (the online baseline): the forms for pi_theta's samples.
+    ``cap`` > 0: each term clamped to [-cap, cap] (verl clamps its low-variance KL at 10); a clamped term has no gradient.
     """
+    terms = _kl_terms(s, r, estimator, samples)
+    return terms.clamp(-cap, cap) if cap > 0 else terms
+
+
+def _kl_terms(s: torch.Tensor, r: torch.Tensor, estimator: str, samples: str) -> torch.Tensor:
     l = s - r.detach()
     if samples not in ("ref", "student"):
         raise ValueError(f"samples must be 'ref' or 'student', got {samples!r}")
@@ -75,9 +82,10 @@ def kl_penalty_terms(s: torch.Tensor, r: torch.Tensor, estimator: str, samples: 
 
 
 def reduce(terms: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """sum(terms * mask * weights) / number of response tokens (the mask's sum, before any rejection)."""
+    """sum(terms * mask * weights) / number of response tokens (the mask's sum, before any rejection). Positions with
+    weight 0 contribute exactly 0, whatever their term holds (a NaN or inf there is selected away, not multiplied)."""
     w = mask if weights is None else mask * weights
-    return (terms * w).sum() / mask.sum().clamp_min(1)
+    return torch.where(w != 0, terms * w, torch.zeros_like(terms)).sum() / mask.sum().clamp_min(1)
 
 
 def lightning_terms(s: torch.Tensor, teacher: torch.Tensor, tau: float) -> tuple[torch.Tensor, dict]:

@@ -29,6 +29,7 @@ import numpy as np
 from opdcache import shards
 from opdcache.cache import Cache
 from opdcache.errors import ConfigError
+from opdcache.errortokens import RULE, error_token_mask, is_error_sequence
 from opdcache.progress import bar
 
 QUANTILES = (0.5, 0.9, 0.99, 0.999)
@@ -42,6 +43,8 @@ DEFINITIONS = {
     "k3": "mean(exp(delta) - 1 - delta); the same KL, lower-variance and never negative",
     "histogram": "token counts of |delta| per bin [edge_i, edge_i+1); values above the last edge fall in the last bin",
     "worst_sequences": "rows with the largest max |delta|; position is the response token index, marked [[ ]] in text",
+    "error_tokens": "rollout comparisons: papers/004's error tokens and sequences by the rule stated in 'rule' (opdcache/errortokens.py), "
+                    "the learner being the section's recompute; worst lists the error sequences with the most, error tokens in [[ ]]",
 }
 HIST_EDGES = np.concatenate([[0.0], np.logspace(-8, 1, 37)])  # |delta| bins: 0, 1e-8 ... 10 (4 per decade)
 
@@ -70,6 +73,8 @@ class Section:
     ids: list[str]
     responses: list[np.ndarray]
     flips: list[np.ndarray] | None = None
+    rollout: list[np.ndarray] | None = None
+    """Rollout comparisons: the rollout engine's stored log-probs per sequence (the error-token rule needs both sides)."""
 
     def figures(self, tokenizer=None, worst: int = 5) -> dict:
         flat = np.concatenate(self.deltas) if self.deltas else np.zeros(0)
@@ -87,7 +92,28 @@ class Section:
         }
         order = np.argsort([-np.abs(d).max() if d.size else 0.0 for d in self.deltas])[:worst]
         out["worst_sequences"] = [self._worst(int(i), tokenizer) for i in order]
+        if self.rollout is not None:
+            out["error_tokens"] = self.error_tokens(tokenizer, worst)
         return out
+
+    def error_tokens(self, tokenizer, worst: int) -> dict:
+        """papers/004's error tokens and error sequences by opdcache/errortokens.py's rule, the learner being this
+        section's recompute (learner log-prob = stored + delta)."""
+        masks = [error_token_mask(r + d, r) for d, r in zip(self.deltas, self.rollout)]
+        flagged = [i for i, (m, ids) in enumerate(zip(masks, self.responses)) if is_error_sequence(ids, m)]
+        tokens = sum(int(m.sum()) for m in masks)
+        total = sum(m.size for m in masks)
+        flagged.sort(key=lambda i: -int(masks[i].sum()))
+        listed = []
+        for i in flagged[:worst]:
+            entry = {"id": self.ids[i], "error_tokens": int(masks[i].sum()), "tokens": int(masks[i].size),
+                     "positions": np.flatnonzero(masks[i]).tolist()[:20]}
+            if tokenizer is not None:
+                entry["text"] = "".join(f"[[{tokenizer.decode([int(x)])}]]" if m else tokenizer.decode([int(x)])
+                                        for x, m in zip(self.responses[i], masks[i]))
+            listed.append(entry)
+        return {"rule": RULE, "tokens": tokens, "token_share": tokens / max(total, 1), "sequences": len(flagged),
+                "sequence_share": len(flagged) / max(len(masks), 1), "worst": listed}
 
     def _worst(self, i: int, tokenizer) -> dict:
         d, ids = self.deltas[i], self.responses[i]
@@ -105,8 +131,10 @@ def _ids(cache: Cache, table: str) -> list[str]:
     return [i for path in cache.shard_paths(table) for i in shards.read_table(path, ["id"])["id"].to_pylist()]
 
 
-def rollout_section(cache: Cache, model: str | Path | None = None, device: str = "auto", progress: bool | None = None) -> Section:
-    """pi_ref recomputed in float32 by transformers against what the rollout engine stored."""
+def rollout_section(cache: Cache, model: str | Path | None = None, device: str = "auto", progress: bool | None = None,
+                    aligned: bool = False) -> Section:
+    """pi_ref recomputed in float32 by transformers against what the rollout engine stored; ``aligned``: the recompute
+    runs in the rollouts' recorded low-bit scheme, as ``train --rollout-aligned``'s learner does."""
     from opdcache.backends.hf import TransformersBackend
     from opdcache.lineage import model_info
     from opdcache.scoring import score_requests
@@ -122,8 +150,16 @@ def rollout_section(cache: Cache, model: str | Path | None = None, device: str =
         raise ConfigError(f"--model {path} (fingerprint {fp[:12]}) is not the model that generated the rollouts "
                           f"({recorded['fingerprint'][:12]}); the mismatch is only meaningful for the same weights")
     params = cache.params("rollouts")
-    deltas, flips, ids, responses = [], [] if params.ref_top_k else None, [], []
-    backend = TransformersBackend(path, dtype="float32", device=device)
+    deltas, flips, ids, responses, stored_all = [], [] if params.ref_top_k else None, [], [], []
+    scheme = None
+    if aligned:
+        from opdcache.quant import QuantScheme
+
+        if not recorded.get("quantization") or recorded.get("engine") == "vllm":
+            raise ConfigError("--rollout-aligned: the rollouts record no emulated low-bit scheme (full precision, or vLLM's own kernels); "
+                              "nothing to align the recompute to")
+        scheme = QuantScheme.parse(recorded["quantization"]).spec()
+    backend = TransformersBackend(path, dtype="float32", device=device, quantize=scheme)
     top_column = ["ref_topk_ids"] if params.ref_top_k else []
     with closing(backend), bar(total=len(cache.shard_paths("rollouts")), desc="mismatch: float32 recompute", unit="shard", enabled=progress) as pbar:
         for shard in cache.shard_paths("rollouts"):
@@ -132,13 +168,17 @@ def rollout_section(cache: Cache, model: str | Path | None = None, device: str =
             scores = backend.score(reqs, top_k=1)  # top-1: the trainer's argmax
             stored = shards.row_values(rows["ref_logprobs"])
             deltas += [sc.logprobs.astype(np.float64) - r.astype(np.float64) for sc, r in zip(scores, stored)]
+            stored_all += [r.astype(np.float64) for r in stored]
             if flips is not None:
                 flips += [sc.topk_ids[:, 0] != top[:, 0] for sc, top in zip(scores, shards.row_values(rows["ref_topk_ids"]))]
             ids += rows["id"].to_pylist()
             responses += [np.asarray(r.response_ids) for r in reqs]
             pbar.update(1)
+    if aligned:
+        return Section("rollouts, aligned", f"pi_ref: float32 transformers in the rollouts' scheme {scheme} (train --rollout-aligned) - "
+                       f"rollout engine ({_engine_label(recorded)}) on pi_ref's samples", deltas, ids, responses, flips, stored_all)
     return Section("rollouts", f"pi_ref: float32 transformers (trainer) - rollout engine ({_engine_label(recorded)}) on pi_ref's samples",
-                   deltas, ids, responses, flips)
+                   deltas, ids, responses, flips, stored_all)
 
 
 def _engine_key(entry: dict) -> tuple:
@@ -188,7 +228,7 @@ def teacher_section(cache: Cache, a: str, b: str) -> Section:
 
 
 def report(cache_root: str | Path, model: str | Path | None = None, teachers: list[str] | None = None, rollouts: bool = True,
-           worst: int = 5, device: str = "auto", progress: bool | None = None) -> tuple[dict, list[Section]]:
+           worst: int = 5, device: str = "auto", progress: bool | None = None, aligned: bool = False) -> tuple[dict, list[Section]]:
     """The mismatch figures of a cache, and the sections they came from (for the histogram)."""
 
     if worst < 0:
@@ -198,6 +238,10 @@ def report(cache_root: str | Path, model: str | Path | None = None, teachers: li
     sections = []
     if rollouts and cache.kind == "rollouts":
         sections.append(rollout_section(cache, model, device, progress))
+        if aligned:
+            sections.append(rollout_section(cache, model, device, progress, aligned=True))
+    elif aligned:
+        raise ConfigError("--rollout-aligned compares pi_ref's recompute with the rollouts: it needs a rollouts cache and --rollouts")
     sections += [teacher_section(cache, a, b) for a, b in engine_pairs(cache, teachers)]
     if not sections:
         raise ConfigError(f"{cache_root}: nothing to compare (no pi_ref rollouts, and no two teacher tables of one teacher "
@@ -236,6 +280,13 @@ def render(rep: dict) -> str:
         for w in f["worst_sequences"]:
             text = w.get("text", "").replace("\n", "\\n")
             lines.append(f"    {w['id']}  |d| {w['max_abs_delta']:.3e} at token {w['position']} (id {w['token_id']})  {text[:120]}")
+        if "error_tokens" in f:
+            e = f["error_tokens"]
+            lines.append(f"  error tokens (papers/004): {e['tokens']:,} tokens ({e['token_share']:.3%}), {e['sequences']:,} error sequences "
+                         f"({e['sequence_share']:.1%}); rule: {e['rule']}")
+            for w in e["worst"]:
+                text = w.get("text", "").replace("\n", "\\n")
+                lines.append(f"    {w['id']}  {w['error_tokens']} error tokens of {w['tokens']}  {text[:160]}")
     return "\n".join(lines)
 
 

@@ -53,7 +53,8 @@ class EngineConfig:
     device: str = "auto"
     """transformers backend: auto, cpu, cuda, cuda:N."""
     quantize: str | None = None
-    """Low-bit rollout weights: int8 (transformers, CPU) or a vLLM quantization method (fp8, awq, ...)."""
+    """Low-bit rollouts: a scheme of opdcache/quant.py on the transformers engine (w4a16[:g<N>][:sym|:asym], w8a8,
+    fp8[:per-tensor|:per-channel], emulated; int8, torch dynamic, CPU), or a vLLM quantization method (fp8, awq, ...)."""
     deterministic: bool = False
     """transformers scoring: bit-identical values whatever the batch (one sequence at a time)."""
     tensor_parallel_size: int = 1
@@ -69,6 +70,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.backend not in ("transformers", "vllm"):
             raise ConfigError(f"--backend must be transformers or vllm, got {self.backend!r}")
+        if self.backend == "transformers" and self.quantize is not None:  # one spelling per scheme: the canonical one
+            from opdcache.quant import QuantScheme
+
+            object.__setattr__(self, "quantize", QuantScheme.parse(self.quantize).spec())
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -40,14 +40,27 @@ import torch
 from opdcache import checkpoint
 from opdcache import losses as L
 from opdcache.errors import OpdcacheError, SchemaError
+from opdcache.errortokens import error_token_mask
 from opdcache.models import load_causal_lm, load_tokenizer, resolve_model
 from opdcache.progress import bar
+from opdcache.quant import apply_scheme
 from opdcache.student import StudentForward, autocast_dtype, enable_activation_checkpointing, full_tensor, init_distributed, shard_fsdp
 from opdcache.trainconfig import LR_SCHEDULES, TrainConfig, learning_rate, stores_for  # noqa: F401 (the public names live here too)
 
 
 class TrainingDiverged(OpdcacheError, FloatingPointError):
     """The optimisation produced non-finite numbers from finite inputs."""
+
+
+def _zero_outside_responses(batch: dict) -> dict:
+    """Every float [B, T, ...] column set to 0 outside the response mask: what a padded position holds (even a NaN
+    from a damaged row's padding) never reaches a loss term or its gradient."""
+    keep = batch["response_mask"].bool()
+    out = dict(batch)
+    for name, v in batch.items():
+        if name != "response_mask" and v.is_floating_point() and v.shape[:2] == keep.shape:
+            out[name] = torch.where(keep.view(*keep.shape, *[1] * (v.dim() - 2)), v, torch.zeros((), dtype=v.dtype, device=v.device))
+    return out
 
 
 def _masked_mean_std(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
@@ -104,9 +117,14 @@ class Trainer:
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
         self.model.train()
+        self.scheme = self._rollout_scheme() if cfg.rollout_aligned else None
+        if self.scheme is not None:  # QaRL: the learner computes as the rollout engine did, from float32 masters
+            apply_scheme(self.model, self.scheme, "train")
         self.ref_forward = None
-        if cfg.corrections.active:  # r_train: the trainer-side pi_ref, frozen
+        if cfg.corrections.active:  # r_train: the trainer-side pi_ref, frozen (in the rollouts' arithmetic when aligned)
             ref = load_causal_lm(self.model_path, torch.float32).to(self.device).eval()
+            if self.scheme is not None:
+                apply_scheme(ref, self.scheme, "inference")
             self.ref_forward = StudentForward(ref, cfg.chunk)
         self.forward = StudentForward(self.model, cfg.chunk)
         if cfg.fsdp:
@@ -144,6 +162,24 @@ class Trainer:
         # moved to the device in float32 once, not at every step
         self.teacher_w = None if head is None else head.weight.to(self.device, torch.float32)
         self.teacher_b = None if head is None or head.bias is None else head.bias.to(self.device, torch.float32)
+
+    def _rollout_scheme(self):
+        """The low-bit scheme the cache's rollouts were computed in (``--rollout-aligned``), from the manifest."""
+        from opdcache.cache import Cache
+        from opdcache.errors import ConfigError
+        from opdcache.quant import QuantScheme
+
+        model = Cache(self.cfg.cache).table("rollouts").get("model") or {}
+        spec = model.get("quantization")
+        if not spec:
+            raise ConfigError(f"--rollout-aligned: {self.cfg.cache}'s rollouts record no quantization (sampled in full precision): "
+                              "there is nothing to align to; train without it")
+        if model.get("engine") == "vllm":
+            if spec != "fp8":
+                raise ConfigError(f"--rollout-aligned: the rollouts ran vLLM's {spec!r} kernels, which opdcache does not emulate; "
+                                  "sample with the transformers engine's --quantize w4a16 (or fp8) to align")
+            spec = "fp8:per-tensor"  # vLLM's dynamic fp8 weights; its per-tensor activation scale is emulated per token
+        return QuantScheme.parse(spec)
 
     def _check_rollout_model(self, cache) -> None:
         """Lightning OPD trains pi_ref on pi_ref's own rollouts: refuse another --model unless told (the importance
@@ -187,6 +223,7 @@ class Trainer:
         cfg = self.cfg
         batch = {k: v.to(self.device) for k, v in batch.items()}
         self._check_finite(batch)
+        batch = _zero_outside_responses(batch)
         mask = batch["response_mask"]
         sel = mask.bool()
         B, T = mask.shape
@@ -233,7 +270,8 @@ class Trainer:
             stats.update({k: float(v) for k, v in cstats.items()})
         loss = L.reduce(terms, mask, weights)
         if cfg.kl_coef > 0:  # cached: on pi_ref's samples, from the cached ref_logprobs; online: on the student's, pi_ref scored live
-            penalty = L.reduce(L.kl_penalty_terms(s, batch["ref_logprobs"], cfg.kl_estimator, "student" if cfg.online else "ref"), mask)
+            penalty = L.reduce(L.kl_penalty_terms(s, batch["ref_logprobs"], cfg.kl_estimator, "student" if cfg.online else "ref",
+                                                  cfg.kl_cap), mask)
             stats["kl_penalty"] = float(penalty.detach())
             loss = loss + cfg.kl_coef * penalty
         if "ref_logprobs" in batch:
@@ -246,6 +284,9 @@ class Trainer:
             stats["rho_max"] = float(st["rho"][mask.bool()].max()) if mask.any() else 1.0
         if teacher is not None:
             stats["advantage_mean"], stats["advantage_std"] = _masked_mean_std(advantage, mask)
+        rollout_lp = batch.get("sampling_logprobs", batch.get("ref_logprobs"))
+        if rollout_lp is not None:  # papers/004's error tokens, by opdcache/errortokens.py's rule, on the learner's forward
+            stats["error_token_share"] = float((error_token_mask(s.detach(), rollout_lp) & sel).sum() / mask.sum().clamp_min(1))
         stats["tokens"] = int(mask.sum())
         if self.ddp:  # normalise by every rank's tokens: the gradient average over ranks is then the whole batch's gradient
             tokens = mask.sum().float()

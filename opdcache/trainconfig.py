@@ -68,6 +68,12 @@ class TrainConfig:
     """Weight of the KL penalty to pi_ref computed from the cached ref_logprobs (0: off)."""
     kl_estimator: str = "k3"
     """Per-token KL(pi_ref || pi_theta) estimator on pi_ref's samples, l = s - r: k1 = -l, k2 = l^2 / 2, k3 = exp(l) - 1 - l."""
+    kl_cap: float = 10.0
+    """Largest per-token KL penalty term, nats (0: no cap). k3 grows as exp(l): one token with l = 20 would add 5e8 to
+    the batch's penalty; 10 is verl's clamp of its low-variance KL."""
+    rollout_aligned: bool = False
+    """QaRL (papers/004): the student's forward computes in the low-bit scheme the rollouts record (quantized on the
+    fly from float32 masters, straight-through gradients), and so does the trainer-side pi_ref of the corrections."""
     dtype: str = "auto"
     """Compute precision: float32, bfloat16 (autocast over float32 master weights) or auto (bfloat16 on a CUDA GPU that has it)."""
     gradient_checkpointing: bool = False
@@ -117,6 +123,13 @@ class TrainConfig:
             raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
         if self.kl_estimator not in L.KL_ESTIMATORS:
             raise ConfigError(f"--kl-estimator must be one of {', '.join(L.KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        if self.online and self.kl_coef > 0 and self.kl_estimator == "k1":
+            raise ConfigError("--online --kl-estimator k1: on the student's own samples the k1 penalty l = s - r has zero expected "
+                              "gradient (E_theta[grad log pi_theta] = 0), so it would not pull toward pi_ref; use k3 (the default) or k2")
+        if self.kl_cap < 0:
+            raise ConfigError(f"--kl-cap must be >= 0 (0: no cap), got {self.kl_cap}")
+        if self.rollout_aligned and self.online:
+            raise ConfigError("--rollout-aligned aligns the learner to cached low-bit rollouts; --online samples the student in full precision")
         check_chunk(self.chunk)
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

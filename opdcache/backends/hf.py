@@ -51,21 +51,25 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(path: str | Path, dtype: str = "auto", device: str = "auto", quantize: str | None = None):
-    """Load a local HF causal LM for inference; ``quantize='int8'`` applies dynamic int8 linear layers (CPU)."""
+    """Load a local HF causal LM for inference. ``quantize``: a scheme of opdcache/quant.py -- ``int8`` applies
+    torch's dynamic int8 linear layers (CPU); w4a16, w8a8 and fp8 are emulated (quantize, dequantize, compute)."""
     from opdcache.models import load_causal_lm
+    from opdcache.quant import QuantScheme, apply_scheme
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    scheme = None if quantize is None else QuantScheme.parse(quantize)
+    if scheme is not None and not scheme.emulated and dev.type != "cpu":
+        raise ConfigError("--quantize int8 on the transformers backend is CPU-only (torch dynamic quantisation); use an emulated scheme "
+                          "(w8a8) or --backend vllm on GPUs")
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"{path} is not a local Hugging Face model directory (no config.json); opdcache never downloads models")
     model = load_causal_lm(path, torch_dtype).to(dev).eval()
-    if quantize is not None:
-        if quantize != "int8":
-            raise ConfigError(f"--quantize must be int8 on the transformers backend, got {quantize!r}")
-        if dev.type != "cpu":
-            raise ConfigError("--quantize int8 on the transformers backend is CPU-only (torch dynamic quantisation); use --backend vllm on GPUs")
+    if scheme is not None and scheme.emulated:
+        apply_scheme(model, scheme, "inference")
+    elif scheme is not None:
         model = model.float()
         from torch.ao.quantization import quantize_dynamic
 
@@ -277,8 +281,11 @@ class TransformersBackend:
 
     def __init__(self, model_path: str | Path, dtype: str = "auto", device: str = "auto", quantize: str | None = None,
                  deterministic: bool = False, max_batch_tokens: int | None = None, generate_batch_size: int = 64):
-        self._attach(load_model(model_path, dtype, device, quantize), deterministic, max_batch_tokens, generate_batch_size,
-                     Path(model_path), quantize)
+        from opdcache.quant import parse_quantize
+
+        spec = None if quantize is None else parse_quantize(quantize).spec()  # the canonical spec is what the manifest records
+        self._attach(load_model(model_path, dtype, device, spec), deterministic, max_batch_tokens, generate_batch_size,
+                     Path(model_path), spec)
 
     def _attach(self, model, deterministic: bool, max_batch_tokens: int | None, generate_batch_size: int, path: Path | None = None,
                 quantize: str | None = None) -> None:

@@ -1,0 +1,233 @@
+"""Low-bit arithmetic of a rollout engine, and the learner's forward in the same arithmetic (papers/004, QaRL).
+
+A scheme says how every linear layer but the kept ones (by default the unembedding, ``lm_head``) computes:
+
+* ``w4a16[:g<N>][:sym|:asym]``: int4 weights in groups of N input columns (default 128), symmetric
+  (q in [-8, 7], scale = max|w| / 7) or asymmetric (q in [0, 15], scale = (max - min) / 15, zero point
+  round(-min / scale) clamped to [0, 15], a 4-bit zero point as AWQ stores it); activations stay in the model's precision.
+* ``w8a8``: int8 weights per output channel (q in [-127, 127], scale = max|w| / 127) and int8 activations per token
+  (the same rule over each token's input row, computed at run time).
+* ``fp8[:per-tensor|:per-channel]``: float8 e4m3 (largest finite 448) weights with one scale per tensor or per output
+  channel (scale = max|w| / 448) and e4m3 activations with one scale per token. Per token, not per tensor as
+  vLLM's dynamic fp8 does: a per-tensor activation scale depends on which other rows share the batch, so no learner
+  could reproduce a row's numbers; per token, a row's numbers are its own.
+* ``:keep=a,b``: module names (or name suffixes) left in full precision; default ``lm_head``, so a stored log-prob
+  keeps its meaning.
+* ``int8``: torch's dynamic int8 (fbgemm kernels, CPU only), the scheme before these; not emulated here, so a learner
+  cannot be aligned to it (use ``w8a8``, its emulated equivalent).
+
+Every scheme but int8 is emulated: quantize, dequantize, compute in float32 (rounding half to even, as
+``torch.round`` and the float8 cast do). The numbers are the scheme's; the speed is not a low-bit kernel's.
+:meth:`QuantScheme.spec` is the canonical string recorded in the manifest (``quantization``); parsing it gives the
+same scheme back, so a cache says exactly how its rollouts were computed.
+
+:func:`apply_scheme` makes a model compute in a scheme. ``mode="inference"`` (the rollout engine, a frozen pi_ref)
+replaces each weight by its dequantized value once; ``mode="train"`` (``train --rollout-aligned``) quantizes the
+full-precision master weights on the fly at every forward with straight-through gradients,
+w + sg(q(w) - w), so the gradient reaching a master weight is the full-precision gradient at the dequantized
+weights, and the optimizer keeps updating the masters. Parameter names and shapes are untouched: checkpoints
+save the masters. Memory: one dequantized copy of a layer's weight at a time in train mode, none in inference mode.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from opdcache.errors import ConfigError
+
+METHODS = ("int8", "w4a16", "w8a8", "fp8")
+FP8_MAX = 448.0  # largest finite float8 e4m3fn value
+SPEC_HELP = ("w4a16[:g<N>][:sym|:asym], w8a8, fp8[:per-tensor|:per-channel] (emulated: quantize, dequantize, compute in "
+             "float32), each with [:keep=lm_head,...]; or int8 (torch dynamic, CPU)")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    method: str
+    """int8, w4a16, w8a8 or fp8."""
+    group_size: int | None = None
+    """w4a16: input columns per weight group."""
+    symmetric: bool = True
+    """w4a16: symmetric (no zero point) or asymmetric groups."""
+    granularity: str | None = None
+    """fp8: weight scales per-tensor or per-channel (w8a8: always per-channel)."""
+    keep: tuple[str, ...] = ("lm_head",)
+    """Module names (or suffixes) kept in full precision."""
+
+    @classmethod
+    def parse(cls, spec: str) -> "QuantScheme":
+        parts = [p.strip() for p in str(spec).strip().split(":")]
+        method, opts = parts[0].lower(), parts[1:]
+        if method not in METHODS:
+            raise ConfigError(f"--quantize {spec!r}: unknown scheme {method!r}; one of {SPEC_HELP}")
+        fields: dict = {"method": method}
+        for opt in opts:
+            if opt.startswith("keep="):
+                fields["keep"] = tuple(k for k in opt[5:].split(",") if k)
+            elif method == "w4a16" and re.fullmatch(r"g\d+", opt):
+                fields["group_size"] = int(opt[1:])
+            elif method == "w4a16" and opt in ("sym", "asym"):
+                fields["symmetric"] = opt == "sym"
+            elif method == "fp8" and opt in ("per-tensor", "per-channel"):
+                fields["granularity"] = opt
+            else:
+                raise ConfigError(f"--quantize {spec!r}: {opt!r} is not an option of {method}; schemes: {SPEC_HELP}")
+        if method == "w4a16":
+            fields.setdefault("group_size", 128)
+            if fields["group_size"] < 1:
+                raise ConfigError(f"--quantize {spec!r}: the group size must be at least 1")
+        if method == "fp8":
+            fields.setdefault("granularity", "per-tensor")
+        if method == "int8" and "keep" in fields and fields["keep"] != ("lm_head",):
+            raise ConfigError(f"--quantize {spec!r}: int8 (torch dynamic) always keeps exactly lm_head in full precision")
+        return cls(**fields)
+
+    def spec(self) -> str:
+        """The canonical spec: every setting written out (what the manifest records)."""
+        if self.method == "int8":
+            return "int8"
+        parts = [self.method]
+        if self.method == "w4a16":
+            parts += [f"g{self.group_size}", "sym" if self.symmetric else "asym"]
+        if self.method == "fp8":
+            parts.append(self.granularity)
+        return ":".join(parts + [f"keep={','.join(self.keep)}"])
+
+    @property
+    def emulated(self) -> bool:
+        return self.method != "int8"
+
+    @property
+    def quantizes_activations(self) -> bool:
+        return self.method in ("w8a8", "fp8")
+
+    def keeps(self, name: str) -> bool:
+        return any(name == k or name.endswith("." + k) for k in self.keep)
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        """The dequantized weight [out, in], computed in float32, returned in w's dtype."""
+        x = w.detach().float()
+        if self.method == "w4a16":
+            q = int4_groups(x, self.group_size, self.symmetric)
+        elif self.method == "w8a8":
+            q = int8_rows(x)
+        elif self.method == "fp8":
+            q = fp8_rows(x) if self.granularity == "per-channel" else fp8_tensor(x)
+        else:
+            raise ConfigError(f"{self.method} is not emulated")
+        return q.to(w.dtype)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """The dequantized activations [..., in] (per token), in x's dtype; unchanged when the scheme keeps them."""
+        if self.method == "w8a8":
+            return int8_rows(x.detach().float()).to(x.dtype)
+        if self.method == "fp8":
+            return fp8_rows(x.detach().float()).to(x.dtype)
+        return x
+
+
+def parse_quantize(spec: str | None) -> QuantScheme | None:
+    return None if spec is None else QuantScheme.parse(spec)
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+def _safe(scale: torch.Tensor) -> torch.Tensor:
+    """A zero scale (an all-zero group or row) divides as 1: its values quantize to 0 and dequantize to 0."""
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def int4_groups(w: torch.Tensor, group: int, symmetric: bool) -> torch.Tensor:
+    """Dequantized int4 groups of ``group`` consecutive input columns of each row of w [out, in] (float32)."""
+    out, cols = w.shape
+    if cols % group:
+        raise ConfigError(f"w4a16: the group size {group} does not divide the layer's {cols} input columns; "
+                          f"pick one that does (e.g. w4a16:g{_divisor(cols, group)})")
+    g = w.reshape(out, cols // group, group)
+    if symmetric:
+        scale = _safe(g.abs().amax(-1, keepdim=True) / 7)
+        q = torch.round(g / scale).clamp_(-8, 7)
+        return (q * scale).reshape(out, cols)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = _safe((hi - lo) / 15)
+    zero = torch.round(-lo / scale).clamp_(0, 15)  # a 4-bit zero point, as AWQ stores it
+    q = (torch.round(g / scale) + zero).clamp_(0, 15)
+    return ((q - zero) * scale).reshape(out, cols)
+
+
+def _divisor(cols: int, group: int) -> int:
+    """The largest power of two below ``group`` that divides ``cols`` (a suggestion for the error message)."""
+    d = 1
+    while d * 2 < group and cols % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """Dequantized symmetric int8 with one scale per row of the last dimension (weights: per output channel;
+    activations: per token), float32."""
+    scale = _safe(x.abs().amax(-1, keepdim=True) / 127)
+    return torch.round(x / scale).clamp_(-127, 127) * scale
+
+
+def _e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    y = (x / scale).clamp_(-FP8_MAX, FP8_MAX)
+    return y.to(torch.float8_e4m3fn).to(torch.float32) * scale
+
+
+def fp8_rows(x: torch.Tensor) -> torch.Tensor:
+    """Dequantized float8 e4m3 with one scale per row of the last dimension (max |x| / 448), float32."""
+    return _e4m3(x, _safe(x.abs().amax(-1, keepdim=True) / FP8_MAX))
+
+
+def fp8_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Dequantized float8 e4m3 with one scale for the whole tensor, float32."""
+    return _e4m3(x, _safe(x.abs().amax() / FP8_MAX))
+
+
+# ------------------------------------------------------------------------------------------------ models
+class QuantLinear(torch.nn.Linear):
+    """A linear layer computing in a scheme. Made by swapping the class of an existing ``nn.Linear`` (parameters,
+    names and hooks untouched); ``_opd_train``: straight-through on the master weight at every forward, else
+    the weight already holds its dequantized value."""
+
+    _opd_scheme: QuantScheme
+    _opd_train: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self._opd_scheme
+        w = self.weight
+        if self._opd_train:
+            w = w + (s.weight(w) - w).detach()  # straight-through: forward q(w), gradient identity
+        if s.quantizes_activations:
+            x = x + (s.activation(x) - x).detach()
+        return torch.nn.functional.linear(x, w, self.bias)
+
+
+def apply_scheme(model: torch.nn.Module, scheme: QuantScheme, mode: str) -> list[str]:
+    """Make every ``nn.Linear`` of ``model`` not kept by the scheme compute in it; return the names of those layers.
+    ``mode``: "inference" (weights replaced by their dequantized values, once) or "train" (straight-through)."""
+    if mode not in ("inference", "train"):
+        raise ValueError(f"mode must be inference or train, got {mode!r}")
+    if not scheme.emulated:
+        raise ConfigError(f"--quantize {scheme.spec()} runs torch's int8 kernels, which opdcache does not emulate; a learner cannot be "
+                          "aligned to it (sample with --quantize w8a8, its emulated equivalent)")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    done = []
+    for name, module in model.named_modules():
+        if type(module) is not torch.nn.Linear or scheme.keeps(name) or module is head and "lm_head" in scheme.keep:
+            continue
+        if scheme.method == "w4a16" and module.in_features % scheme.group_size:
+            raise ConfigError(f"w4a16: the group size {scheme.group_size} does not divide the {module.in_features} input columns of {name}; "
+                              f"pick one that does (e.g. w4a16:g{_divisor(module.in_features, scheme.group_size)})")
+        if mode == "inference":
+            with torch.no_grad():
+                module.weight.copy_(scheme.weight(module.weight))
+        module.__class__ = QuantLinear
+        module._opd_scheme, module._opd_train = scheme, mode == "train"
+        done.append(name)
+    if not done:
+        raise ConfigError(f"--quantize {scheme.spec()}: the model has no linear layer to quantize (all kept, or none is torch.nn.Linear)")
+    return done
