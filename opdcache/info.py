@@ -50,6 +50,7 @@ def summary(root: str | Path) -> dict:
             "bytes_per_token": {k: v / tokens for k, v in sorted(per_store.items())} if tokens else {},
             "model": (entry.get("model") or {}).get("name_or_path"),
             "model_fingerprint": (entry.get("model") or {}).get("fingerprint"),
+            "engine": "/".join(str(v) for k in ("engine", "dtype", "quantization") if (v := (entry.get("model") or {}).get(k))) or None,
             "consistency": (entry.get("consistency") or {}).get("verdict"),
             "reward_mean": _reward_mean(cache, name) if "task" in entry["params"]["stores"] else None,
         }
@@ -92,6 +93,8 @@ def render(info: dict) -> str:
         if t["model"]:
             extra = f"; consistency: {t['consistency']}" if t["consistency"] else ""
             lines += _wrap(f"model {t['model']} ({(t['model_fingerprint'] or '')[:16]}){extra}")
+            if t.get("engine"):
+                lines += _wrap(f"computed by {t['engine']}")
         if t.get("reward_mean") is not None:
             lines += _wrap(f"reward mean {t['reward_mean']:.3f} (over the rows that have one)")
     if "async" in info:

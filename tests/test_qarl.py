@@ -51,9 +51,11 @@ def _student_logprobs(cache, weights, tmp_path, aligned: bool):
     return lp[:, 0].double().numpy(), batch["sampling_logprobs"][sel].double().numpy()
 
 
-def test_the_manifest_records_the_whole_scheme(w4_cache):
+def test_the_manifest_records_the_whole_scheme(w4_cache, capsys):
     model = Cache(w4_cache).table("rollouts")["model"]
     assert model["quantization"] == "w4a16:g32:sym:keep=lm_head"
+    assert run(["info", str(w4_cache)]) == 0
+    assert "computed by transformers/float32/w4a16:g32:sym:keep=lm_head" in capsys.readouterr().out
 
 
 def test_the_aligned_learner_reproduces_the_rollout_engine(w4_cache, weights, tmp_path):

@@ -10,7 +10,7 @@ The work directory has a documented layout, so every CLI command can be rerun by
     <workdir>/demo_config.json      the settings the shared stages were built with (a rerun with others is refused)
     <workdir>/caches/sft            teacher trajectories (build-sft)
     <workdir>/caches/rollouts       pi_ref rollouts (build-rollouts) scored by the teacher in every store
-    <workdir>/caches/rollouts_int8  --ablation quantized: rollouts from int8 weights
+    <workdir>/caches/rollouts_<scheme>  --ablation quantized: rollouts in int8, w4a16:g32 and fp8:per-channel
     <workdir>/runs/<run>            OPD runs (metrics.jsonl, checkpoint, model); <run> = <loss>-lr<lr>-<steps>x<batch>,
                                     prefixed consistency-<teacher>- or int8-<correction>- in the ablations
     <workdir>/demo_report.json, ablation_<name>_<loss>.json   figures, with their definitions
@@ -166,14 +166,25 @@ def load(path: Path):
             load_tokenizer(path))
 
 
-def evaluate(name: str, path: Path, teacher, cfg: DemoConfig, report: DemoReport) -> dict:
+def evaluate(name: str, path: Path, teacher, cfg: DemoConfig, report: DemoReport, served: str | None = None) -> dict:
+    """Held-out accuracy and reverse KL to the teacher of the model at ``path``; ``served``: also the accuracy of the
+    model run in that low-bit scheme (opdcache/quant.py), as a quantized engine would serve it."""
     from opdcache.demo.evaluate import evaluate_accuracy, reverse_kl_to_teacher
 
     model, tok = load(path)
+    if served is not None:
+        from opdcache.quant import QuantScheme, apply_scheme
+
+        low, _ = load(path)
+        apply_scheme(low, QuantScheme.parse(served), "inference")
+        served_acc = evaluate_accuracy(low, tok, n=cfg.n_heldout, seed=cfg.seed).accuracy
     acc = evaluate_accuracy(model, tok, n=cfg.n_heldout, seed=cfg.seed).accuracy
     rkl = reverse_kl_to_teacher(model, teacher, tok, n=min(cfg.n_heldout, 200), seed=cfg.seed)
     report.figures[name] = {"accuracy": acc, "reverse_kl": rkl}
-    report.say(f"[eval] {name:<9} held-out accuracy {acc:6.1%}   per-token reverse KL to teacher {rkl:.4f} nats" + _seed_range(name, cfg))
+    if served is not None:
+        report.figures[name]["accuracy_served"] = served_acc
+    report.say(f"[eval] {name:<9} held-out accuracy {acc:6.1%}   per-token reverse KL to teacher {rkl:.4f} nats"
+               + (f"   served in {served}: {served_acc:.1%}" if served is not None else "") + _seed_range(name, cfg))
     return report.figures[name]
 
 
@@ -310,41 +321,10 @@ def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
     return _finish(report, cfg, start, f"ablation_consistency_{cfg.loss}.json")
 
 
-QUANTIZED_RUNS = {
-    "none": {},
-    "tis": {"tis_cap": 2.0},
-    "reject-k3": {"reject_k": "k3", "reject_threshold": 0.5},
-    "trust-band": {"trust_band": True},
-}
-"""The corrections compared on int8 rollouts (papers/003 TIS and K3 rejection, papers/004 trust band)."""
-
-
 def run_quantized_ablation(cfg: DemoConfig) -> DemoReport:
-    """papers/004 on the embedded task: pi_ref rollouts from int8 weights, the mismatch they cause against the float32
-    trainer, and Lightning OPD from them without and with each correction."""
-    from opdcache import mismatch
-    from opdcache.losses import Corrections
-    from opdcache.train import stores_for
+    from opdcache.demo.quantized import run_quantized_ablation as run
 
-    report = DemoReport()
-    start = time.perf_counter()
-    p = _prepare(cfg, report)
-    q = cfg.workdir / "caches" / "rollouts_int8"
-    _rollouts(cfg, report, p["pi_ref"], p["prompts_opd"], q, quantize="int8")
-    _score(report, q, p["teacher"], stores=stores_for(cfg.loss)[0])
-    report.figures["mismatch"] = {}
-    for name, cache in (("float32", p["rollouts"]), ("int8", q)):
-        fig = mismatch.report(cache)[0]["sections"]["rollouts"]
-        report.figures["mismatch"][name] = {k: fig[k] for k in ("mean_abs_delta", "max_abs_delta", "argmax_flip_fraction", "k1", "k3")}
-        report.say(f"[mismatch-report] {name} rollouts: mean |delta| {fig['mean_abs_delta']:.2e}, max {fig['max_abs_delta']:.2e}, "
-                   f"argmax flips {fig['argmax_flip_fraction']:.2%}, K3 {fig['k3']:.2e}")
-    for name, corr in QUANTIZED_RUNS.items():
-        model = _train(cfg, report, p["pi_ref"], q, cfg.workdir / "runs" / f"int8-{name}-{run_name(cfg)}", corrections=Corrections(**corr))
-        evaluate(f"int8_{name}", model, p["teacher_model"], cfg, report)
-    f = report.figures
-    report.say("[result] held-out accuracy: pi_ref {:.1%} -> Lightning OPD from int8 rollouts: ".format(f["pi_ref"]["accuracy"])
-               + ", ".join(f"{n} {f[f'int8_{n}']['accuracy']:.1%}" for n in QUANTIZED_RUNS))
-    return _finish(report, cfg, start, f"ablation_quantized_{cfg.loss}.json")
+    return run(cfg)
 
 
 def run_staleness_ablation(cfg: DemoConfig) -> DemoReport:
