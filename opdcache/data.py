@@ -56,12 +56,18 @@ class CacheLoaderConfig:
     """Check each shard's size and sha256 against the manifest before decoding it (once per shard and process)."""
     max_length: int | None = None
     """Refuse a row whose prompt + response is longer than this (the model's context: Trainer sets it)."""
+    keep_decoded_bytes: int = 1 << 30
+    """Decoded shards kept across epochs, up to this many bytes per process (0: none): a cache that fits is read,
+    hashed, checked and decoded once, and every later epoch slices the kept buffers. Memory: at most this plus one
+    shard being decoded."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size must be at least 1, got {self.batch_size}")
         if self.num_workers < 0:
             raise ConfigError(f"--num-loader-workers must be at least 0, got {self.num_workers}")
+        if self.keep_decoded_bytes < 0:
+            raise ConfigError(f"keep_decoded_bytes must be at least 0, got {self.keep_decoded_bytes}")
 
 
 def _dist() -> tuple[int, int]:
@@ -109,6 +115,10 @@ class _Shard:
                 self.cols["teacher_" + name] = shards.token_values(t[name])
                 if name == "hidden":
                     self.hidden_dtype = shards.hidden_dtype_of(t.schema.field("hidden"))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.cols.values()) + self.offsets.nbytes + self.prompt_offsets.nbytes
 
     def row(self, i: int) -> dict:
         a, b = self.offsets[i], self.offsets[i + 1]
@@ -195,6 +205,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
         self.rollout_paths = cache.shard_paths(base)
         self.expected = {p: s for p, s in zip(self.rollout_paths, cache.table(base)["shards"])}  # path -> manifest entry
         self.verified: set = set()
+        self.kept: dict[int, _Shard] = {}  # decoded shards kept across epochs (config.keep_decoded_bytes)
+        self.kept_bytes = 0
         self.rows_per_shard = [s["rows"] for s in cache.table(base)["shards"]]
         for path, rows in zip(self.rollout_paths, self.rows_per_shard):  # before anything is sized by the manifest's claim
             actual = shards.open_parquet(path).metadata.num_rows
@@ -250,6 +262,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
         return len(self.batches(self.epoch))
 
     def _load(self, shard: int, cache: dict) -> _Shard:
+        if shard in self.kept:
+            return self.kept[shard]
         if shard not in cache:
             cache.clear()  # one shard decoded at a time per worker
             sources = [self.rollout_paths[shard], None if self.teacher_paths is None else self.teacher_paths[shard]]
@@ -258,8 +272,13 @@ class CacheDataset(torch.utils.data.IterableDataset):
                     if path is not None and path not in self.verified:
                         sources[k] = _verify_shard(path, self.expected[path], self.config.cache)
                         self.verified.add(path)
-            cache[shard] = _Shard(*sources, self.rollout_cols, self.teacher_cols, where=str(self.rollout_paths[shard]),
-                                  max_length=self.config.max_length)
+            decoded = _Shard(*sources, self.rollout_cols, self.teacher_cols, where=str(self.rollout_paths[shard]),
+                             max_length=self.config.max_length)
+            if self.kept_bytes + decoded.nbytes <= self.config.keep_decoded_bytes:
+                self.kept[shard] = decoded
+                self.kept_bytes += decoded.nbytes
+                return decoded
+            cache[shard] = decoded
         return cache[shard]
 
     def __iter__(self):
@@ -269,8 +288,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
         for i, batch in enumerate(self.batches(self.epoch)):
             if i < self.start_batch or i % nw != wid:
                 continue
-            rows = [self._load(s, loaded).row(r) for s, r in batch]
-            yield collate(rows, next(iter(loaded.values())).hidden_dtype)
+            decoded = [self._load(s, loaded) for s, _ in batch]
+            yield collate([d.row(r) for d, (_, r) in zip(decoded, batch)], decoded[0].hidden_dtype)
 
 
 class CacheLoader:

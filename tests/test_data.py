@@ -94,3 +94,25 @@ def test_a_consumer_that_stops_at_len_gets_the_next_epoch(hf_cache):
     second = [b["response_ids"] for b in itertools.islice(iter(loader), n)]
     assert len(first) == len(second) == n and loader.state_dict()["epoch"] == 2
     assert not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(first, second))  # epoch 1 reshuffled
+
+
+def test_kept_decoded_shards_give_the_same_batches_and_are_not_reread(hf_cache, monkeypatch):
+    """Warm epochs slice the shards decoded in the first (within keep_decoded_bytes): the same batches as a loader
+    that keeps nothing, and no shard read again."""
+    from opdcache import data as D
+
+    reads = []
+    original = D.shards.read_table
+    monkeypatch.setattr(D.shards, "read_table", lambda *a, **k: reads.append(a[0]) or original(*a, **k))
+    cfg = dict(cache=hf_cache, teacher="teacher", stores=("logprob", "topk"), batch_size=5)
+    kept, plain = CacheLoader(CacheLoaderConfig(**cfg)), CacheLoader(CacheLoaderConfig(**cfg, keep_decoded_bytes=0))
+    for epoch in range(2):
+        reads.clear()
+        a = list(kept)
+        kept_reads = len(reads)
+        b = list(plain)
+        assert len(a) == len(b) > 1
+        for x, y in zip(a, b):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+        assert kept_reads == (2 * 3 if epoch == 0 else 0)  # 3 shards, rollouts + teacher each, in the first epoch only
+    assert kept.dataset.kept_bytes > 0 and plain.dataset.kept_bytes == 0
