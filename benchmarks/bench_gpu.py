@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_scale import full_logits_loss  # noqa: E402
 from bench_scoring import PeakRSS, workload  # noqa: E402
 
 V = 151_936
@@ -191,7 +192,6 @@ def child_score(variant: str, model_path: str, device: str, n: int, prompt: int,
 def child_train(model_path: str, cache: str, loss: str, path: str, out: str, batch_size: int) -> dict:
     import torch
 
-    from opdcache import losses as L
     from opdcache.train import TrainConfig, Trainer
 
     torch.manual_seed(0)
@@ -207,19 +207,7 @@ def child_train(model_path: str, cache: str, loss: str, path: str, out: str, bat
         return value
 
     def plain():  # the model's full logits: [B, L, V] in bf16, then [B, T, V] float32
-        b = {k: v.to(trainer.device) for k, v in batch.items()}
-        mask = b["response_mask"]
-        with torch.autocast(trainer.device.type, dtype=torch.bfloat16, enabled=trainer.autocast is not None):
-            logits = trainer.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-        pos = b["logit_positions"]
-        logp = torch.log_softmax(logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).float(), -1)
-        s = logp.gather(-1, b["response_ids"][..., None]).squeeze(-1)
-        if loss == "lightning":
-            terms, _ = L.lightning_terms(s, b["teacher_logprobs"], trainer.cfg.tau)
-        else:
-            t_logp = torch.log_softmax(b["teacher_hidden"].float() @ trainer.teacher_w.T, -1)
-            terms = (logp.exp() * (logp - t_logp)).sum(-1)
-        value = L.reduce(terms, mask)
+        value = full_logits_loss(trainer, batch, loss)
         value.backward()
         trainer.opt.step()
         trainer.opt.zero_grad(set_to_none=True)

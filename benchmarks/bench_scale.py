@@ -75,12 +75,32 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
     return {"seconds": time.perf_counter() - t0, "peak_rss": usage.ru_maxrss * 1024, "stdout": out}
 
 
+def full_logits_loss(trainer, batch: dict, loss: str):
+    """The plain step's loss: the model's logits [B, L, V] (in the trainer's autocast), a float32 log_softmax over the
+    response positions [B, T, V], the same lightning or full-rkl loss."""
+    import torch
+
+    from opdcache import losses as L
+
+    b = {k: v.to(trainer.device) for k, v in batch.items()}
+    with torch.autocast(trainer.device.type, dtype=torch.bfloat16, enabled=trainer.autocast is not None):
+        logits = trainer.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    pos = b["logit_positions"]
+    logp = torch.log_softmax(logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).float(), -1)  # [B, T, V]
+    s = logp.gather(-1, b["response_ids"][..., None]).squeeze(-1)
+    if loss == "lightning":
+        terms, _ = L.lightning_terms(s, b["teacher_logprobs"], trainer.cfg.tau)
+    else:
+        t_logp = torch.log_softmax(b["teacher_hidden"].float() @ trainer.teacher_w.T, -1)
+        terms = (logp.exp() * (logp - t_logp)).sum(-1)
+    return L.reduce(terms, b["response_mask"])
+
+
 def child_train(student: str, cache: str, loss: str, path: str, out: str) -> None:
     """One train step in this process (nothing before it but loading): print JSON {seconds, step_peak (bytes above
     the RSS before the step), tokens, loss}."""
     import torch
 
-    from opdcache import losses as L
     from opdcache.train import TrainConfig, Trainer
 
     torch.manual_seed(0)
@@ -93,17 +113,7 @@ def child_train(student: str, cache: str, loss: str, path: str, out: str) -> Non
     if path == "fused":
         loss_value, _ = trainer.loss_and_stats(batch)
     else:  # the plain full-logits step
-        model, mask = trainer.model, batch["response_mask"]
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        pos = batch["logit_positions"]
-        logp = torch.log_softmax(logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).float(), -1)  # [B, T, V]
-        s = logp.gather(-1, batch["response_ids"][..., None]).squeeze(-1)
-        if loss == "lightning":
-            terms, _ = L.lightning_terms(s, batch["teacher_logprobs"], trainer.cfg.tau)
-        else:
-            t_logp = torch.log_softmax(batch["teacher_hidden"].float() @ trainer.teacher_w.T, -1)
-            terms = (logp.exp() * (logp - t_logp)).sum(-1)
-        loss_value = L.reduce(terms, mask)
+        loss_value = full_logits_loss(trainer, batch, loss)
     loss_value.backward()
     trainer.opt.step()
     seconds = time.perf_counter() - t0
