@@ -45,14 +45,20 @@ def synthetic_teacher(tokens: int, seq_len: int, seed: int = 0):
         entropies.append(float(-(logp.exp() * logp).sum(-1).mean()))
         sampled = torch.multinomial(logp.exp(), 1, generator=g).squeeze(1)
         top128_lp, top128_ids = logp.topk(128, -1)
+        # a student near the teacher (the situation OPD trains in): teacher logits plus noise, and the exact
+        # full-vocabulary forward KL(teacher || student) per position, for the top-k frontier's fidelity
+        q = torch.log_softmax(logits + torch.randn(T, V, generator=g) * 0.5, -1)
+        fkl_full = (logp.exp() * (logp - q)).sum(-1)
+        student_top = q.gather(1, top128_ids)
         scale = torch.exp(torch.randn(H, generator=g) * 0.7)
         hidden = (torch.randn(T, H, generator=g) * scale).to(torch.bfloat16)
         rows.append(dict(
             id=f"row-{start}", logprobs=logp.gather(1, sampled[:, None]).squeeze(1).numpy(), logsumexp=lse.numpy(),
             top128_ids=top128_ids.numpy().astype(np.int32), top128_lp=top128_lp.numpy(),
             hidden=shards.hidden_to_numpy(hidden), svd=(torch.randn(T, 512, generator=g) * 3).numpy(),
+            student_top128=student_top.numpy(), fkl_full=fkl_full.double().numpy(),
         ))
-        del logits, logp
+        del logits, logp, q
     return rows, float(np.mean(entropies))
 
 
@@ -92,6 +98,115 @@ def write_variant(table, variant: str) -> bytes:
     return buf.getvalue()
 
 
+FRONTIER = [  # (label, codec or None for today's store, ascending ids)
+    ("exact top-128 (today's store)", None, False),
+    ("rank order, float32 (codec)", ("float32", None), False),
+    ("ascending ids, float32", ("float32", None), True),
+    ("ascending ids, float16", ("float16", None), True),
+    ("ascending ids, q8 (1/16 nat)", ("q8", None), True),
+    ("float16, mass 1e-6", ("float16", 1e-6), True),
+    ("float16, mass 1e-4", ("float16", 1e-4), True),
+    ("q8, mass 1e-6", ("q8", 1e-6), True),
+    ("q8, mass 1e-4", ("q8", 1e-4), True),
+    ("q8, mass 1e-3", ("q8", 1e-3), True),
+    ("float16, mass 1e-3", ("float16", 1e-3), True),
+    ("rank order, float16, mass 1e-4", ("float16", 1e-4), False),
+]
+
+
+def _fkl_topk(p_lp: list[np.ndarray], q_lp: list[np.ndarray], p_tail: np.ndarray) -> np.ndarray:
+    """The top-k forward KL with one tail bin, per position: sum_kept p log(p / q) + p_tail log(p_tail / q_tail), with the
+    kept p renormalised together with the stored tail and q_tail = 1 - sum_kept q (the estimator topk-fkl --tail uses)."""
+    out = np.empty(len(p_lp))
+    for t, (lp, lq, pt) in enumerate(zip(p_lp, q_lp, p_tail)):
+        p, q = np.exp(lp.astype(np.float64)), np.exp(lq.astype(np.float64))
+        total = p.sum() + pt
+        p, pt = p / total, pt / total
+        qt = max(1.0 - q.sum(), 1e-300)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            kept = np.where(p > 0, p * (np.log(p) - np.log(q)), 0.0).sum()
+        out[t] = kept + (pt * (np.log(pt) - np.log(qt)) if pt > 0 else 0.0)
+    return out
+
+
+def rank_ordered(codec, enc: dict) -> dict:
+    """An encoding's positions re-sorted by descending log-prob (the exact store's order) instead of ascending id."""
+    ids, vals = [], []
+    for (pid, plp), (a, b) in zip(codec.decode(enc), zip(np.r_[0, np.cumsum(enc["counts"])][:-1], np.cumsum(enc["counts"]))):
+        order = np.argsort(-plp, kind="stable")
+        ids.append(pid[order])
+        vals.append(enc["values"][a:b][order])
+    return {**enc, "ids": np.concatenate(ids), "values": np.concatenate(vals)}
+
+
+def topk_frontier(rows, n_tokens: int) -> None:
+    """Bytes/token beside measured error for every top-k setting at k=128: the frontier (issue 20)."""
+    import pyarrow as pa
+
+    from opdcache.compact import TopkCodec, distortion
+
+    print(f"\ntop-k k=128 frontier: bytes/token (Parquet, zstd {shards.COMPRESSION_LEVEL}) and error against the exact top-128 "
+          "and against the full vocabulary")
+    header = (f"{'setting':<32} {'B/token':>8} {'ids/vals':>9} {'entries':>8} {'max|dlp|':>9} {'mean|dlp|':>10} {'|FKL-FKL_full| max':>19} "
+              f"{'mean':>9} {'vs exact top-128 max':>21}")
+    print(header)
+    print("-" * len(header))
+    fkl_full = np.concatenate([r["fkl_full"] for r in rows])
+    base = None
+    for label, setting, ascending in FRONTIER:
+        ids_col, val_col, tail_col, p_lp, q_lp, tails, dist = [], [], [], [], [], [], []
+        for r in rows:
+            ids, lps, qs = r["top128_ids"], r["top128_lp"], r["student_top128"]
+            if setting is None:
+                ids_col.append(ids)
+                val_col.append(lps)
+                p_lp += list(lps)
+                q_lp += list(qs)
+                tails.append(np.clip(1 - np.exp(lps.astype(np.float64)).sum(1), 0, 1))
+                continue
+            codec = TopkCodec(*setting)
+            enc = codec.encode(ids, lps)
+            if not ascending:  # the same support and values, back in rank order (descending log-prob)
+                enc = rank_ordered(codec, enc)
+            dist.append(distortion(codec, ids, lps))
+            bounds = np.concatenate([[0], np.cumsum(enc["counts"])])
+            ids_col.append([enc["ids"][a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+            val_col.append([enc["values"][a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+            tail_col.append(enc["tail"])
+            for t, (did, dlp) in enumerate(codec.decode(enc)):
+                where = {i: j for j, i in enumerate(ids[t].tolist())}
+                p_lp.append(dlp)
+                q_lp.append(qs[t, [where[i] for i in did.tolist()]])
+            tails.append(enc["tail"].astype(np.float64))
+        value_type = {None: pa.float32(), "float32": pa.float32(), "float16": pa.uint16(), "q8": pa.uint8()}[setting and setting[0]]
+        to_arrow = (lambda v: v.view(np.uint16)) if value_type == pa.uint16() else (lambda v: v)  # float16 as its bit pattern
+
+        def nested(col, typ, conv=lambda v: v):
+            return pa.array([[conv(np.asarray(x)) for x in row] for row in col], type=pa.list_(pa.list_(typ)))
+
+        cols = {"topk_ids": nested(ids_col, pa.int32()), "topk_values": nested(val_col, value_type, to_arrow)}
+        enc_map = {"topk_ids.list.element.list.element": "DELTA_BINARY_PACKED" if ascending else "BYTE_STREAM_SPLIT"}
+        if value_type != pa.uint8():
+            enc_map["topk_values.list.element.list.element"] = "BYTE_STREAM_SPLIT"
+        if tail_col:
+            cols["topk_tail"] = pa.array([np.asarray(t, np.float32) for t in tail_col], type=pa.list_(pa.float32()))
+            enc_map["topk_tail.list.element"] = "BYTE_STREAM_SPLIT"
+        buf = io.BytesIO()
+        pq.write_table(pa.table(cols), buf, compression=shards.COMPRESSION, compression_level=shards.COMPRESSION_LEVEL,
+                       use_dictionary=False, column_encoding=enc_map, write_statistics=False)
+        sizes = column_bytes(buf.getvalue())
+        per_token = sum(sizes.values()) / n_tokens
+        split = f"{sizes['topk_ids'] / n_tokens:.0f}/{sizes['topk_values'] / n_tokens:.0f}"
+        err = np.abs(_fkl_topk(p_lp, q_lp, np.concatenate(tails)) - fkl_full)
+        if base is None:
+            base = err
+        entries = np.mean([d["mean_entries"] for d in dist]) if dist else 128.0
+        mx = max((d["max_abs_logprob_error"] for d in dist), default=0.0)
+        mean = float(np.mean([d["mean_abs_logprob_error"] for d in dist])) if dist else 0.0
+        print(f"{label:<32} {per_token:>8.1f} {split:>9} {entries:>8.1f} {mx:>9.2e} {mean:>10.2e} {err.max():>19.2e} {err.mean():>9.2e} "
+              f"{np.abs(err - base).max():>21.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -120,6 +235,7 @@ def main() -> None:
             alt = {v: column_bytes(write_variant(table, v)) for v in ("plain+zstd", "plain+snappy")}
             per = lambda sizes: sum(sizes[c] for c in cols) / n  # noqa: E731
             print(f"{name:<13} {raw:>10,.0f} {per(ours):>15,.1f} {raw / per(ours):>6.2f}x {per(alt['plain+zstd']):>11,.1f} {per(alt['plain+snappy']):>13,.1f}")
+    topk_frontier(rows, n)
     print(f"\nfull logits for reference: {V * 2:,} B/token raw in bf16, {V * 4:,} in float32")
     print("DistillKit's published figure for top-k at k=128: ~300 B/token")
 

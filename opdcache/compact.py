@@ -1,0 +1,139 @@
+"""Compact top-k encodings (issue 20, groundwork for a format v3 top-k store): an adaptive support, ids in ascending
+order, log-probs in a declared precision, and the residual teacher mass, with the distortion each setting causes.
+
+Per response position the exact top-k store holds k ids in rank order and their float32 log-probs. A
+:class:`TopkCodec` keeps instead:
+
+* **support**: the highest-probability entries until the residual teacher mass 1 - sum(p_kept) is at most ``mass``
+  (at least one entry, at most k); ``mass=None`` keeps all k. At a mean teacher entropy of 0.84 nats most of 128
+  entries carry < 1e-6 of probability, so a mass threshold keeps a handful where the teacher is sure and more where
+  it is not;
+* **ids** ascending within the position (log-probs permuted alongside): sorted ids differ by small gaps, which
+  Parquet's DELTA_BINARY_PACKED bit-packs, while every reader still sees plain int32 ids;
+* **log-probs** in ``float32`` (exact), ``float16`` (|error| <= |lp| * 2^-11 + 2^-25, the last for float16's
+  subnormals near 0), or ``q8``: a uint8 code c with
+  lp = -c * step (default step 1/16 nat, so lp in [-15.9375, 0] to within step / 2; code 255 means "at most -255 *
+  step": the entry's probability is below e^-15.9 = 1.2e-7);
+* **tail**: 1 - sum of the kept entries' exact probabilities (float32), so an estimator with one extra "tail" bin sums
+  to 1 on what is kept.
+
+:func:`distortion` measures a setting against the exact top-k: the |log-prob| error of kept entries and
+KL(exact || compact) over the k entries plus the tail bin (a dropped entry's mass moves into the tail).
+Everything here is numpy on one row [T, k] at a time: memory O(T x k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from opdcache.errors import ConfigError
+
+PRECISIONS = ("float32", "float16", "q8")
+Q8_STEP = 1.0 / 16
+Q8_FLOOR = 255  # the code of "at or below -255 * step"
+
+
+@dataclass(frozen=True)
+class TopkCodec:
+    precision: str = "float32"
+    """float32, float16 or q8."""
+    mass: float | None = None
+    """Stop adding entries once the residual teacher mass is at most this (None: keep all k)."""
+    step: float = Q8_STEP
+    """q8: nats per code."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--topk-precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.mass is not None and not 0 <= self.mass < 1:
+            raise ConfigError(f"--topk-mass must be in [0, 1), got {self.mass}")
+        if not self.step > 0:
+            raise ConfigError(f"the q8 step must be positive, got {self.step}")
+
+    def encode(self, ids_TK: np.ndarray, lps_TK: np.ndarray) -> dict:
+        """One row's exact top-k (ids [T, k], log-probs [T, k], any order) -> {counts [T], ids [n], values [n], tail [T]}
+        with n = counts.sum(): each position's kept ids ascending, values in the codec's precision."""
+        ids_TK, lps_TK = np.asarray(ids_TK), np.asarray(lps_TK, dtype=np.float32)
+        if ids_TK.shape != lps_TK.shape or ids_TK.ndim != 2:
+            raise ValueError(f"ids and log-probs must both be [T, k], got {ids_TK.shape} and {lps_TK.shape}")
+        T, k = ids_TK.shape
+        order = np.argsort(-lps_TK, axis=1, kind="stable")  # rank order: the support is a prefix of it
+        lp_sorted = np.take_along_axis(lps_TK, order, 1)
+        p = np.exp(lp_sorted.astype(np.float64))
+        cum = np.cumsum(p, axis=1)
+        if self.mass is None or k == 0:
+            counts = np.full(T, k, dtype=np.int32)
+        else:
+            residual = 1.0 - cum  # after keeping entries 0..j
+            reached = residual <= self.mass
+            counts = np.where(reached.any(1), reached.argmax(1) + 1, k).astype(np.int32)
+        kept_mass = np.take_along_axis(cum, np.maximum(counts - 1, 0)[:, None], 1)[:, 0] if k else np.zeros(T)
+        tail = np.clip(1.0 - kept_mass, 0.0, 1.0).astype(np.float32)
+        ids_out, vals_out = [], []
+        for t in range(T):
+            n = counts[t]
+            sel = order[t, :n]
+            asc = np.argsort(ids_TK[t, sel], kind="stable")
+            ids_out.append(ids_TK[t, sel][asc].astype(np.int32))
+            vals_out.append(lps_TK[t, sel][asc])
+        ids_flat = np.concatenate(ids_out) if T else np.zeros(0, np.int32)
+        lp_flat = np.concatenate(vals_out) if T else np.zeros(0, np.float32)
+        return {"counts": counts, "ids": ids_flat, "values": self.quantize(lp_flat), "tail": tail}
+
+    def quantize(self, lp: np.ndarray) -> np.ndarray:
+        if self.precision == "float32":
+            return lp.astype(np.float32)
+        if self.precision == "float16":
+            return lp.astype(np.float16)
+        with np.errstate(invalid="ignore"):
+            code = np.rint(-lp.astype(np.float64) / self.step)
+        return np.where(np.isfinite(code), np.clip(code, 0, Q8_FLOOR), Q8_FLOOR).astype(np.uint8)
+
+    def dequantize(self, values: np.ndarray) -> np.ndarray:
+        """Stored values -> float32 log-probs (q8's floor code decodes to -255 * step)."""
+        if self.precision == "q8":
+            return (-values.astype(np.float32) * np.float32(self.step)).astype(np.float32)
+        return values.astype(np.float32)
+
+    def decode(self, enc: dict) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per position (ids ascending, float32 log-probs)."""
+        lp = self.dequantize(enc["values"])
+        bounds = np.concatenate([[0], np.cumsum(enc["counts"])])
+        return [(enc["ids"][a:b], lp[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def error_bound(self) -> str:
+        """The declared |log-prob| error of a kept entry."""
+        return {"float32": "0", "float16": "|lp| * 2^-11 + 2^-25 (float16 rounding)",
+                "q8": f"{self.step / 2:g} nats for lp >= {-Q8_FLOOR * self.step:g}; below, p < e^{-Q8_FLOOR * self.step:g}"}[self.precision]
+
+
+def distortion(codec: TopkCodec, ids_TK: np.ndarray, lps_TK: np.ndarray) -> dict:
+    """The setting's error on one row against its exact top-k: max and mean |log-prob error| over kept finite entries
+    within the precision's range (float64; q8 entries below it are counted in ``below_range``), and KL(exact || compact) per position over the kept entries plus the tail bin, max and mean (nats)."""
+    enc = codec.encode(ids_TK, lps_TK)
+    decoded = codec.decode(enc)
+    errs, kls, below = [], [], 0
+    for t, (ids, lp) in enumerate(decoded):
+        exact = dict(zip(ids_TK[t].tolist(), lps_TK[t].astype(np.float64).tolist()))
+        ref = np.array([exact[i] for i in ids.tolist()])
+        finite = np.isfinite(ref)
+        if codec.precision == "q8":  # below q8's range the entry is the floor code: counted apart, not as an error
+            below += int((finite & (ref < -Q8_FLOOR * codec.step)).sum())
+            finite &= ref >= -Q8_FLOOR * codec.step
+        errs.append(np.abs(lp[finite] - ref[finite]))
+        p = np.exp(ref)  # the kept entries' exact probabilities, and the rest of the mass as one tail bin
+        p_tail = max(0.0, 1.0 - p.sum())
+        q, q_tail = np.exp(lp.astype(np.float64)), float(enc["tail"][t])
+        total = q.sum() + q_tail  # the compact side renormalised: quantisation moves a little mass
+        q, q_tail = q / total, q_tail / total
+        with np.errstate(divide="ignore", invalid="ignore"):
+            terms = np.where(p > 0, p * (np.log(p) - np.log(q)), 0.0)
+        tail_term = p_tail * (np.log(p_tail) - np.log(q_tail)) if p_tail > 0 and q_tail > 0 else 0.0
+        kls.append(float(terms.sum() + tail_term))
+    err = np.concatenate(errs) if errs else np.zeros(0)
+    kl = np.array(kls)
+    return {"max_abs_logprob_error": float(err.max()) if err.size else 0.0, "mean_abs_logprob_error": float(err.mean()) if err.size else 0.0,
+            "max_kl": float(kl.max()) if kl.size else 0.0, "mean_kl": float(kl.mean()) if kl.size else 0.0,
+            "mean_entries": float(enc["counts"].mean()) if enc["counts"].size else 0.0, "below_range": below}
