@@ -50,6 +50,10 @@ def synthetic_teacher(tokens: int, seq_len: int, seed: int = 0):
         q = torch.log_softmax(logits + torch.randn(T, V, generator=g) * 0.5, -1)
         fkl_full = (logp.exp() * (logp - q)).sum(-1)
         student_top = q.gather(1, top128_ids)
+        # the mass outside the top-128 on each side, summed in float64 (1 - sum(top) in float32 cancels to <= 0)
+        outside = torch.ones_like(logp, dtype=torch.bool).scatter_(1, top128_ids, False)
+        teacher_tail = (logp.double().exp() * outside).sum(-1)
+        student_tail = (q.double().exp() * outside).sum(-1)
         scale = torch.exp(torch.randn(H, generator=g) * 0.7)
         hidden = (torch.randn(T, H, generator=g) * scale).to(torch.bfloat16)
         rows.append(dict(
@@ -57,6 +61,7 @@ def synthetic_teacher(tokens: int, seq_len: int, seed: int = 0):
             top128_ids=top128_ids.numpy().astype(np.int32), top128_lp=top128_lp.numpy(),
             hidden=shards.hidden_to_numpy(hidden), svd=(torch.randn(T, 512, generator=g) * 3).numpy(),
             student_top128=student_top.numpy(), fkl_full=fkl_full.double().numpy(),
+            teacher_tail128=teacher_tail.numpy(), student_tail128=student_tail.numpy(),
         ))
         del logits, logp, q
     return rows, float(np.mean(entropies))
@@ -114,15 +119,15 @@ FRONTIER = [  # (label, codec or None for today's store, ascending ids)
 ]
 
 
-def _fkl_topk(p_lp: list[np.ndarray], q_lp: list[np.ndarray], p_tail: np.ndarray) -> np.ndarray:
-    """The top-k forward KL with one tail bin, per position: sum_kept p log(p / q) + p_tail log(p_tail / q_tail), with the
-    kept p renormalised together with the stored tail and q_tail = 1 - sum_kept q (the estimator topk-fkl --tail uses)."""
+def _fkl_topk(p_lp: list[np.ndarray], q_lp: list[np.ndarray], p_tail: np.ndarray, q_tail: np.ndarray) -> np.ndarray:
+    """The top-k forward KL with one tail bin, per position: sum_kept p log(p / q) + p_tail log(p_tail / q_tail), the kept
+    p renormalised together with the stored tail (the estimator topk-fkl --tail uses); q_tail is the student's exact
+    mass outside the kept ids."""
     out = np.empty(len(p_lp))
-    for t, (lp, lq, pt) in enumerate(zip(p_lp, q_lp, p_tail)):
+    for t, (lp, lq, pt, qt) in enumerate(zip(p_lp, q_lp, p_tail, q_tail)):
         p, q = np.exp(lp.astype(np.float64)), np.exp(lq.astype(np.float64))
         total = p.sum() + pt
         p, pt = p / total, pt / total
-        qt = max(1.0 - q.sum(), 1e-300)
         with np.errstate(divide="ignore", invalid="ignore"):
             kept = np.where(p > 0, p * (np.log(p) - np.log(q)), 0.0).sum()
         out[t] = kept + (pt * (np.log(pt) - np.log(qt)) if pt > 0 else 0.0)
@@ -154,7 +159,7 @@ def topk_frontier(rows, n_tokens: int) -> None:
     fkl_full = np.concatenate([r["fkl_full"] for r in rows])
     base = None
     for label, setting, ascending in FRONTIER:
-        ids_col, val_col, tail_col, p_lp, q_lp, tails, dist = [], [], [], [], [], [], []
+        ids_col, val_col, tail_col, p_lp, q_lp, tails, q_tails, dist = [], [], [], [], [], [], [], []
         for r in rows:
             ids, lps, qs = r["top128_ids"], r["top128_lp"], r["student_top128"]
             if setting is None:
@@ -162,7 +167,8 @@ def topk_frontier(rows, n_tokens: int) -> None:
                 val_col.append(lps)
                 p_lp += list(lps)
                 q_lp += list(qs)
-                tails.append(np.clip(1 - np.exp(lps.astype(np.float64)).sum(1), 0, 1))
+                tails.append(r["teacher_tail128"])
+                q_tails.append(r["student_tail128"])
                 continue
             codec = TopkCodec(*setting)
             enc = codec.encode(ids, lps)
@@ -173,10 +179,13 @@ def topk_frontier(rows, n_tokens: int) -> None:
             ids_col.append([enc["ids"][a:b] for a, b in zip(bounds[:-1], bounds[1:])])
             val_col.append([enc["values"][a:b] for a, b in zip(bounds[:-1], bounds[1:])])
             tail_col.append(enc["tail"])
+            q_exp = np.exp(qs.astype(np.float64))
             for t, (did, dlp) in enumerate(codec.decode(enc)):
                 where = {i: j for j, i in enumerate(ids[t].tolist())}
+                kept = [where[i] for i in did.tolist()]
                 p_lp.append(dlp)
-                q_lp.append(qs[t, [where[i] for i in did.tolist()]])
+                q_lp.append(qs[t, kept])
+                q_tails.append([r["student_tail128"][t] + q_exp[t].sum() - q_exp[t, kept].sum()])
             tails.append(enc["tail"].astype(np.float64))
         value_type = {None: pa.float32(), "float32": pa.float32(), "float16": pa.uint16(), "q8": pa.uint8()}[setting and setting[0]]
         to_arrow = (lambda v: v.view(np.uint16)) if value_type == pa.uint16() else (lambda v: v)  # float16 as its bit pattern
@@ -197,7 +206,7 @@ def topk_frontier(rows, n_tokens: int) -> None:
         sizes = column_bytes(buf.getvalue())
         per_token = sum(sizes.values()) / n_tokens
         split = f"{sizes['topk_ids'] / n_tokens:.0f}/{sizes['topk_values'] / n_tokens:.0f}"
-        err = np.abs(_fkl_topk(p_lp, q_lp, np.concatenate(tails)) - fkl_full)
+        err = np.abs(_fkl_topk(p_lp, q_lp, np.concatenate(tails), np.concatenate([np.ravel(x) for x in q_tails])) - fkl_full)
         if base is None:
             base = err
         entries = np.mean([d["mean_entries"] for d in dist]) if dist else 128.0
