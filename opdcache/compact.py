@@ -14,8 +14,9 @@ Per response position the exact top-k store holds k ids in rank order and their 
   subnormals near 0), or ``q8``: a uint8 code c with
   lp = -c * step (default step 1/16 nat, so lp in [-15.9375, 0] to within step / 2; code 255 means "at most -255 *
   step": the entry's probability is below e^-15.9 = 1.2e-7);
-* **tail**: 1 - sum of the kept entries' exact probabilities (float32), so an estimator with one extra "tail" bin sums
-  to 1 on what is kept.
+* **tail**: 1 - sum of the kept entries' probabilities (float32), so an estimator with one extra "tail" bin sums
+  to 1 on what is kept. Here it is computed in float64 from the float32 log-probs, so its absolute error is ~1e-7;
+  a writer should take it from the streamed log-partition instead (1 - sum cancels where the teacher is sure).
 
 :func:`distortion` measures a setting against the exact top-k: the |log-prob| error of kept entries and
 KL(exact || compact) over the k entries plus the tail bin (a dropped entry's mass moves into the tail).
