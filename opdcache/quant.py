@@ -26,7 +26,9 @@ replaces each weight by its dequantized value once; ``mode="train"`` (``train --
 full-precision master weights on the fly at every forward with straight-through gradients,
 w + sg(q(w) - w), so the gradient reaching a master weight is the full-precision gradient at the dequantized
 weights, and the optimizer keeps updating the masters. Parameter names and shapes are untouched: checkpoints
-save the masters. Memory: one dequantized copy of a layer's weight at a time in train mode, none in inference mode.
+save the masters. Memory: in train mode each quantized layer keeps its dequantized weight for the backward (one more
+copy of those weights, in the compute dtype: bf16 under autocast), plus a float32 one for the layer being computed;
+in inference mode nothing beyond the model.
 """
 
 from __future__ import annotations
