@@ -12,8 +12,20 @@ from opdcache.cli import options as O
 def score_teacher(
     cache: O.CachePath,
     teacher: O.TeacherModel, revision: O.ModelRevision = None,
-    store: Annotated[str, typer.Option("--store", help="Comma-separated stores: logprob (always), topk, hidden, svd.")] = "logprob",
+    store: Annotated[str, typer.Option("--store", help="Comma-separated stores: logprob (always), topk, hidden, svd, sampled.")] = "logprob",
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Width of the teacher's top-k store.", show_default=False)] = None,
+    topk_precision: Annotated[Optional[str], typer.Option(
+        "--topk-precision", help="Compact top-k (format v3): float32, or float16 (|error| <= |log-prob| x 2^-11). Not set "
+        "(and no --topk-mass): the exact v1 store.", show_default=False)] = None,
+    topk_mass: Annotated[Optional[float], typer.Option(
+        "--topk-mass", help="Compact top-k (format v3): keep entries until the teacher mass left out is at most this (at "
+        "most --top-k), the rest kept as one tail column. 1e-4 keeps the exact top-128's forward-KL fidelity at ~190 "
+        "B/token; 1e-3 is the fast path (~100 B/token); see BENCHMARKS.md.", show_default=False)] = None,
+    samples_per_position: Annotated[Optional[int], typer.Option(
+        "--samples-per-position", help="The sampled store (RS-KD): teacher draws per position (1-255), kept as distinct "
+        "ids and counts; an unbiased forward KL (train --loss sampled-fkl). Costs the head rows of the drawn slices "
+        "again.", show_default=False)] = None,
+    sample_seed: Annotated[int, typer.Option("--sample-seed", help="Seed of the sampled store's draws.")] = 0,
     svd_rank: Annotated[Optional[int], typer.Option("--svd-rank", help="Rank of the svd store.", show_default=False)] = None,
     svd_method: Annotated[str, typer.Option("--svd-method", help="naive, importance or prob-weighted (papers/002).")] = "importance",
     name: Annotated[Optional[str], typer.Option("--name", help="Teacher table name (default: the teacher directory's name).", show_default=False)] = None,
@@ -34,6 +46,7 @@ def score_teacher(
     from opdcache.scoring import ScoreJob, run_score
 
     job = ScoreJob(cache=cache, teacher=teacher, revision=revision, stores=tuple(s.strip() for s in store.split(",") if s.strip()), top_k=top_k,
+                   topk_precision=topk_precision, topk_mass=topk_mass, samples_per_position=samples_per_position, sample_seed=sample_seed,
                    svd_rank=svd_rank, svd_method=svd_method, slug=name, allow_inconsistent_teacher=allow_inconsistent_teacher,
                    engine=EngineConfig(backend=backend, dtype=dtype, device=device, deterministic=deterministic,
                                        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
@@ -57,6 +70,11 @@ def score_teacher(
         for method, d in result["svd"]["distortion"].items():
             typer.echo(f"svd {method:<13} rank {d['rank']}: KL(teacher || rank-{d['rank']} reconstruction) {d['mean_kl']:.2e} nats/position "
                        f"(mean over {d['positions']} held-out positions, temperature 1), top-1 agreement {d['top1_agreement']:.1%}")
+    if result.get("topk"):
+        d = result["topk"]["distortion"]
+        typer.echo(f"compact top-k ({result['topk']['precision']}, mass {result['topk']['mass']}): {d['mean_entries']:.1f} entries a "
+                   f"position; |log-prob error| max {d['max_abs_logprob_error']:.2e}; KL(exact top-k || compact) max "
+                   f"{d['max_kl_exact_to_compact']:.2e}; mass moved into the tail max {d['max_moved_mass']:.2e}")
     state = "cache updated" if result["finished"] else "shards written; other workers still to finish (then run finalize)"
     typer.echo(f"teachers/{result['slug']}: wrote shards {result['written'] or 'none (all present)'}; {state}")
 

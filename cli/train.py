@@ -44,7 +44,8 @@ def train(
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (resumed if it holds a checkpoint).", show_default=False)] = None,
     config: Annotated[Optional[Path], typer.Option("--config", help="YAML file of TrainConfig fields; flags override it.", show_default=False)] = None,
     teacher: Annotated[Optional[str], typer.Option("--teacher", help="Teacher table name in the cache.", show_default=False)] = None,
-    loss: Annotated[Optional[str], typer.Option("--loss", help="lightning, is, mc, ppo, topk-fkl, topk-rkl, full-fkl, full-rkl, jsd.", show_default=False)] = None,
+    loss: Annotated[Optional[str], typer.Option("--loss", help="lightning, is, mc, ppo, topk-fkl, topk-rkl, sampled-fkl, full-fkl, full-rkl, jsd.", show_default=False)] = None,
+    tail: Annotated[Optional[bool], typer.Option("--topk-tail/--no-topk-tail", help="topk-*: the teacher mass outside the support as one more bin (a compact store's stored tail; default off).", show_default=False)] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="Optimizer steps (default 150, papers/000 Table 6).", show_default=False)] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per micro-batch (default 16).", show_default=False)] = None,
     grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", help="Micro-batches per optimizer step (default 1).", show_default=False)] = None,
@@ -98,7 +99,7 @@ def train(
                  lr=lr, tau=tau, ppo_clip=ppo_clip, importance_weights=importance_weights, checkpoint_every=checkpoint_every, seed=seed, deterministic=deterministic, tensorboard=tensorboard,
                  online=online, teacher_model=teacher_model, allow_other_model=allow_other_model, stop_after=stop_after, progress=progress, lr_schedule=lr_schedule,
                  warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, kl_coef=kl_coef, kl_estimator=kl_estimator, kl_cap=kl_cap, rollout_aligned=rollout_aligned, chunk=chunk, dtype=dtype,
-                 gradient_checkpointing=gradient_checkpointing, fsdp=fsdp)
+                 gradient_checkpointing=gradient_checkpointing, fsdp=fsdp, tail=tail)
     values.update({k: v for k, v in flags.items() if v is not None})
     corr = dict(values.pop("corrections", {}) or {})
     corr.update({k: v for k, v in dict(tis_cap=tis_cap, reject_k=reject_k, reject_threshold=reject_threshold, trust_band=trust_band).items() if v is not None})

@@ -181,7 +181,7 @@ class TableJob:
         return [i for i in shards_for_worker(self.num_shards, num_workers, worker_index, self.groups) if not self.is_done(i)]
 
     def write_shard(self, index: int, records: Sequence[dict]) -> shards.ShardInfo:
-        table = shards.build_table(self.kind, self.params, records, self.fingerprint)
+        table = shards.build_table(self.kind, self.params, records, self.fingerprint)  # Records' meta: into the footer
         return shards.write_table_atomic(table, self.shard_path(index), self.root)
 
     def all_done(self) -> bool:
@@ -213,8 +213,24 @@ class TableJob:
                 for name in SIDE_FILE_OF_STORE.values() if (self.dir / name).is_file()}
         if side:  # hashed like shards, checked by validate
             entry["files"] = side
+        if self.params.topk_compact:  # the distortion each shard measured when it was written, merged
+            entry["topk"] = self.topk_record()
         entry.update({k: v for k, v in extra.items() if v is not None})
         return entry
+
+    def topk_record(self) -> dict:
+        """A compact top-k table's settings and its measured distortion against the exact top-k (opdcache/compact.py),
+        merged from the sums every shard's footer carries."""
+        from opdcache import compact
+
+        sums = []
+        for i in range(self.num_shards):
+            meta = shards.read_schema(self.shard_path(i)).metadata or {}
+            if compact.DISTORTION_META not in meta:
+                raise ManifestError(f"{self.shard_path(i)} has no recorded top-k distortion; delete it and rerun the job to rewrite it")
+            sums.append(json.loads(meta[compact.DISTORTION_META]))
+        return {"precision": self.params.topk_precision or "float32", "mass": self.params.topk_mass,
+                "distortion": compact.distortion_summary(compact.merge_sums(sums))}
 
     def finish(self) -> None:
         """Drop the job file (the manifest holds the finished table)."""

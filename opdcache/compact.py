@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from opdcache.errors import ConfigError
+from opdcache.schema import PAD_ID
 
 PRECISIONS = ("float32", "float16", "q8")
 Q8_STEP = 1.0 / 16
@@ -138,3 +139,96 @@ def distortion(codec: TopkCodec, ids_TK: np.ndarray, lps_TK: np.ndarray) -> dict
     return {"max_abs_logprob_error": float(err.max()) if err.size else 0.0, "mean_abs_logprob_error": float(err.mean()) if err.size else 0.0,
             "max_kl": float(kl.max()) if kl.size else 0.0, "mean_kl": float(kl.mean()) if kl.size else 0.0,
             "mean_entries": float(enc["counts"].mean()) if enc["counts"].size else 0.0, "below_range": below}
+
+
+# ---------------------------------------------------------------- the v3 compact top-k store (fixed width, padded)
+
+DISTORTION_META = b"opdcache.topk_distortion"
+"""Parquet key-value metadata of a compact top-k shard: its distortion sums (:func:`distortion_sums`), merged by finalize."""
+
+
+def compact_topk(ids_TK: np.ndarray, lps_TK: np.ndarray, precision: str, mass: float | None) -> dict:
+    """One row's exact top-k -> the v3 store's fixed-width form, vectorised: the kept support in rank order (most
+    likely first, as the exact store), the remaining slots id -1 / log-prob -inf, log-probs rounded to ``precision``,
+    and the tail (1 - kept probability, float64 from the float32 log-probs, so its error is ~1e-7 at most).
+
+    Returns ids [T, k] int32, logprobs [T, k] float32 (what a reader decodes), stored [T, k] (float32, or float16
+    bits as uint16: what the column holds), tail [T] float32, counts [T]. Memory O(T x k)."""
+    ids_TK = np.asarray(ids_TK)
+    lps_TK = np.asarray(lps_TK, dtype=np.float32)
+    T, k = lps_TK.shape
+    order = np.argsort(-lps_TK, axis=1, kind="stable")
+    lp = np.take_along_axis(lps_TK, order, 1)
+    ids = np.take_along_axis(ids_TK, order, 1).astype(np.int32)
+    cum = np.cumsum(np.exp(lp.astype(np.float64)), axis=1)
+    if mass is None or k == 0:
+        counts = np.full(T, k, dtype=np.int32)
+    else:
+        reached = (1.0 - cum) <= mass
+        counts = np.where(reached.any(1), reached.argmax(1) + 1, k).astype(np.int32)
+    kept = np.arange(k)[None, :] < counts[:, None]
+    kept_mass = np.take_along_axis(cum, np.maximum(counts - 1, 0)[:, None], 1)[:, 0] if k else np.zeros(T)
+    tail = np.clip(1.0 - kept_mass, 0.0, 1.0).astype(np.float32)
+    rounded = lp.astype(np.float16).astype(np.float32) if precision == "float16" else lp
+    decoded = np.where(kept, rounded, np.float32(-np.inf)).astype(np.float32)
+    stored = decoded.astype(np.float16).view(np.uint16) if precision == "float16" else decoded
+    return {"ids": np.where(kept, ids, PAD_ID).astype(np.int32), "logprobs": decoded, "stored": stored, "tail": tail,
+            "counts": counts, "exact": lp}
+
+
+def distortion_sums(enc: dict) -> dict:
+    """Sums for one row's compact top-k against its exact top-k (``enc`` from :func:`compact_topk`), to be merged over
+    rows and shards: |log-prob error| of kept entries (sum, max, count), and KL(exact || compact) per position over the
+    k entries plus one tail bin, where a dropped entry's mass moves into the tail (sum, max, positions)."""
+    kept = enc["ids"] != PAD_ID
+    exact = enc["exact"].astype(np.float64)
+    err = np.abs(enc["logprobs"].astype(np.float64) - exact)[kept & np.isfinite(exact)]
+    p = np.exp(exact)
+    p_tail = np.clip(1.0 - p.sum(1), 0.0, 1.0)
+    q = np.where(kept, np.exp(enc["logprobs"].astype(np.float64)), 0.0)
+    q_tail = enc["tail"].astype(np.float64)
+    total = q.sum(1) + q_tail  # rounding moves a little mass: compare normalised distributions
+    q, q_tail = q / total[:, None], q_tail / total
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # an entry dropped from the support has q = 0 here: its exact mass is compared inside the tail bin instead
+        p_in = np.where(kept, p, 0.0)
+        p_tail_all = p_tail + np.where(kept, 0.0, p).sum(1)
+        kl = np.where(p_in > 0, p_in * (np.log(p_in) - np.log(np.where(kept, q, 1.0))), 0.0).sum(1)
+        kl += np.where(p_tail_all > 0, p_tail_all * (np.log(p_tail_all) - np.log(np.maximum(q_tail, 1e-300))), 0.0)
+    moved = np.where(kept, 0.0, p).sum(1)
+    return {"positions": int(len(kl)), "entries": int(kept.sum()), "kl_sum": float(kl.sum()), "kl_max": float(kl.max(initial=0.0)),
+            "err_sum": float(err.sum()), "err_max": float(err.max(initial=0.0)), "err_count": int(err.size),
+            "moved_sum": float(moved.sum()), "moved_max": float(moved.max(initial=0.0))}
+
+
+def merge_sums(parts) -> dict:
+    """Merge :func:`distortion_sums` of rows or shards."""
+    out = {"positions": 0, "entries": 0, "kl_sum": 0.0, "kl_max": 0.0, "err_sum": 0.0, "err_max": 0.0, "err_count": 0,
+           "moved_sum": 0.0, "moved_max": 0.0}
+    for part in parts:
+        for key in out:
+            out[key] = max(out[key], part[key]) if key.endswith("_max") else out[key] + part[key]
+    return out
+
+
+def distortion_summary(sums: dict) -> dict:
+    """The manifest's record of a compact top-k table's measured distortion against its exact top-k: the |log-prob
+    error| of kept entries (precision), KL(exact || compact) per position over the entries plus the tail bin (what
+    rounding costs a forward-KL estimator with a tail bin), and the exact-top-k mass moved into the tail bin by the
+    support (at most topk_mass). How much the moved mass changes a forward-KL estimate depends on the student (the
+    split of the tail between tokens is lost): bench_storage.py measures |FKL_topk - FKL_full| for that."""
+    n = max(sums["positions"], 1)
+    return {"positions": sums["positions"], "mean_entries": sums["entries"] / n,
+            "max_abs_logprob_error": sums["err_max"], "mean_abs_logprob_error": sums["err_sum"] / max(sums["err_count"], 1),
+            "max_kl_exact_to_compact": max(sums["kl_max"], 0.0), "mean_kl_exact_to_compact": max(sums["kl_sum"], 0.0) / n,
+            "max_moved_mass": sums["moved_max"], "mean_moved_mass": sums["moved_sum"] / n}
+
+
+def decode_logprobs(values: np.ndarray, field) -> np.ndarray:
+    """A top-k log-prob column's values (as :func:`opdcache.shards.token_values` returns them) -> float32: float16 bits
+    (field metadata opdcache.dtype = float16) are decoded, float32 is returned as is."""
+    from opdcache.schema import FIELD_DTYPE
+
+    if field.metadata and field.metadata.get(FIELD_DTYPE) == b"float16":
+        return np.ascontiguousarray(values).view(np.float16).astype(np.float32)
+    return values

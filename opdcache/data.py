@@ -112,7 +112,12 @@ class _Shard:
             for name in teacher_cols:  # per-token columns only (CacheDataset leaves out row columns such as id)
                 if not np.array_equal(np.diff(shards.list_offsets(t[name])), lengths):
                     refuse(f"teacher column {name} is not as long as the responses (shifted or truncated rows)")
-                self.cols["teacher_" + name] = shards.token_values(t[name])
+                values = shards.token_values(t[name])
+                if name == "topk_logprobs":  # v3 compact: float16 bits -> float32
+                    from opdcache.compact import decode_logprobs
+
+                    values = decode_logprobs(values, t.schema.field(name))
+                self.cols["teacher_" + name] = values
                 if name == "hidden":
                     self.hidden_dtype = shards.hidden_dtype_of(t.schema.field("hidden"))
 

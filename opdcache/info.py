@@ -53,6 +53,8 @@ def summary(root: str | Path) -> dict:
             "engine": "/".join(str(v) for k in ("engine", "dtype", "quantization") if (v := (entry.get("model") or {}).get(k))) or None,
             "consistency": (entry.get("consistency") or {}).get("verdict"),
             "reward_mean": _reward_mean(cache, name) if "task" in entry["params"]["stores"] else None,
+            "topk": entry.get("topk"),
+            "samples_per_position": entry["params"].get("samples_per_position"),
         }
     out = {
         "path": str(root), "kind": m["kind"], "format_version": m["format_version"], "opdcache_version": m["opdcache_version"],
@@ -95,6 +97,15 @@ def render(info: dict) -> str:
             lines += _wrap(f"model {t['model']} ({(t['model_fingerprint'] or '')[:16]}){extra}")
             if t.get("engine"):
                 lines += _wrap(f"computed by {t['engine']}")
+        if t.get("topk"):
+            c, d = t["topk"], t["topk"]["distortion"]
+            lines += _wrap(f"compact top-k: {c['precision']} log-probs, residual mass {c['mass']}, {d['mean_entries']:.1f} entries a "
+                           f"position; against the exact top-k: |log-prob error| max {d['max_abs_logprob_error']:.2e} mean "
+                           f"{d['mean_abs_logprob_error']:.2e}, KL(exact || compact) max {d['max_kl_exact_to_compact']:.2e} mean "
+                           f"{d['mean_kl_exact_to_compact']:.2e}, mass moved into the tail max {d['max_moved_mass']:.2e} mean "
+                           f"{d['mean_moved_mass']:.2e}")
+        if t.get("samples_per_position"):
+            lines += _wrap(f"sampled store: {t['samples_per_position']} teacher draws a position (RS-KD; train --loss sampled-fkl)")
         if t.get("reward_mean") is not None:
             lines += _wrap(f"reward mean {t['reward_mean']:.3f} (over the rows that have one)")
     if "async" in info:

@@ -14,7 +14,11 @@ weights and sequence-level masks from the corrections multiply the terms before 
 * ppo (papers/001 eq. 6, "A_old, clip"): A_t = T_t - r_t with r_t the rollout policy's temperature-1 log-prob
   (held fixed: the advantage as it was at rollout time); term_t = -min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t)
 * topk_fkl / topk_rkl: KL on a cached top-k support, both distributions renormalised on it, optionally with the
-  remaining mass as one extra "tail" bin
+  remaining mass as one extra "tail" bin (a v3 compact store's padded slots hold no mass; its stored tail is the
+  teacher's tail bin)
+* sampled_fkl (RS-KD, arXiv 2503.16870): with counts c_v of m teacher draws at a position,
+  term_t = (1/m) sum_v c_v (log p_v - log q_v): an unbiased estimate of KL(p || q) whose gradient is the full
+  forward-KL gradient in expectation (opdcache/sampled.py)
 * full_fkl / full_rkl / jsd: exact full-vocabulary divergences, see opdcache/divergence.py
 
 KL penalty to pi_ref (papers/000 section 3.3 keeps the student near pi_ref with "standard KL regularization"):
@@ -47,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-ESTIMATORS = ("lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "full-fkl", "full-rkl", "jsd")
+ESTIMATORS = ("lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "sampled-fkl", "full-fkl", "full-rkl", "jsd")
 FULL_VOCABULARY = ("full-fkl", "full-rkl", "jsd")
 """Estimators computed exactly over the vocabulary from the teacher's final hidden states and unembedding."""
 
@@ -123,25 +127,50 @@ def ppo_terms(s: torch.Tensor, sampling: torch.Tensor, teacher: torch.Tensor, ro
     return terms, {"advantage": adv, "rho": rho.detach(), "clipped": (rho.detach() - clipped.detach()).abs().gt(0).float()}
 
 
-def _support_logprobs(lp_BTK: torch.Tensor, tail: bool) -> torch.Tensor:
-    """Log-probs on the support, renormalised; with ``tail`` the leftover mass is appended as one more bin."""
+PAD_LOGPROB = -1e4
+"""What a padded support slot's log-prob becomes before an estimator sees it: finite (no inf - inf), and exp() of it
+is exactly 0 in float32, so the slot holds no mass and passes no gradient."""
+
+
+def _support_logprobs(lp_BTK: torch.Tensor, tail: bool, stored_tail: torch.Tensor | None = None) -> torch.Tensor:
+    """Log-probs on the support, renormalised; with ``tail`` the leftover mass is appended as one more bin (the
+    ``stored_tail`` mass when the cache has it: a compact top-k's, computed before rounding)."""
     if not tail:
         return lp_BTK - torch.logsumexp(lp_BTK, -1, keepdim=True)
+    if stored_tail is not None:
+        rest = torch.log(stored_tail.clamp(min=1e-30))[..., None]
+        return torch.cat([lp_BTK, rest], -1) - torch.logsumexp(torch.cat([lp_BTK, rest], -1), -1, keepdim=True)
     mass = torch.logsumexp(lp_BTK, -1, keepdim=True)
     rest = torch.log1p(-mass.exp().clamp(max=1 - 1e-6))
     return torch.cat([lp_BTK, rest], -1)
 
 
-def topk_terms(student_BTK: torch.Tensor, teacher_BTK: torch.Tensor, direction: str, tail: bool = False) -> tuple[torch.Tensor, dict]:
-    """KL on the cached top-k support. student/teacher: log-probs at the support ids (full-vocabulary log-probs)."""
+def topk_terms(student_BTK: torch.Tensor, teacher_BTK: torch.Tensor, direction: str, tail: bool = False,
+               valid_BTK: torch.Tensor | None = None, teacher_tail_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """KL on the cached top-k support. student/teacher: log-probs at the support ids (full-vocabulary log-probs).
+    ``valid_BTK``: False at a compact store's padding slots, which then hold no mass on either side.
+    ``teacher_tail_BT``: the stored teacher tail mass (compact store), used as the teacher's tail bin."""
+    if valid_BTK is not None:
+        student_BTK = student_BTK.masked_fill(~valid_BTK, PAD_LOGPROB)
+        teacher_BTK = teacher_BTK.masked_fill(~valid_BTK, PAD_LOGPROB)
     lq = _support_logprobs(student_BTK, tail)
-    lp = _support_logprobs(teacher_BTK.detach(), tail)
+    lp = _support_logprobs(teacher_BTK.detach(), tail, teacher_tail_BT)
     if direction == "fkl":
         kl = (lp.exp() * (lp - lq)).sum(-1)
     elif direction == "rkl":
         kl = (lq.exp() * (lq - lp)).sum(-1)
     else:
         raise ValueError(f"direction must be fkl or rkl, got {direction!r}")
+    return kl, {"kl": kl.detach()}
+
+
+def sampled_fkl_terms(student_BTM: torch.Tensor, teacher_BTM: torch.Tensor, counts_BTM: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """RS-KD's forward KL from m teacher draws: (1/m) sum_v c_v (log p_v - log q_v) per position. student/teacher:
+    log-probs at the distinct drawn ids; counts 0 at padding (those slots contribute nothing)."""
+    c = counts_BTM.to(student_BTM.dtype)
+    m = c.sum(-1, keepdim=True).clamp(min=1)
+    diff = torch.where(c > 0, teacher_BTM.detach() - student_BTM, torch.zeros_like(student_BTM))
+    kl = (c / m * diff).sum(-1)
     return kl, {"kl": kl.detach()}
 
 

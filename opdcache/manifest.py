@@ -84,10 +84,25 @@ _ASYNC = {
 }
 
 
+_TOPK = {
+    "type": "object",
+    "description": "a compact top-k store (format v3): its precision and residual-mass support, and the distortion against the exact top-k measured when each shard was written (opdcache/compact.py)",
+    "required": ["precision", "mass", "distortion"],
+    "properties": {
+        "precision": {"enum": list(S.TOPK_PRECISIONS)}, "mass": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+        "distortion": {"type": "object", "required": ["positions", "mean_entries", "max_abs_logprob_error", "mean_abs_logprob_error",
+                                                      "max_kl_exact_to_compact", "mean_kl_exact_to_compact", "max_moved_mass", "mean_moved_mass"]},
+    },
+}
+
+
 def _table(version: int) -> dict:
     if version < 2:
         return _TABLE
-    return {**_TABLE, "properties": {**_TABLE["properties"], "async": _ASYNC}}
+    props = {**_TABLE["properties"], "async": _ASYNC}
+    if version >= 3:
+        props["topk"] = _TOPK
+    return {**_TABLE, "properties": props}
 
 
 def json_schema(version: int = S.FORMAT_VERSION) -> dict:

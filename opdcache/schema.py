@@ -25,17 +25,24 @@ import pyarrow as pa
 from opdcache.errors import ConfigError, SchemaError
 
 FORMAT_NAME = "opdcache"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The newest format. A shard (and a manifest) declares the lowest version that holds every column it uses, so a cache
 that uses nothing newer than v1 is written exactly as v1 was (same bytes, same fingerprints) and older readers keep
-reading it. v2 = v1 + the rollouts' optional ``version`` store (``student_version``: async runs)."""
-READABLE_VERSIONS = (1, 2)
-STORE_SINCE = {"version": 2}
+reading it. v2 = v1 + the rollouts' optional ``version`` store (``student_version``: async runs). v3 = v2 + the compact
+top-k store (``topk_precision`` / ``topk_mass``: a residual-mass support padded with id -1, log-probs in float16 bits,
+and the ``topk_tail`` column) and the teacher's ``sampled`` store (RS-KD)."""
+READABLE_VERSIONS = (1, 2, 3)
+STORE_SINCE = {"version": 2, "sampled": 3}
 """Stores added after v1, with the format version that added them; ``schemas/format-v<N>.json`` freezes each version."""
 
 TABLE_KINDS = ("sft", "rollouts", "teacher")
 ROLLOUT_STORES = ("base", "ref_topk", "mc", "task", "version")
-TEACHER_STORES = ("logprob", "topk", "hidden", "svd")
+TEACHER_STORES = ("logprob", "topk", "hidden", "svd", "sampled")
+TOPK_PRECISIONS = ("float32", "float16")
+"""Precisions of the compact top-k store's log-probs (opdcache/compact.py measures q8 too: 24x the error of float16
+for 7 B/token less, so it is not offered)."""
+PAD_ID = -1
+"""Padding of a compact top-k or sampled entry that holds no token (its log-prob is -inf, its count 0)."""
 HIDDEN_DTYPES = ("float32", "bfloat16", "float16")
 FINISH_REASONS = ("stop", "length")
 
@@ -61,6 +68,7 @@ class Column:
     width: str | None = None  # StoreParams field giving the vector width ("top_k", "ref_top_k", ...)
     requires: tuple[str, ...] = ()  # StoreParams fields that must be set for the column to exist
     nullable: bool = False  # whether a row may hold null (task fields only)
+    since: int = 1  # the format version that added the column (a newer column of an older store); not in describe()
 
 
 _ID = Column("id", "row", "string", "base", "Stable row id: sha256 of the prompt token ids (hex, 16 chars) and the sample index, '<hash>-<sample_index>'.")
@@ -115,7 +123,11 @@ TEACHER_COLUMNS: tuple[Column, ...] = (
     Column("mc_logprobs", "token_vector", "float32", "logprob",
            "Teacher temperature-1 log-probs at the rollout's mc_ids (same order).", width="mc_samples", requires=("mc_samples",)),
     Column("topk_ids", "token_vector", "int32", "topk", "Teacher's own k most likely next tokens at temperature 1, most likely first.", width="top_k", requires=("top_k",)),
-    Column("topk_logprobs", "token_vector", "float32", "topk", "Teacher temperature-1 log-probs of topk_ids, descending.", width="top_k", requires=("top_k",)),
+    Column("topk_logprobs", "token_vector", "topk", "topk", "Teacher temperature-1 log-probs of topk_ids, descending.", width="top_k", requires=("top_k",)),
+    Column("topk_tail", "token", "float32", "topk",
+           "Compact top-k (v3): the teacher's probability outside the kept entries, 1 - sum(exp(topk_logprobs over ids "
+           "!= -1)), summed in float64 from the float32 log-probs before any rounding; an estimator with one extra tail "
+           "bin sums to 1 on what is kept.", requires=("topk_compact",), since=3),
     Column("hidden", "token_vector", "hidden", "hidden",
            "Teacher final hidden state after the final norm: the exact input of the unembedding in head.safetensors, so "
            "logits = hidden @ weight.T (+ bias). Stored bit-exact in the teacher's compute dtype: float32 as float32; "
@@ -124,6 +136,16 @@ TEACHER_COLUMNS: tuple[Column, ...] = (
     Column("svd", "token_vector", "float32", "svd",
            "Teacher final hidden state projected to rank r by the encoder in svd.safetensors (z = hidden @ encoder); "
            "approximate logits = z @ decoder.T (+ bias).", width="svd_rank", requires=("svd_rank",)),
+    Column("sampled_ids", "token_vector", "int32", "sampled",
+           "RS-KD (arXiv 2503.16870): the distinct tokens among m draws from the teacher's temperature-1 distribution at "
+           "this position (m = samples_per_position), most drawn first (ties: smaller id first), padded with -1.",
+           width="samples_per_position", requires=("samples_per_position",)),
+    Column("sampled_counts", "token_vector", "int32", "sampled",
+           "How many of the m draws gave each sampled_ids entry (0 for padding); a position's counts sum to m.",
+           width="samples_per_position", requires=("samples_per_position",)),
+    Column("sampled_logprobs", "token_vector", "float32", "sampled",
+           "Teacher temperature-1 log-prob of each sampled_ids entry (-inf for padding).",
+           width="samples_per_position", requires=("samples_per_position",)),
 )
 
 _COLUMNS = {"sft": SFT_COLUMNS, "rollouts": ROLLOUT_COLUMNS, "teacher": TEACHER_COLUMNS}
@@ -147,6 +169,20 @@ class StoreParams:
     """Teacher compute dtype in which hidden states are kept: float32, bfloat16 or float16."""
     svd_rank: int | None = None
     """Rank r of the svd store."""
+    topk_precision: str | None = None
+    """v3 compact top-k: float32 or float16 log-probs (None: the exact v1 store, float32, all k entries)."""
+    topk_mass: float | None = None
+    """v3 compact top-k: keep entries until the residual teacher mass is at most this (None: all k)."""
+    samples_per_position: int | None = None
+    """v3 sampled store: teacher draws per position (m)."""
+
+    NEWER = ("topk_precision", "topk_mass", "samples_per_position")
+    """Fields added after v1: written only when set, so older tables keep their exact bytes and fingerprints."""
+
+    @property
+    def topk_compact(self) -> bool | None:
+        """True when the top-k store is v3's compact form (None otherwise, for Column.requires)."""
+        return True if "topk" in self.stores and (self.topk_precision is not None or self.topk_mass is not None) else None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stores", tuple(self.stores))
@@ -166,9 +202,20 @@ class StoreParams:
             raise ConfigError("the ref_topk store needs ref_top_k (--ref-top-k)")
         if "mc" in self.stores and self.mc_samples is None:
             raise ConfigError("the mc store needs mc_samples (--mc-samples)")
+        if self.topk_precision is not None and self.topk_precision not in TOPK_PRECISIONS:
+            raise ConfigError(f"--topk-precision must be one of {', '.join(TOPK_PRECISIONS)}, got {self.topk_precision!r}")
+        if self.topk_mass is not None and not (isinstance(self.topk_mass, (int, float)) and 0 <= self.topk_mass < 1):
+            raise ConfigError(f"--topk-mass must be in [0, 1), got {self.topk_mass!r}")
+        if (self.topk_precision is not None or self.topk_mass is not None) and "topk" not in self.stores:
+            raise ConfigError("--topk-precision and --topk-mass shape the topk store: add --store topk")
+        if self.samples_per_position is not None and not (isinstance(self.samples_per_position, int) and 1 <= self.samples_per_position <= 255):
+            raise ConfigError(f"--samples-per-position must be an integer in [1, 255], got {self.samples_per_position!r}")
+        if "sampled" in self.stores and self.samples_per_position is None:
+            raise ConfigError("the sampled store needs samples_per_position (--samples-per-position)")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"stores": list(self.stores)}
+        out = dataclasses.asdict(self) | {"stores": list(self.stores)}
+        return {k: v for k, v in out.items() if not (k in self.NEWER and v is None)}
 
     @classmethod
     def from_dict(cls, data: dict) -> StoreParams:
@@ -216,6 +263,10 @@ def arrow_field(kind: str, col: Column, params: StoreParams) -> pa.Field:
         if col.dtype == "hidden":
             elem = hidden_storage_type(params.hidden_dtype)
             metadata = {FIELD_DTYPE: params.hidden_dtype.encode()}
+        elif col.dtype == "topk":  # v1: float32; v3 compact: float32, or float16 as its raw bits
+            precision = params.topk_precision or "float32"
+            elem = hidden_storage_type(precision)
+            metadata = {FIELD_DTYPE: b"float16"} if precision == "float16" else None
         else:
             elem = _scalar_type(col.dtype)
         typ = pa.list_(pa.list_(elem, width))
@@ -224,7 +275,7 @@ def arrow_field(kind: str, col: Column, params: StoreParams) -> pa.Field:
 
 def version_of(params: StoreParams) -> int:
     """The lowest format version holding every store of ``params``."""
-    return max([1] + [STORE_SINCE.get(store, 1) for store in params.stores])
+    return max([1] + [STORE_SINCE.get(store, 1) for store in params.stores] + [3 if params.topk_compact else 1])
 
 
 def arrow_schema(kind: str, params: StoreParams, config_fingerprint: str = "") -> pa.Schema:
@@ -249,21 +300,36 @@ def describe(version: int = FORMAT_VERSION) -> dict:
     def known(store: str) -> bool:
         return STORE_SINCE.get(store, 1) <= version
 
-    return {
+    def entry(c: Column) -> dict:
+        d = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("requires", "since")} | {"requires": list(c.requires)}
+        if c.dtype == "topk":  # written "float32" before v3 added the float16 form; the same column either way
+            d["dtype"] = "float32" if version < 3 else "float32, or float16 bits in uint16 (v3 compact, field metadata opdcache.dtype)"
+        return d
+
+    out = {
         "format": FORMAT_NAME,
         "format_version": version,
         "position_convention": "per-token value t is for predicting response_ids[t] from prompt_ids + response_ids[:t]",
         "tables": {
-            kind: [
-                {k: v for k, v in dataclasses.asdict(c).items() if k != "requires"} | {"requires": list(c.requires)}
-                for c in cols if known(c.store)
-            ]
+            kind: [entry(c) for c in cols if known(c.store) and c.since <= version]
             for kind, cols in _COLUMNS.items()
         },
         "stores": {"rollouts": [s for s in ROLLOUT_STORES if known(s)], "teacher": [s for s in TEACHER_STORES if known(s)]},
         "hidden_dtypes": list(HIDDEN_DTYPES),
         "finish_reasons": list(FINISH_REASONS),
     }
+    if version >= 3:
+        out["compact_topk"] = {
+            "when": "store parameters topk_precision or topk_mass set (score-teacher --topk-precision / --topk-mass)",
+            "support": "per position, the teacher's most likely entries until the residual mass is at most topk_mass "
+                       "(at least 1, at most top_k), most likely first; the remaining slots hold id -1 and log-prob -inf",
+            "precisions": list(TOPK_PRECISIONS),
+            "float16": "topk_logprobs holds the IEEE float16 bit pattern in uint16 (field metadata opdcache.dtype = float16); "
+                       "numpy: values.view(np.float16).astype(np.float32)",
+            "tail": "topk_tail = 1 - sum of the kept entries' probabilities, from the float32 log-probs in float64",
+            "distortion": "measured at write time against the exact top-k and recorded in the manifest table entry 'topk'",
+        }
+    return out
 
 
 def params_from_schema(schema: pa.Schema) -> tuple[str, StoreParams, int]:

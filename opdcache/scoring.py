@@ -45,6 +45,14 @@ class ScoreJob:
     """Rank of the svd store."""
     svd_method: str = "importance"
     """naive, importance or prob-weighted (papers/002)."""
+    topk_precision: str | None = None
+    """Compact top-k (format v3): float32 or float16 log-probs. None with no --topk-mass: the exact v1 store."""
+    topk_mass: float | None = None
+    """Compact top-k (format v3): keep entries until the residual teacher mass is at most this (at most --top-k)."""
+    samples_per_position: int | None = None
+    """The sampled store (RS-KD): teacher draws per position."""
+    sample_seed: int = 0
+    """Seed of the sampled store's draws (each row's uniforms come from (seed, row id) alone)."""
     slug: str | None = None
     """Name of the teacher table (default: the teacher directory's name)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -71,6 +79,12 @@ class ScoreJob:
             raise ConfigError(f"--store takes {', '.join(S.TEACHER_STORES)}; got {', '.join(sorted(unknown))}")
         if "topk" in stores and not (self.top_k and 1 <= self.top_k <= 1024):
             raise ConfigError(f"--top-k must be between 1 and 1024 with --store topk, got {self.top_k}")
+        if (self.topk_precision is not None or self.topk_mass is not None) and "topk" not in stores:
+            raise ConfigError("--topk-precision and --topk-mass shape the topk store: add --store topk")
+        if "sampled" in stores and not (isinstance(self.samples_per_position, int) and 1 <= self.samples_per_position <= 255):
+            raise ConfigError(f"--samples-per-position must be between 1 and 255 with --store sampled, got {self.samples_per_position}")
+        if self.samples_per_position is not None and "sampled" not in stores:
+            raise ConfigError("--samples-per-position sets the sampled store: add --store sampled")
         if "svd" in stores and not (self.svd_rank and self.svd_rank >= 1):
             raise ConfigError(f"--svd-rank must be a positive integer with --store svd, got {self.svd_rank}")
         from opdcache.svd import METHODS
@@ -114,12 +128,17 @@ def consistency_verdict(cache_lineage: dict, teacher: dict, allow: bool) -> dict
             "teacher": teacher["fingerprint"], "allowed": verdict != "inconsistent" or allow}
 
 
-def score_requests(table) -> list[ScoreRequest]:
-    """One ScoreRequest per row of a rollout (or sft) table, with pi_ref's top-k and MC ids when the table has them."""
+def score_requests(table, draws: int | None = None, seed: int = 0) -> list[ScoreRequest]:
+    """One ScoreRequest per row of a rollout (or sft) table, with pi_ref's top-k and MC ids when the table has them,
+    and with ``draws``, each row's uniforms for the sampled store (from the seed and the row id)."""
+    from opdcache.sampled import uniforms
+
     response = shards.row_values(table["response_ids"])
     ref = shards.row_values(table["ref_topk_ids"]) if "ref_topk_ids" in table.column_names else None
     mc = shards.row_values(table["mc_ids"]) if "mc_ids" in table.column_names else None
-    return [ScoreRequest(p, response[i], None if ref is None else ref[i], None if mc is None else mc[i])
+    row_ids = table["id"].to_pylist() if draws else None
+    return [ScoreRequest(p, response[i], None if ref is None else ref[i], None if mc is None else mc[i],
+                         None if not draws else uniforms(seed, row_ids[i], len(response[i]), draws))
             for i, p in enumerate(table["prompt_ids"].to_pylist())]
 
 
@@ -128,9 +147,16 @@ def teacher_columns(params: S.StoreParams) -> list[str]:
     return ["id", "prompt_ids", "response_ids"] + (["ref_topk_ids"] if params.ref_top_k else []) + (["mc_ids"] if params.mc_samples else [])
 
 
-def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, where: str = "") -> list[dict]:
-    """A teacher table's rows from the engine's scores of the rollout rows ``ids`` (row-aligned); refuses non-finite values."""
-    records = []
+def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, where: str = "") -> shards.Records:
+    """A teacher table's rows from the engine's scores of the rollout rows ``ids`` (row-aligned); refuses non-finite
+    values. A compact top-k store's rows are encoded here (opdcache/compact.py) and the shard's distortion against the
+    exact top-k goes into its footer; the sampled store's draws are collapsed into distinct ids and counts."""
+    import json
+
+    from opdcache import compact
+    from opdcache.sampled import collapse
+
+    records, sums = shards.Records(), []
     for row_id, sc in zip(ids, scores):
         rec = {"id": row_id, "logprobs": sc.logprobs, "logsumexp": sc.logsumexp}
         if params.top_k:
@@ -143,11 +169,21 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
             rec["hidden"] = shards.hidden_to_numpy(sc.hidden)
         if proj is not None:
             rec["svd"] = proj.encode(sc.hidden).numpy()
-        reason = shards.first_non_finite(rec)
+        if params.samples_per_position:
+            rec["sampled_logprobs"] = sc.sampled_logprobs
+        reason = shards.first_non_finite(rec)  # on the exact values, before any padding
         if reason:
             raise SchemaError(f"teacher produced {reason} for rollout row {row_id} ({where}); "
                               "nothing was written for this shard. Check the teacher's dtype (try --dtype float32)")
+        if params.topk_compact:
+            enc = compact.compact_topk(sc.topk_ids, sc.topk_logprobs, params.topk_precision or "float32", params.topk_mass)
+            rec["topk_ids"], rec["topk_logprobs"], rec["topk_tail"] = enc["ids"], enc["stored"], enc["tail"]
+            sums.append(compact.distortion_sums(enc))
+        if params.samples_per_position:
+            rec["sampled_ids"], rec["sampled_counts"], rec["sampled_logprobs"] = collapse(sc.sampled_ids, sc.sampled_logprobs)
         records.append(rec)
+    if params.topk_compact:
+        records.meta[compact.DISTORTION_META] = json.dumps(compact.merge_sums(sums), sort_keys=True).encode()
     return records
 
 
@@ -178,11 +214,14 @@ def run_score(job: ScoreJob) -> dict:
         stores=job.stores, top_k=job.top_k if "topk" in job.stores else None, ref_top_k=base_params.ref_top_k,
         mc_samples=base_params.mc_samples, hidden_size=H if "hidden" in job.stores else None,
         hidden_dtype=hidden_dtype if "hidden" in job.stores else None, svd_rank=job.svd_rank if "svd" in job.stores else None,
+        topk_precision=job.topk_precision, topk_mass=job.topk_mass, samples_per_position=job.samples_per_position,
     )
     slug = job.table_slug
     config = {"teacher": info["fingerprint"], "engine": engine.fingerprint_view() | {"engine_version": backend.version},
               "deterministic": engine.deterministic, "vocab_size": backend.vocab_size,
               "svd_method": job.svd_method if "svd" in job.stores else None}
+    if "sampled" in job.stores:  # only then: older tables keep their config fingerprints
+        config["sample_seed"] = job.sample_seed
     table = TableJob(cache.root, f"teachers/{slug}", "teacher", params, config, len(base_entry["shards"]),
                      parent_fingerprint=base_entry["config_fingerprint"], meta={"model": info, "consistency": verdict, "compute": threads.record()})
     table.begin()
@@ -201,14 +240,15 @@ def run_score(job: ScoreJob) -> dict:
 
     def make_shard(index: int) -> list[dict]:
         rows = shards.read_table(base_paths[index], request_columns)
-        scores = backend.score(score_requests(rows), top_k=params.top_k, hidden=want_hidden)
+        scores = backend.score(score_requests(rows, params.samples_per_position, job.sample_seed), top_k=params.top_k, hidden=want_hidden)
         return teacher_records(rows["id"].to_pylist(), scores, params, proj, f"shard {index}")
 
     with closing(backend):
         written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"score-teacher {slug}", progress=job.progress, finalize=job.finalize,
                                 rows_of=lambda i: base_entry["shards"][i]["rows"])
     finished = table.all_done()
-    return {"slug": slug, "written": written, "finished": finished, "consistency": verdict, "svd": table.meta.get("svd")}
+    topk = Cache(job.cache).table(f"teachers/{slug}").get("topk") if finished and job.finalize and params.topk_compact else None
+    return {"slug": slug, "written": written, "finished": finished, "consistency": verdict, "svd": table.meta.get("svd"), "topk": topk}
 
 
 def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):

@@ -77,9 +77,24 @@ def _as_vectors(value, width: int, name: str, row: int) -> np.ndarray:
     return arr
 
 
+PADDED = {"topk_logprobs": "topk_ids", "sampled_logprobs": "sampled_ids"}
+"""Log-prob columns whose slots may be padding (id -1, log-prob -inf: v3 compact top-k and sampled stores)."""
+
+
+class Records(list):
+    """A shard's records plus key-value metadata for the shard's Parquet footer (bytes keys and values)."""
+
+    def __init__(self, records=(), meta: dict | None = None):
+        super().__init__(records)
+        self.meta = dict(meta or {})
+
+
 def build_table(kind: str, params: S.StoreParams, records: Sequence[dict], config_fingerprint: str = "") -> pa.Table:
-    """Records (one dict per sequence, numpy arrays for per-token values) -> a checked Arrow table."""
+    """Records (one dict per sequence, numpy arrays for per-token values) -> a checked Arrow table. ``Records``' meta
+    goes into the schema's key-value metadata."""
     schema = S.arrow_schema(kind, params, config_fingerprint)
+    if getattr(records, "meta", None):
+        schema = schema.with_metadata({**schema.metadata, **records.meta})
     cols = S.columns(kind, params)
     names = {c.name for c in cols}
     for i, rec in enumerate(records):
@@ -109,8 +124,11 @@ def build_table(kind: str, params: S.StoreParams, records: Sequence[dict], confi
                     raise SchemaError(f"column {col.name!r} row {i}: expected a 1-D array, got shape {list(arr.shape)}")
             else:
                 arr = _as_vectors(rec[col.name], field.type.value_type.list_size, col.name, i)
-            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-                bad = int(np.flatnonzero(~np.isfinite(arr.reshape(len(arr), -1)).all(axis=-1))[0])
+            finite = np.isfinite(arr) if arr.dtype.kind == "f" else None
+            if finite is not None and col.name in PADDED and PADDED[col.name] in rec:  # padding slots hold -inf
+                finite |= (np.asarray(rec[PADDED[col.name]]) == S.PAD_ID) & (arr == -np.inf)
+            if finite is not None and not finite.all():
+                bad = int(np.flatnonzero(~finite.reshape(len(arr), -1).all(axis=-1))[0])
                 raise SchemaError(f"column {col.name!r} row {i} position {bad}: non-finite value {arr.reshape(len(arr), -1)[bad].tolist()[:4]}")
             per_row.append(arr)
         row_lengths = [len(a) for a in per_row]

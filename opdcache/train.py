@@ -44,12 +44,17 @@ from opdcache.errortokens import error_token_mask
 from opdcache.models import load_causal_lm, load_tokenizer, resolve_model
 from opdcache.progress import bar
 from opdcache.quant import apply_scheme
+from opdcache.schema import PAD_ID as S_PAD_ID
+from opdcache.shards import PADDED
 from opdcache.student import StudentForward, autocast_dtype, enable_activation_checkpointing, full_tensor, init_distributed, shard_fsdp
 from opdcache.trainconfig import LR_SCHEDULES, TrainConfig, learning_rate, stores_for  # noqa: F401 (the public names live here too)
 
 
 class TrainingDiverged(OpdcacheError, FloatingPointError):
     """The optimisation produced non-finite numbers from finite inputs."""
+
+
+PADDED_TEACHER = {"teacher_" + lp: "teacher_" + ids for lp, ids in PADDED.items()}
 
 
 def _zero_outside_responses(batch: dict) -> dict:
@@ -206,6 +211,8 @@ class Trainer:
             return batch["mc_ids"][sel]
         if cfg.loss.startswith("topk"):
             return (batch["teacher_topk_ids"] if cfg.topk_support == "teacher" else batch["ref_topk_ids"])[sel]
+        if cfg.loss == "sampled-fkl":
+            return batch["teacher_sampled_ids"][sel]
         return None
 
     def _check_finite(self, batch: dict) -> None:
@@ -222,6 +229,9 @@ class Trainer:
     def loss_and_stats(self, batch: dict) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
         batch = {k: v.to(self.device) for k, v in batch.items()}
+        for lp_name, id_name in PADDED_TEACHER.items():  # v3 padding slots (id -1, log-prob -inf): finite, and no mass
+            if lp_name in batch:
+                batch[lp_name] = batch[lp_name].masked_fill(batch[id_name] == S_PAD_ID, L.PAD_LOGPROB)
         self._check_finite(batch)
         batch = _zero_outside_responses(batch)
         mask = batch["response_mask"]
@@ -230,7 +240,8 @@ class Trainer:
         support = self._support(batch, sel)
         ids_NK = batch["response_ids"][sel][:, None]  # column 0: the sampled token
         if support is not None:
-            ids_NK = torch.cat([ids_NK, support.long()], 1)
+            valid = support != S_PAD_ID  # [N, K]: False at v3 padding slots
+            ids_NK = torch.cat([ids_NK, support.long().clamp(min=0)], 1)
         full = cfg.loss.replace("full-", "") if cfg.loss in L.FULL_VOCABULARY else None
         inputs = (batch["input_ids"], batch["attention_mask"], batch["logit_positions"], sel)
         with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
@@ -253,9 +264,14 @@ class Trainer:
             s_K[sel] = lp_NK[:, 1:]  # [B, T, K] at the support ids
             if cfg.loss == "mc":
                 terms, st = L.mc_terms(s_K, batch["mc_sampling_logprobs"], batch["teacher_mc_logprobs"], cfg.importance_weights)
+            elif cfg.loss == "sampled-fkl":
+                terms, st = L.sampled_fkl_terms(s_K, batch["teacher_sampled_logprobs"], batch["teacher_sampled_counts"])
             else:
                 t_lp = batch["teacher_topk_logprobs"] if cfg.topk_support == "teacher" else batch["teacher_ref_topk_logprobs"]
-                terms, st = L.topk_terms(s_K, t_lp, cfg.loss.split("-")[1], cfg.tail)
+                valid_K = torch.ones_like(s_K, dtype=torch.bool)
+                valid_K[sel] = valid
+                tail = batch.get("teacher_topk_tail") if cfg.topk_support == "teacher" else None
+                terms, st = L.topk_terms(s_K, t_lp, cfg.loss.split("-")[1], cfg.tail, valid_K, tail)
         else:
             terms = s.new_zeros(B, T)
             terms[sel] = div_N.float()

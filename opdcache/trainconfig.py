@@ -29,7 +29,7 @@ class TrainConfig:
     teacher: str | None = None
     """Teacher table in the cache (default: the only one)."""
     loss: str = "lightning"
-    """lightning, is, mc, topk-fkl, topk-rkl, full-fkl, full-rkl or jsd."""
+    """lightning, is, mc, ppo, topk-fkl, topk-rkl, sampled-fkl, full-fkl, full-rkl or jsd."""
     steps: int = 150
     """Optimizer steps (papers/000 Table 6: 150)."""
     batch_size: int = 16
@@ -154,6 +154,8 @@ def stores_for(loss: str, topk_support: str = "teacher") -> tuple[tuple[str, ...
         return (("logprob", "topk"), ("base",)) if topk_support == "teacher" else (("logprob",), ("base", "ref_topk"))
     if loss == "mc":
         return ("logprob",), ("base", "mc")
+    if loss == "sampled-fkl":
+        return ("logprob", "sampled"), ("base",)
     return ("logprob",), ("base",)
 
 

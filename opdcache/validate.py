@@ -19,6 +19,8 @@ exactly that thing (tests/test_validate.py unless named):
 | rows | every per-token column as long as the response (hidden included, streamed) | ``per-token column length differs`` | test_hidden_rows_of_the_wrong_length_are_found_while_streaming |
 | rows | log-probs finite and not above 0; logsumexp finite | ``non-finite log-prob`` / ``log-prob above 0`` / ``non-finite logsumexp`` | test_row_level_problems_name_row_and_column, test_non_finite_values |
 | rows | top-k: unique ids, sorted descending, total probability at most 1 | ``duplicate token ids`` / ``not sorted descending`` / ``sum to more than 1`` | test_row_level_problems_name_row_and_column |
+| rows | v3 compact top-k: padding only in trailing slots, tail in [0, 1], kept mass + tail = 1 | ``padding (id -1, log-prob -inf)`` / ``tail outside [0, 1]`` | tests/test_compact.py test_validate_finds_damaged_compact_and_sampled_rows |
+| rows | v3 sampled store: ids in the vocabulary and distinct, counts sum to m (0 at padding), log-probs finite at entries | ``counts must sum to`` / ``duplicate token ids in a sampled row`` | tests/test_compact.py test_validate_finds_damaged_compact_and_sampled_rows |
 | rows | the sampled token's log-prob agrees with its top-k entry, and is not above the k-th when outside | ``disagrees with its top-k entry`` | test_logprob_and_topk_stores_must_agree |
 | rows | teacher rows aligned with the rollouts by ``id`` | ``id differs from the rollout row`` | test_teacher_rows_misaligned_or_inconsistent |
 | rows | the teacher log-prob rebuilt from the stored hidden state and head equals the stored one | ``log-prob rebuilt from hidden state and head differs`` | test_hidden_state_reconstruction_is_checked |
@@ -258,39 +260,78 @@ def _check_logprobs(file: str, column: str, values: np.ndarray, offsets: np.ndar
         out.rows(file, column, _row_of(offsets, np.flatnonzero(above)), "log-prob above 0")
 
 
-def _check_topk(file: str, prefix: str, ids: np.ndarray, lps: np.ndarray, offsets: np.ndarray, vocab: int | None, out: _Collector) -> None:
-    """ids, lps: [tokens, k]."""
+def _check_topk(file: str, prefix: str, ids: np.ndarray, lps: np.ndarray, offsets: np.ndarray, vocab: int | None, out: _Collector,
+                tail: np.ndarray | None = None, tol: float = 1e-3) -> None:
+    """ids, lps: [tokens, k]. ``tail`` given: the v3 compact store, whose trailing slots may be padding (id -1,
+    log-prob -inf) and whose kept probabilities plus tail sum to 1 within ``tol``."""
     col_ids, col_lps = f"{prefix}_ids", f"{prefix}_logprobs"
+    pad = ids == S.PAD_ID if tail is not None else np.zeros(ids.shape, bool)
     if vocab is not None:
-        bad = ((ids < 0) | (ids >= vocab)).any(axis=1)
+        bad = (((ids < 0) | (ids >= vocab)) & ~pad).any(axis=1)
         if bad.any():
             out.rows(file, col_ids, _row_of(offsets, np.flatnonzero(bad)), f"token id outside the vocabulary [0, {vocab})")
-    srt = np.sort(ids, axis=1)
+    if tail is not None:
+        misplaced = (pad[:, :-1] & ~pad[:, 1:]).any(axis=1) | pad[:, 0] | (pad != (lps == -np.inf)).any(axis=1)
+        if misplaced.any():
+            out.rows(file, col_ids, _row_of(offsets, np.flatnonzero(misplaced)),
+                     "padding (id -1, log-prob -inf) must fill the trailing slots only, after at least one entry")
+    srt = np.sort(np.where(pad, np.iinfo(np.int64).min + np.arange(ids.shape[1]), ids), axis=1)
     dup = (np.diff(srt, axis=1) == 0).any(axis=1)
     if dup.any():
         out.rows(file, col_ids, _row_of(offsets, np.flatnonzero(dup)), "duplicate token ids in a top-k row")
-    _check_logprobs(file, col_lps, lps, offsets, out)
-    unsorted = (np.diff(lps, axis=1) > 0).any(axis=1)
+    _check_logprobs(file, col_lps, np.where(pad, 0.0, lps), offsets, out)
+    with np.errstate(invalid="ignore"):
+        unsorted = (np.diff(lps, axis=1) > 0).any(axis=1)
     if unsorted.any():
         out.rows(file, col_lps, _row_of(offsets, np.flatnonzero(unsorted)), "top-k log-probs not sorted descending")
     mass = np.exp(lps.astype(np.float64)).sum(axis=1)
-    over = mass > 1 + 1e-3
+    over = mass > 1 + tol
     if over.any():
         out.rows(file, col_lps, _row_of(offsets, np.flatnonzero(over)), "top-k probabilities sum to more than 1")
+    if tail is not None:
+        bad_tail = ~((tail >= 0) & (tail <= 1)) | (np.abs(mass + tail - 1) > tol)
+        if bad_tail.any():
+            out.rows(file, f"{prefix}_tail", _row_of(offsets, np.flatnonzero(bad_tail)),
+                     f"tail outside [0, 1], or kept probabilities plus tail differ from 1 by more than {tol:g}")
 
 
 def _check_against_topk(file: str, column: str, sampled: np.ndarray, sampled_lp: np.ndarray, ids: np.ndarray,
-                        lps: np.ndarray, offsets: np.ndarray, out: _Collector) -> None:
-    """The sampled token's log-prob must equal its top-k entry, or lie below the k-th when outside top-k."""
+                        lps: np.ndarray, offsets: np.ndarray, out: _Collector, rel_tol: float = 0.0) -> None:
+    """The sampled token's log-prob must equal its top-k entry (within LOGPROB_TOL + rel_tol x |log-prob|: float16
+    storage), or lie below the last kept entry when outside top-k."""
     hit = ids == sampled[:, None]
     inside = hit.any(axis=1)
     at = np.where(inside, lps[np.arange(len(ids)), hit.argmax(axis=1)], np.nan)
-    mismatch = inside & (np.abs(at - sampled_lp) > LOGPROB_TOL)
+    tol = LOGPROB_TOL + (rel_tol * np.abs(np.nan_to_num(sampled_lp)) if rel_tol else 0.0)
+    mismatch = inside & (np.abs(at - sampled_lp) > tol)
     if mismatch.any():
         out.rows(file, column, _row_of(offsets, np.flatnonzero(mismatch)), "log-prob of the sampled token disagrees with its top-k entry")
-    above_kth = ~inside & (sampled_lp > lps[:, -1] + LOGPROB_TOL)
+    last = np.where(np.isfinite(lps), lps, np.inf).min(axis=1) if lps.shape[1] else np.full(len(ids), np.inf)
+    above_kth = ~inside & (sampled_lp > last + tol)
     if above_kth.any():
         out.rows(file, column, _row_of(offsets, np.flatnonzero(above_kth)), "sampled token is outside the top-k but more likely than the k-th")
+
+
+def _check_sampled(file: str, table: pa.Table, params: S.StoreParams, offsets: np.ndarray, vocab: int | None, out: _Collector) -> None:
+    """The sampled store: ids in the vocabulary or padding, distinct, counts summing to m (0 exactly at padding),
+    log-probs finite and not above 0 at entries, -inf at padding."""
+    ids = shards.token_values(table["sampled_ids"])
+    counts = shards.token_values(table["sampled_counts"])
+    lps = shards.token_values(table["sampled_logprobs"])
+    pad = ids == S.PAD_ID
+    checks = [
+        ("sampled_ids", ((ids < 0) | (ids >= (vocab or np.iinfo(np.int64).max))) & ~pad, f"token id outside the vocabulary [0, {vocab})"),
+        ("sampled_counts", (counts.sum(axis=1) != params.samples_per_position)[:, None] | ((counts == 0) != pad) | (counts < 0),
+         f"counts must sum to {params.samples_per_position} (samples_per_position), and be 0 exactly at padding"),
+        ("sampled_logprobs", (pad & (lps != -np.inf)) | (~pad & (~np.isfinite(lps) | (lps > 0))),
+         "log-probs must be finite and not above 0 at entries, -inf at padding"),
+    ]
+    srt = np.sort(np.where(pad, np.iinfo(np.int64).min + np.arange(ids.shape[1]), ids), axis=1)
+    checks.append(("sampled_ids", (np.diff(srt, axis=1) == 0), "duplicate token ids in a sampled row"))
+    for column, bad, message in checks:
+        rows = bad.any(axis=1) if bad.ndim == 2 else bad
+        if rows.any():
+            out.rows(file, column, _row_of(offsets, np.flatnonzero(rows)), message)
 
 
 def _check_base_rows(file: str, table: pa.Table, entry: dict, out: _Collector):
@@ -357,9 +398,16 @@ def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, par
         out.rows(file, "logsumexp", _row_of(offsets, np.flatnonzero(~np.isfinite(lse))), "non-finite logsumexp")
     vocab = entry["config"].get("vocab_size")
     if "topk_ids" in table.column_names:
-        ids_k, lps_k = shards.token_values(table["topk_ids"]), shards.token_values(table["topk_logprobs"])
-        _check_topk(file, "topk", ids_k, lps_k, offsets, vocab, out)
-        _check_against_topk(file, "logprobs", response, logprobs, ids_k, lps_k, offsets, out)
+        from opdcache.compact import decode_logprobs
+
+        ids_k = shards.token_values(table["topk_ids"])
+        lps_k = decode_logprobs(shards.token_values(table["topk_logprobs"]), table.schema.field("topk_logprobs"))
+        tail = shards.token_values(table["topk_tail"]) if "topk_tail" in table.column_names else None
+        half = params.topk_precision == "float16"
+        _check_topk(file, "topk", ids_k, lps_k, offsets, vocab, out, tail, tol=1e-2 if half else 1e-3)
+        _check_against_topk(file, "logprobs", response, logprobs, ids_k, lps_k, offsets, out, rel_tol=2.0 ** -10 if half else 0.0)
+    if "sampled_ids" in table.column_names:
+        _check_sampled(file, table, params, offsets, vocab, out)
     for name in ("ref_topk_logprobs", "mc_logprobs"):
         if name in table.column_names:
             _check_logprobs(file, name, shards.token_values(table[name]), offsets, out)

@@ -46,5 +46,6 @@ def hf_cache(tmp_path_factory, weights, opd_prompts):
     run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=out, num_shards=3,
                              sampling=SamplingConfig(max_new_tokens=40, samples=2, ref_top_k=5, mc_samples=3),
                              sft_teacher=weights / "teacher", reward="addition"))
-    run_score(ScoreJob(cache=out, teacher=weights / "teacher", stores=("logprob", "topk", "hidden", "svd"), top_k=6, svd_rank=16))
+    run_score(ScoreJob(cache=out, teacher=weights / "teacher", stores=("logprob", "topk", "hidden", "svd", "sampled"), top_k=6, svd_rank=16,
+                       samples_per_position=4))
     return out

@@ -78,6 +78,7 @@ class ScoreRequest:
     response_ids: Sequence[int]
     ref_topk_ids: np.ndarray | None = None  # [T, k]: also return the scorer's log-probs at these ids
     mc_ids: np.ndarray | None = None  # [T, m]
+    uniforms: np.ndarray | None = None  # [T, D] float64 in [0, 1): draw D tokens per position from the scorer (sampled store)
 
 
 @dataclass
@@ -90,6 +91,8 @@ class Scores:
     topk_logprobs: np.ndarray | None = None
     ref_topk_logprobs: np.ndarray | None = None  # [T, k_ref]
     mc_logprobs: np.ndarray | None = None  # [T, m]
+    sampled_ids: np.ndarray | None = None  # [T, D]: the draws for ScoreRequest.uniforms, in their order
+    sampled_logprobs: np.ndarray | None = None  # [T, D]
     hidden: object | None = None  # torch.Tensor [T, H] in the model's dtype
 
 

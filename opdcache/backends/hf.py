@@ -149,7 +149,8 @@ def _merge_top_k(z: torch.Tensor, offset: int, top_vals: torch.Tensor, top_ids: 
 
 
 def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor, top_k: int | None,
-                         ref_ids_PK: torch.Tensor | None = None, mc_ids_PM: torch.Tensor | None = None) -> dict:
+                         ref_ids_PK: torch.Tensor | None = None, mc_ids_PM: torch.Tensor | None = None,
+                         uniforms_PD: torch.Tensor | None = None) -> dict:
     """Log-prob of the sampled token, logsumexp, top-k and log-probs at given ids, streaming over the vocabulary.
 
     Logits are computed for all P positions against one slice of the unembedding at a time
@@ -158,6 +159,9 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     the requested ids picked up in the slice that holds them. Each element is the model's own logit
     (head matmul in the model's dtype, then float32 and the model's transforms), so the values equal those
     of ``model(...).logits`` at those positions, up to the order of the log-sum-exp additions.
+
+    With ``uniforms_PD`` ([P, D] float64 in [0, 1)), also D draws per position from the temperature-1 distribution by
+    inverse CDF over the vocabulary order (:func:`_draw_from_slices`): "sid" / "slp" = the drawn ids and their log-probs.
     """
     head = model.get_output_embeddings()
     W, b = head.weight, getattr(head, "bias", None)
@@ -172,6 +176,7 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     top_ids = torch.zeros((P, top_k or 0), dtype=torch.long, device=dev)
     picks = {k: (ids, torch.empty(ids.shape, device=dev)) for k, ids in (("rk", ref_ids_PK), ("mc", mc_ids_PM)) if ids is not None}
     rows = torch.arange(P, device=dev)
+    slice_mass = []  # draws: each slice's log-mass per position, [P] float32 each
     for a in range(0, V, C):
         z = hidden_PH @ W[a: a + C].T  # [P, C] in the model's dtype, as the model's own head computes it
         if b is not None:
@@ -187,16 +192,57 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
             out[r, c] = z[r, ids[r, c] - a]
         # exp(z - m) in place, after every read of z. Clamping at -80 changes no float32 sum (each such term is
         # below 2e-35 while the sum is at least 1) and avoids exp's slow path for underflowing inputs.
-        s = s * torch.exp(m - new_m) + z.sub_(new_m[:, None]).clamp_(min=-80.0).exp_().sum(-1)
+        in_slice = z.sub_(new_m[:, None]).clamp_(min=-80.0).exp_().sum(-1)
+        s = s * torch.exp(m - new_m) + in_slice
+        if uniforms_PD is not None:
+            slice_mass.append(new_m + torch.log(in_slice))
         m = new_m
     log_s = torch.log(s)
     # log-probs as (z - m) - log s, not z - (m + log s): the subtraction then rounds at |z - m|, not at |lse|
     out = {"lse": m + log_s, "lp": (target - m) - log_s}
+    if uniforms_PD is not None:
+        out["sid"], out["slp"] = _draw_from_slices(hidden_PH, W, b, transform, C, torch.stack(slice_mass, 1), out["lse"], uniforms_PD)
     if top_k:
         out["kid"], out["klp"] = top_ids, (top_vals - m[:, None]) - log_s[:, None]
     for key, (_, vals) in picks.items():
         out[key] = (vals - m[:, None]) - log_s[:, None]
     return out
+
+
+def _draw_from_slices(hidden_PH, W, b, transform, C: int, slice_lm_PS: torch.Tensor, lse_P: torch.Tensor,
+                      uniforms_PD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draws from softmax(logits) over the vocabulary order, in two levels: each uniform u first picks the
+    vocabulary slice whose cumulative mass (from the first pass's per-slice log-masses, float64) passes u, then the
+    token inside the slice from that slice's logits, recomputed for the positions that drew into it only. The token is
+    min{v : F(v) > u} whatever the slice width, up to float rounding at a CDF boundary (~1e-7 of a draw), so draws do not
+    depend on batching or device block sizes. Cost: the head rows of the hit (position, slice) pairs, a fraction of a
+    pass when D is small. Memory: [P, slices] float64 and one [positions hitting a slice, C] block."""
+    P, D = uniforms_PD.shape
+    dev = hidden_PH.device
+    lm = slice_lm_PS.double()
+    tot = torch.logsumexp(lm, 1, keepdim=True)
+    cum = torch.exp(lm - tot).cumsum(1)  # [P, S]
+    u = uniforms_PD.to(dev, torch.float64)
+    j = torch.searchsorted(cum, u, right=True).clamp_(max=cum.shape[1] - 1)  # [P, D]: the slice of each draw
+    before = torch.where(j > 0, cum.gather(1, (j - 1).clamp(min=0)), torch.zeros_like(u))
+    mass = torch.exp(lm.gather(1, j) - tot)
+    frac = ((u - before) / mass).clamp_(0.0, 1.0)  # where inside the slice's own mass the draw falls
+    ids = torch.empty((P, D), dtype=torch.long, device=dev)
+    lps = torch.empty((P, D), dtype=torch.float32, device=dev)
+    for sl in torch.unique(j).tolist():
+        r, c = (j == sl).nonzero(as_tuple=True)
+        rows, inverse = torch.unique(r, return_inverse=True)
+        a = sl * C
+        z = hidden_PH[rows] @ W[a: a + C].T
+        if b is not None:
+            z = z + b[a: a + C]
+        z = transform(z.float())
+        w = torch.exp((z - z.amax(-1, keepdim=True)).double()).cumsum(-1)
+        w = w / w[:, -1:]
+        col = torch.searchsorted(w[inverse], frac[r, c][:, None], right=True)[:, 0].clamp_(max=z.shape[1] - 1)
+        ids[r, c] = a + col
+        lps[r, c] = z[inverse, col] - lse_P[r]
+    return ids, lps
 
 
 def _top_p_mask(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -505,13 +551,15 @@ class TransformersBackend:
         sampled = torch.cat([torch.as_tensor(np.asarray(r.response_ids, dtype=np.int64)) for r in requests]).to(self.device)
         ref_ids = torch.cat([torch.as_tensor(r.ref_topk_ids.astype(np.int64)) for r in requests]).to(self.device) if requests[0].ref_topk_ids is not None else None
         mc_ids = torch.cat([torch.as_tensor(r.mc_ids.astype(np.int64)) for r in requests]).to(self.device) if requests[0].mc_ids is not None else None
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "lse", "kid", "klp", "rk", "mc")}
+        uniforms = torch.cat([torch.as_tensor(r.uniforms, dtype=torch.float64) for r in requests]) if requests[0].uniforms is not None else None
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "lse", "kid", "klp", "rk", "mc", "sid", "slp")}
         blocks = max(1, round(N / POSITION_BLOCK))  # equal blocks near POSITION_BLOCK: no small tail block re-reading the whole head
         bounds = [N * i // blocks for i in range(blocks + 1)]
         for start, end in zip(bounds, bounds[1:]):
             sl = slice(start, end)
             stats = streamed_logit_stats(self.model, hidden_NH[sl], sampled[sl], top_k,
-                                         None if ref_ids is None else ref_ids[sl], None if mc_ids is None else mc_ids[sl])
+                                         None if ref_ids is None else ref_ids[sl], None if mc_ids is None else mc_ids[sl],
+                                         None if uniforms is None else uniforms[sl])
             for key, value in stats.items():
                 parts[key].append(value)
         cat = {k: torch.cat(v).cpu() for k, v in parts.items() if v}
@@ -527,6 +575,8 @@ class TransformersBackend:
                 sc.ref_topk_logprobs = cat["rk"][sl].clamp(max=0).numpy()
             if "mc" in cat:
                 sc.mc_logprobs = cat["mc"][sl].clamp(max=0).numpy()
+            if "sid" in cat:
+                sc.sampled_ids, sc.sampled_logprobs = cat["sid"][sl].numpy(), cat["slp"][sl].clamp(max=0).numpy()
             if want_hidden:
                 sc.hidden = hidden_cpu[sl].clone()
             result.append(sc)

@@ -189,6 +189,9 @@ class VLLMBackend:
     def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False) -> list[Scores]:
         if hidden:
             raise ConfigError("vLLM offers no final hidden state at this version; score the hidden store with --backend transformers")
+        if requests and requests[0].uniforms is not None:
+            raise ConfigError("the sampled store draws from the teacher's full distribution, which vLLM does not return; "
+                              "score it with --backend transformers")
         need_ids = requests and (requests[0].ref_topk_ids is not None or requests[0].mc_ids is not None)
         if need_ids and self.vocab_size > FULL_ROW_MAX_VOCAB:
             raise ConfigError(
