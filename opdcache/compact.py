@@ -182,9 +182,12 @@ def distortion_sums(enc: dict) -> dict:
     k entries plus one tail bin, where a dropped entry's mass moves into the tail (sum, max, positions)."""
     kept = enc["ids"] != PAD_ID
     exact = enc["exact"].astype(np.float64)
-    err = np.abs(enc["logprobs"].astype(np.float64) - exact)[kept & np.isfinite(exact)]
+    ok = kept & np.isfinite(exact)
+    err = np.abs(enc["logprobs"].astype(np.float64)[ok] - exact[ok])
     p = np.exp(exact)
     p_tail = np.clip(1.0 - p.sum(1), 0.0, 1.0)
+    p_total = p.sum(1) + p_tail  # float32 log-probs can sum to 1 + 1e-7: compare normalised distributions
+    p, p_tail = p / p_total[:, None], p_tail / p_total
     q = np.where(kept, np.exp(enc["logprobs"].astype(np.float64)), 0.0)
     q_tail = enc["tail"].astype(np.float64)
     total = q.sum(1) + q_tail  # rounding moves a little mass: compare normalised distributions

@@ -89,3 +89,172 @@ def test_bad_settings_name_the_fix():
         TopkCodec(mass=1.5)
     with pytest.raises(ValueError, match=r"must both be \[T, k\]"):
         TopkCodec().encode(np.zeros((2, 3)), np.zeros((2, 4)))
+
+
+# ---------------------------------------------------------------- the v3 store: writer, readers, validate, estimators
+
+import json
+import shutil
+
+import pyarrow as pa
+import torch
+
+from opdcache import compact, losses as L, schema as S, shards
+
+
+def test_the_padded_form_keeps_a_rank_ordered_prefix_and_the_exact_tail():
+    ids, lps = adversarial_rows()
+    for precision, mass in (("float32", None), ("float16", None), ("float32", 1e-3), ("float16", 0.3)):
+        enc = compact.compact_topk(ids, lps, precision, mass)
+        ragged = TopkCodec(precision, mass).encode(ids, lps)
+        assert enc["counts"].tolist() == ragged["counts"].tolist()  # the same support as the codec
+        for t in range(len(ids)):
+            n = enc["counts"][t]
+            order = np.argsort(-lps[t], kind="stable")
+            assert enc["ids"][t, :n].tolist() == ids[t][order[:n]].tolist()  # most likely first
+            assert (enc["ids"][t, n:] == S.PAD_ID).all() and (enc["logprobs"][t, n:] == -np.inf).all()
+            kept_p = np.exp(lps[t][order[:n]].astype(np.float64)).sum()
+            assert enc["tail"][t] == pytest.approx(max(0.0, 1 - kept_p), abs=1e-6)
+        if precision == "float16":
+            assert enc["stored"].dtype == np.uint16
+            assert np.array_equal(enc["stored"].view(np.float16).astype(np.float32), enc["logprobs"])
+    lossless = compact.distortion_summary(compact.distortion_sums(compact.compact_topk(ids, lps, "float32", None)))
+    assert lossless["max_abs_logprob_error"] == 0 and lossless["max_moved_mass"] == 0 and lossless["max_kl_exact_to_compact"] < 1e-9
+    lossy = compact.distortion_summary(compact.distortion_sums(compact.compact_topk(ids, lps, "float16", 0.3)))
+    assert 0 < lossy["max_abs_logprob_error"] <= 80 * 2 ** -11 and 0 < lossy["max_moved_mass"] <= 0.3
+
+
+@pytest.fixture(scope="module")
+def compact_cache(hf_cache, weights, tmp_path_factory):
+    """hf_cache's rollouts scored again into an exact top-16 table and a compact one (float16, mass 1e-3)."""
+    from opdcache.scoring import ScoreJob, run_score
+
+    root = tmp_path_factory.mktemp("compact") / "cache"
+    shutil.copytree(hf_cache, root)
+    run_score(ScoreJob(cache=root, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=16, slug="exact16"))
+    result = run_score(ScoreJob(cache=root, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=16, slug="compact16",
+                                topk_precision="float16", topk_mass=1e-3))
+    return root, result
+
+
+def test_a_compact_table_is_v3_records_its_distortion_and_validates(compact_cache):
+    from opdcache.cache import Cache
+    from opdcache.validate import validate
+
+    root, result = compact_cache
+    cache = Cache(root)
+    entry = cache.table("teachers/compact16")
+    assert cache.manifest["format_version"] == 3 and entry["params"]["topk_precision"] == "float16"
+    assert "topk_precision" not in cache.table("teachers/exact16")["params"]  # a v1 table's params are written as v1 wrote them
+    assert S.params_from_schema(shards.read_schema(cache.shard_paths("teachers/exact16")[0]))[2] == 1
+    d = entry["topk"]["distortion"]
+    assert result["topk"] == entry["topk"]
+    assert d["positions"] == sum(s["tokens"] for s in entry["shards"])
+    assert 0 < d["max_abs_logprob_error"] <= 16 * 2 ** -11 and d["max_moved_mass"] <= 1e-3
+    assert [p for p in validate(root) if not p.warning] == []
+
+
+def _decode_card_recipe(row: dict, field: pa.Field) -> list[list[float]]:
+    """The card's decoding recipe for a compact top-k row, as a user runs it on a `datasets` row."""
+    dtype = (field.metadata or {}).get(b"opdcache.dtype")
+    out = []
+    for ids, values in zip(row["topk_ids"], row["topk_logprobs"]):
+        vals = np.asarray(values, dtype=np.uint16).view(np.float16).astype(np.float32) if dtype == b"float16" else np.asarray(values, np.float32)
+        out.append([float(v) for i, v in zip(ids, vals) if i != -1])
+    return out
+
+
+def test_compact_rows_read_back_in_datasets_and_duckdb_and_match_the_exact_table(compact_cache):
+    import datasets
+    import duckdb
+
+    from opdcache.cache import Cache
+
+    root, _ = compact_cache
+    cache = Cache(root)
+    cpath, epath = cache.shard_paths("teachers/compact16")[0], cache.shard_paths("teachers/exact16")[0]
+    ds = datasets.Dataset.from_parquet(str(cpath))
+    exact = shards.read_table(epath)
+    field = shards.read_schema(cpath).field("topk_logprobs")
+    for r in range(ds.num_rows):
+        row = ds[r]
+        decoded = _decode_card_recipe(row, field)
+        e_ids, e_lps = exact["topk_ids"][r].as_py(), exact["topk_logprobs"][r].as_py()
+        for t, lps in enumerate(decoded):
+            n = len(lps)
+            assert row["topk_ids"][t][:n] == e_ids[t][:n]  # the kept support is the exact top-k's prefix
+            assert np.allclose(lps, e_lps[t][:n], rtol=2 ** -11, atol=2 ** -24)
+            assert row["topk_tail"][t] == pytest.approx(max(0.0, 1 - np.exp(np.float64(e_lps[t][:n])).sum()), abs=1e-6)
+    rows = duckdb.sql(f"select count(*) as n, sum(len(topk_tail)) as t from read_parquet('{cpath}')").fetchall()[0]
+    assert rows == (ds.num_rows, sum(len(x) for x in ds["topk_tail"]))
+
+
+def test_validate_finds_damaged_compact_and_sampled_rows(compact_cache, hf_cache, tmp_path):
+    from opdcache.cache import Cache
+    from opdcache.validate import _Collector, _check_sampled, _check_topk
+
+    ids = np.array([[5, 7, -1, -1], [5, -1, 7, -1], [3, 4, 6, -1]])
+    lps = np.array([[-0.1, -2.5, -np.inf, -np.inf], [-0.1, -np.inf, -2.5, -np.inf], [-0.1, -3.0, -4.0, -np.inf]], np.float32)
+    kept = np.exp(lps.astype(np.float64)).sum(1)
+    tail = (1 - kept).astype(np.float32)
+    tail[2] = 1.5
+    out = _Collector()
+    _check_topk("f", "topk", ids, lps, np.arange(4), 100, out, tail)
+    messages = {(p.row, p.message.split(" (")[0].split(",")[0]) for p in out.problems if "sorted" not in p.message}
+    assert (1, "padding") in messages and (2, "tail outside [0") in messages and not any(r == 0 for r, _ in messages)
+    table = shards.read_table(Cache(hf_cache).shard_paths("teachers/teacher")[0])
+    counts = shards.token_values(table["sampled_counts"]).copy()
+    offsets = shards.list_offsets(table["logprobs"])
+    counts[3, 0] += 1  # one position's counts now sum to m + 1
+    damaged = table.set_column(table.schema.get_field_index("sampled_counts"), "sampled_counts",
+                               pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.FixedSizeListArray.from_arrays(pa.array(counts.ravel()), counts.shape[1])))
+    out = _Collector()
+    _check_sampled("f", damaged, Cache(hf_cache).params("teachers/teacher"), offsets, 1000, out)
+    assert [(p.row, p.column) for p in out.problems] == [(0, "sampled_counts")] and "sum to 4" in out.problems[0].message
+    out = _Collector()
+    _check_sampled("f", table, Cache(hf_cache).params("teachers/teacher"), offsets, 1000, out)
+    assert out.problems == []
+
+
+def test_padding_slots_hold_no_mass_in_the_top_k_estimators():
+    """A compact row's padded slots change nothing: the estimator equals the one on the kept entries alone, with the
+    same gradient, in both directions and with the stored tail."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.log_softmax(torch.randn(2, 3, 50, generator=g), -1)[..., :6].clone().requires_grad_(True)
+    t = torch.log_softmax(torch.randn(2, 3, 50, generator=g), -1)[..., :6]
+    valid = torch.ones(2, 3, 6, dtype=torch.bool)
+    valid[..., 4:] = False
+    tail = 1 - t[..., :4].exp().sum(-1)
+    for direction in ("fkl", "rkl"):
+        for use_tail in (False, True):
+            got, _ = L.topk_terms(s, t.masked_fill(~valid, float("-inf")), direction, use_tail, valid, tail if use_tail else None)
+            (gs,) = torch.autograd.grad(got.sum(), s)
+            s4 = s[..., :4]
+            want, _ = L.topk_terms(s4, t[..., :4], direction, use_tail)
+            (ws,) = torch.autograd.grad(want.sum(), s)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+            torch.testing.assert_close(gs, ws, rtol=0, atol=1e-6)
+            assert torch.isfinite(gs).all() and (gs[..., 4:] == 0).all()
+
+
+def test_sampled_fkl_is_the_forward_kl_in_expectation():
+    """Exact: counts at their expectation m * p over the whole vocabulary give KL(p || q) and its gradient. Empirical:
+    the mean over independent draws approaches it."""
+    g = torch.Generator().manual_seed(0)
+    V, m = 7, 12
+    p = torch.log_softmax(torch.randn(V, generator=g, dtype=torch.float64), -1)
+    q = torch.log_softmax(torch.randn(V, generator=g, dtype=torch.float64), -1).requires_grad_(True)
+    expected_counts = (m * p.exp())[None, None]
+    kl, _ = L.sampled_fkl_terms(q[None, None], p[None, None], expected_counts)
+    (grad,) = torch.autograd.grad(kl.sum(), q)
+    ref = (p.exp() * (p - q)).sum()
+    (ref_grad,) = torch.autograd.grad(ref, q)
+    torch.testing.assert_close(kl[0, 0], ref.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-12)
+    from opdcache.sampled import collapse
+
+    draws = torch.multinomial(p.exp(), 4000 * m, replacement=True, generator=g).view(4000, m).numpy()
+    uid, counts, lps = collapse(draws, p.numpy()[draws].astype(np.float32))
+    qv = q.detach().numpy()[np.maximum(uid, 0)]
+    est, _ = L.sampled_fkl_terms(torch.tensor(qv)[None], torch.tensor(lps.astype(np.float64))[None], torch.tensor(counts)[None])
+    assert abs(float(est.mean()) - float(ref.detach())) < 4 * float(est.std()) / np.sqrt(4000)

@@ -255,3 +255,58 @@ def test_float32_scorer_log_probs_round_at_the_logit_not_at_the_partition():
     old_err = float((old.double() - ref).abs().mean())
     assert float(stats["lse"].mean()) > 20 and new_err < 0.6 * old_err, (new_err, old_err)
     torch.testing.assert_close(stats["klp"].double(), torch.log_softmax(z64, -1).topk(4, -1).values, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("P, V, softcap", [(7, 3001, None), (5, 2048, 30.0), (3, 700, None)])
+def test_streamed_draws_equal_the_plain_inverse_cdf(P, V, softcap, monkeypatch):
+    """The sampled store's two-level draws (slice, then token) against a plain reference written apart: the float64
+    inverse CDF over the whole vocabulary, token = min{v : F(v) > u}. Equal except where u lies within rounding of a
+    CDF boundary; the drawn log-probs equal the full log-softmax at the drawn ids."""
+    import opdcache.backends.hf as hf
+
+    monkeypatch.setattr(hf, "LOGIT_BLOCK_BYTES", 1)  # 1,024-column slices: draws cross slice boundaries
+    model = _Head(V, 16, softcap)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(P, 16, generator=g) * 0.3  # a flat-ish distribution: draws land in every slice
+    u = torch.rand(P, 400, generator=g, dtype=torch.float64)
+    got = hf.streamed_logit_stats(model, h, torch.zeros(P, dtype=torch.long), None, uniforms_PD=u)
+    with torch.no_grad():
+        logits = h @ model.head.weight.T + model.head.bias
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        logp = torch.log_softmax(logits.double(), -1)
+    cdf = logp.exp().cumsum(-1)
+    want = torch.searchsorted(cdf, u, right=True).clamp(max=V - 1)
+    near = (cdf.gather(1, want) - u).abs().lt(1e-6) | (cdf.gather(1, (want - 1).clamp(min=0)) - u).abs().lt(1e-6)
+    assert bool(((got["sid"] == want) | near).all()), int((got["sid"] != want).sum())
+    assert float((got["sid"] == want).float().mean()) > 0.99
+    assert len(torch.unique(got["sid"] // 1024)) > 1 or V <= 1024
+    torch.testing.assert_close(got["slp"].double(), logp.gather(1, got["sid"]), atol=1e-5, rtol=0)
+
+
+def test_sampled_store_is_reproducible_and_batch_invariant(hf_cache, weights):
+    """Each row's draws depend on (seed, row id) alone: scoring a row alone or among others gives the same draws, and
+    their frequencies follow the teacher's distribution."""
+    from opdcache import shards
+    from opdcache.backends.hf import TransformersBackend
+    from opdcache.cache import Cache
+    from opdcache.scoring import score_requests
+
+    cache = Cache(hf_cache)
+    rows = shards.read_table(cache.shard_paths("rollouts")[0], ["id", "prompt_ids", "response_ids"])
+    backend = TransformersBackend(weights / "teacher", dtype="float32")
+    reqs = score_requests(rows, draws=64, seed=5)
+    together = backend.score(reqs)
+    alone = backend.score(reqs[2:3])
+    assert np.array_equal(together[2].sampled_ids, alone[0].sampled_ids)
+    again = backend.score(score_requests(rows, draws=64, seed=5)[:1])
+    assert np.array_equal(again[0].sampled_ids, together[0].sampled_ids)
+    other_seed = backend.score(score_requests(rows, draws=64, seed=6)[:1])
+    assert not np.array_equal(other_seed[0].sampled_ids, together[0].sampled_ids)
+    # frequencies of the 64 draws at every position against the teacher's probabilities: a chi-square-like bound
+    sc = together[0]
+    probs = np.exp(sc.sampled_logprobs.astype(np.float64))
+    for t in range(len(sc.sampled_ids)):
+        ids, counts = np.unique(sc.sampled_ids[t], return_counts=True)
+        p = probs[t][[list(sc.sampled_ids[t]).index(i) for i in ids]]
+        assert np.all(np.abs(counts / 64 - p) <= 5 * np.sqrt(p * (1 - p) / 64) + 1 / 64)
