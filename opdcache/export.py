@@ -15,7 +15,10 @@
 Each row holds the rollout's columns (ids, token ids, ``finish_reason``, ``sampling_logprobs``, ``ref_logprobs``,
 ``reward``, ``answer``), its prompt and response decoded with the cache's own tokenizer beside the ids (the ids
 stay the truth: text is for reading, never for re-tokenising), and one teacher's per-token columns prefixed
-``teacher_`` (``logprobs``, ``logsumexp`` and, when stored, ``topk_ids`` / ``topk_logprobs``). Hidden and svd
+``teacher_`` (``logprobs``, ``logsumexp`` and, when stored, ``topk_ids`` / ``topk_logprobs``, a compact top-k's
+``topk_tail``, the sampled store's ``sampled_ids`` / ``sampled_counts`` / ``sampled_logprobs``). v3 values are
+decoded to plain numbers: float16 log-probs to floats, and padding slots (id -1) dropped, so each position lists
+only its entries. Hidden and svd
 states are not exported (kilobytes per token; read them from the cache). Shards are converted one at a time, each
 written to a temporary name and renamed: memory is one shard, and a killed export leaves no partial file.
 """
@@ -33,7 +36,8 @@ from opdcache.errors import ConfigError
 FORMATS = ("jsonl", "parquet-flat", "lightning-opd")
 ROLLOUT_COLUMNS = ("id", "prompt_index", "sample_index", "prompt_ids", "response_ids", "finish_reason", "sampling_logprobs",
                    "ref_logprobs", "reward", "answer")
-TEACHER_COLUMNS = ("logprobs", "logsumexp", "topk_ids", "topk_logprobs")
+TEACHER_COLUMNS = ("logprobs", "logsumexp", "topk_ids", "topk_logprobs", "topk_tail", "sampled_ids", "sampled_counts", "sampled_logprobs")
+PADDED = {"topk_ids": ("topk_logprobs",), "sampled_ids": ("sampled_counts", "sampled_logprobs")}
 
 
 def export(cache_root: str | Path, to: str, out: str | Path, teacher: str | None = None, ref_logprobs: bool = False) -> dict:
@@ -127,6 +131,22 @@ def _lightning_opd_rows(rows: list[dict], tokenizer, ref_logprobs: bool) -> tupl
     return out, refused
 
 
+def _plain(trow: dict, half: bool) -> dict:
+    """A v3 teacher row's values as plain numbers: float16 bits decoded, padding slots (id -1) dropped, so each
+    position lists only its entries (ragged). v1 rows pass through unchanged."""
+    import numpy as np
+
+    if half:
+        trow["topk_logprobs"] = [np.asarray(v, np.uint16).view(np.float16).astype(np.float32).tolist() for v in trow["topk_logprobs"]]
+    for ids_name, partners in PADDED.items():
+        if ids_name not in trow or not any(i == -1 for pos in trow[ids_name] for i in pos):
+            continue
+        keep = [[j for j, i in enumerate(pos) if i != -1] for pos in trow[ids_name]]
+        for name in (ids_name,) + partners:
+            trow[name] = [[pos[j] for j in kept] for pos, kept in zip(trow[name], keep)]
+    return trow
+
+
 def _rows(rollout_path: Path, teacher_path: Path | None, tokenizer) -> list[dict]:
     r = shards.read_table(rollout_path)
     rows = r.select([c for c in ROLLOUT_COLUMNS if c in r.column_names]).to_pylist()
@@ -135,8 +155,9 @@ def _rows(rollout_path: Path, teacher_path: Path | None, tokenizer) -> list[dict
         if t["id"].to_pylist() != [row["id"] for row in rows]:
             raise ConfigError(f"{teacher_path} is not row-aligned with {rollout_path}; run `opdcache validate`")
         cols = [c for c in TEACHER_COLUMNS if c in t.column_names]
+        half = "topk_logprobs" in cols and (t.schema.field("topk_logprobs").metadata or {}).get(b"opdcache.dtype") == b"float16"
         for row, trow in zip(rows, t.select(cols).to_pylist()):
-            row.update({f"teacher_{k}": v for k, v in trow.items()})
+            row.update({f"teacher_{k}": v for k, v in _plain(trow, half).items()})
     for row in rows:
         row["prompt_text"] = tokenizer.decode(row["prompt_ids"])
         row["response_text"] = tokenizer.decode(row["response_ids"])

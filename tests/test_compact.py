@@ -154,14 +154,11 @@ def test_a_compact_table_is_v3_records_its_distortion_and_validates(compact_cach
     assert [p for p in validate(root) if not p.warning] == []
 
 
-def _decode_card_recipe(row: dict, field: pa.Field) -> list[list[float]]:
-    """The card's decoding recipe for a compact top-k row, as a user runs it on a `datasets` row."""
-    dtype = (field.metadata or {}).get(b"opdcache.dtype")
-    out = []
-    for ids, values in zip(row["topk_ids"], row["topk_logprobs"]):
-        vals = np.asarray(values, dtype=np.uint16).view(np.float16).astype(np.float32) if dtype == b"float16" else np.asarray(values, np.float32)
-        out.append([float(v) for i, v in zip(ids, vals) if i != -1])
-    return out
+def _card_code(root, heading: str) -> str:
+    import re
+
+    card = (root / "README.md").read_text()
+    return re.search(re.escape(heading) + r".*?```python\n(.*?)```", card, re.S).group(1)
 
 
 def test_compact_rows_read_back_in_datasets_and_duckdb_and_match_the_exact_table(compact_cache):
@@ -173,20 +170,44 @@ def test_compact_rows_read_back_in_datasets_and_duckdb_and_match_the_exact_table
     root, _ = compact_cache
     cache = Cache(root)
     cpath, epath = cache.shard_paths("teachers/compact16")[0], cache.shard_paths("teachers/exact16")[0]
-    ds = datasets.Dataset.from_parquet(str(cpath))
+    ds = datasets.load_dataset(str(root), "teacher-compact16", split="train")
     exact = shards.read_table(epath)
-    field = shards.read_schema(cpath).field("topk_logprobs")
-    for r in range(ds.num_rows):
-        row = ds[r]
-        decoded = _decode_card_recipe(row, field)
+    code = _card_code(root, "### Decoding the compact top-k in `teacher-compact16` (format v3: float16")
+    offset = 0
+    for r in range(shards.open_parquet(cpath).metadata.num_rows):  # the first shard's rows come first
+        scope = {"row": ds[offset + r]}
+        exec(code, scope)  # the card's own recipe, on a `datasets` row
         e_ids, e_lps = exact["topk_ids"][r].as_py(), exact["topk_logprobs"][r].as_py()
-        for t, lps in enumerate(decoded):
-            n = len(lps)
-            assert row["topk_ids"][t][:n] == e_ids[t][:n]  # the kept support is the exact top-k's prefix
-            assert np.allclose(lps, e_lps[t][:n], rtol=2 ** -11, atol=2 ** -24)
-            assert row["topk_tail"][t] == pytest.approx(max(0.0, 1 - np.exp(np.float64(e_lps[t][:n])).sum()), abs=1e-6)
+        for t, entries in enumerate(scope["entries"]):
+            n = len(entries)
+            assert list(entries) == e_ids[t][:n]  # the kept support is the exact top-k's prefix, in rank order
+            assert np.allclose(list(entries.values()), e_lps[t][:n], rtol=2 ** -11, atol=2 ** -24)
+            assert scope["tail"][t] == pytest.approx(max(0.0, 1 - np.exp(np.float64(e_lps[t][:n])).sum()), abs=1e-6)
     rows = duckdb.sql(f"select count(*) as n, sum(len(topk_tail)) as t from read_parquet('{cpath}')").fetchall()[0]
-    assert rows == (ds.num_rows, sum(len(x) for x in ds["topk_tail"]))
+    shard = shards.read_table(cpath)
+    assert rows == (shard.num_rows, sum(len(x) for x in shard["topk_tail"].to_pylist()))
+
+
+def test_the_cards_sampled_recipe_and_the_exports_give_plain_values(compact_cache, tmp_path):
+    import datasets
+
+    from opdcache.export import export
+
+    root, _ = compact_cache
+    row = datasets.load_dataset(str(root), "teacher-teacher", split="train")[0]
+    scope = {"row": row}
+    exec(_card_code(root, "### Reading the sampled store in `teacher-teacher`"), scope)
+    assert all(sum(d.values()) == 4 for d in scope["draws"]) and len(scope["draws"]) == len(row["logprobs"])
+    export(root, "jsonl", tmp_path / "j", teacher="compact16")
+    export(root, "parquet-flat", tmp_path / "p", teacher="teacher")
+    first = json.loads((tmp_path / "j" / "rollouts.jsonl").read_text().splitlines()[0])
+    assert all(-1 not in pos for pos in first["teacher_topk_ids"])
+    assert [len(a) for a in first["teacher_topk_ids"]] == [len(a) for a in first["teacher_topk_logprobs"]]
+    assert all(isinstance(v, float) and v <= 0 for pos in first["teacher_topk_logprobs"] for v in pos)
+    assert len(first["teacher_topk_tail"]) == len(first["response_ids"])
+    flat = datasets.Dataset.from_parquet(str(sorted((tmp_path / "p").glob("*.parquet"))[0]))[0]
+    assert [sum(c) for c in flat["teacher_sampled_counts"]] == [4] * len(flat["response_ids"])
+    assert all(-1 not in pos and len(pos) == len(c) for pos, c in zip(flat["teacher_sampled_ids"], flat["teacher_sampled_counts"]))
 
 
 def test_validate_finds_damaged_compact_and_sampled_rows(compact_cache, hf_cache, tmp_path):
