@@ -28,6 +28,7 @@ def score_teacher(
     sample_seed: Annotated[int, typer.Option("--sample-seed", help="Seed of the sampled store's draws.")] = 0,
     svd_rank: Annotated[Optional[int], typer.Option("--svd-rank", help="Rank of the svd store.", show_default=False)] = None,
     svd_method: Annotated[str, typer.Option("--svd-method", help="naive, importance or prob-weighted (papers/002).")] = "importance",
+    svd_dtype: Annotated[str, typer.Option("--svd-dtype", help="bfloat16 (format v3, half the bytes; its rounding is in the recorded distortion) or float32.")] = "bfloat16",
     name: Annotated[Optional[str], typer.Option("--name", help="Teacher table name (default: the teacher directory's name).", show_default=False)] = None,
     allow_inconsistent_teacher: Annotated[bool, typer.Option("--allow-inconsistent-teacher", help="Score even if this is not pi_ref's SFT teacher.")] = False,
     backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", deterministic: O.Deterministic = False,
@@ -47,7 +48,7 @@ def score_teacher(
 
     job = ScoreJob(cache=cache, teacher=teacher, revision=revision, stores=tuple(s.strip() for s in store.split(",") if s.strip()), top_k=top_k,
                    topk_precision=topk_precision, topk_mass=topk_mass, samples_per_position=samples_per_position, sample_seed=sample_seed,
-                   svd_rank=svd_rank, svd_method=svd_method, slug=name, allow_inconsistent_teacher=allow_inconsistent_teacher,
+                   svd_rank=svd_rank, svd_method=svd_method, svd_dtype=svd_dtype, slug=name, allow_inconsistent_teacher=allow_inconsistent_teacher,
                    engine=EngineConfig(backend=backend, dtype=dtype, device=device, deterministic=deterministic,
                                        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
                                        max_batch_tokens=max_batch_tokens),
@@ -88,6 +89,29 @@ def finalize(cache: O.CachePath,
     typer.echo(f"{cache}: {table} finalized")
 
 
+def upgrade(
+    cache: O.CachePath,
+    teacher: Annotated[Optional[str], typer.Option("--teacher", help="The exact top-k teacher table to compact (default: the only one).", show_default=False)] = None,
+    topk_precision: Annotated[Optional[str], typer.Option("--topk-precision", help="float32 or float16 log-probs.", show_default=False)] = "float16",
+    topk_mass: Annotated[Optional[float], typer.Option("--topk-mass", help="Keep entries until the mass left out is at most this (1e-4: the exact top-128's fidelity; 1e-3: the fast path).", show_default=False)] = 1e-4,
+    name: Annotated[Optional[str], typer.Option("--name", help="The new table's name (default: <teacher>-compact).", show_default=False)] = None,
+    progress: O.Progress = None,
+) -> None:
+    """Re-encode an exact top-k teacher table as a v3 compact one, beside it, without the teacher model.
+
+    v1 and v2 caches need no upgrade: they read, validate and train unchanged. The compact form is lossy, so it is
+    written as a new table teachers/<name> (the source is never touched; its distortion is recorded as score-teacher
+    records it) rather than in place. Memory: one shard's columns."""
+    from opdcache.upgrade import run_upgrade
+
+    res = run_upgrade(cache, teacher, topk_precision, topk_mass, name, progress)
+    d = res["topk"]["distortion"]
+    typer.echo(f"{res['table']}: {res['topk']['precision']} log-probs, mass {res['topk']['mass']}, {d['mean_entries']:.1f} entries a position "
+               f"(from {res['source']}); |log-prob error| max {d['max_abs_logprob_error']:.2e}, mass moved into the tail max "
+               f"{d['max_moved_mass']:.2e}; wrote shards {res['written'] or 'none (all present)'}")
+
+
 def register(app: typer.Typer) -> None:
     app.command("score-teacher")(score_teacher)
+    app.command()(upgrade)
     app.command()(finalize)

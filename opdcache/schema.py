@@ -133,7 +133,7 @@ TEACHER_COLUMNS: tuple[Column, ...] = (
            "logits = hidden @ weight.T (+ bias). Stored bit-exact in the teacher's compute dtype: float32 as float32; "
            "bfloat16 and float16 as their raw 16-bit patterns in uint16 (field metadata opdcache.dtype names which).",
            width="hidden_size", requires=("hidden_size",)),
-    Column("svd", "token_vector", "float32", "svd",
+    Column("svd", "token_vector", "svd", "svd",
            "Teacher final hidden state projected to rank r by the encoder in svd.safetensors (z = hidden @ encoder); "
            "approximate logits = z @ decoder.T (+ bias).", width="svd_rank", requires=("svd_rank",)),
     Column("sampled_ids", "token_vector", "int32", "sampled",
@@ -175,8 +175,10 @@ class StoreParams:
     """v3 compact top-k: keep entries until the residual teacher mass is at most this (None: all k)."""
     samples_per_position: int | None = None
     """v3 sampled store: teacher draws per position (m)."""
+    svd_dtype: str | None = None
+    """v3 svd store: "bfloat16" keeps z as bfloat16 bits in uint16 (None: float32, as v1)."""
 
-    NEWER = ("topk_precision", "topk_mass", "samples_per_position")
+    NEWER = ("topk_precision", "topk_mass", "samples_per_position", "svd_dtype")
     """Fields added after v1: written only when set, so older tables keep their exact bytes and fingerprints."""
 
     @property
@@ -210,6 +212,8 @@ class StoreParams:
             raise ConfigError("--topk-precision and --topk-mass shape the topk store: add --store topk")
         if self.samples_per_position is not None and not (isinstance(self.samples_per_position, int) and 1 <= self.samples_per_position <= 255):
             raise ConfigError(f"--samples-per-position must be an integer in [1, 255], got {self.samples_per_position!r}")
+        if self.svd_dtype not in (None, "bfloat16"):
+            raise ConfigError(f"svd_dtype must be bfloat16 or unset (float32), got {self.svd_dtype!r}")
         if "sampled" in self.stores and self.samples_per_position is None:
             raise ConfigError("the sampled store needs samples_per_position (--samples-per-position)")
 
@@ -263,6 +267,9 @@ def arrow_field(kind: str, col: Column, params: StoreParams) -> pa.Field:
         if col.dtype == "hidden":
             elem = hidden_storage_type(params.hidden_dtype)
             metadata = {FIELD_DTYPE: params.hidden_dtype.encode()}
+        elif col.dtype == "svd":  # v1: float32; v3: bfloat16 as its raw bits
+            elem = hidden_storage_type(params.svd_dtype or "float32")
+            metadata = {FIELD_DTYPE: b"bfloat16"} if params.svd_dtype else None
         elif col.dtype == "topk":  # v1: float32; v3 compact: float32, or float16 as its raw bits
             precision = params.topk_precision or "float32"
             elem = hidden_storage_type(precision)
@@ -275,7 +282,8 @@ def arrow_field(kind: str, col: Column, params: StoreParams) -> pa.Field:
 
 def version_of(params: StoreParams) -> int:
     """The lowest format version holding every store of ``params``."""
-    return max([1] + [STORE_SINCE.get(store, 1) for store in params.stores] + [3 if params.topk_compact else 1])
+    newer = params.topk_compact or ("svd" in params.stores and params.svd_dtype)
+    return max([1] + [STORE_SINCE.get(store, 1) for store in params.stores] + [3 if newer else 1])
 
 
 def arrow_schema(kind: str, params: StoreParams, config_fingerprint: str = "") -> pa.Schema:
@@ -304,6 +312,8 @@ def describe(version: int = FORMAT_VERSION) -> dict:
         d = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("requires", "since")} | {"requires": list(c.requires)}
         if c.dtype == "topk":  # written "float32" before v3 added the float16 form; the same column either way
             d["dtype"] = "float32" if version < 3 else "float32, or float16 bits in uint16 (v3 compact, field metadata opdcache.dtype)"
+        if c.dtype == "svd":
+            d["dtype"] = "float32" if version < 3 else "float32, or bfloat16 bits in uint16 (v3 svd_dtype, field metadata opdcache.dtype)"
         return d
 
     out = {

@@ -45,6 +45,9 @@ class ScoreJob:
     """Rank of the svd store."""
     svd_method: str = "importance"
     """naive, importance or prob-weighted (papers/002)."""
+    svd_dtype: str = "bfloat16"
+    """Precision of the stored svd states: bfloat16 (format v3; its rounding is inside the recorded distortion) or
+    float32 (v1)."""
     topk_precision: str | None = None
     """Compact top-k (format v3): float32 or float16 log-probs. None with no --topk-mass: the exact v1 store."""
     topk_mass: float | None = None
@@ -85,6 +88,8 @@ class ScoreJob:
             raise ConfigError(f"--samples-per-position must be between 1 and 255 with --store sampled, got {self.samples_per_position}")
         if self.samples_per_position is not None and "sampled" not in stores:
             raise ConfigError("--samples-per-position sets the sampled store: add --store sampled")
+        if self.svd_dtype not in ("bfloat16", "float32"):
+            raise ConfigError(f"--svd-dtype must be bfloat16 or float32, got {self.svd_dtype!r}")
         if "svd" in stores and not (self.svd_rank and self.svd_rank >= 1):
             raise ConfigError(f"--svd-rank must be a positive integer with --store svd, got {self.svd_rank}")
         from opdcache.svd import METHODS
@@ -181,6 +186,10 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
             sums.append(compact.distortion_sums(enc))
         if params.samples_per_position:
             rec["sampled_ids"], rec["sampled_counts"], rec["sampled_logprobs"] = collapse(sc.sampled_ids, sc.sampled_logprobs)
+        if proj is not None and params.svd_dtype == "bfloat16":  # rounded after the finiteness check, as its bits
+            import torch
+
+            rec["svd"] = shards.hidden_to_numpy(torch.from_numpy(rec["svd"]).to(torch.bfloat16))
         records.append(rec)
     if params.topk_compact:
         records.meta[compact.DISTORTION_META] = json.dumps(compact.merge_sums(sums), sort_keys=True).encode()
@@ -215,6 +224,7 @@ def run_score(job: ScoreJob) -> dict:
         mc_samples=base_params.mc_samples, hidden_size=H if "hidden" in job.stores else None,
         hidden_dtype=hidden_dtype if "hidden" in job.stores else None, svd_rank=job.svd_rank if "svd" in job.stores else None,
         topk_precision=job.topk_precision, topk_mass=job.topk_mass, samples_per_position=job.samples_per_position,
+        svd_dtype="bfloat16" if "svd" in job.stores and job.svd_dtype == "bfloat16" else None,
     )
     slug = job.table_slug
     config = {"teacher": info["fingerprint"], "engine": engine.fingerprint_view() | {"engine_version": backend.version},
@@ -275,8 +285,9 @@ def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):
     head = backend.model.get_output_embeddings()
     W, b = head.weight.detach(), None if getattr(head, "bias", None) is None else head.bias.detach().float()
     chosen = svd.fit(W, b, calib, job.svd_rank, job.svd_method)
-    measured = {job.svd_method: svd.distortion(chosen, W, b, held) | {"rank": job.svd_rank}}
-    info = {"method": job.svd_method, "rank": job.svd_rank, "calibration_positions": int(calib.shape[0]),
+    dtype = "bfloat16" if job.svd_dtype == "bfloat16" else None
+    measured = {job.svd_method: svd.distortion(chosen, W, b, held, store_dtype=dtype) | {"rank": job.svd_rank}}
+    info = {"method": job.svd_method, "rank": job.svd_rank, "dtype": job.svd_dtype, "calibration_positions": int(calib.shape[0]),
             "heldout_positions": int(held.shape[0]), "distortion": measured}
     svd.save(chosen, path, info)
     return chosen, info

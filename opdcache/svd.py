@@ -162,9 +162,11 @@ def _streamed_argmax(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, c
     return arg
 
 
-def distortion(proj: SVDProjection, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, held_NH: torch.Tensor, chunk: int = 8192) -> dict:
+def distortion(proj: SVDProjection, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, held_NH: torch.Tensor, chunk: int = 8192,
+               store_dtype: str | None = None) -> dict:
     """Mean KL(true || reconstructed) in nats and top-1 agreement on held-out hidden states, streamed over
-    [BLOCK, chunk] blocks (opdcache/divergence.py's online KL): memory never grows with positions x vocabulary."""
+    [BLOCK, chunk] blocks (opdcache/divergence.py's online KL): memory never grows with positions x vocabulary.
+    ``store_dtype="bfloat16"``: z is rounded to bfloat16 first, as the store keeps it."""
     from opdcache.divergence import chunked_divergence
 
     W = weight_VH.float()
@@ -174,6 +176,8 @@ def distortion(proj: SVDProjection, weight_VH: torch.Tensor, bias_V: torch.Tenso
         for start in range(0, held_NH.shape[0], BLOCK):
             h = held_NH[start: start + BLOCK].float()
             z = proj.encode(h)
+            if store_dtype == "bfloat16":
+                z = z.to(torch.bfloat16).float()
             # "student" = the reconstruction (z, decoder), "teacher" = the true logits: fkl is KL(true || reconstructed)
             kl_sum += float(chunked_divergence("fkl", z, proj.decoder, h, W, proj.bias, b, chunk=chunk).double().sum())
             agree += int((_streamed_argmax(h, W, b, chunk) == _streamed_argmax(z, proj.decoder, proj.bias, chunk)).sum())

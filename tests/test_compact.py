@@ -95,6 +95,7 @@ def test_bad_settings_name_the_fix():
 
 import json
 import shutil
+from pathlib import Path
 
 import pyarrow as pa
 import torch
@@ -279,3 +280,41 @@ def test_sampled_fkl_is_the_forward_kl_in_expectation():
     qv = q.detach().numpy()[np.maximum(uid, 0)]
     est, _ = L.sampled_fkl_terms(torch.tensor(qv)[None], torch.tensor(lps.astype(np.float64))[None], torch.tensor(counts)[None])
     assert abs(float(est.mean()) - float(ref.detach())) < 4 * float(est.std()) / np.sqrt(4000)
+
+
+def test_upgrade_writes_the_same_compact_table_as_scoring_and_leaves_the_source(compact_cache):
+    """`opdcache upgrade` re-encodes the exact top-16 table beside it: its compact columns equal those score-teacher
+    wrote with the same settings, its recorded distortion too, and the source table is unchanged."""
+    from opdcache.cache import Cache
+    from opdcache.errors import ConfigError
+    from opdcache.upgrade import run_upgrade
+
+    root, _ = compact_cache
+    before = Cache(root).table("teachers/exact16")
+    res = run_upgrade(root, "exact16", "float16", 1e-3, name="exact16-up")
+    cache = Cache(root)
+    assert cache.table("teachers/exact16") == before
+    assert res["topk"] == cache.table("teachers/compact16")["topk"]
+    for a, b in zip(cache.shard_paths("teachers/exact16-up"), cache.shard_paths("teachers/compact16")):
+        ta, tb = shards.read_table(a), shards.read_table(b)
+        for col in ("id", "logprobs", "topk_ids", "topk_logprobs", "topk_tail"):
+            assert ta[col].equals(tb[col]), col
+    with pytest.raises(ConfigError, match="already a compact top-k"):
+        run_upgrade(root, "compact16", "float16", 1e-4)
+    with pytest.raises(ConfigError, match="has no topk store"):
+        run_upgrade(_without_topk(root), None, "float16", 1e-4)
+
+
+def _without_topk(root):
+    """A copy of the cache holding only a logprob-store teacher table."""
+    import tempfile
+
+    from opdcache.scoring import ScoreJob, run_score
+
+    out = Path(tempfile.mkdtemp()) / "c"
+    shutil.copytree(root, out, ignore=shutil.ignore_patterns("teachers"))
+    manifest = json.loads((out / "opdcache.json").read_text())
+    manifest["tables"] = {k: v for k, v in manifest["tables"].items() if not k.startswith("teachers/")}
+    (out / "opdcache.json").write_text(json.dumps(manifest))
+    run_score(ScoreJob(cache=out, teacher=Path(__file__).parent.parent / "opdcache" / "demo" / "weights" / "teacher"))
+    return out

@@ -333,4 +333,11 @@ def run_staleness_ablation(cfg: DemoConfig) -> DemoReport:
     return run(cfg)
 
 
-ABLATIONS = {"consistency": run_consistency_ablation, "quantized": run_quantized_ablation, "staleness": run_staleness_ablation}
+def run_storage_ablation(cfg: DemoConfig) -> DemoReport:
+    from opdcache.demo.storage import run_storage_ablation as run
+
+    return run(cfg)
+
+
+ABLATIONS = {"consistency": run_consistency_ablation, "quantized": run_quantized_ablation, "staleness": run_staleness_ablation,
+             "storage": run_storage_ablation}
