@@ -54,6 +54,9 @@ def synthetic_teacher(tokens: int, seq_len: int, seed: int = 0):
         outside = torch.ones_like(logp, dtype=torch.bool).scatter_(1, top128_ids, False)
         teacher_tail = (logp.double().exp() * outside).sum(-1)
         student_tail = (q.double().exp() * outside).sum(-1)
+        # RS-KD draws: 32 i.i.d. tokens per position from the teacher (the first m of them are m i.i.d. draws)
+        draws = torch.multinomial(logp.exp(), 32, replacement=True, generator=g)
+        draw_teacher, draw_student = logp.gather(1, draws), q.gather(1, draws)
         scale = torch.exp(torch.randn(H, generator=g) * 0.7)
         hidden = (torch.randn(T, H, generator=g) * scale).to(torch.bfloat16)
         rows.append(dict(
@@ -62,6 +65,7 @@ def synthetic_teacher(tokens: int, seq_len: int, seed: int = 0):
             hidden=shards.hidden_to_numpy(hidden), svd=(torch.randn(T, 512, generator=g) * 3).numpy(),
             student_top128=student_top.numpy(), fkl_full=fkl_full.double().numpy(),
             teacher_tail128=teacher_tail.numpy(), student_tail128=student_tail.numpy(),
+            draws=draws.numpy(), draw_teacher=draw_teacher.numpy(), draw_student=draw_student.numpy(),
         ))
         del logits, logp, q
     return rows, float(np.mean(entropies))
@@ -216,6 +220,63 @@ def topk_frontier(rows, n_tokens: int) -> None:
               f"{np.abs(err - base).max():>21.2e}")
 
 
+def v3_stores(rows, n_tokens: int) -> None:
+    """The v3 stores as opdcache's writer writes them (schema, padding, encodings): compact top-128 at the documented
+    settings, and the sampled store at m = 4-32, each with its measured forward-KL fidelity against the full vocabulary.
+    For the sampled store the estimator is unbiased; its per-position error is sampling noise, so the table gives the
+    bias over all positions (mean of estimate - exact) beside the per-position spread."""
+    from opdcache import compact
+    from opdcache.sampled import collapse
+
+    print("\nv3 stores written by opdcache's writer (k=128 source), bytes/token of the store's columns and forward-KL fidelity")
+    header = f"{'store':<38} {'B/token':>8} {'entries':>8} {'max|FKL-FKL_full|':>18} {'mean':>9} {'bias':>10}"
+    print(header)
+    print("-" * len(header))
+    fkl_full = np.concatenate([r["fkl_full"] for r in rows])
+    settings = [("exact top-128 (v1)", None, None), ("compact top-128 float16, mass 1e-4", "float16", 1e-4),
+                ("compact top-128 float16, mass 1e-3", "float16", 1e-3), ("compact top-128 float32, mass 1e-4", "float32", 1e-4)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, precision, mass in settings:
+            params = S.StoreParams(stores=("logprob", "topk"), top_k=128, topk_precision=precision, topk_mass=mass)
+            records, est, entries = [], [], []
+            for r in rows:
+                rec = {"id": r["id"], "logprobs": r["logprobs"], "logsumexp": r["logsumexp"], "topk_ids": r["top128_ids"], "topk_logprobs": r["top128_lp"]}
+                kept = np.ones(r["top128_ids"].shape, bool)
+                lp_dec, tail = r["top128_lp"], r["teacher_tail128"]
+                if params.topk_compact:
+                    enc = compact.compact_topk(r["top128_ids"], r["top128_lp"], precision, mass)
+                    order = np.argsort(-r["top128_lp"], axis=1, kind="stable")  # enc is in rank order, the source too
+                    assert np.array_equal(np.take_along_axis(r["top128_ids"], order, 1)[enc["ids"] != -1], enc["ids"][enc["ids"] != -1])
+                    rec.update(topk_ids=enc["ids"], topk_logprobs=enc["stored"], topk_tail=enc["tail"])
+                    kept, lp_dec, tail = enc["ids"] != -1, enc["logprobs"], enc["tail"].astype(np.float64)
+                entries.append(kept.sum(1))
+                qs = r["student_top128"]  # rank order too (top-k of the teacher)
+                q_exp = np.exp(qs.astype(np.float64))
+                q_tail = r["student_tail128"] + np.where(kept, 0.0, q_exp).sum(1)
+                est.append(_fkl_topk([lp[k] for lp, k in zip(lp_dec, kept)], [q[k] for q, k in zip(qs, kept)], tail, q_tail))
+                records.append(rec)
+            path = Path(tmp) / f"{label.replace(' ', '_')}.parquet"
+            shards.write_table_atomic(shards.build_table("teacher", params, records), path, tmp)
+            sizes = column_bytes(path.read_bytes())
+            per = sum(v for k, v in sizes.items() if k.startswith("topk")) / n_tokens
+            err = np.concatenate(est) - fkl_full
+            print(f"{label:<38} {per:>8.1f} {np.concatenate(entries).mean():>8.1f} {np.abs(err).max():>18.2e} {np.abs(err).mean():>9.2e} {err.mean():>10.2e}")
+        for m in (4, 8, 12, 32):
+            params = S.StoreParams(stores=("logprob", "sampled"), samples_per_position=m)
+            records, est = [], []
+            for r in rows:
+                ids, counts, lps = collapse(r["draws"][:, :m], r["draw_teacher"][:, :m])
+                records.append({"id": r["id"], "logprobs": r["logprobs"], "logsumexp": r["logsumexp"],
+                                "sampled_ids": ids, "sampled_counts": counts, "sampled_logprobs": lps})
+                est.append((r["draw_teacher"][:, :m].astype(np.float64) - r["draw_student"][:, :m]).mean(1))  # = (1/m) sum c (p - q)
+            path = Path(tmp) / f"sampled{m}.parquet"
+            shards.write_table_atomic(shards.build_table("teacher", params, records), path, tmp)
+            per = sum(v for k, v in column_bytes(path.read_bytes()).items() if k.startswith("sampled")) / n_tokens
+            err = np.concatenate(est) - fkl_full
+            entries = np.mean([(rec["sampled_ids"] != -1).sum(1).mean() for rec in records])
+            print(f"{f'sampled (RS-KD), m={m}':<38} {per:>8.1f} {entries:>8.1f} {np.abs(err).max():>18.2e} {np.abs(err).mean():>9.2e} {err.mean():>10.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -245,6 +306,7 @@ def main() -> None:
             per = lambda sizes: sum(sizes[c] for c in cols) / n  # noqa: E731
             print(f"{name:<13} {raw:>10,.0f} {per(ours):>15,.1f} {raw / per(ours):>6.2f}x {per(alt['plain+zstd']):>11,.1f} {per(alt['plain+snappy']):>13,.1f}")
     topk_frontier(rows, n)
+    v3_stores(rows, n)
     print(f"\nfull logits for reference: {V * 2:,} B/token raw in bf16, {V * 4:,} in float32")
     print("DistillKit's published figure for top-k at k=128: ~300 B/token")
 

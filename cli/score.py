@@ -27,7 +27,7 @@ def score_teacher(
         "again.", show_default=False)] = None,
     sample_seed: Annotated[int, typer.Option("--sample-seed", help="Seed of the sampled store's draws.")] = 0,
     svd_rank: Annotated[Optional[int], typer.Option("--svd-rank", help="Rank of the svd store.", show_default=False)] = None,
-    svd_method: Annotated[str, typer.Option("--svd-method", help="naive, importance or prob-weighted (papers/002).")] = "importance",
+    svd_method: Annotated[str, typer.Option("--svd-method", help="naive, importance or prob-weighted (papers/002; the default: on SmolLM2 it has 3-5x less KL than importance at equal rank, BENCHMARKS.md).")] = "prob-weighted",
     svd_dtype: Annotated[str, typer.Option("--svd-dtype", help="bfloat16 (format v3, half the bytes; its rounding is in the recorded distortion) or float32.")] = "bfloat16",
     name: Annotated[Optional[str], typer.Option("--name", help="Teacher table name (default: the teacher directory's name).", show_default=False)] = None,
     allow_inconsistent_teacher: Annotated[bool, typer.Option("--allow-inconsistent-teacher", help="Score even if this is not pi_ref's SFT teacher.")] = False,

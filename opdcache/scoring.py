@@ -43,7 +43,7 @@ class ScoreJob:
     """Width of the teacher's own top-k store."""
     svd_rank: int | None = None
     """Rank of the svd store."""
-    svd_method: str = "importance"
+    svd_method: str = "prob-weighted"
     """naive, importance or prob-weighted (papers/002)."""
     svd_dtype: str = "bfloat16"
     """Precision of the stored svd states: bfloat16 (format v3; its rounding is inside the recorded distortion) or

@@ -231,11 +231,23 @@ def test_svd_full_rank_is_exact_and_distortion_falls_with_rank():
 
 
 def test_svd_store_records_the_chosen_variant_and_its_measured_distortion(hf_cache):
-    svd_info = Cache(hf_cache).table("teachers/teacher")["svd"]
-    assert svd_info["method"] == "importance" and svd_info["rank"] == 16
-    assert list(svd_info["distortion"]) == ["importance"]  # only the chosen method is fitted and measured
-    d = svd_info["distortion"]["importance"]
+    import torch
+
+    from opdcache import svd
+
+    cache = Cache(hf_cache)
+    svd_info = cache.table("teachers/teacher")["svd"]
+    assert svd_info["method"] == "prob-weighted" and svd_info["rank"] == 16 and svd_info["dtype"] == "bfloat16"
+    assert list(svd_info["distortion"]) == ["prob-weighted"]  # only the chosen method is fitted and measured
+    d = svd_info["distortion"]["prob-weighted"]
     assert d["mean_kl"] >= 0 and 0 <= d["top1_agreement"] <= 1 and d["positions"] > 0
+    # the stored z is the projection of the stored hidden state, rounded to bfloat16, bit for bit
+    proj = svd.load(cache.side_file("teachers/teacher", "svd.safetensors"))
+    table = shards.read_table(cache.shard_paths("teachers/teacher")[0], ["hidden", "svd"])
+    assert table.schema.field("svd").metadata[b"opdcache.dtype"] == b"bfloat16"
+    hidden = shards.hidden_to_torch(shards.token_values(table["hidden"]), cache.params("teachers/teacher").hidden_dtype)
+    z = shards.hidden_to_torch(shards.token_values(table["svd"]), "bfloat16")
+    assert torch.equal(proj.encode(hidden).to(torch.bfloat16).view(torch.int16), z.view(torch.int16))
 
 
 @pytest.mark.parametrize("method", ["naive", "importance", "prob-weighted"])
