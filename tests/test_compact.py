@@ -318,3 +318,16 @@ def _without_topk(root):
     (out / "opdcache.json").write_text(json.dumps(manifest))
     run_score(ScoreJob(cache=out, teacher=Path(__file__).parent.parent / "opdcache" / "demo" / "weights" / "teacher"))
     return out
+
+
+def test_info_shows_the_compact_store_and_its_distortion(compact_cache, capsys):
+    from opdcache.cli.main import main
+
+    root, _ = compact_cache
+    with pytest.raises(SystemExit) as exit_:
+        main(["info", str(root)])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "compact top-k: float16 log-probs, residual mass 0.001" in out and "KL(exact || compact) max" in out
+    assert "sampled store: 4 teacher draws a position" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
