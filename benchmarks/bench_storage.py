@@ -291,20 +291,23 @@ def main() -> None:
         "topk k=128": (S.StoreParams(stores=("logprob", "topk"), top_k=128), ["topk_ids", "topk_logprobs"], 128 * 8),
         "hidden bf16": (S.StoreParams(stores=("logprob", "hidden"), hidden_size=H, hidden_dtype="bfloat16"), ["hidden"], H * 2),
         "svd r=512": (S.StoreParams(stores=("logprob", "svd"), svd_rank=512), ["svd"], 512 * 4),
+        "svd r=512 bf16": (S.StoreParams(stores=("logprob", "svd"), svd_rank=512, svd_dtype="bfloat16"), ["svd"], 512 * 2),
     }
-    header = f"{'store':<13} {'raw B/tok':>10} {'opdcache B/tok':>15} {'ratio':>7} {'plain+zstd':>11} {'plain+snappy':>13}"
+    header = f"{'store':<14} {'raw B/tok':>10} {'opdcache B/tok':>15} {'ratio':>7} {'plain+zstd':>11} {'plain+snappy':>13}"
     print(header)
     print("-" * len(header))
     with tempfile.TemporaryDirectory() as tmp:
         for name, (params, cols, raw) in stores.items():
             k = params.top_k if "topk" in params.stores else None
             records = teacher_records(rows, k, "hidden" in params.stores, "svd" in params.stores)
+            if params.svd_dtype:  # v3: z as bfloat16 bits, as score-teacher writes it
+                records = [r | {"svd": shards.hidden_to_numpy(torch.from_numpy(r["svd"]).to(torch.bfloat16))} for r in records]
             table = shards.build_table("teacher", params, records)
             info = shards.write_table_atomic(table, Path(tmp) / f"{name.replace(' ', '_')}.parquet", tmp)
             ours = column_bytes((Path(tmp) / info.path).read_bytes())
             alt = {v: column_bytes(write_variant(table, v)) for v in ("plain+zstd", "plain+snappy")}
             per = lambda sizes: sum(sizes[c] for c in cols) / n  # noqa: E731
-            print(f"{name:<13} {raw:>10,.0f} {per(ours):>15,.1f} {raw / per(ours):>6.2f}x {per(alt['plain+zstd']):>11,.1f} {per(alt['plain+snappy']):>13,.1f}")
+            print(f"{name:<14} {raw:>10,.0f} {per(ours):>15,.1f} {raw / per(ours):>6.2f}x {per(alt['plain+zstd']):>11,.1f} {per(alt['plain+snappy']):>13,.1f}")
     topk_frontier(rows, n)
     v3_stores(rows, n)
     print(f"\nfull logits for reference: {V * 2:,} B/token raw in bf16, {V * 4:,} in float32")
