@@ -187,6 +187,14 @@ def test_compact_rows_read_back_in_datasets_and_duckdb_and_match_the_exact_table
     rows = duckdb.sql(f"select count(*) as n, sum(len(topk_tail)) as t from read_parquet('{cpath}')").fetchall()[0]
     shard = shards.read_table(cpath)
     assert rows == (shard.num_rows, sum(len(x) for x in shard["topk_tail"].to_pylist()))
+    import polars as pl
+
+    for path in (cpath, cache.shard_paths("teachers/teacher")[0]):  # compact top-k; sampled store + bfloat16 svd
+        frame = pl.read_parquet(path)
+        arrow = shards.read_table(path)
+        assert frame.columns == arrow.column_names
+        for name in arrow.column_names:
+            assert frame[name].to_list() == arrow[name].to_pylist(), name
 
 
 def test_the_cards_sampled_recipe_and_the_exports_give_plain_values(compact_cache, tmp_path):
