@@ -138,7 +138,12 @@ def run_variant(variant: str, model: str, n: int, prompt: int, response: int, to
                 batched()
                 times.append(time.perf_counter() - t0)
         return {"variant": variant, "tokens": tokens, "seconds": statistics.median(times), "runs": times, "peak_bytes": mem.delta}
-    if variant == "opdcache":
+    if variant == "sampled":  # opdcache plus the sampled store's 12 draws a position (its extra head rows)
+        from opdcache.backends.base import ScoreRequest
+
+        reqs = [ScoreRequest(r.prompt_ids, r.response_ids, uniforms=np.random.default_rng(i).random((len(r.response_ids), 12)))
+                for i, r in enumerate(reqs)]
+    if variant in ("opdcache", "sampled"):
         from opdcache.backends.hf import TransformersBackend
 
         b = TransformersBackend(model, dtype="float32")
@@ -181,7 +186,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
         build_model(model)
-        variants = ["baseline", "batched", "opdcache"]
+        variants = ["baseline", "batched", "opdcache", "sampled"]
         try:
             import vllm  # noqa: F401
 
@@ -201,6 +206,9 @@ def main() -> None:
             if out.returncode != 0:  # the work finished and was reported; only the shutdown failed
                 print(f"{v} reported its figures, then exited with status {out.returncode}")
             results[v] = json.loads(reported[-1])
+    if "sampled" in results and "opdcache" in results:
+        o, smp = results["opdcache"], results["sampled"]
+        print(f"the sampled store (12 draws a position) on top of logprob + top-k: {smp['seconds'] / o['seconds']:.2f}x the scoring time")
     print(f"\n{args.sequences} sequences, prompt {args.prompt} + response <= {args.response} tokens, vocabulary {V:,}, top-k {args.top_k}, "
           f"{os.cpu_count()} CPU threads\n")
     base = results["baseline"]
