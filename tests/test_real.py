@@ -161,6 +161,55 @@ def test_validate_info_export_and_two_train_steps(real_cache, smollm2, tmp_path,
     assert [m["step"] for m in metrics] == [1, 2] and all(np.isfinite(m["loss"]) and m["tokens"] > 0 for m in metrics)
 
 
+def test_v3_stores_on_the_real_model_against_an_independent_forward(real_cache, smollm2, tmp_path, capsys):
+    """A compact top-32 (float16, mass 1e-3) and a sampled store (8 draws, a 49,152-token vocabulary drawn across
+    several slices) on SmolLM2: kept entries are the forward's most likely tokens within float16 rounding, the tail is
+    the mass outside them, draws carry the forward's log-probs and follow its distribution; validate passes and both
+    forward-KL estimators train."""
+    import shutil
+
+    from opdcache import shards
+    from opdcache.cache import Cache
+    from opdcache.cli.main import main
+    from opdcache.models import load_causal_lm
+    from opdcache.scoring import ScoreJob, run_score
+
+    cache_dir = tmp_path / "cache"
+    shutil.copytree(real_cache, cache_dir)
+    run_score(ScoreJob(cache=cache_dir, teacher=smollm2, stores=("logprob", "topk", "sampled"), top_k=32, topk_precision="float16",
+                       topk_mass=1e-3, samples_per_position=8, slug="v3", allow_inconsistent_teacher=True))
+    model = load_causal_lm(smollm2, torch.float32).eval()
+    cache = Cache(cache_dir)
+    draws_p, worst = [], 0.0
+    for rpath, tpath in zip(cache.shard_paths("rollouts"), cache.shard_paths("teachers/v3")):
+        table = shards.read_table(tpath)
+        half = table.schema.field("topk_logprobs").metadata[b"opdcache.dtype"] == b"float16"
+        for row, trow in zip(shards.read_table(rpath).to_pylist(), table.to_pylist()):
+            _, full = _plain_logprobs(model, row["prompt_ids"], row["response_ids"])
+            for t, (ids, vals, tail) in enumerate(zip(trow["topk_ids"], trow["topk_logprobs"], trow["topk_tail"])):
+                kept = [i for i in ids if i != -1]
+                lps = np.asarray(vals, np.uint16).view(np.float16).astype(np.float64)[: len(kept)] if half else np.asarray(vals)[: len(kept)]
+                assert kept == np.argsort(-full[t], kind="stable")[: len(kept)].tolist() or np.allclose(np.sort(full[t])[::-1][: len(kept)], full[t][kept], atol=2e-4)
+                assert np.all(np.abs(lps - full[t][kept]) <= np.abs(full[t][kept]) * 2 ** -11 + 2e-4)
+                assert abs(tail - (1 - np.exp(full[t][kept]).sum())) < 1e-4 and (tail <= 1e-3 + 1e-4 or len(kept) == 32)
+            for t, (ids, counts, lps) in enumerate(zip(trow["sampled_ids"], trow["sampled_counts"], trow["sampled_logprobs"])):
+                assert sum(counts) == 8
+                for i, c, lp in zip(ids, counts, lps):
+                    if c:
+                        worst = max(worst, abs(lp - full[t][i]))
+                        draws_p += [np.exp(full[t][i])] * c
+    assert worst < 2e-4, worst
+    assert np.mean(draws_p) > 0.2  # draws land on likely tokens: E[p(drawn)] = sum p^2, far above a uniform 2e-5
+    for args in (("--loss", "sampled-fkl"), ("--loss", "topk-fkl", "--topk-tail")):
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--model", str(smollm2), "--cache", str(cache_dir), "--teacher", "v3", *args, "--steps", "2",
+                  "--batch-size", "4", "--out", str(tmp_path / args[1]), "--no-progress"])
+        assert e.value.code == 0, capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["validate", str(cache_dir)])
+    assert e.value.code == 0, capsys.readouterr().out
+
+
 @pytest.mark.vllm  # CI runs it in the vllm group, after the real group has converted the model
 def test_vllm_rollouts_of_the_real_model_mean_what_the_schema_says(smollm2, prompts, tmp_path):
     pytest.importorskip("vllm")
