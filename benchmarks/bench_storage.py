@@ -226,7 +226,7 @@ def v3_stores(rows, n_tokens: int) -> None:
     For the sampled store the estimator is unbiased; its per-position error is sampling noise, so the table gives the
     bias over all positions (mean of estimate - exact) beside the per-position spread."""
     from opdcache import compact
-    from opdcache.sampled import collapse
+    from opdcache.sampled import store_columns
 
     print("\nv3 stores written by opdcache's writer (k=128 source), bytes/token of the store's columns and forward-KL fidelity")
     header = f"{'store':<38} {'B/token':>8} {'entries':>8} {'max|FKL-FKL_full|':>18} {'mean':>9} {'bias':>10}"
@@ -265,9 +265,8 @@ def v3_stores(rows, n_tokens: int) -> None:
             params = S.StoreParams(stores=("logprob", "sampled"), samples_per_position=m)
             records, est = [], []
             for r in rows:
-                ids, counts, lps = collapse(r["draws"][:, :m], r["draw_teacher"][:, :m])
                 records.append({"id": r["id"], "logprobs": r["logprobs"], "logsumexp": r["logsumexp"],
-                                "sampled_ids": ids, "sampled_counts": counts, "sampled_logprobs": lps})
+                                **store_columns(r["draws"][:, :m], r["draw_teacher"][:, :m])})
                 est.append((r["draw_teacher"][:, :m].astype(np.float64) - r["draw_student"][:, :m]).mean(1))  # = (1/m) sum c (p - q)
             path = Path(tmp) / f"sampled{m}.parquet"
             shards.write_table_atomic(shards.build_table("teacher", params, records), path, tmp)

@@ -77,7 +77,7 @@ def render(manifest: dict) -> str:
             lines += [f"### Reading the sampled store in `{config_name(name)}` (format v3, RS-KD)", "",
                       f"At each position, {params['samples_per_position']} tokens were drawn from the teacher's temperature-1 "
                       "distribution; `sampled_ids` holds the distinct ones, most drawn first, padded with `-1`; `sampled_counts` "
-                      "how often each was drawn; `sampled_logprobs` the teacher's log-prob of each. "
+                      "how often each was drawn; `sampled_logprobs` the teacher's log-prob of each, as float16 bits in `uint16`. "
                       "(1/m) * sum(count * (teacher_logprob - student_logprob)) is an unbiased estimate of the forward KL.", "",
                       "```python", SAMPLED_RECIPE, "```", ""]
     return "\n".join(lines)
@@ -110,7 +110,7 @@ TOPK_RECIPE = {
 
 SAMPLED_RECIPE = ("import numpy as np\n"
                   "ids, counts = np.asarray(row['sampled_ids']), np.asarray(row['sampled_counts'])  # [tokens, m]\n"
-                  "logprobs = np.asarray(row['sampled_logprobs'], dtype=np.float32)\n"
+                  "logprobs = np.asarray(row['sampled_logprobs'], dtype=np.uint16).view(np.float16).astype(np.float32)\n"
                   "draws = [dict(zip(i[c > 0].tolist(), c[c > 0].tolist())) for i, c in zip(ids, counts)]  # {token id: count}")
 """Reading the sampled store's row into {token id: count} per position (shown in the card, run by a test)."""
 

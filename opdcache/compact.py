@@ -1,5 +1,6 @@
-"""Compact top-k encodings (issue 20, groundwork for a format v3 top-k store): an adaptive support, ids in ascending
-order, log-probs in a declared precision, and the residual teacher mass, with the distortion each setting causes.
+"""Compact top-k encodings (issue 20): what the v3 compact top-k store writes (:func:`compact_topk`, fixed width,
+padded), the distortion it records (:func:`distortion_sums`), and a ragged codec (:class:`TopkCodec`) that
+benchmarks/bench_storage.py uses to measure the alternatives the store did not take (ascending ids, q8).
 
 Per response position the exact top-k store holds k ids in rank order and their float32 log-probs. A
 :class:`TopkCodec` keeps instead:

@@ -113,7 +113,7 @@ class _Shard:
                 if not np.array_equal(np.diff(shards.list_offsets(t[name])), lengths):
                     refuse(f"teacher column {name} is not as long as the responses (shifted or truncated rows)")
                 values = shards.token_values(t[name])
-                if name == "topk_logprobs":  # v3 compact: float16 bits -> float32
+                if name != "hidden":  # v3 float16 bits (compact top-k, sampled log-probs) -> float32
                     from opdcache.compact import decode_logprobs
 
                     values = decode_logprobs(values, t.schema.field(name))

@@ -131,13 +131,13 @@ def _lightning_opd_rows(rows: list[dict], tokenizer, ref_logprobs: bool) -> tupl
     return out, refused
 
 
-def _plain(trow: dict, half: bool) -> dict:
-    """A v3 teacher row's values as plain numbers: float16 bits decoded, padding slots (id -1) dropped, so each
-    position lists only its entries (ragged). v1 rows pass through unchanged."""
+def _plain(trow: dict, half: list[str]) -> dict:
+    """A v3 teacher row's values as plain numbers: the ``half`` columns' float16 bits decoded, padding slots (id -1)
+    dropped, so each position lists only its entries (ragged). v1 rows pass through unchanged."""
     import numpy as np
 
-    if half:
-        trow["topk_logprobs"] = [np.asarray(v, np.uint16).view(np.float16).astype(np.float32).tolist() for v in trow["topk_logprobs"]]
+    for name in half:
+        trow[name] = [np.asarray(v, np.uint16).view(np.float16).astype(np.float32).tolist() for v in trow[name]]
     for ids_name, partners in PADDED.items():
         if ids_name not in trow or not any(i == -1 for pos in trow[ids_name] for i in pos):
             continue
@@ -155,7 +155,7 @@ def _rows(rollout_path: Path, teacher_path: Path | None, tokenizer) -> list[dict
         if t["id"].to_pylist() != [row["id"] for row in rows]:
             raise ConfigError(f"{teacher_path} is not row-aligned with {rollout_path}; run `opdcache validate`")
         cols = [c for c in TEACHER_COLUMNS if c in t.column_names]
-        half = "topk_logprobs" in cols and (t.schema.field("topk_logprobs").metadata or {}).get(b"opdcache.dtype") == b"float16"
+        half = [c for c in cols if (t.schema.field(c).metadata or {}).get(b"opdcache.dtype") == b"float16"]
         for row, trow in zip(rows, t.select(cols).to_pylist()):
             row.update({f"teacher_{k}": v for k, v in _plain(trow, half).items()})
     for row in rows:

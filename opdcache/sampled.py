@@ -24,6 +24,12 @@ def uniforms(seed: int, row_id: str, tokens: int, draws: int) -> np.ndarray:
     return np.random.default_rng(key).random((tokens, draws))
 
 
+def store_columns(draw_ids: np.ndarray, draw_lps: np.ndarray) -> dict:
+    """[T, m] draws -> the sampled store's three columns as written (log-probs as float16 bits)."""
+    ids, counts, lps = collapse(draw_ids, draw_lps)
+    return {"sampled_ids": ids, "sampled_counts": counts, "sampled_logprobs": lps.astype(np.float16).view(np.uint16)}
+
+
 def collapse(draw_ids: np.ndarray, draw_lps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[T, m] draws (ids and their teacher log-probs) -> the store's fixed-width columns, [T, m] each: the distinct ids
     most drawn first (ties: smaller id first) padded with -1, their counts (0 for padding), their log-probs (-inf for

@@ -143,8 +143,10 @@ TEACHER_COLUMNS: tuple[Column, ...] = (
     Column("sampled_counts", "token_vector", "int32", "sampled",
            "How many of the m draws gave each sampled_ids entry (0 for padding); a position's counts sum to m.",
            width="samples_per_position", requires=("samples_per_position",)),
-    Column("sampled_logprobs", "token_vector", "float32", "sampled",
-           "Teacher temperature-1 log-prob of each sampled_ids entry (-inf for padding).",
+    Column("sampled_logprobs", "token_vector", "float16", "sampled",
+           "Teacher temperature-1 log-prob of each sampled_ids entry (-inf for padding), as IEEE float16 bits in uint16 "
+           "(field metadata opdcache.dtype = float16; |error| <= |log-prob| x 2^-11): the estimator's gradient needs only "
+           "ids and counts, the log-probs give its value.",
            width="samples_per_position", requires=("samples_per_position",)),
 )
 
@@ -267,6 +269,8 @@ def arrow_field(kind: str, col: Column, params: StoreParams) -> pa.Field:
         if col.dtype == "hidden":
             elem = hidden_storage_type(params.hidden_dtype)
             metadata = {FIELD_DTYPE: params.hidden_dtype.encode()}
+        elif col.dtype == "float16":  # v3 columns kept as float16 bits
+            elem, metadata = pa.uint16(), {FIELD_DTYPE: b"float16"}
         elif col.dtype == "svd":  # v1: float32; v3: bfloat16 as its raw bits
             elem = hidden_storage_type(params.svd_dtype or "float32")
             metadata = {FIELD_DTYPE: b"bfloat16"} if params.svd_dtype else None

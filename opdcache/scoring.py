@@ -159,7 +159,7 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
     import json
 
     from opdcache import compact
-    from opdcache.sampled import collapse
+    from opdcache.sampled import store_columns
 
     records, sums = shards.Records(), []
     for row_id, sc in zip(ids, scores):
@@ -185,7 +185,7 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
             rec["topk_ids"], rec["topk_logprobs"], rec["topk_tail"] = enc["ids"], enc["stored"], enc["tail"]
             sums.append(compact.distortion_sums(enc))
         if params.samples_per_position:
-            rec["sampled_ids"], rec["sampled_counts"], rec["sampled_logprobs"] = collapse(sc.sampled_ids, sc.sampled_logprobs)
+            rec.update(store_columns(sc.sampled_ids, sc.sampled_logprobs))
         if proj is not None and params.svd_dtype == "bfloat16":  # rounded after the finiteness check, as its bits
             import torch
 

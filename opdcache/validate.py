@@ -315,9 +315,11 @@ def _check_against_topk(file: str, column: str, sampled: np.ndarray, sampled_lp:
 def _check_sampled(file: str, table: pa.Table, params: S.StoreParams, offsets: np.ndarray, vocab: int | None, out: _Collector) -> None:
     """The sampled store: ids in the vocabulary or padding, distinct, counts summing to m (0 exactly at padding),
     log-probs finite and not above 0 at entries, -inf at padding."""
+    from opdcache.compact import decode_logprobs
+
     ids = shards.token_values(table["sampled_ids"])
     counts = shards.token_values(table["sampled_counts"])
-    lps = shards.token_values(table["sampled_logprobs"])
+    lps = decode_logprobs(shards.token_values(table["sampled_logprobs"]), table.schema.field("sampled_logprobs"))
     pad = ids == S.PAD_ID
     checks = [
         ("sampled_ids", ((ids < 0) | (ids >= (vocab or np.iinfo(np.int64).max))) & ~pad, f"token id outside the vocabulary [0, {vocab})"),

@@ -162,7 +162,7 @@ def _card_code(root, heading: str) -> str:
     return re.search(re.escape(heading) + r".*?```python\n(.*?)```", card, re.S).group(1)
 
 
-def test_compact_rows_read_back_in_datasets_and_duckdb_and_match_the_exact_table(compact_cache):
+def test_compact_rows_read_back_in_datasets_and_duckdb_and_match_the_exact_table(compact_cache, tmp_path):
     import datasets
     import duckdb
 
@@ -171,7 +171,7 @@ def test_compact_rows_read_back_in_datasets_and_duckdb_and_match_the_exact_table
     root, _ = compact_cache
     cache = Cache(root)
     cpath, epath = cache.shard_paths("teachers/compact16")[0], cache.shard_paths("teachers/exact16")[0]
-    ds = datasets.load_dataset(str(root), "teacher-compact16", split="train")
+    ds = datasets.load_dataset(str(root), "teacher-compact16", split="train", cache_dir=str(tmp_path / "hf"))
     exact = shards.read_table(epath)
     code = _card_code(root, "### Decoding the compact top-k in `teacher-compact16` (format v3: float16")
     offset = 0
@@ -203,7 +203,7 @@ def test_the_cards_sampled_recipe_and_the_exports_give_plain_values(compact_cach
     from opdcache.export import export
 
     root, _ = compact_cache
-    row = datasets.load_dataset(str(root), "teacher-teacher", split="train")[0]
+    row = datasets.load_dataset(str(root), "teacher-teacher", split="train", cache_dir=str(tmp_path / "hf"))[0]
     scope = {"row": row}
     exec(_card_code(root, "### Reading the sampled store in `teacher-teacher`"), scope)
     assert all(sum(d.values()) == 4 for d in scope["draws"]) and len(scope["draws"]) == len(row["logprobs"])

@@ -192,13 +192,14 @@ def test_v3_stores_on_the_real_model_against_an_independent_forward(real_cache, 
                 assert kept == np.argsort(-full[t], kind="stable")[: len(kept)].tolist() or np.allclose(np.sort(full[t])[::-1][: len(kept)], full[t][kept], atol=2e-4)
                 assert np.all(np.abs(lps - full[t][kept]) <= np.abs(full[t][kept]) * 2 ** -11 + 2e-4)
                 assert abs(tail - (1 - np.exp(full[t][kept]).sum())) < 1e-4 and (tail <= 1e-3 + 1e-4 or len(kept) == 32)
-            for t, (ids, counts, lps) in enumerate(zip(trow["sampled_ids"], trow["sampled_counts"], trow["sampled_logprobs"])):
+            sampled_lps = [np.asarray(v, np.uint16).view(np.float16).astype(np.float64) for v in trow["sampled_logprobs"]]
+            for t, (ids, counts, lps) in enumerate(zip(trow["sampled_ids"], trow["sampled_counts"], sampled_lps)):
                 assert sum(counts) == 8
                 for i, c, lp in zip(ids, counts, lps):
                     if c:
-                        worst = max(worst, abs(lp - full[t][i]))
+                        worst = max(worst, abs(lp - full[t][i]) - abs(full[t][i]) * 2 ** -11)
                         draws_p += [np.exp(full[t][i])] * c
-    assert worst < 2e-4, worst
+    assert worst < 2e-4, worst  # beyond float16 storage's own bound, |log-prob| x 2^-11
     assert np.mean(draws_p) > 0.2  # draws land on likely tokens: E[p(drawn)] = sum p^2, far above a uniform 2e-5
     for args in (("--loss", "sampled-fkl"), ("--loss", "topk-fkl", "--topk-tail")):
         with pytest.raises(SystemExit) as e:
