@@ -265,9 +265,16 @@ def v3_stores(rows, n_tokens: int) -> None:
             params = S.StoreParams(stores=("logprob", "sampled"), samples_per_position=m)
             records, est = [], []
             for r in rows:
-                records.append({"id": r["id"], "logprobs": r["logprobs"], "logsumexp": r["logsumexp"],
-                                **store_columns(r["draws"][:, :m], r["draw_teacher"][:, :m])})
-                est.append((r["draw_teacher"][:, :m].astype(np.float64) - r["draw_student"][:, :m]).mean(1))  # = (1/m) sum c (p - q)
+                cols = store_columns(r["draws"][:, :m], r["draw_teacher"][:, :m])
+                records.append({"id": r["id"], "logprobs": r["logprobs"], "logsumexp": r["logsumexp"], **cols})
+                # the estimate from what the store holds: (1/m) sum_v c_v (log p_v - log q_v), p decoded from float16
+                kept = cols["sampled_counts"] > 0
+                p_lp = cols["sampled_logprobs"].view(np.float16).astype(np.float64)
+                q_at = {}
+                for t_, (ids_row, q_row) in enumerate(zip(r["draws"][:, :m], r["draw_student"][:, :m])):
+                    q_at.update({(t_, int(i)): float(q) for i, q in zip(ids_row, q_row)})
+                q_lp = np.array([[q_at.get((t_, int(i)), 0.0) for i in row] for t_, row in enumerate(cols["sampled_ids"])])
+                est.append((cols["sampled_counts"] * np.where(kept, p_lp - q_lp, 0.0)).sum(1) / m)
             path = Path(tmp) / f"sampled{m}.parquet"
             shards.write_table_atomic(shards.build_table("teacher", params, records), path, tmp)
             per = sum(v for k, v in column_bytes(path.read_bytes()).items() if k.startswith("sampled")) / n_tokens
