@@ -84,6 +84,10 @@ class ScoreJob:
             raise ConfigError(f"--top-k must be between 1 and 1024 with --store topk, got {self.top_k}")
         if (self.topk_precision is not None or self.topk_mass is not None) and "topk" not in stores:
             raise ConfigError("--topk-precision and --topk-mass shape the topk store: add --store topk")
+        if self.topk_precision is not None and self.topk_precision not in S.TOPK_PRECISIONS:
+            raise ConfigError(f"--topk-precision must be one of {', '.join(S.TOPK_PRECISIONS)}, got {self.topk_precision!r}")
+        if self.topk_mass is not None and not 0 <= self.topk_mass < 1:
+            raise ConfigError(f"--topk-mass must be in [0, 1), got {self.topk_mass}")
         if "sampled" in stores and not (isinstance(self.samples_per_position, int) and 1 <= self.samples_per_position <= 255):
             raise ConfigError(f"--samples-per-position must be between 1 and 255 with --store sampled, got {self.samples_per_position}")
         if self.samples_per_position is not None and "sampled" not in stores:

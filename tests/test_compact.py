@@ -339,3 +339,22 @@ def test_info_shows_the_compact_store_and_its_distortion(compact_cache, capsys):
     assert "compact top-k: float16 log-probs, residual mass 0.001" in out and "KL(exact || compact) max" in out
     assert "sampled store: 4 teacher draws a position" in out
     assert max(len(line) for line in out.splitlines()) <= 80
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--store", "logprob,topk", "--top-k", "8", "--topk-precision", "q8"], "--topk-precision must be one of float32, float16, got 'q8'"),
+    (["--store", "logprob,topk", "--top-k", "8", "--topk-mass", "1.5"], r"--topk-mass must be in \[0, 1\), got 1.5"),
+    (["--store", "logprob", "--topk-mass", "1e-3"], "--topk-precision and --topk-mass shape the topk store: add --store topk"),
+    (["--store", "logprob,sampled"], "--samples-per-position must be between 1 and 255 with --store sampled, got None"),
+    (["--store", "logprob", "--samples-per-position", "8"], "--samples-per-position sets the sampled store: add --store sampled"),
+    (["--store", "logprob", "--svd-dtype", "float8"], "--svd-dtype must be bfloat16 or float32, got 'float8'"),
+])
+def test_bad_v3_settings_are_one_line_before_any_model_loads(tmp_path, capsys, args, message):
+    import re
+
+    from opdcache.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["score-teacher", str(tmp_path / "nowhere"), "--teacher", str(tmp_path / "no-model"), *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and re.search(message, err) and len(err.strip().splitlines()) == 1, err
