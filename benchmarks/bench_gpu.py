@@ -155,7 +155,9 @@ def child_score(variant: str, model_path: str, device: str, n: int, prompt: int,
     model, dev = backend.model, backend.device
     if variant.startswith("opdcache"):
         if variant != "opdcache":
-            hf.LOGIT_BLOCK_BYTES = hf.GPU_LOGIT_BLOCK_BYTES = int(variant.split("-")[1]) << 20
+            from opdcache.backends import streamed
+
+            streamed.LOGIT_BLOCK_BYTES = streamed.GPU_LOGIT_BLOCK_BYTES = int(variant.split("-")[1]) << 20
 
         def fn():
             out = backend.score(reqs, top_k=TOP_K)

@@ -6,7 +6,7 @@ c_v of m draws, (1/m) sum_v c_v (log p_v - log q_v) has expectation sum_v p_v (l
 its gradient -(1/m) sum_v c_v grad log q_v is the full forward-KL gradient in expectation (losses.sampled_fkl_terms).
 
 Draws are reproducible and batch-invariant: the uniforms of a row come from (seed, row id) alone (:func:`uniforms`),
-and the scorer maps each to a token by inverse CDF over the vocabulary order (backends/hf.py ``_draw_from_slices``).
+and the scorer maps each to a token by inverse CDF over the vocabulary order (backends/streamed.py ``_draw_from_slices``).
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def test_running_top_k_merge_equals_one_top_k_over_the_whole_row(order):
     """The grouped merge against torch.topk over full rows: random rows (few late candidates), rows that rise
     along the vocabulary (every group of every slice qualifies, many groups per row) and rows whose best
     values all sit in one late slice."""
-    import opdcache.backends.hf as hf
+    import opdcache.backends.streamed as hf
 
     g = torch.Generator().manual_seed(3)
     P, V, C, k = 9, 5 * 1024 + 40, 1024, 20
@@ -198,7 +198,7 @@ def test_running_top_k_merge_equals_one_top_k_over_the_whole_row(order):
 
 @pytest.mark.parametrize("P, V, k, softcap", [(1, 3001, 5, None), (37, 3001, 20, 30.0), (64, 1024, 1, None), (5, 2048, 7, None)])
 def test_streamed_stats_match_the_plain_full_logits_reference(P, V, k, softcap, monkeypatch):
-    import opdcache.backends.hf as hf
+    import opdcache.backends.streamed as hf
 
     monkeypatch.setattr(hf, "LOGIT_BLOCK_BYTES", 1)  # force the smallest vocabulary slice (1,024 columns)
     model = _Head(V, 16, softcap)
@@ -208,8 +208,8 @@ def test_streamed_stats_match_the_plain_full_logits_reference(P, V, k, softcap, 
     ref_ids = torch.randint(0, V, (P, 4), generator=g)
     mc_ids = torch.randint(0, V, (P, 3), generator=g)
     slices = []
-    original = hf._head_transform
-    monkeypatch.setattr(hf, "_head_transform", lambda m: (lambda z: slices.append(z.shape) or original(m)(z)))
+    original = hf.head_transform
+    monkeypatch.setattr(hf, "head_transform", lambda m: (lambda z: slices.append(z.shape) or original(m)(z)))
     got = hf.streamed_logit_stats(model, h, sampled, k, ref_ids, mc_ids)
     assert max(c for _, c in slices) <= 1024 < V or V == 1024  # never a [positions, vocabulary] block
     with torch.no_grad():  # the plain reference: full logits, full log-softmax
@@ -230,7 +230,7 @@ def test_float32_scorer_log_probs_round_at_the_logit_not_at_the_partition():
     """log p = (z - m) - log s: against float64, the mean error is well below that of z - (m + log s) (issue 11)."""
     import torch
 
-    from opdcache.backends.hf import streamed_logit_stats
+    from opdcache.backends.streamed import streamed_logit_stats
 
     class Head:
         def __init__(self, W):
@@ -262,7 +262,7 @@ def test_streamed_draws_equal_the_plain_inverse_cdf(P, V, softcap, monkeypatch):
     """The sampled store's two-level draws (slice, then token) against a plain reference written apart: the float64
     inverse CDF over the whole vocabulary, token = min{v : F(v) > u}. Equal except where u lies within rounding of a
     CDF boundary; the drawn log-probs equal the full log-softmax at the drawn ids."""
-    import opdcache.backends.hf as hf
+    import opdcache.backends.streamed as hf
 
     monkeypatch.setattr(hf, "LOGIT_BLOCK_BYTES", 1)  # 1,024-column slices: draws cross slice boundaries
     model = _Head(V, 16, softcap)

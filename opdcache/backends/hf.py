@@ -23,15 +23,12 @@ import numpy as np
 import torch
 
 from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores
+from opdcache.backends.streamed import head_transform, streamed_logit_stats
 from opdcache.errors import ConfigError
 from opdcache.progress import advance
 
 POSITION_BLOCK = 2048  # positions scored together: enough rows that the head matmul runs at full rate
 NOISE_BLOCK_BYTES = 64 << 20  # generation: uniforms drawn ahead per batch ([rows, steps, vocabulary] float32)
-LOGIT_BLOCK_BYTES = 8 << 20  # float32 logits per [positions, vocabulary slice] block (1,024 columns at 2,048 positions; measured best on CPU)
-# on a GPU a 1,024-column slice is launch-bound: 1 GiB (131,072 columns at 2,048 positions) scored 8.3x faster than
-# 8 MiB on an H100 at vocabulary 151,936, hidden 4,096 (256 MiB: 6.3x; benchmarks/bench_gpu.py, BENCHMARKS.md)
-GPU_LOGIT_BLOCK_BYTES = 1 << 30
 SCORE_BATCH_TOKENS = {"cpu": 1024, "cuda": 16384}  # default padded tokens per scoring batch (the GPU's: 8.9x faster, bench_gpu.py)
 
 
@@ -87,164 +84,6 @@ def _base(model):
     return getattr(model, model.base_model_prefix)
 
 
-def _head_transform(model):
-    """Elementwise logit transforms some models apply after the head (scaling, then soft-capping)."""
-    from opdcache.logprobs import head_transform_of
-
-    scale, cap = head_transform_of(model)
-
-    def transform(x: torch.Tensor) -> torch.Tensor:
-        if scale is not None:
-            x = x * scale
-        if cap is not None:
-            x = torch.tanh(x / cap) * cap
-        return x
-
-    return transform
-
-
-TOPK_GROUP = 16  # columns per group in the running top-k merge
-
-
-def _merge_top_k(z: torch.Tensor, offset: int, top_vals: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
-    """Merge one [P, C] logit slice (columns ``offset``..) into each row's running top-k, in place; return the
-    slice's maximum per row (from the group maxima, which saves the log-sum-exp a pass).
-
-    An element can enter a row's top-k only if it beats the row's current k-th best, so only column groups
-    (TOPK_GROUP wide) whose maximum does are gathered, padded per row next to the row's current k, and reduced
-    with one narrow top-k. Once a few slices have passed, most rows gather nothing: far cheaper than a top-k
-    over every [P, C] slice, which costs microseconds per row whatever its width.
-    """
-    P, C = z.shape
-    k = top_vals.shape[1]
-    g = TOPK_GROUP
-    kth = top_vals[:, -1]
-    if offset == 0 or C % g:  # the first slice (every row takes k new values), or a ragged last one
-        slice_max = z.amax(-1)
-        r = (slice_max > kth).nonzero(as_tuple=True)[0]
-        if len(r):
-            cv, ci = z[r].topk(min(k, C), -1)
-            merged, order = torch.cat([top_vals[r], cv], 1).topk(k, -1)
-            top_ids[r] = torch.cat([top_ids[r], ci + offset], 1).gather(1, order)
-            top_vals[r] = merged
-        return slice_max
-    G = C // g
-    groups = z.view(P, g, G)  # group j holds columns j, j + G, j + 2G, ...: its max is an elementwise max of g contiguous rows
-    group_max = groups.amax(1)  # [P, G]
-    r, gi = (group_max > kth[:, None]).nonzero(as_tuple=True)  # row-major: each row's groups are adjacent
-    if not len(r):
-        return group_max.amax(-1)
-    rows, counts = torch.unique_consecutive(r, return_counts=True)
-    R, most = len(rows), int(counts.max())
-    slot = torch.arange(len(r), device=z.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    owner = torch.repeat_interleave(torch.arange(R, device=z.device), counts)
-    vals = torch.full((R, most, g), float("-inf"), device=z.device)
-    ids = torch.zeros((R, most, g), dtype=torch.long, device=z.device)
-    vals[owner, slot] = groups[r, :, gi]
-    ids[owner, slot] = (offset + gi)[:, None] + G * torch.arange(g, device=z.device)
-    merged, order = torch.cat([top_vals[rows], vals.view(R, most * g)], 1).topk(k, -1)
-    top_ids[rows] = torch.cat([top_ids[rows], ids.view(R, most * g)], 1).gather(1, order)
-    top_vals[rows] = merged
-    return group_max.amax(-1)
-
-
-def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor, top_k: int | None,
-                         ref_ids_PK: torch.Tensor | None = None, mc_ids_PM: torch.Tensor | None = None,
-                         uniforms_PD: torch.Tensor | None = None) -> dict:
-    """Log-prob of the sampled token, logsumexp, top-k and log-probs at given ids, streaming over the vocabulary.
-
-    Logits are computed for all P positions against one slice of the unembedding at a time
-    ([P, C] float32, C chosen so a block stays under LOGIT_BLOCK_BYTES), with an online log-sum-exp
-    (running max m and sum s: lse = m + log s), a running top-k merged slice by slice, and the logits at
-    the requested ids picked up in the slice that holds them. Each element is the model's own logit
-    (head matmul in the model's dtype, then float32 and the model's transforms), so the values equal those
-    of ``model(...).logits`` at those positions, up to the order of the log-sum-exp additions.
-
-    With ``uniforms_PD`` ([P, D] float64 in [0, 1)), also D draws per position from the temperature-1 distribution by
-    inverse CDF over the vocabulary order (:func:`_draw_from_slices`): "sid" / "slp" = the drawn ids and their log-probs.
-    """
-    head = model.get_output_embeddings()
-    W, b = head.weight, getattr(head, "bias", None)
-    transform = _head_transform(model)
-    P, V = hidden_PH.shape[0], W.shape[0]
-    C = max(1024, (GPU_LOGIT_BLOCK_BYTES if hidden_PH.device.type == "cuda" else LOGIT_BLOCK_BYTES) // (4 * max(P, 1)))
-    dev = hidden_PH.device
-    m = torch.full((P,), float("-inf"), device=dev)
-    s = torch.zeros(P, device=dev)
-    target = torch.empty(P, device=dev)
-    top_vals = torch.full((P, top_k or 0), float("-inf"), device=dev)
-    top_ids = torch.zeros((P, top_k or 0), dtype=torch.long, device=dev)
-    picks = {k: (ids, torch.empty(ids.shape, device=dev)) for k, ids in (("rk", ref_ids_PK), ("mc", mc_ids_PM)) if ids is not None}
-    rows = torch.arange(P, device=dev)
-    slice_mass = []  # draws: each slice's log-mass per position, [P] float32 each
-    for a in range(0, V, C):
-        z = hidden_PH @ W[a: a + C].T  # [P, C] in the model's dtype, as the model's own head computes it
-        if b is not None:
-            z = z + b[a: a + C]
-        z = transform(z.float())
-        cm = _merge_top_k(z, a, top_vals, top_ids) if top_k else z.amax(-1)
-        new_m = torch.maximum(m, cm)
-        hit = (sampled_P >= a) & (sampled_P < a + z.shape[1])
-        target[hit] = z[rows[hit], sampled_P[hit] - a]
-        for ids, out in picks.values():
-            inside = (ids >= a) & (ids < a + z.shape[1])
-            r, c = inside.nonzero(as_tuple=True)
-            out[r, c] = z[r, ids[r, c] - a]
-        # exp(z - m) in place, after every read of z. Clamping at -80 changes no float32 sum (each such term is
-        # below 2e-35 while the sum is at least 1) and avoids exp's slow path for underflowing inputs.
-        in_slice = z.sub_(new_m[:, None]).clamp_(min=-80.0).exp_().sum(-1)
-        s = s * torch.exp(m - new_m) + in_slice
-        if uniforms_PD is not None:
-            slice_mass.append(new_m + torch.log(in_slice))
-        m = new_m
-    log_s = torch.log(s)
-    # log-probs as (z - m) - log s, not z - (m + log s): the subtraction then rounds at |z - m|, not at |lse|
-    out = {"lse": m + log_s, "lp": (target - m) - log_s}
-    if uniforms_PD is not None:
-        out["sid"], out["slp"] = _draw_from_slices(hidden_PH, W, b, transform, C, torch.stack(slice_mass, 1), out["lse"], uniforms_PD)
-    if top_k:
-        out["kid"], out["klp"] = top_ids, (top_vals - m[:, None]) - log_s[:, None]
-    for key, (_, vals) in picks.items():
-        out[key] = (vals - m[:, None]) - log_s[:, None]
-    return out
-
-
-def _draw_from_slices(hidden_PH, W, b, transform, C: int, slice_lm_PS: torch.Tensor, lse_P: torch.Tensor,
-                      uniforms_PD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse-CDF draws from softmax(logits) over the vocabulary order, in two levels: each uniform u first picks the
-    vocabulary slice whose cumulative mass (from the first pass's per-slice log-masses, float64) passes u, then the
-    token inside the slice from that slice's logits, recomputed for the positions that drew into it only. The token is
-    min{v : F(v) > u} whatever the slice width, up to float rounding at a CDF boundary (~1e-7 of a draw), so draws do not
-    depend on batching or device block sizes. Cost: the head rows of the hit (position, slice) pairs, a fraction of a
-    pass when D is small. Memory: [P, slices] float64 and one [positions hitting a slice, C] block."""
-    P, D = uniforms_PD.shape
-    dev = hidden_PH.device
-    lm = slice_lm_PS.double()
-    tot = torch.logsumexp(lm, 1, keepdim=True)
-    cum = torch.exp(lm - tot).cumsum(1)  # [P, S]
-    u = uniforms_PD.to(dev, torch.float64)
-    j = torch.searchsorted(cum, u, right=True).clamp_(max=cum.shape[1] - 1)  # [P, D]: the slice of each draw
-    before = torch.where(j > 0, cum.gather(1, (j - 1).clamp(min=0)), torch.zeros_like(u))
-    mass = torch.exp(lm.gather(1, j) - tot)
-    frac = ((u - before) / mass).clamp_(0.0, 1.0)  # where inside the slice's own mass the draw falls
-    ids = torch.empty((P, D), dtype=torch.long, device=dev)
-    lps = torch.empty((P, D), dtype=torch.float32, device=dev)
-    for sl in torch.unique(j).tolist():
-        r, c = (j == sl).nonzero(as_tuple=True)
-        rows, inverse = torch.unique(r, return_inverse=True)
-        a = sl * C
-        z = hidden_PH[rows] @ W[a: a + C].T
-        if b is not None:
-            z = z + b[a: a + C]
-        z = transform(z.float())
-        w = torch.exp((z - z.amax(-1, keepdim=True)).double()).cumsum(-1)
-        w = w / w[:, -1:]
-        col = torch.searchsorted(w[inverse], frac[r, c][:, None], right=True)[:, 0].clamp_(max=z.shape[1] - 1)
-        ids[r, c] = a + col
-        lps[r, c] = z[inverse, col] - lse_P[r]
-    return ids, lps
-
-
 def _top_p_mask(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     """Logits with tokens outside the top-p nucleus set to -inf (the most likely token always kept)."""
     if top_p >= 1.0:
@@ -270,7 +109,7 @@ class _LastPositionHead:
     def __init__(self, model, batch: int):
         head = model.get_output_embeddings()
         self.weight, self.bias = head.weight, getattr(head, "bias", None)
-        self.transform = _head_transform(model)
+        self.transform = head_transform(model)
         self.vocab_size = int(self.weight.shape[0])
         self.out = torch.empty((batch, self.vocab_size), dtype=self.weight.dtype, device=self.weight.device)
 
