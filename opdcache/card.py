@@ -92,19 +92,15 @@ HIDDEN_RECIPES = {
 }
 """How to turn a row's 16-bit ``hidden`` bit patterns back into numbers, per stored dtype (shown in the card, run by a test)."""
 
+_TOPK_RECIPE = ("import numpy as np\n"
+                "ids = np.asarray(row['topk_ids'])  # [tokens, top_k], -1 = no entry\n"
+                "logprobs = {decode}\n"
+                "kept = ids != -1\n"
+                "entries = [dict(zip(i[k].tolist(), lp[k].tolist())) for i, lp, k in zip(ids, logprobs, kept)]\n"
+                "tail = np.asarray(row['topk_tail'])  # probability outside the kept entries")
 TOPK_RECIPE = {
-    "float16": "import numpy as np\n"
-               "ids = np.asarray(row['topk_ids'])  # [tokens, top_k], -1 = no entry\n"
-               "logprobs = np.asarray(row['topk_logprobs'], dtype=np.uint16).view(np.float16).astype(np.float32)\n"
-               "kept = ids != -1\n"
-               "entries = [dict(zip(i[k].tolist(), lp[k].tolist())) for i, lp, k in zip(ids, logprobs, kept)]\n"
-               "tail = np.asarray(row['topk_tail'])  # probability outside the kept entries",
-    "float32": "import numpy as np\n"
-               "ids = np.asarray(row['topk_ids'])  # [tokens, top_k], -1 = no entry\n"
-               "logprobs = np.asarray(row['topk_logprobs'], dtype=np.float32)\n"
-               "kept = ids != -1\n"
-               "entries = [dict(zip(i[k].tolist(), lp[k].tolist())) for i, lp, k in zip(ids, logprobs, kept)]\n"
-               "tail = np.asarray(row['topk_tail'])  # probability outside the kept entries",
+    "float16": _TOPK_RECIPE.format(decode="np.asarray(row['topk_logprobs'], dtype=np.uint16).view(np.float16).astype(np.float32)"),
+    "float32": _TOPK_RECIPE.format(decode="np.asarray(row['topk_logprobs'], dtype=np.float32)"),
 }
 """Decoding a compact top-k row into {token id: log-prob} per position (shown in the card, run by a test)."""
 

@@ -38,6 +38,22 @@ Q8_STEP = 1.0 / 16
 Q8_FLOOR = 255  # the code of "at or below -255 * step"
 
 
+def support(lps_TK: np.ndarray, mass: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The residual-mass support of one row's exact top-k [T, k]: the rank order (most likely first, stable), how many
+    entries each position keeps (the shortest prefix leaving at most ``mass`` outside, at least 1, at most k; all k
+    with ``mass=None``), and the tail 1 - kept probability (float32, summed in float64 from the float32 log-probs)."""
+    T, k = lps_TK.shape
+    order = np.argsort(-lps_TK, axis=1, kind="stable")
+    cum = np.cumsum(np.exp(np.take_along_axis(lps_TK, order, 1).astype(np.float64)), axis=1)
+    if mass is None or k == 0:
+        counts = np.full(T, k, dtype=np.int32)
+    else:
+        reached = (1.0 - cum) <= mass  # the residual after keeping entries 0..j
+        counts = np.where(reached.any(1), reached.argmax(1) + 1, k).astype(np.int32)
+    kept_mass = np.take_along_axis(cum, np.maximum(counts - 1, 0)[:, None], 1)[:, 0] if k else np.zeros(T)
+    return order, counts, np.clip(1.0 - kept_mass, 0.0, 1.0).astype(np.float32)
+
+
 @dataclass(frozen=True)
 class TopkCodec:
     precision: str = "float32"
@@ -61,19 +77,8 @@ class TopkCodec:
         ids_TK, lps_TK = np.asarray(ids_TK), np.asarray(lps_TK, dtype=np.float32)
         if ids_TK.shape != lps_TK.shape or ids_TK.ndim != 2:
             raise ValueError(f"ids and log-probs must both be [T, k], got {ids_TK.shape} and {lps_TK.shape}")
-        T, k = ids_TK.shape
-        order = np.argsort(-lps_TK, axis=1, kind="stable")  # rank order: the support is a prefix of it
-        lp_sorted = np.take_along_axis(lps_TK, order, 1)
-        p = np.exp(lp_sorted.astype(np.float64))
-        cum = np.cumsum(p, axis=1)
-        if self.mass is None or k == 0:
-            counts = np.full(T, k, dtype=np.int32)
-        else:
-            residual = 1.0 - cum  # after keeping entries 0..j
-            reached = residual <= self.mass
-            counts = np.where(reached.any(1), reached.argmax(1) + 1, k).astype(np.int32)
-        kept_mass = np.take_along_axis(cum, np.maximum(counts - 1, 0)[:, None], 1)[:, 0] if k else np.zeros(T)
-        tail = np.clip(1.0 - kept_mass, 0.0, 1.0).astype(np.float32)
+        T = ids_TK.shape[0]
+        order, counts, tail = support(lps_TK, self.mass)
         ids_out, vals_out = [], []
         for t in range(T):
             n = counts[t]
@@ -157,19 +162,10 @@ def compact_topk(ids_TK: np.ndarray, lps_TK: np.ndarray, precision: str, mass: f
     bits as uint16: what the column holds), tail [T] float32, counts [T]. Memory O(T x k)."""
     ids_TK = np.asarray(ids_TK)
     lps_TK = np.asarray(lps_TK, dtype=np.float32)
-    T, k = lps_TK.shape
-    order = np.argsort(-lps_TK, axis=1, kind="stable")
+    order, counts, tail = support(lps_TK, mass)
     lp = np.take_along_axis(lps_TK, order, 1)
     ids = np.take_along_axis(ids_TK, order, 1).astype(np.int32)
-    cum = np.cumsum(np.exp(lp.astype(np.float64)), axis=1)
-    if mass is None or k == 0:
-        counts = np.full(T, k, dtype=np.int32)
-    else:
-        reached = (1.0 - cum) <= mass
-        counts = np.where(reached.any(1), reached.argmax(1) + 1, k).astype(np.int32)
-    kept = np.arange(k)[None, :] < counts[:, None]
-    kept_mass = np.take_along_axis(cum, np.maximum(counts - 1, 0)[:, None], 1)[:, 0] if k else np.zeros(T)
-    tail = np.clip(1.0 - kept_mass, 0.0, 1.0).astype(np.float32)
+    kept = np.arange(lps_TK.shape[1])[None, :] < counts[:, None]
     rounded = lp.astype(np.float16).astype(np.float32) if precision == "float16" else lp
     decoded = np.where(kept, rounded, np.float32(-np.inf)).astype(np.float32)
     stored = decoded.astype(np.float16).view(np.uint16) if precision == "float16" else decoded

@@ -3,10 +3,12 @@ produce, and the responses they derail.
 
 The paper describes them as repetitive, garbled tokens in long quantized responses, assigned very low probability
 under the policy, occurring in clusters, and sending the rest of the response off-trajectory. The rule here, per
-response token t with learner log-prob s_t (the trainer's forward) and rollout log-prob b_t (what the engine
-sampled from, as stored):
+response token t with learner log-prob s_t (the trainer's temperature-1 forward) and rollout log-prob r_t (the
+rollout engine's own temperature-1 log-prob of the token, the stored ``ref_logprobs``, so the ratio measures the
+engine's arithmetic and not the sampling temperature; an sft table, which has none, uses its ``sampling_logprobs``):
 
-* **error token**: p_learner(a_t) < ``PROB`` (1e-3) **and** p_rollout(a_t) / p_learner(a_t) > ``RATIO`` (10).
+* **error token**: p_learner(a_t) < ``PROB`` (1e-3) **and** p_rollout(a_t) / p_learner(a_t) > ``RATIO`` (10), with
+  p_learner = exp(s_t) and p_rollout = exp(r_t).
   Both parts are needed: a low learner probability alone is also what ordinary exploration looks like (a
   temperature-1 sample of a rare token, which the rollout engine found just as rare: ratio ~1); the ratio says the
   engine's arithmetic, not the policy, made the token likely.

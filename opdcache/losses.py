@@ -138,8 +138,8 @@ def _support_logprobs(lp_BTK: torch.Tensor, tail: bool, stored_tail: torch.Tenso
     if not tail:
         return lp_BTK - torch.logsumexp(lp_BTK, -1, keepdim=True)
     if stored_tail is not None:
-        rest = torch.log(stored_tail.clamp(min=1e-30))[..., None]
-        return torch.cat([lp_BTK, rest], -1) - torch.logsumexp(torch.cat([lp_BTK, rest], -1), -1, keepdim=True)
+        bins = torch.cat([lp_BTK, torch.log(stored_tail.clamp(min=1e-30))[..., None]], -1)
+        return bins - torch.logsumexp(bins, -1, keepdim=True)  # float16 rounding of the kept entries moves a little mass
     mass = torch.logsumexp(lp_BTK, -1, keepdim=True)
     rest = torch.log1p(-mass.exp().clamp(max=1 - 1e-6))
     return torch.cat([lp_BTK, rest], -1)

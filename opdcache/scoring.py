@@ -162,6 +162,8 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
     exact top-k goes into its footer; the sampled store's draws are collapsed into distinct ids and counts."""
     import json
 
+    import torch
+
     from opdcache import compact
     from opdcache.sampled import store_columns
 
@@ -191,8 +193,6 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
         if params.samples_per_position:
             rec.update(store_columns(sc.sampled_ids, sc.sampled_logprobs))
         if proj is not None and params.svd_dtype == "bfloat16":  # rounded after the finiteness check, as its bits
-            import torch
-
             rec["svd"] = shards.hidden_to_numpy(torch.from_numpy(rec["svd"]).to(torch.bfloat16))
         records.append(rec)
     if params.topk_compact:

@@ -300,8 +300,10 @@ class Trainer:
             stats["rho_max"] = float(st["rho"][mask.bool()].max()) if mask.any() else 1.0
         if teacher is not None:
             stats["advantage_mean"], stats["advantage_std"] = _masked_mean_std(advantage, mask)
-        rollout_lp = batch.get("sampling_logprobs", batch.get("ref_logprobs"))
-        if rollout_lp is not None:  # papers/004's error tokens, by opdcache/errortokens.py's rule, on the learner's forward
+        # papers/004's error tokens, by opdcache/errortokens.py's rule, on the learner's forward: both sides at temperature
+        # 1 (the engine's ref_logprobs, as mismatch-report compares them; an sft table has only its sampling log-probs)
+        rollout_lp = batch.get("ref_logprobs", batch.get("sampling_logprobs"))
+        if rollout_lp is not None:
             stats["error_token_share"] = float((error_token_mask(s.detach(), rollout_lp) & sel).sum() / mask.sum().clamp_min(1))
         stats["tokens"] = int(mask.sum())
         if self.ddp:  # normalise by every rank's tokens: the gradient average over ranks is then the whole batch's gradient

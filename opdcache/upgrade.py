@@ -14,7 +14,6 @@ Memory: one source shard's columns.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 from opdcache import schema as S
@@ -41,7 +40,7 @@ def run_upgrade(cache_root, teacher: str | None, topk_precision: str | None, top
     new_params = S.StoreParams(stores=tuple(s for s in params.stores if s in ("logprob", "topk")), top_k=params.top_k,
                                ref_top_k=params.ref_top_k, mc_samples=params.mc_samples, topk_precision=topk_precision,
                                topk_mass=topk_mass)
-    columns = [c.name for c in S.columns("teacher", dataclasses.replace(new_params, topk_precision=None, topk_mass=None))]
+    columns = [c.name for c in S.columns("teacher", params) if c.store in ("base", "logprob", "topk")]  # the exact source's
     config = {k: v for k, v in entry["config"].items() if k not in ("table", "kind", "params", "num_shards", "format_version")}
     config["upgraded_from"] = {"table": source, "config_fingerprint": entry["config_fingerprint"]}
     meta = {k: entry[k] for k in ("model", "consistency", "compute") if k in entry}

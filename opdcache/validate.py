@@ -260,6 +260,12 @@ def _check_logprobs(file: str, column: str, values: np.ndarray, offsets: np.ndar
         out.rows(file, column, _row_of(offsets, np.flatnonzero(above)), "log-prob above 0")
 
 
+def _duplicate_ids(ids: np.ndarray, pad: np.ndarray) -> np.ndarray:
+    """[tokens] True where a row of ids [tokens, k] holds one id twice; padding slots (``pad``) never count."""
+    distinct_pads = np.iinfo(np.int64).min + np.arange(ids.shape[1])  # below every id, and different from each other
+    return (np.diff(np.sort(np.where(pad, distinct_pads, ids), axis=1), axis=1) == 0).any(axis=1)
+
+
 def _check_topk(file: str, prefix: str, ids: np.ndarray, lps: np.ndarray, offsets: np.ndarray, vocab: int | None, out: _Collector,
                 tail: np.ndarray | None = None, tol: float = 1e-3) -> None:
     """ids, lps: [tokens, k]. ``tail`` given: the v3 compact store, whose trailing slots may be padding (id -1,
@@ -275,8 +281,7 @@ def _check_topk(file: str, prefix: str, ids: np.ndarray, lps: np.ndarray, offset
         if misplaced.any():
             out.rows(file, col_ids, _row_of(offsets, np.flatnonzero(misplaced)),
                      "padding (id -1, log-prob -inf) must fill the trailing slots only, after at least one entry")
-    srt = np.sort(np.where(pad, np.iinfo(np.int64).min + np.arange(ids.shape[1]), ids), axis=1)
-    dup = (np.diff(srt, axis=1) == 0).any(axis=1)
+    dup = _duplicate_ids(ids, pad)
     if dup.any():
         out.rows(file, col_ids, _row_of(offsets, np.flatnonzero(dup)), "duplicate token ids in a top-k row")
     _check_logprobs(file, col_lps, np.where(pad, 0.0, lps), offsets, out)
@@ -328,8 +333,7 @@ def _check_sampled(file: str, table: pa.Table, params: S.StoreParams, offsets: n
         ("sampled_logprobs", (pad & (lps != -np.inf)) | (~pad & (~np.isfinite(lps) | (lps > 0))),
          "log-probs must be finite and not above 0 at entries, -inf at padding"),
     ]
-    srt = np.sort(np.where(pad, np.iinfo(np.int64).min + np.arange(ids.shape[1]), ids), axis=1)
-    checks.append(("sampled_ids", (np.diff(srt, axis=1) == 0), "duplicate token ids in a sampled row"))
+    checks.append(("sampled_ids", _duplicate_ids(ids, pad), "duplicate token ids in a sampled row"))
     for column, bad, message in checks:
         rows = bad.any(axis=1) if bad.ndim == 2 else bad
         if rows.any():
