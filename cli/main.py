@@ -7,6 +7,7 @@ local variables (they may hold tokens or data).
 
 from __future__ import annotations
 
+import os
 import sys
 
 from opdcache.threads import prepare_environment
@@ -97,29 +98,41 @@ def app_commands() -> list[str]:
     return [c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands]
 
 
+def _exit(code: int) -> None:
+    """Leave with ``code``. A torchrun worker leaves without interpreter shutdown (flushing its output first): the
+    process group is destroyed by then, but gloo's worker threads can still free tensors of FSDP's last collectives
+    while Python tears down, which aborts the rank ("terminate called without an active exception") and fails a run
+    whose work is already on disk."""
+    if int(os.environ.get("WORLD_SIZE") or 1) > 1 and "torch.distributed" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     _register()
     try:
         code = app(args=argv, standalone_mode=False)  # click returns a typer.Exit's code here
     except OpdcacheError as exc:
         typer.echo(f"error: {exc}", err=True)
-        sys.exit(2 if isinstance(exc, USAGE_ERRORS) else 1)
+        _exit(2 if isinstance(exc, USAGE_ERRORS) else 1)
     except typer.Exit as exc:
-        sys.exit(exc.exit_code)
+        _exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         code = 130
     except Exception as exc:
         if isinstance(exc, _click_exception_types()):
             typer.echo(_usage_line(exc), err=True)
-            sys.exit(2)
+            _exit(2)
         line = _storage_failure(exc)
         if line is None:
             raise
         typer.echo(f"error: {line}", err=True)
-        sys.exit(1)
+        _exit(1)
     if code == 130:  # typer turns Ctrl-C into Exit(130); whatever a stage finished is already on disk under its final name
         typer.echo(INTERRUPTED, err=True)
-    sys.exit(code if isinstance(code, int) else 0)
+    _exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

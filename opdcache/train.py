@@ -396,6 +396,13 @@ class Trainer:
             result["online_seconds"] = dict(self.source.seconds)
         return result
 
+    def release(self) -> None:
+        """Drop the model, its wrappers, the optimizer and the batch source (the trainer cannot step afterwards)."""
+        import gc
+
+        self.forward = self.model = self.ref_forward = self.opt = self.source = None
+        gc.collect()
+
     def _save_final(self, model_sd: dict | None) -> None:
         self.model.save_pretrained(self.cfg.out / "model", state_dict=model_sd)
         load_tokenizer(self.model_path).save_pretrained(self.cfg.out / "model")
@@ -415,4 +422,5 @@ def run_train(cfg: TrainConfig) -> dict:
         # an undestroyed gloo group can abort the process at exit ("terminate called without an active exception")
         if trainer.owns_process_group and torch.distributed.is_initialized():
             torch.distributed.barrier()  # rank 0 may still be writing the final model
+            trainer.release()  # FSDP's state holds its collectives' work and tensors: free them while Python is whole
             torch.distributed.destroy_process_group()

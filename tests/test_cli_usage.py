@@ -61,3 +61,17 @@ def test_ctrl_c_is_one_line_saying_what_is_kept(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err
     assert err.strip() == "interrupted: finished shards and checkpoints are kept; rerun the same command to resume"
+
+
+@pytest.mark.parametrize("world,shutdown", [("2", False), ("1", True)])
+def test_a_torchrun_worker_leaves_without_interpreter_shutdown_and_keeps_its_output(world, shutdown):
+    """Under torchrun (WORLD_SIZE > 1) the command leaves by os._exit after flushing: gloo's threads cannot abort the
+    rank during interpreter shutdown, buffered output still arrives, the exit code is kept. Elsewhere: a normal exit."""
+    import os
+
+    script = ("import atexit, torch.distributed; from opdcache.cli.main import _exit; "
+              "atexit.register(lambda: print('shutdown ran')); print('buffered line'); _exit(3)")
+    env = {**os.environ, "WORLD_SIZE": world}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 3
+    assert proc.stdout.splitlines() == (["buffered line", "shutdown ran"] if shutdown else ["buffered line"])
