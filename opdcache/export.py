@@ -29,6 +29,7 @@ import json
 import os
 from pathlib import Path
 
+from opdcache import schema as S
 from opdcache import shards, storage
 from opdcache.cache import Cache
 from opdcache.errors import ConfigError
@@ -37,7 +38,6 @@ FORMATS = ("jsonl", "parquet-flat", "lightning-opd")
 ROLLOUT_COLUMNS = ("id", "prompt_index", "sample_index", "prompt_ids", "response_ids", "finish_reason", "sampling_logprobs",
                    "ref_logprobs", "reward", "answer")
 TEACHER_COLUMNS = ("logprobs", "logsumexp", "topk_ids", "topk_logprobs", "topk_tail", "sampled_ids", "sampled_counts", "sampled_logprobs")
-PADDED = {"topk_ids": ("topk_logprobs",), "sampled_ids": ("sampled_counts", "sampled_logprobs")}
 
 
 def export(cache_root: str | Path, to: str, out: str | Path, teacher: str | None = None, ref_logprobs: bool = False) -> dict:
@@ -138,10 +138,10 @@ def _plain(trow: dict, half: list[str]) -> dict:
 
     for name in half:
         trow[name] = [np.asarray(v, np.uint16).view(np.float16).astype(np.float32).tolist() for v in trow[name]]
-    for ids_name, partners in PADDED.items():
-        if ids_name not in trow or not any(i == -1 for pos in trow[ids_name] for i in pos):
+    for ids_name, partners in S.PADDED_BY.items():
+        if ids_name not in trow or not any(i == S.PAD_ID for pos in trow[ids_name] for i in pos):
             continue
-        keep = [[j for j, i in enumerate(pos) if i != -1] for pos in trow[ids_name]]
+        keep = [[j for j, i in enumerate(pos) if i != S.PAD_ID] for pos in trow[ids_name]]
         for name in (ids_name,) + partners:
             trow[name] = [[pos[j] for j in kept] for pos, kept in zip(trow[name], keep)]
     return trow
@@ -155,7 +155,7 @@ def _rows(rollout_path: Path, teacher_path: Path | None, tokenizer) -> list[dict
         if t["id"].to_pylist() != [row["id"] for row in rows]:
             raise ConfigError(f"{teacher_path} is not row-aligned with {rollout_path}; run `opdcache validate`")
         cols = [c for c in TEACHER_COLUMNS if c in t.column_names]
-        half = [c for c in cols if (t.schema.field(c).metadata or {}).get(b"opdcache.dtype") == b"float16"]
+        half = [c for c in cols if (t.schema.field(c).metadata or {}).get(S.FIELD_DTYPE) == b"float16"]
         for row, trow in zip(rows, t.select(cols).to_pylist()):
             row.update({f"teacher_{k}": v for k, v in _plain(trow, half).items()})
     for row in rows:

@@ -39,10 +39,12 @@ TABLE_KINDS = ("sft", "rollouts", "teacher")
 ROLLOUT_STORES = ("base", "ref_topk", "mc", "task", "version")
 TEACHER_STORES = ("logprob", "topk", "hidden", "svd", "sampled")
 TOPK_PRECISIONS = ("float32", "float16")
-"""Precisions of the compact top-k store's log-probs (opdcache/compact.py measures q8 too: 24x the error of float16
-for 7 B/token less, so it is not offered)."""
+"""Precisions of the compact top-k store's log-probs (opdcache/compact.py measures q8 too: on bench_storage.py's data, 44x
+float16's forward-KL error for 6 B/token less at mass 1e-3, so it is not offered)."""
 PAD_ID = -1
 """Padding of a compact top-k or sampled entry that holds no token (its log-prob is -inf, its count 0)."""
+PADDED_BY = {"topk_ids": ("topk_logprobs",), "sampled_ids": ("sampled_counts", "sampled_logprobs")}
+"""The v3 id columns whose slots may be padding (PAD_ID), with the columns that share their slots."""
 HIDDEN_DTYPES = ("float32", "bfloat16", "float16")
 FINISH_REASONS = ("stop", "length")
 

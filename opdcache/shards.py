@@ -77,8 +77,8 @@ def _as_vectors(value, width: int, name: str, row: int) -> np.ndarray:
     return arr
 
 
-PADDED = {"topk_logprobs": "topk_ids", "sampled_logprobs": "sampled_ids"}
-"""Log-prob columns whose slots may be padding (id -1, log-prob -inf: v3 compact top-k and sampled stores)."""
+PADDED = {name: ids for ids, partners in S.PADDED_BY.items() for name in partners if name.endswith("logprobs")}
+"""Log-prob column -> its id column, where slots may be padding (id -1, log-prob -inf: v3 compact top-k and sampled)."""
 
 
 class Records(list):

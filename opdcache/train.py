@@ -44,7 +44,7 @@ from opdcache.errortokens import error_token_mask
 from opdcache.models import load_causal_lm, load_tokenizer, resolve_model
 from opdcache.progress import bar
 from opdcache.quant import apply_scheme
-from opdcache.schema import PAD_ID as S_PAD_ID
+from opdcache.schema import PAD_ID
 from opdcache.shards import PADDED
 from opdcache.student import StudentForward, autocast_dtype, enable_activation_checkpointing, full_tensor, init_distributed, shard_fsdp
 from opdcache.trainconfig import LR_SCHEDULES, TrainConfig, learning_rate, stores_for  # noqa: F401 (the public names live here too)
@@ -231,7 +231,7 @@ class Trainer:
         batch = {k: v.to(self.device) for k, v in batch.items()}
         for lp_name, id_name in PADDED_TEACHER.items():  # v3 padding slots (id -1, log-prob -inf): finite, and no mass
             if lp_name in batch:
-                batch[lp_name] = batch[lp_name].masked_fill(batch[id_name] == S_PAD_ID, L.PAD_LOGPROB)
+                batch[lp_name] = batch[lp_name].masked_fill(batch[id_name] == PAD_ID, L.PAD_LOGPROB)
         self._check_finite(batch)
         batch = _zero_outside_responses(batch)
         mask = batch["response_mask"]
@@ -240,7 +240,7 @@ class Trainer:
         support = self._support(batch, sel)
         ids_NK = batch["response_ids"][sel][:, None]  # column 0: the sampled token
         if support is not None:
-            valid = support != S_PAD_ID  # [N, K]: False at v3 padding slots
+            valid = support != PAD_ID  # [N, K]: False at v3 padding slots
             ids_NK = torch.cat([ids_NK, support.long().clamp(min=0)], 1)
         full = cfg.loss.replace("full-", "") if cfg.loss in L.FULL_VOCABULARY else None
         inputs = (batch["input_ids"], batch["attention_mask"], batch["logit_positions"], sel)

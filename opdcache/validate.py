@@ -332,8 +332,8 @@ def _check_sampled(file: str, table: pa.Table, params: S.StoreParams, offsets: n
          f"counts must sum to {params.samples_per_position} (samples_per_position), and be 0 exactly at padding"),
         ("sampled_logprobs", (pad & (lps != -np.inf)) | (~pad & (~np.isfinite(lps) | (lps > 0))),
          "log-probs must be finite and not above 0 at entries, -inf at padding"),
+        ("sampled_ids", _duplicate_ids(ids, pad), "duplicate token ids in a sampled row"),
     ]
-    checks.append(("sampled_ids", _duplicate_ids(ids, pad), "duplicate token ids in a sampled row"))
     for column, bad, message in checks:
         rows = bad.any(axis=1) if bad.ndim == 2 else bad
         if rows.any():
