@@ -43,7 +43,7 @@ def _run(kind: str, model: str, o: dict) -> None:
                                 seed=o["seed"], ref_top_k=o.get("ref_top_k"), mc_samples=o.get("mc_samples")),
         engine=EngineConfig(backend=o["backend"], dtype=o["dtype"], device=o["device"], quantize=o.get("quantize"),
                             tensor_parallel_size=o["tensor_parallel_size"], gpu_memory_utilization=o["gpu_memory_utilization"],
-                            generate_batch_size=o["batch_size"]),
+                            generate_batch_size=o["batch_size"], exact=o["exact"]),
         num_workers=o["num_workers"], worker_index=o["worker_index"], progress=o["progress"],
     )
     if o["executor"] == "ray":
@@ -70,7 +70,7 @@ def build_sft(
     chat_template: O.ChatTemplate = True, strict: O.Strict = False, limit: O.Limit = None, reward: O.Reward = None, credit_truncated: O.CreditTruncated = False,
     system_prompt: O.SystemPrompt = None, chat_template_kwargs: O.ChatTemplateKwargs = None, prompt_split: O.PromptSplit = "train",
     samples: O.Samples = 1, temperature: O.Temperature = 0.8, top_p: O.TopP = 1.0, max_new_tokens: O.MaxNewTokens = 256,
-    seed: O.Seed = 0, backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto",
+    seed: O.Seed = 0, backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", exact: O.Exact = False,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
     executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0,
@@ -93,7 +93,7 @@ def build_rollouts(
     ref_top_k: Annotated[Optional[int], typer.Option("--ref-top-k", help="Store pi_ref's top-k per position (temperature 1).", show_default=False)] = None,
     mc_samples: Annotated[Optional[int], typer.Option("--mc-samples", help="Extra next-token samples per position, not rolled out (papers/001 6.1).", show_default=False)] = None,
     sft_teacher: Annotated[Optional[str], typer.Option("--sft-teacher", help="The teacher pi_ref was fine-tuned on, if pi_ref has no opdcache lineage (directory or Hub id org/name[@revision]).", show_default=False)] = None,
-    backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", quantize: O.Quantize = None,
+    backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", quantize: O.Quantize = None, exact: O.Exact = False,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
     executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0,

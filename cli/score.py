@@ -31,7 +31,7 @@ def score_teacher(
     svd_dtype: Annotated[str, typer.Option("--svd-dtype", help="bfloat16 (format v3, half the bytes; its rounding is in the recorded distortion) or float32.")] = "bfloat16",
     name: Annotated[Optional[str], typer.Option("--name", help="Teacher table name (default: the teacher directory's name).", show_default=False)] = None,
     allow_inconsistent_teacher: Annotated[bool, typer.Option("--allow-inconsistent-teacher", help="Score even if this is not pi_ref's SFT teacher.")] = False,
-    backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", deterministic: O.Deterministic = False,
+    backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", deterministic: O.Deterministic = False, exact: O.Exact = False,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, max_batch_tokens: O.ScoreBatchTokens = None,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
     executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0,
@@ -50,7 +50,7 @@ def score_teacher(
     job = ScoreJob(cache=cache, teacher=teacher, revision=revision, stores=tuple(s.strip() for s in store.split(",") if s.strip()), top_k=top_k,
                    topk_precision=topk_precision, topk_mass=topk_mass, samples_per_position=samples_per_position, sample_seed=sample_seed,
                    svd_rank=svd_rank, svd_method=svd_method, svd_dtype=svd_dtype, slug=name, allow_inconsistent_teacher=allow_inconsistent_teacher,
-                   engine=EngineConfig(backend=backend, dtype=dtype, device=device, deterministic=deterministic,
+                   engine=EngineConfig(backend=backend, dtype=dtype, device=device, deterministic=deterministic, exact=exact,
                                        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
                                        max_batch_tokens=max_batch_tokens),
                    num_workers=num_workers, worker_index=worker_index, progress=progress)

@@ -70,6 +70,7 @@ def train(
     kl_coef: Annotated[Optional[float], typer.Option("--kl-coef", help="KL penalty to pi_ref (0: off): from the cached ref_logprobs; --online: a frozen pi_ref scores the fresh samples.", show_default=False)] = None,
     kl_estimator: Annotated[Optional[str], typer.Option("--kl-estimator", help="k1, k2 or k3 (low-variance) penalty (opdcache/losses.py: the forms for pi_ref's cached samples, or --online the student's).", show_default=False)] = None,
     kl_cap: Annotated[Optional[float], typer.Option("--kl-cap", help="Largest per-token KL penalty term, nats (default 10, verl's clamp: k3 grows as exp; 0: no cap).", show_default=False)] = None,
+    exact: Annotated[Optional[bool], typer.Option("--exact/--no-exact", help="The exact arithmetic (papers/003): the student's log-probs are bit-identical to an --exact engine's (importance weight exactly 1 at step 0) whatever the batch, padding or threads (CPU; float32 or bfloat16). Memory: the float64 copies of each layer's inputs and outputs in the forward (about 2x the activations). Default off.", show_default=False)] = None,
     rollout_aligned: Annotated[Optional[bool], typer.Option("--rollout-aligned/--no-rollout-aligned", help="QaRL: the student computes in the rollouts' recorded low-bit scheme (from float32 masters, straight-through gradients), as does the corrections' pi_ref (default off).", show_default=False)] = None,
     chunk: Annotated[Optional[int], typer.Option("--chunk", help="Vocabulary slice width of the fused head pass.", show_default=False)] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="auto, float32 or bfloat16 (autocast over float32 master weights).", show_default=False)] = None,
@@ -98,7 +99,7 @@ def train(
     flags = dict(model=model, cache=cache, out=out, teacher=teacher, loss=loss, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
                  lr=lr, tau=tau, ppo_clip=ppo_clip, importance_weights=importance_weights, checkpoint_every=checkpoint_every, seed=seed, deterministic=deterministic, tensorboard=tensorboard,
                  online=online, teacher_model=teacher_model, allow_other_model=allow_other_model, stop_after=stop_after, progress=progress, lr_schedule=lr_schedule,
-                 warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, kl_coef=kl_coef, kl_estimator=kl_estimator, kl_cap=kl_cap, rollout_aligned=rollout_aligned, chunk=chunk, dtype=dtype,
+                 warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, kl_coef=kl_coef, kl_estimator=kl_estimator, kl_cap=kl_cap, rollout_aligned=rollout_aligned, chunk=chunk, dtype=dtype, exact=exact,
                  gradient_checkpointing=gradient_checkpointing, fsdp=fsdp, tail=tail)
     values.update({k: v for k, v in flags.items() if v is not None})
     corr = dict(values.pop("corrections", {}) or {})

@@ -66,10 +66,21 @@ class EngineConfig:
     None: 1,024 on a CPU, 16,384 on a GPU."""
     generate_batch_size: int = 64
     """transformers generation: sequences decoded together (KV-cache memory; larger is faster for small models)."""
+    exact: bool = False
+    """The exact arithmetic (opdcache/exact/): stored numbers equal the trainer's exact recompute bit for bit, whatever
+    the batch, padding, KV cache or thread count. CPU, transformers models of the Llama/Mistral/Qwen2/Qwen3 families."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("transformers", "vllm"):
             raise ConfigError(f"--backend must be transformers or vllm, got {self.backend!r}")
+        if self.exact and self.backend == "vllm":
+            raise ConfigError("--exact runs opdcache's exact engine (CPU); vLLM's batch-invariant mode is not wired in: drop --backend vllm")
+        if self.exact and self.device not in ("auto", "cpu"):
+            raise ConfigError(f"--exact runs on the CPU (the GPU path is batch-invariant kernels, not built here), got --device {self.device}")
+        if self.exact and self.dtype == "float16":
+            raise ConfigError("--exact computes in float32 or bfloat16, got --dtype float16")
+        if self.exact and self.quantize is not None and self.quantize.split(":")[0] == "int8":
+            raise ConfigError("--exact with --quantize int8 (torch's kernels) is not exact; use w8a8, its emulated equivalent")
         if self.backend == "transformers" and self.quantize is not None:  # one spelling per scheme: the canonical one
             from opdcache.quant import QuantScheme
 
@@ -85,10 +96,20 @@ class EngineConfig:
 
     def fingerprint_view(self) -> dict:
         """Settings that change numbers (not memory or batching, except in deterministic mode)."""
-        return {"backend": self.backend, "dtype": self.dtype, "quantize": self.quantize, "tensor_parallel_size": self.tensor_parallel_size}
+        view = {"backend": self.backend, "dtype": self.dtype, "quantize": self.quantize, "tensor_parallel_size": self.tensor_parallel_size}
+        if self.exact:  # absent when off: caches built before --exact keep their fingerprints
+            from opdcache.backends.exact import ARITHMETIC
+
+            view["exact"] = ARITHMETIC
+        return view
 
 
 def make_backend(model: str | Path, engine: EngineConfig, **extra):
+    if engine.exact:
+        from opdcache.backends.exact import ExactBackend
+
+        return ExactBackend(model, dtype=engine.dtype, quantize=engine.quantize, generate_batch_size=engine.generate_batch_size,
+                            max_batch_tokens=engine.max_batch_tokens or 2048)
     if engine.backend == "vllm":
         from opdcache.backends.vllm import VLLMBackend
 
@@ -244,7 +265,7 @@ def run_generate(job: GenerateJob) -> GenerateResult:
         "sft_teacher": sft_teacher["fingerprint"] if sft_teacher else None, "reward": job.reward, "keep": job.keep,
         **({"credit_truncated": True} if job.credit_truncated else {}),  # absent when off: older caches keep their fingerprint
         # batch composition changes the last bits of batched kernels' outputs (~1e-5): a resume must keep it
-        "generate_batch_size": job.engine.generate_batch_size if job.engine.backend == "transformers" else None,
+        "generate_batch_size": job.engine.generate_batch_size if job.engine.backend == "transformers" and not job.engine.exact else None,
     }
     tok_info = {"fingerprint": config["tokenizer"], "name_or_path": ref.name, "chat_template_sha256": prompts.chat_template_sha256}
     # the manifest's table stats: prompts kept; samples_drawn = prompts x --samples (rows = samples_drawn - quarantined

@@ -273,13 +273,14 @@ def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):
     import torch
 
     from opdcache import svd
+    from opdcache.backends.exact import ExactBackend
     from opdcache.backends.hf import TransformersBackend
 
     path = table.dir / "svd.safetensors"
     if path.is_file():
         info = svd.read_metadata(path)["info"]
         return svd.load(path), info
-    if not isinstance(backend, TransformersBackend):
+    if not isinstance(backend, (TransformersBackend, ExactBackend)):
         raise ConfigError("the svd store needs the transformers engine")
     reqs = score_requests(shards.read_table(cache.shard_paths(cache.base_table)[0], ["prompt_ids", "response_ids"]))
     n_cal = min(CALIBRATION_SEQUENCES, max(1, len(reqs) // 2))

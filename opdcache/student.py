@@ -33,22 +33,40 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
 class StudentForward(torch.nn.Module):
     """Decoder forward, then per response token: log-probs at requested ids, log-partition, optional divergence."""
 
-    def __init__(self, model, chunk: int):
+    def __init__(self, model, chunk: int, exact_dtype: torch.dtype | None = None):
+        """``exact_dtype``: run the decoder and the head in the exact arithmetic (opdcache/exact/) in this dtype."""
         super().__init__()
         self.model = model
         self.chunk = chunk
         self.scale, self.softcap = head_transform_of(model)
+        self.exact = None
+        if exact_dtype is not None:
+            from opdcache.exact.decoder import ExactDecoder
+
+            self.exact = ExactDecoder(model, exact_dtype)
 
     def forward(self, input_ids_BL, attention_mask_BL, logit_positions_BT, select_BT, ids_NK, divergence: str | None = None,
                 teacher_hidden_NK=None, teacher_weight=None, teacher_bias=None):
         """(log-probs [N, K] at ``ids_NK``, log-partition [N], divergence [N] or None) for the N selected tokens."""
         base = getattr(self.model, self.model.base_model_prefix)
-        h_BLH = base(input_ids=input_ids_BL, attention_mask=attention_mask_BL).last_hidden_state
+        if self.exact is not None:  # right-padded rows (opdcache/data.py): the exact forward needs no mask
+            with torch.autocast(input_ids_BL.device.type, enabled=False):
+                h_BLH = self.exact.forward(input_ids_BL)
+        else:
+            h_BLH = base(input_ids=input_ids_BL, attention_mask=attention_mask_BL).last_hidden_state
         rows, cols = select_BT.nonzero(as_tuple=True)
         h_NH = h_BLH[rows, logit_positions_BT[rows, cols]]
         head = self.model.get_output_embeddings()
         bias = getattr(head, "bias", None)
         lp_NK, lse_N = chunked_logprobs(h_NH, head.weight, ids_NK, bias, self.chunk, self.scale, self.softcap)
+        if self.exact is not None:  # the exact values, with the streamed head's gradient (straight-through)
+            from opdcache.exact.head import picks_and_stats
+
+            with torch.no_grad(), torch.autocast(h_NH.device.type, enabled=False):
+                exact_lp, exact_lse, _ = picks_and_stats(h_NH.detach(), head.weight.detach(), None if bias is None else bias.detach(),
+                                                         self.exact.dtype, ids_NK.long())
+            lp_NK = lp_NK + (exact_lp.to(lp_NK.dtype) - lp_NK).detach()
+            lse_N = lse_N + (exact_lse.to(lse_N.dtype) - lse_N).detach()
         div_N = None
         if divergence == "uniform":  # cross-entropy of the uniform distribution against the student: lse - mean logit, O(N x H)
             mean_logit_N = h_NH @ head.weight.mean(0).to(h_NH.dtype) + (0 if bias is None else bias.mean())

@@ -125,13 +125,15 @@ class Trainer:
         self.scheme = self._rollout_scheme() if cfg.rollout_aligned else None
         if self.scheme is not None:  # QaRL: the learner computes as the rollout engine did, from float32 masters
             apply_scheme(self.model, self.scheme, "train")
+        # --exact: the decoder and head in the exact arithmetic, in the compute dtype (bfloat16 rounds as the engine's did)
+        self.exact_dtype = (self.autocast or torch.float32) if cfg.exact else None
         self.ref_forward = None
         if cfg.corrections.active:  # r_train: the trainer-side pi_ref, frozen (in the rollouts' arithmetic when aligned)
             ref = load_causal_lm(self.model_path, torch.float32).to(self.device).eval()
             if self.scheme is not None:
                 apply_scheme(ref, self.scheme, "inference")
-            self.ref_forward = StudentForward(ref, cfg.chunk)
-        self.forward = StudentForward(self.model, cfg.chunk)
+            self.ref_forward = StudentForward(ref, cfg.chunk, self.exact_dtype)
+        self.forward = StudentForward(self.model, cfg.chunk, self.exact_dtype)
         if cfg.fsdp:
             self.forward = shard_fsdp(self.forward, self.device, self.world)
         elif self.ddp:

@@ -86,6 +86,10 @@ class TrainConfig:
     """Seed of the data order and initialisation."""
     deterministic: bool = False
     """Deterministic kernels (CPU runs become bit-reproducible, including across a resume)."""
+    exact: bool = False
+    """The exact arithmetic (opdcache/exact/, papers/003): the student's forward gives the bits an exact rollout engine
+    stored (at step 0 every importance weight is exactly 1), whatever the batch, padding or thread count. CPU; Llama,
+    Mistral, Qwen2, Qwen3; float32 or bfloat16 (--dtype). Costs float64 matmuls in the forward; gradients as usual."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     stop_after: int | None = None
@@ -128,6 +132,8 @@ class TrainConfig:
                               "gradient (E_theta[grad log pi_theta] = 0), so it would not pull toward pi_ref; use k3 (the default) or k2")
         if self.kl_cap < 0:
             raise ConfigError(f"--kl-cap must be >= 0 (0: no cap), got {self.kl_cap}")
+        if self.exact and (self.fsdp or self.online):
+            raise ConfigError("--exact trains one process from a cache; drop --fsdp/--online")
         if self.rollout_aligned and self.online:
             raise ConfigError("--rollout-aligned aligns the learner to cached low-bit rollouts; --online samples the student in full precision")
         check_chunk(self.chunk)

@@ -1,0 +1,39 @@
+"""``opdcache audit CACHE``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from opdcache.cli import options as O
+
+
+def audit(
+    cache: O.CachePath,
+    table: Annotated[Optional[str], typer.Option("--table", help="One table: rollouts, sft, or a teacher table's name (default: every table).", show_default=False)] = None,
+    rows: Annotated[int, typer.Option("--rows", help="Rows re-computed per table, drawn at random (seeded) over all its shards.")] = 16,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the row sample.")] = 0,
+    model: Annotated[Optional[Path], typer.Option("--model", help="pi_ref (the rollout table's model) when it is not at the path the manifest records.", show_default=False)] = None,
+    teacher: Annotated[Optional[Path], typer.Option("--teacher", help="The teacher of the teacher tables when it is not at the recorded path.", show_default=False)] = None,
+    tolerance: Annotated[float, typer.Option("--tolerance", help="Tables not computed with --exact: the largest max |delta| (nats) that passes.")] = 1e-4,
+    as_json: O.JsonOut = False,
+) -> None:
+    """Re-compute a seeded sample of rows with the recorded models and arithmetic; per column, bit-exact matches and
+    max |delta|. Exit 1 when an --exact table does not reproduce bit for bit, or another exceeds --tolerance.
+
+    Memory: one engine (the model, plus a float64 copy of its weights for exact tables) and the sampled rows; the
+    rows are read from one shard at a time."""
+    O.announce_threads()
+    from opdcache.audit import AuditConfig, audit as run, render
+
+    report = run(AuditConfig(cache=cache, table=table, rows=rows, seed=seed, model=model, teacher=teacher, tolerance=tolerance))
+    typer.echo(json.dumps(report, indent=2) if as_json else render(report))
+    if not report["passed"]:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("audit")(audit)

@@ -1,0 +1,248 @@
+"""The exact engine (``--exact``): sampling and scoring in the exact arithmetic of opdcache/exact/, so every stored
+number is the one the trainer's exact forward recomputes, bit for bit, whatever the batch, the padding, KV-cache
+decoding against a full forward, or the thread count (papers/003's zero-mismatch reference, on a CPU).
+
+Each token is drawn from exactly the stored sampling log-probs: inverse CDF over exp(sampling_logprobs) in vocabulary
+order, with a uniform from the sample's own stream (seeded from its id). Memory: the model and a float64 copy of its
+weights (8 bytes per parameter), a KV cache of [batch, kv heads, prompt + max_new_tokens, head dim] per layer, and
+per decode step [batch, vocabulary] float32 logits and float64 probabilities.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores
+from opdcache.backends.hf import load_model
+from opdcache.errors import ConfigError
+from opdcache.exact import head as H
+from opdcache.exact.decoder import ExactDecoder
+from opdcache.progress import advance
+
+ARITHMETIC = "opdcache-exact-1"  # the definition of the arithmetic (arith.py, decoder.py, head.py): bump on any change
+
+
+def arithmetic_record(dtype: str) -> dict:
+    """What fixes the arithmetic, for the manifest: its definition and the libraries whose functions it rounds
+    (torch for the float64 kernels, the C library for math's exp/log/cos/sin on the slow path)."""
+    import platform
+
+    import torch
+
+    return {"arithmetic": ARITHMETIC, "dtype": dtype, "vocab_block": H.VOCAB_BLOCK, "torch": torch.__version__,
+            "libc": "-".join(platform.libc_ver()) or None, "python": platform.python_version()}
+
+
+class ExactBackend:
+    name = "exact"
+
+    def __init__(self, model_path: str | Path, dtype: str = "auto", quantize: str | None = None,
+                 generate_batch_size: int = 64, max_batch_tokens: int = 2048):
+        from opdcache.quant import parse_quantize
+
+        spec = None if quantize is None else parse_quantize(quantize).spec()
+        if dtype == "float16":
+            raise ConfigError("--exact supports --dtype float32 or bfloat16, got float16")
+        self.model = load_model(model_path, "float32" if dtype == "auto" else dtype, "cpu", spec)
+        self.path, self.quantize = Path(model_path), spec
+        self._attach(generate_batch_size, max_batch_tokens)
+
+    @classmethod
+    def from_model(cls, model, generate_batch_size: int = 64, max_batch_tokens: int = 2048) -> "ExactBackend":
+        self = cls.__new__(cls)
+        self.model, self.path, self.quantize = model, None, None
+        self._attach(generate_batch_size, max_batch_tokens)
+        return self
+
+    def _attach(self, generate_batch_size: int, max_batch_tokens: int) -> None:
+        import transformers
+
+        self.decoder = ExactDecoder(self.model)
+        self.version = transformers.__version__
+        self.dtype = str(self.decoder.dtype).replace("torch.", "")
+        head = self.model.get_output_embeddings()
+        self.W, self.b = head.weight, getattr(head, "bias", None)
+        self.vocab_size = int(self.W.shape[0])
+        self.max_length = int(getattr(self.model.config, "max_position_embeddings", 1 << 20))
+        self.generate_batch_size, self.max_batch_tokens = generate_batch_size, max_batch_tokens
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = sorted(set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def model_info(self) -> dict:
+        return {"engine": self.name, "engine_version": self.version, "dtype": self.dtype, "quantization": self.quantize,
+                "exact": arithmetic_record(self.dtype)}
+
+    # ------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingConfig) -> list[Generation]:
+        out: list[Generation] = []
+        for a in range(0, len(requests), self.generate_batch_size):
+            batch = requests[a: a + self.generate_batch_size]
+            out.extend(self._generate_batch(batch, sampling))
+            advance(len(batch))
+        return out
+
+    def _step_logprobs(self, h_BH: torch.Tensor, s: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """(temperature-1 log-probs, sampling log-probs) [B, V] of one decode step."""
+        z = H.full_logits(h_BH, self.W, self.b, self.decoder.dtype)
+        ref = H.log_softmax(z)
+        if s.temperature in (0, 1) and s.top_p >= 1:
+            return ref, ref
+        scaled = z / s.temperature
+        samp = H.log_softmax(scaled)
+        if s.top_p < 1:
+            samp = H.log_softmax(scaled.masked_fill(H.top_p_mask(samp, s.top_p), float("-inf")))
+        return ref, samp
+
+    def _generate_batch(self, requests: Sequence[GenerateRequest], s: SamplingConfig) -> list[Generation]:
+        B = len(requests)
+        lengths = torch.tensor([len(r.prompt_ids) for r in requests])
+        if int(lengths.min()) == 0:
+            raise ConfigError("cannot generate from an empty prompt")
+        L = int(lengths.max())
+        ids = torch.zeros((B, L), dtype=torch.long)
+        for b, r in enumerate(requests):  # right padding: a row's token t at position t
+            ids[b, : len(r.prompt_ids)] = torch.as_tensor(r.prompt_ids)
+        cache = self.decoder.new_cache(B, L + s.max_new_tokens)
+        h = self.decoder.step(ids, torch.arange(L).expand(B, L), cache)[torch.arange(B), lengths - 1]  # [B, H]
+        gens = [torch.Generator().manual_seed(r.seed) for r in requests]
+        pos = lengths.clone()
+        done = torch.zeros(B, dtype=torch.bool)
+        n_tokens = torch.zeros(B, dtype=torch.long)
+        eos = torch.tensor(self.eos_ids, dtype=torch.long)
+        steps: dict[str, list[torch.Tensor]] = {k: [] for k in ("tok", "slp", "rlp", "kid", "klp", "mid", "mlp")}
+        for t in range(s.max_new_tokens):
+            ref, samp = self._step_logprobs(h, s)
+            if s.temperature == 0:
+                tok = ref.argmax(-1)
+                samp = torch.full_like(ref, float("-inf")).scatter(-1, tok[:, None], 0.0)
+            else:
+                u = torch.stack([torch.rand(1, dtype=torch.float64, generator=g) for g in gens])  # [B, 1]
+                tok = H.draw(samp, u)[:, 0]
+            steps["tok"].append(tok)
+            steps["slp"].append(samp.gather(-1, tok[:, None])[:, 0])
+            steps["rlp"].append(ref.gather(-1, tok[:, None])[:, 0])
+            if s.ref_top_k:
+                klp, kid = ref.topk(s.ref_top_k, -1)
+                steps["kid"].append(kid)
+                steps["klp"].append(klp)
+            if s.mc_samples:
+                u = torch.stack([torch.rand(s.mc_samples, dtype=torch.float64, generator=g) for g in gens])
+                mid = H.draw(samp, u)
+                steps["mid"].append(mid)
+                steps["mlp"].append(samp.gather(-1, mid))
+            n_tokens += ~done
+            done |= torch.isin(tok, eos)
+            if bool(done.all()) or t == s.max_new_tokens - 1:
+                break
+            h = self.decoder.step(tok[:, None], pos[:, None], cache)[:, 0]
+            pos = pos + 1
+        stacked = {k: torch.stack(v, 1).numpy() for k, v in steps.items() if v}
+        result = []
+        for b in range(B):
+            T = int(n_tokens[b])
+            g = Generation(response_ids=stacked["tok"][b, :T].astype(np.int32), finish_reason="stop" if done[b] else "length",
+                           sampling_logprobs=stacked["slp"][b, :T].astype(np.float32),
+                           ref_logprobs=np.minimum(stacked["rlp"][b, :T], 0).astype(np.float32))
+            if s.ref_top_k:
+                g.ref_topk_ids = stacked["kid"][b, :T].astype(np.int32)
+                g.ref_topk_logprobs = np.minimum(stacked["klp"][b, :T], 0).astype(np.float32)
+            if s.mc_samples:
+                g.mc_ids = stacked["mid"][b, :T].astype(np.int32)
+                g.mc_sampling_logprobs = stacked["mlp"][b, :T].astype(np.float32)
+            result.append(g)
+        return result
+
+    # ------------------------------------------------------------ scoring
+    def _batches(self, requests: Sequence[ScoreRequest]) -> list[list[int]]:
+        batches, current, longest = [], [], 0
+        for i, r in enumerate(requests):
+            n = len(r.prompt_ids) + len(r.response_ids)
+            if current and max(longest, n) * (len(current) + 1) > self.max_batch_tokens:
+                batches.append(current)
+                current, longest = [], 0
+            current.append(i)
+            longest = max(longest, n)
+        return batches + ([current] if current else [])
+
+    def final_hidden(self, requests: Sequence[ScoreRequest]) -> tuple[torch.Tensor, list[int]]:
+        """Exact final hidden states at the response positions, [sum T, H], and each row's T."""
+        for r in requests:
+            if len(r.prompt_ids) == 0:
+                raise ConfigError("cannot score a sequence with an empty prompt")
+        seqs = [list(r.prompt_ids) + list(r.response_ids) for r in requests]
+        ids = torch.zeros((len(seqs), max(map(len, seqs))), dtype=torch.long)
+        for b, seq in enumerate(seqs):
+            ids[b, : len(seq)] = torch.as_tensor(seq)
+        h = self.decoder.forward(ids)
+        rows = [h[b, len(r.prompt_ids) - 1: len(r.prompt_ids) - 1 + len(r.response_ids)] for b, r in enumerate(requests)]
+        return torch.cat(rows), [len(r.response_ids) for r in requests]
+
+    @torch.no_grad()
+    def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False) -> list[Scores]:
+        out: list[Scores | None] = [None] * len(requests)
+        for batch in self._batches(requests):
+            reqs = [requests[i] for i in batch]
+            h_NH, lengths = self.final_hidden(reqs)
+            for i, sc in zip(batch, self._score_rows(reqs, h_NH, lengths, top_k, hidden)):
+                out[i] = sc
+            advance(len(batch))
+        return out  # type: ignore[return-value]
+
+    def _score_rows(self, reqs, h_NH, lengths, top_k, want_hidden) -> list[Scores]:
+        cols = [torch.as_tensor(np.concatenate([np.asarray(r.response_ids, np.int64) for r in reqs]))[:, None]]
+        names = ["lp"]
+        for name, attr in (("rk", "ref_topk_ids"), ("mc", "mc_ids")):
+            if getattr(reqs[0], attr) is not None:
+                cols.append(torch.as_tensor(np.concatenate([getattr(r, attr).astype(np.int64) for r in reqs])))
+                names.append(name)
+        widths = [c.shape[1] for c in cols]
+        ids = torch.cat(cols, 1)
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "lse", "kid", "klp", "sid", "slp")}
+        uniforms = None if reqs[0].uniforms is None else torch.cat([torch.as_tensor(r.uniforms, dtype=torch.float64) for r in reqs])
+        for sl in H.row_blocks(h_NH.shape[0]):
+            lp, lse, top = H.picks_and_stats(h_NH[sl], self.W, self.b, self.decoder.dtype, ids[sl], top_k)
+            parts["lp"].append(lp)
+            parts["lse"].append(lse)
+            if top is not None:
+                parts["klp"].append(top[0])
+                parts["kid"].append(top[1])
+            if uniforms is not None:
+                full = H.log_softmax(H.full_logits(h_NH[sl], self.W, self.b, self.decoder.dtype))
+                sid = H.draw(full, uniforms[sl])
+                parts["sid"].append(sid)
+                parts["slp"].append(full.gather(1, sid))
+        cat = {k: torch.cat(v) for k, v in parts.items() if v}
+        split = dict(zip(names, torch.split(cat["lp"], widths, 1)))
+        result, offset = [], 0
+        for T in lengths:
+            sl = slice(offset, offset + T)
+            sc = Scores(logprobs=split["lp"][sl, 0].clamp(max=0).numpy(), logsumexp=cat["lse"][sl].numpy())
+            if top_k:
+                sc.topk_ids = cat["kid"][sl].numpy().astype(np.int32)
+                sc.topk_logprobs = cat["klp"][sl].clamp(max=0).numpy()
+            if "rk" in split:
+                sc.ref_topk_logprobs = split["rk"][sl].clamp(max=0).numpy()
+            if "mc" in split:
+                sc.mc_logprobs = split["mc"][sl].clamp(max=0).numpy()
+            if "sid" in cat:
+                sc.sampled_ids, sc.sampled_logprobs = cat["sid"][sl].numpy(), cat["slp"][sl].clamp(max=0).numpy()
+            if want_hidden:
+                sc.hidden = h_NH[sl].clone()
+            result.append(sc)
+            offset += T
+        return result
+
+    @torch.no_grad()
+    def hidden_states(self, requests: Sequence[ScoreRequest]) -> torch.Tensor:
+        parts = []
+        for batch in self._batches(requests):
+            parts.append(self.final_hidden([requests[i] for i in batch])[0])
+        return torch.cat(parts)

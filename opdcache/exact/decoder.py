@@ -1,0 +1,182 @@
+"""The decoder forward in the exact arithmetic (opdcache/exact/arith.py): one model code for sampling, scoring and
+learning, so the three give the same bits.
+
+It reads the weights of a loaded transformers model (Llama, Mistral, Qwen2, Qwen3 families) and runs the same maths
+as their forward: RMSNorm, rotary embeddings, grouped-query causal attention, SwiGLU MLP; with every reduction exact.
+Keys sit at their logical positions (a row's padding is always after its tokens), so a query's attention row over a
+KV cache of t + 1 keys and the same row inside a full forward over L > t keys differ only by masked zeros appended,
+which the exact sums ignore: KV-cache decoding equals the full forward, whatever the batch, the padding or the
+thread count. Activations are rounded to the model's dtype where transformers' own forward rounds them (float32 or
+bfloat16), so an exact bfloat16 run is a bfloat16 run.
+
+Memory: the model's activations for one forward ([B, L, hidden] per layer, and [B, heads, QUERY_BLOCK, L] attention
+scores per block of queries, so nothing grows with L^2), a float64 copy of each weight (8 bytes per parameter, kept
+while the weights do not change), and for decoding a KV cache of [B, kv heads, capacity, head dim] per layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from opdcache.errors import ConfigError
+from opdcache.exact import arith as X
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+QUERY_BLOCK = 256  # queries per attention block: scores are [B, heads, QUERY_BLOCK, keys]
+
+
+def check_supported(config) -> None:
+    """Refuse, in one line, a model the exact forward does not implement (before any weight is read)."""
+    kind = getattr(config, "model_type", None)
+    if kind not in FAMILIES:
+        raise ConfigError(f"--exact supports the {', '.join(FAMILIES)} model families, got model_type {kind!r}; "
+                          "run without --exact (and measure the mismatch with mismatch-report)")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise ConfigError(f"--exact supports the default rotary embedding, got rope_type {rope.get('rope_type')!r}; run without --exact")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"--exact supports silu MLPs, got hidden_act {config.hidden_act!r}; run without --exact")
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", kind == "mistral"):
+        raise ConfigError("--exact does not implement sliding-window attention; run without --exact")
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        raise ConfigError("--exact does not implement logit scaling or soft-capping; run without --exact")
+
+
+def _rope_theta(config) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+class RotaryTable:
+    """cos and sin of position x frequency, each value round32(libm(p * f)) computed by Python's math one element at
+    a time, so a position's values do not depend on how long the table is. Grows by doubling."""
+
+    def __init__(self, theta: float, head_dim: int):
+        self.freqs = [1.0 / theta ** (2 * i / head_dim) for i in range(head_dim // 2)]
+        self.cos = torch.empty(0, head_dim)
+        self.sin = torch.empty(0, head_dim)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self.cos.shape[0]:
+            n = max(need, 2 * self.cos.shape[0], 64)
+            angles = [[p * f for f in self.freqs] for p in range(n)]
+            cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float64).float()
+            sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64).float()
+            self.cos, self.sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class ExactDecoder:
+    """The decoder of ``model`` (a transformers causal LM of a supported family) in the exact arithmetic."""
+
+    def __init__(self, model, dtype: torch.dtype | None = None):
+        cfg = model.config
+        check_supported(cfg)
+        self.model = model
+        self.base = getattr(model, model.base_model_prefix)
+        self.dtype = dtype or self.base.embed_tokens.weight.dtype
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.scaling = self.head_dim ** -0.5
+        self.rope = RotaryTable(_rope_theta(cfg), self.head_dim)
+
+    # ------------------------------------------------------------------ pieces
+    def linear(self, module, x: torch.Tensor) -> torch.Tensor:
+        """A linear layer (or an emulated low-bit one, opdcache/quant.py) in the exact arithmetic, in the model's dtype."""
+        w = module.weight
+        scheme = getattr(module, "_opd_scheme", None)
+        if scheme is not None:
+            if module._opd_train:
+                w = w + (scheme.weight(w) - w).detach()
+            if scheme.quantizes_activations:
+                x = x + (scheme.activation(x) - x).detach()
+        return X.linear(x.to(self.dtype), w.to(self.dtype), module.bias).to(self.dtype)
+
+    def norm(self, module, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm: x / sqrt(mean(x^2) + eps) in float32, then the weight in the model's dtype."""
+        x32 = x.float()
+        var = X.sum_last(x32 * x32, nonnegative=True) / x32.shape[-1]
+        scaled = x32 * X.rsqrt(var + module.variance_epsilon)[..., None]
+        return module.weight.to(self.dtype) * scaled.to(self.dtype)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+        """Causal attention of queries q [B, h, Q, d] at positions qpos [B, Q] over keys k, v [B, kv, K, d] held at
+        positions 0..K-1; key j is seen by a query at position p iff j <= p. Returns [B, h, Q, d] in the model's dtype."""
+        rep = self.heads // self.kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        K = k.shape[2]
+        keys = torch.arange(K, device=q.device)
+        out = []
+        for a in range(0, q.shape[2], QUERY_BLOCK):
+            qb, pb = q[:, :, a: a + QUERY_BLOCK], qpos[:, a: a + QUERY_BLOCK]
+            s = (X.matmul(qb, k.transpose(-1, -2)).to(self.dtype) * self.scaling).float()  # [B, h, Qb, K]
+            seen = keys[None, None, :] <= pb[:, :, None]  # [B, Qb, K]
+            s = s.masked_fill(~seen[:, None], float("-inf"))
+            e = X.exp(s - s.amax(-1, keepdim=True).detach())
+            p = (e / X.sum_last(e, nonnegative=True)[..., None]).to(self.dtype)
+            out.append(X.matmul(p, v).to(self.dtype))
+        return torch.cat(out, 2)
+
+    def layer(self, layer, h: torch.Tensor, pos: torch.Tensor, cache: tuple | None = None) -> torch.Tensor:
+        """One decoder layer over h [B, Q, H] at positions pos [B, Q]. Without a cache the Q tokens are the whole
+        sequences (positions 0..Q-1); with one, their keys and values are written into it at ``pos`` first."""
+        attn, B, Q = layer.self_attn, h.shape[0], h.shape[1]
+        x = self.norm(layer.input_layernorm, h)
+        q = self.linear(attn.q_proj, x).view(B, Q, self.heads, self.head_dim)
+        k = self.linear(attn.k_proj, x).view(B, Q, self.kv_heads, self.head_dim)
+        v = self.linear(attn.v_proj, x).view(B, Q, self.kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+            q, k = self.norm(attn.q_norm, q), self.norm(attn.k_norm, k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, Q, d]
+        cos, sin = self.rope(pos, self.dtype)
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            K_cache, V_cache = cache
+            rows = torch.arange(B)[:, None]
+            K_cache.transpose(1, 2)[rows, pos] = k.transpose(1, 2)
+            V_cache.transpose(1, 2)[rows, pos] = v.transpose(1, 2)
+            end = int(pos.max()) + 1
+            k, v = K_cache[:, :, :end], V_cache[:, :, :end]
+        o = self.attend(q, k, v, pos).transpose(1, 2).reshape(B, Q, self.heads * self.head_dim)
+        h = h + self.linear(attn.o_proj, o)
+        x = self.norm(layer.post_attention_layernorm, h)
+        mlp = layer.mlp
+        act = X.silu(self.linear(mlp.gate_proj, x).float()).to(self.dtype)
+        return h + self.linear(mlp.down_proj, act * self.linear(mlp.up_proj, x))
+
+    # ------------------------------------------------------------------ entry points
+    def forward(self, input_ids_BL: torch.Tensor) -> torch.Tensor:
+        """Final post-norm hidden states [B, L, H] of right-padded rows (a row's token t at position t; what
+        follows a row's end does not change its values). Differentiable."""
+        B, L = input_ids_BL.shape
+        pos = torch.arange(L, device=input_ids_BL.device).expand(B, L)
+        h = self.base.embed_tokens(input_ids_BL).to(self.dtype)
+        for layer in self.base.layers:
+            h = self.layer(layer, h, pos)
+        return self.norm(self.base.norm, h)
+
+    def new_cache(self, batch: int, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A zeroed KV cache (zeros: masked keys then add exact zeros, never NaN) for ``capacity`` positions."""
+        shape = (batch, self.kv_heads, capacity, self.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)) for _ in self.base.layers]
+
+    def step(self, ids_BQ: torch.Tensor, pos_BQ: torch.Tensor, cache) -> torch.Tensor:
+        """Tokens ids_BQ at positions pos_BQ through every layer, their keys and values written into ``cache``:
+        final hidden states [B, Q, H]. A prefill is a step with Q = the longest prompt (right-padded)."""
+        h = self.base.embed_tokens(ids_BQ).to(self.dtype)
+        for layer, kv in zip(self.base.layers, cache):
+            h = self.layer(layer, h, pos_BQ, kv)
+        return self.norm(self.base.norm, h)

@@ -1,0 +1,95 @@
+"""The unembedding in the exact arithmetic: logits, the log-partition, log-probs at ids, top-k and draws.
+
+The vocabulary is cut into fixed slices of VOCAB_BLOCK columns (a constant of the arithmetic, never a function of how
+many positions are scored). For slice b: m_b = its largest logit and S_b = sum exp(z - m_b), both exact; then
+M = max m_b, s = sum_b exp(m_b - M) S_b (exact) and log p(v) = (z_v - M) - log s. One pass over the head whatever
+the number of positions; the numbers of a position are the same in a [1, V] decode step, a [2048, slice] scoring
+block and the trainer's recompute. Memory: one [positions, VOCAB_BLOCK] float64 block (positions bounded by
+ROW_BLOCK_BYTES) and [positions, slices] statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opdcache.exact import arith as X
+
+VOCAB_BLOCK = 8192  # columns per vocabulary slice: part of the arithmetic's definition (recorded as "vocab_block")
+ROW_BLOCK_BYTES = 64 << 20  # float64 [rows, VOCAB_BLOCK] working block
+
+
+def row_blocks(n: int) -> list[slice]:
+    rows = max(1, ROW_BLOCK_BYTES // (8 * VOCAB_BLOCK * 4))  # s, bounds and the float32 copies of one block
+    return [slice(a, min(a + rows, n)) for a in range(0, n, rows)] or [slice(0, 0)]
+
+
+def logits(hidden_PH: torch.Tensor, weight_VH: torch.Tensor, bias_V, a: int, dtype: torch.dtype) -> torch.Tensor:
+    """Exact logits of slice [a, a + VOCAB_BLOCK) as float32, rounded through the model's dtype as its head rounds them."""
+    w = weight_VH[a: a + VOCAB_BLOCK]
+    return X.linear(hidden_PH.to(dtype), w.to(dtype), None if bias_V is None else bias_V[a: a + VOCAB_BLOCK]).to(dtype).float()
+
+
+def slice_stats(z_PC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m_b, S_b) of one slice: its largest logit and sum exp(z - m_b), exact; float32 [P] each."""
+    m = z_PC.amax(-1).detach()
+    return m, X.sum_last(X.exp(z_PC - m[:, None]), nonnegative=True)
+
+
+def combine(m_PS: torch.Tensor, s_PS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, log s) from the slices' statistics [P, slices]: M = max m_b, s = sum_b exp(m_b - M) S_b."""
+    M = m_PS.amax(-1).detach()
+    s = X.sum_last(X.exp(m_PS - M[:, None]) * s_PS, nonnegative=True)
+    return M, X.log(s)
+
+
+def log_softmax(z_PV: torch.Tensor) -> torch.Tensor:
+    """Exact log-softmax of whole rows [P, V] (float32), by the same slices as the streamed head."""
+    stats = [slice_stats(z_PV[:, a: a + VOCAB_BLOCK]) for a in range(0, z_PV.shape[1], VOCAB_BLOCK)]
+    M, log_s = combine(torch.stack([m for m, _ in stats], -1), torch.stack([s for _, s in stats], -1))
+    return (z_PV - M[:, None]) - log_s[:, None]
+
+
+def full_logits(hidden_PH, weight_VH, bias_V, dtype) -> torch.Tensor:
+    """[P, V] float32 exact logits (decode steps: P is the batch)."""
+    return torch.cat([logits(hidden_PH, weight_VH, bias_V, a, dtype) for a in range(0, weight_VH.shape[0], VOCAB_BLOCK)], -1)
+
+
+def picks_and_stats(hidden_PH, weight_VH, bias_V, dtype, ids_PK: torch.Tensor, top_k: int | None = None):
+    """One pass over the vocabulary: (log-probs at ids_PK [P, K], lse [P], top-k (values, ids) or None), exact."""
+    P, V = hidden_PH.shape[0], weight_VH.shape[0]
+    picked = torch.zeros(ids_PK.shape, dtype=torch.float32)
+    ms, ss = [], []
+    top_vals = torch.full((P, top_k or 0), float("-inf"))
+    top_ids = torch.zeros((P, top_k or 0), dtype=torch.long)
+    for a in range(0, V, VOCAB_BLOCK):
+        z = logits(hidden_PH, weight_VH, bias_V, a, dtype)
+        r, k = ((ids_PK >= a) & (ids_PK < a + z.shape[1])).nonzero(as_tuple=True)
+        picked[r, k] = z[r, ids_PK[r, k] - a]
+        m, s = slice_stats(z)
+        ms.append(m)
+        ss.append(s)
+        if top_k:  # merge the slice into the running top-k: the same slices in every context, so the same ties
+            cv, ci = z.topk(min(top_k, z.shape[1]), -1)
+            top_vals, order = torch.cat([top_vals, cv], 1).topk(top_k, -1)
+            top_ids = torch.cat([top_ids, ci + a], 1).gather(1, order)
+    M, log_s = combine(torch.stack(ms, -1), torch.stack(ss, -1))
+    lp = (picked - M[:, None]) - log_s[:, None]
+    top = None if not top_k else ((top_vals - M[:, None]) - log_s[:, None], top_ids)
+    return lp, M + log_s, top
+
+
+def draw(logprobs_PV: torch.Tensor, uniforms_PD: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws [P, D] from exp(logprobs) (exact float32 probabilities, cumulated in float64 in vocabulary
+    order by one sequential scan per row): the token whose cumulative mass first exceeds u * total."""
+    cdf = X.exp(logprobs_PV).double().cumsum(-1)
+    target = uniforms_PD.double() * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=logprobs_PV.shape[1] - 1)
+
+
+def top_p_mask(logprobs_PV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """True outside the top-p nucleus: a token is dropped when the tokens before it in (probability desc, id asc)
+    order already hold top_p of the mass (float64 sequential cumulative sum of exact probabilities)."""
+    probs = X.exp(logprobs_PV).double()
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
