@@ -24,6 +24,7 @@ def mismatch_report(
     max_flip_fraction: Annotated[Optional[float], typer.Option("--max-flip-fraction", help="Exit 1 if the fraction of argmax flips exceeds this.", show_default=False)] = None,
     max_k3: Annotated[Optional[float], typer.Option("--max-k3", help="Exit 1 if K3 per token exceeds this.", show_default=False)] = None,
     rollout_aligned: Annotated[bool, typer.Option("--rollout-aligned", help="Also recompute pi_ref in the rollouts' recorded low-bit scheme (train --rollout-aligned's learner) and compare.")] = False,
+    exact: Annotated[bool, typer.Option("--exact", help="Recompute every table (pi_ref's rollouts, each teacher table) in the exact arithmetic (train --exact's) instead: on caches built with --exact every max |delta| is 0.")] = False,
     device: O.Device = "auto",
     progress: O.Progress = None,
 ) -> None:
@@ -34,7 +35,7 @@ def mismatch_report(
     from opdcache import mismatch as M
     from opdcache.storage import write_text_atomic
 
-    rep, sections = M.report(cache, model, teacher, rollouts, worst, device, progress, rollout_aligned)
+    rep, sections = M.report(cache, model, teacher, rollouts, worst, device, progress, rollout_aligned, exact)
     limits = M.Thresholds(max_abs_delta, max_mean_abs_delta, max_flip_fraction, max_k3)
     problems = M.crossed(rep, limits)
     rep["thresholds"] = dict(vars(limits))

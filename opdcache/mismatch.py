@@ -132,9 +132,10 @@ def _ids(cache: Cache, table: str) -> list[str]:
 
 
 def rollout_section(cache: Cache, model: str | Path | None = None, device: str = "auto", progress: bool | None = None,
-                    aligned: bool = False) -> Section:
+                    aligned: bool = False, exact: bool = False) -> Section:
     """pi_ref recomputed in float32 by transformers against what the rollout engine stored; ``aligned``: the recompute
-    runs in the rollouts' recorded low-bit scheme, as ``train --rollout-aligned``'s learner does."""
+    runs in the rollouts' recorded low-bit scheme, as ``train --rollout-aligned``'s learner does; ``exact``: it runs in
+    the exact arithmetic (train --exact's learner), in the rollouts' recorded dtype and scheme."""
     from opdcache.backends.hf import TransformersBackend
     from opdcache.lineage import model_info
     from opdcache.scoring import score_requests
@@ -159,7 +160,13 @@ def rollout_section(cache: Cache, model: str | Path | None = None, device: str =
             raise ConfigError("--rollout-aligned: the rollouts record no emulated low-bit scheme (full precision, or vLLM's own kernels); "
                               "nothing to align the recompute to")
         scheme = QuantScheme.parse(recorded["quantization"]).spec()
-    backend = TransformersBackend(path, dtype="float32", device=device, quantize=scheme)
+    if exact:
+        from opdcache.backends.exact import ExactBackend
+
+        backend = ExactBackend(path, dtype=recorded.get("dtype") or "float32", quantize=recorded.get("quantization")
+                               if recorded.get("engine") == "exact" else None)
+    else:
+        backend = TransformersBackend(path, dtype="float32", device=device, quantize=scheme)
     top_column = ["ref_topk_ids"] if params.ref_top_k else []
     with closing(backend), bar(total=len(cache.shard_paths("rollouts")), desc="mismatch: float32 recompute", unit="shard", enabled=progress) as pbar:
         for shard in cache.shard_paths("rollouts"):
@@ -174,6 +181,9 @@ def rollout_section(cache: Cache, model: str | Path | None = None, device: str =
             ids += rows["id"].to_pylist()
             responses += [np.asarray(r.response_ids) for r in reqs]
             pbar.update(1)
+    if exact:
+        return Section("rollouts, exact", f"pi_ref: the exact arithmetic (train --exact) - rollout engine ({_engine_label(recorded)}) "
+                       "on pi_ref's samples", deltas, ids, responses, flips, stored_all)
     if aligned:
         return Section("rollouts, aligned", f"pi_ref: float32 transformers in the rollouts' scheme {scheme} (train --rollout-aligned) - "
                        f"rollout engine ({_engine_label(recorded)}) on pi_ref's samples", deltas, ids, responses, flips, stored_all)
@@ -227,8 +237,32 @@ def teacher_section(cache: Cache, a: str, b: str) -> Section:
                    _ids(cache, cache.base_table), cache.sequences(cache.base_table, "response_ids"), flips)
 
 
+def exact_teacher_section(cache: Cache, slug: str, teacher: str | Path | None = None) -> Section:
+    """A teacher table's stored log-probs against the exact arithmetic's recompute of the same teacher weights."""
+    from opdcache.backends.exact import ExactBackend
+    from opdcache.scoring import score_requests
+
+    table = cache.teacher_table(slug)
+    recorded = cache.table(table).get("model") or {}
+    path = Path(teacher) if teacher is not None else Path(recorded.get("name_or_path", ""))
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"the teacher of {table} is not at {str(path)!r} (the path the cache recorded); pass --teacher-model PATH")
+    backend = ExactBackend(path, dtype=recorded.get("dtype") or "float32",
+                           quantize=recorded.get("quantization") if recorded.get("engine") == "exact" else None)
+    deltas, ids, responses = [], [], []
+    for base, shard in zip(cache.shard_paths(cache.base_table), cache.shard_paths(table)):
+        rows = shards.read_table(base, ["id", "prompt_ids", "response_ids"])
+        stored = shards.row_values(shards.read_table(shard, ["logprobs"])["logprobs"])
+        reqs = score_requests(rows)
+        deltas += [sc.logprobs.astype(np.float64) - r.astype(np.float64) for sc, r in zip(backend.score(reqs), stored)]
+        ids += rows["id"].to_pylist()
+        responses += [np.asarray(r.response_ids) for r in reqs]
+    return Section(f"{table}, exact", f"teacher: the exact arithmetic - the stored table ({_engine_label(recorded)})", deltas, ids, responses)
+
+
 def report(cache_root: str | Path, model: str | Path | None = None, teachers: list[str] | None = None, rollouts: bool = True,
-           worst: int = 5, device: str = "auto", progress: bool | None = None, aligned: bool = False) -> tuple[dict, list[Section]]:
+           worst: int = 5, device: str = "auto", progress: bool | None = None, aligned: bool = False,
+           exact: bool = False) -> tuple[dict, list[Section]]:
     """The mismatch figures of a cache, and the sections they came from (for the histogram)."""
 
     if worst < 0:
@@ -236,7 +270,11 @@ def report(cache_root: str | Path, model: str | Path | None = None, teachers: li
     cache = Cache(cache_root)
     tokenizer = cache.tokenizer()
     sections = []
-    if rollouts and cache.kind == "rollouts":
+    if exact:  # the exact arithmetic against every stored table (rollouts, then teachers)
+        if rollouts and cache.kind == "rollouts":
+            sections.append(rollout_section(cache, model, device, progress, exact=True))
+        sections += [exact_teacher_section(cache, slug) for slug in (teachers or cache.teachers)]
+    elif rollouts and cache.kind == "rollouts":
         sections.append(rollout_section(cache, model, device, progress))
         if aligned:
             sections.append(rollout_section(cache, model, device, progress, aligned=True))
