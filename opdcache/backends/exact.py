@@ -130,7 +130,7 @@ class ExactBackend:
             steps["slp"].append(samp.gather(-1, tok[:, None])[:, 0])
             steps["rlp"].append(ref.gather(-1, tok[:, None])[:, 0])
             if s.ref_top_k:
-                klp, kid = ref.topk(s.ref_top_k, -1)
+                klp, kid = H.canonical_top_k(ref, s.ref_top_k)
                 steps["kid"].append(kid)
                 steps["klp"].append(klp)
             if s.mc_samples:

@@ -59,8 +59,8 @@ def picks_and_stats(hidden_PH, weight_VH, bias_V, dtype, ids_PK: torch.Tensor, t
     P, V = hidden_PH.shape[0], weight_VH.shape[0]
     picked = torch.zeros(ids_PK.shape, dtype=torch.float32)
     ms, ss = [], []
-    top_vals = torch.full((P, top_k or 0), float("-inf"))
-    top_ids = torch.zeros((P, top_k or 0), dtype=torch.long)
+    top_vals = torch.full((P, 0), float("-inf"))
+    top_ids = torch.zeros((P, 0), dtype=torch.long)
     for a in range(0, V, VOCAB_BLOCK):
         z = logits(hidden_PH, weight_VH, bias_V, a, dtype)
         r, k = ((ids_PK >= a) & (ids_PK < a + z.shape[1])).nonzero(as_tuple=True)
@@ -68,14 +68,30 @@ def picks_and_stats(hidden_PH, weight_VH, bias_V, dtype, ids_PK: torch.Tensor, t
         m, s = slice_stats(z)
         ms.append(m)
         ss.append(s)
-        if top_k:  # merge the slice into the running top-k: the same slices in every context, so the same ties
-            cv, ci = z.topk(min(top_k, z.shape[1]), -1)
-            top_vals, order = torch.cat([top_vals, cv], 1).topk(top_k, -1)
-            top_ids = torch.cat([top_ids, ci + a], 1).gather(1, order)
+        if top_k:  # merge the slice into the running top-k, ties in the canonical order
+            cv, ci = canonical_top_k(z, top_k)
+            top_vals, top_ids = canonical_top_k(torch.cat([top_vals, cv], 1), top_k, torch.cat([top_ids, ci + a], 1))
     M, log_s = combine(torch.stack(ms, -1), torch.stack(ss, -1))
     lp = (picked - M[:, None]) - log_s[:, None]
     top = None if not top_k else ((top_vals - M[:, None]) - log_s[:, None], top_ids)
     return lp, M + log_s, top
+
+
+def canonical_top_k(values_PC: torch.Tensor, k: int, ids_PC: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values per row and their ids, in the canonical order (value descending, id ascending), so ties
+    (common in bfloat16 logits) resolve alike in a [B, V] decode row and in slice-by-slice merges. ``ids_PC``: the
+    columns' ids (default 0..C-1)."""
+    k = min(k, values_PC.shape[1])
+    if ids_PC is None:
+        ids_PC = torch.arange(values_PC.shape[1]).expand_as(values_PC)
+    kth = values_PC.topk(k, -1).values[:, -1:]
+    width = int((values_PC >= kth).sum(-1).max())  # every value tied with the k-th is a candidate
+    cand, at = values_PC.topk(width, -1)
+    cid = ids_PC.gather(1, at)
+    by_id = cid.argsort(dim=-1, stable=True)
+    cand, cid = cand.gather(1, by_id), cid.gather(1, by_id)
+    vals, order = cand.sort(dim=-1, descending=True, stable=True)
+    return vals[:, :k], cid.gather(1, order[:, :k])
 
 
 def draw(logprobs_PV: torch.Tensor, uniforms_PD: torch.Tensor) -> torch.Tensor:

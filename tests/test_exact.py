@@ -1,0 +1,272 @@
+"""The exact arithmetic (issue 27, papers/003): primitives against plain references, the engine's invariance to batch,
+padding, KV cache and threads, and the CLI's --exact caches reproduced bit for bit by train, mismatch-report and audit."""
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from opdcache.backends.base import GenerateRequest, SamplingConfig, ScoreRequest
+from opdcache.backends.exact import ExactBackend
+from opdcache.cli.main import main
+from opdcache.exact import arith as X
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------------------------- primitives
+def _reference_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The definition, plainly: float64 products, summed in the fold's order one output at a time, rounded once."""
+    out = torch.empty(a.shape[0], b.shape[1])
+    for m in range(a.shape[0]):
+        for n in range(b.shape[1]):
+            terms = (a[m].double() * b[:, n].double()).tolist()
+            width = 1 << max(0, (len(terms) - 1).bit_length())
+            terms += [0.0] * (width - len(terms))
+            while len(terms) > 1:
+                half = len(terms) // 2
+                terms = [terms[i] + terms[i + half] for i in range(half)]
+            out[m, n] = terms[0]
+    return out + 0.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_linear_equals_its_definition_on_random_shapes(seed):
+    g = torch.Generator().manual_seed(seed)
+    M, K, N = (int(x) for x in torch.randint(1, 40, (3,), generator=g))
+    scale = 10.0 ** float(torch.randint(-3, 4, (1,), generator=g))
+    a, w = torch.randn(M, K, generator=g) * scale, torch.randn(N, K, generator=g)
+    assert torch.equal(X.linear(a, w), _reference_dot(a, w.T))
+
+
+def test_fast_path_and_fallback_agree_where_rounding_is_close():
+    # sums that land next to a float32 rounding boundary force the fold; the result must still be the definition's
+    a = torch.tensor([[1.0, 2.0 ** -24, 2.0 ** -48, -(2.0 ** -48)]])
+    w = torch.ones(1, 4)
+    assert torch.equal(X.linear(a, w), _reference_dot(a, w.T))
+    big = torch.randn(7, 3000, generator=torch.Generator().manual_seed(3))  # width 3000: ~1% of outputs take the fold
+    w = torch.randn(20, 3000, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(X.linear(big, w), _reference_dot(big, w.T))
+
+
+def test_matmul_is_invariant_to_rows_batch_and_threads():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 96, generator=g), torch.randn(80, 96, generator=g)
+    full = X.linear(x, w)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for rows in (slice(0, 1), slice(3, 10), slice(0, 64)):
+            assert torch.equal(X.linear(x[rows], w), full[rows])
+
+
+def test_fold_ignores_appended_zeros():
+    t = torch.randn(5, 37, dtype=torch.float64)
+    for extra in (1, 27, 91):
+        assert torch.equal(X.fold(t), X.fold(torch.nn.functional.pad(t, (0, extra))))
+
+
+def test_batched_matmul_ignores_masked_keys():
+    # attention's p @ v over t + 1 keys equals the same row inside a longer, zero-padded key set (the KV cache vs a full forward)
+    g = torch.Generator().manual_seed(1)
+    p, v = torch.rand(2, 3, 1, 9, generator=g), torch.randn(2, 3, 9, 16, generator=g)
+    longer_p = torch.cat([p, torch.zeros(2, 3, 1, 30)], -1)
+    longer_v = torch.cat([v, torch.randn(2, 3, 30, 16, generator=g)], 2)
+    assert torch.equal(X.matmul(p, v), X.matmul(longer_p, longer_v))
+
+
+@pytest.mark.parametrize("name,fn", [("exp", math.exp), ("log", math.log), ("silu", lambda x: x / (1 + math.exp(-x))),
+                                     ("rsqrt", lambda x: 1 / math.sqrt(x))])
+def test_unary_is_round32_of_libm_whatever_the_position(name, fn):
+    x = torch.rand(3001, generator=torch.Generator().manual_seed(2)) * 20 + 1e-3
+    if name in ("exp", "silu"):
+        x = x - 10
+    ref = torch.tensor([fn(v) for v in x.double().tolist()], dtype=torch.float64).float()
+    assert torch.equal(X.unary(name, x), ref)
+    assert torch.equal(torch.cat([X.unary(name, x[i: i + 13]) for i in range(0, 3001, 13)]), ref)
+
+
+def test_sum_and_gradients():
+    t = torch.randn(7, 300, dtype=torch.float32, requires_grad=True)
+    s = X.sum_last(t)
+    assert torch.equal(s.detach(), X.fold(t.detach().double()).float() + 0.0)
+    s.sum().backward()
+    assert torch.equal(t.grad, torch.ones_like(t))
+    x = torch.randn(5, 8, requires_grad=True)
+    w = torch.randn(3, 8, requires_grad=True)
+    X.linear(x, w).sum().backward()
+    assert torch.allclose(x.grad, torch.ones(5, 3) @ w.detach()) and torch.allclose(w.grad, torch.ones(3, 5) @ x.detach())
+
+
+# ----------------------------------------------------------------------------------------------- the engine
+def _requests(n, seed=0, vocab=64):
+    rng = np.random.default_rng(seed)
+    return [GenerateRequest(prompt_ids=rng.integers(2, vocab, size=int(rng.integers(2, 14))).tolist(), seed=i) for i in range(n)]
+
+
+FIELDS = ("response_ids", "sampling_logprobs", "ref_logprobs", "ref_topk_ids", "ref_topk_logprobs", "mc_ids", "mc_sampling_logprobs")
+
+
+def _same_generations(a, b):
+    for x, y in zip(a, b):
+        for f in FIELDS:
+            assert np.array_equal(getattr(x, f), getattr(y, f)), f
+
+
+@pytest.mark.parametrize("model,dtype,quantize", [("student", "float32", None), ("teacher", "float32", None),
+                                                  ("teacher", "bfloat16", None), ("student", "float32", "w4a16:g32")])
+def test_generation_is_invariant_and_equals_scoring(weights, model, dtype, quantize):
+    engine = ExactBackend(weights / model, dtype=dtype, quantize=quantize)
+    reqs = _requests(64, seed=len(model))
+    sampling = SamplingConfig(temperature=0.9, top_p=0.9, max_new_tokens=20, ref_top_k=4, mc_samples=2)
+    engine.generate_batch_size = 64
+    torch.set_num_threads(2)
+    base = engine.generate(reqs, sampling)
+    for batch, threads in ((7, 1), (1, 2)):
+        engine.generate_batch_size = batch
+        torch.set_num_threads(threads)
+        order = list(range(len(reqs)))[::-1] if batch == 7 else list(range(len(reqs)))
+        again = engine.generate([reqs[i] for i in order], sampling)
+        _same_generations([base[i] for i in order], again)
+    # teacher-forced scoring of the same tokens (full forward, right padding) equals what decoding stored (KV cache)
+    score_reqs = [ScoreRequest(r.prompt_ids, g.response_ids, ref_topk_ids=g.ref_topk_ids) for r, g in zip(reqs, base)]
+    for budget in (4096, 40):
+        engine.max_batch_tokens = budget
+        scores = engine.score(score_reqs, top_k=4)
+        for sc, g in zip(scores, base):
+            assert np.array_equal(sc.logprobs, g.ref_logprobs)
+            assert np.array_equal(sc.ref_topk_logprobs, g.ref_topk_logprobs)
+            assert np.array_equal(sc.topk_ids, g.ref_topk_ids)
+    assert sum(len(g.response_ids) for g in base) > 300
+
+
+def test_padding_neither_side_changes_a_row(weights):
+    # a row inside a right-padded batch, alone, and behind left padding (which the engine removes by moving the row to
+    # position 0: the exact engine keeps every row's tokens at their own positions) give the same hidden states
+    engine = ExactBackend(weights / "teacher")
+    ids = torch.tensor([[5, 9, 13, 2, 7, 0, 0, 0], [4, 4, 8, 9, 10, 11, 12, 3]])
+    both = engine.decoder.forward(ids)
+    alone = engine.decoder.forward(ids[:1, :5])
+    assert torch.equal(both[0, :5], alone[0])
+    h = torch.nn.functional.pad(ids[:1, :5], (3, 0))  # left padding, then stripped as a caller must: same tokens, same positions
+    assert torch.equal(engine.decoder.forward(h[:, 3:])[0], alone[0])
+
+
+def test_exact_forward_is_the_models_maths(weights):
+    from opdcache.backends.hf import load_model
+
+    for name in ("student", "teacher"):
+        model = load_model(weights / name, "float32", "cpu")
+        ids = torch.randint(2, 64, (3, 17), generator=torch.Generator().manual_seed(0))
+        ref = model.model(input_ids=ids).last_hidden_state
+        ours = ExactBackend.from_model(model).decoder.forward(ids)
+        assert (ours - ref).abs().max() < 1e-4
+
+
+def test_unsupported_models_are_refused_in_one_line():
+    from types import SimpleNamespace
+
+    from opdcache.errors import ConfigError
+    from opdcache.exact.decoder import check_supported
+
+    with pytest.raises(ConfigError, match="--exact supports the llama"):
+        check_supported(SimpleNamespace(model_type="gpt2"))
+    with pytest.raises(ConfigError, match="rotary"):
+        check_supported(SimpleNamespace(model_type="llama", rope_parameters={"rope_type": "yarn"}))
+
+
+# ----------------------------------------------------------------------------------------------- the CLI
+def _cli(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out = capsys.readouterr()
+    return e.value.code, out.out + out.err
+
+
+@pytest.fixture(scope="module")
+def exact_cache(tmp_path_factory, weights):
+    from opdcache.demo.task import write_prompts
+
+    root = tmp_path_factory.mktemp("exact")
+    prompts = write_prompts(root / "opd.jsonl", "opd", 64)
+    out = root / "cache"
+    for args in (["build-rollouts", "--model", weights / "student", "--prompts", prompts, "--out", out, "--num-shards", 2,
+                  "--samples", 4, "--temperature", 0.9, "--top-p", 0.95, "--max-new-tokens", 12, "--ref-top-k", 4, "--mc-samples", 2,
+                  "--sft-teacher", weights / "teacher", "--exact", "--batch-size", 48],
+                 ["score-teacher", out, "--teacher", weights / "teacher", "--store", "logprob,topk,sampled,hidden", "--top-k", 6,
+                  "--topk-mass", "1e-3", "--topk-precision", "float16", "--samples-per-position", 4, "--exact"]):
+        with pytest.raises(SystemExit) as e:
+            main([str(a) for a in args])
+        assert e.value.code in (0, None)
+    return out
+
+
+def test_exact_cache_reproduces_everywhere(exact_cache, tmp_path, weights, capsys):
+    manifest = json.loads((exact_cache / "opdcache.json").read_text())
+    rollouts = manifest["tables"]["rollouts"]
+    assert sum(s["rows"] for s in rollouts["shards"]) == 256
+    assert rollouts["model"]["engine"] == "exact" and rollouts["model"]["exact"]["arithmetic"] == "opdcache-exact-1"
+    code, out = _cli(["mismatch-report", exact_cache, "--exact", "--out", tmp_path / "mm", "--no-png", "--max-abs-delta", 0], capsys)
+    assert code in (0, None), out
+    rep = json.loads((tmp_path / "mm" / "mismatch_report.json").read_text())
+    assert set(rep["sections"]) == {"rollouts, exact", "teachers/teacher, exact"}
+    assert all(s["max_abs_delta"] == 0 for s in rep["sections"].values())
+    code, out = _cli(["audit", exact_cache, "--rows", 24, "--json"], capsys)
+    assert code in (0, None), out
+    report = json.loads(out[out.index("{"):])
+    for table in report["tables"]:
+        assert table["passed"] and all(c["exact"] == c["values"] > 0 for c in table["columns"].values()), table
+    # the learner: at step 1 every importance weight is exactly 1
+    code, out = _cli(["train", "--model", weights / "student", "--cache", exact_cache, "--loss", "lightning", "--steps", 1,
+                      "--batch-size", 32, "--out", tmp_path / "run", "--exact"], capsys)
+    assert code in (0, None), out
+    step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["is_weight_mean"] == 1.0 and step["is_weight_std"] == 0.0 and step["k1"] == 0.0
+
+
+def test_audit_catches_a_changed_value(exact_cache, tmp_path, capsys):
+    root = tmp_path / "cache"
+    shutil.copytree(exact_cache, root)
+    path = next((root / "teachers" / "teacher").glob("*.parquet"))
+    table = pq.read_table(path)
+    lp = table["logprobs"].to_pylist()
+    lp[0][0] = np.nextafter(np.float32(lp[0][0]), np.float32(0))  # one ulp: invisible to any tolerance
+    table = table.set_column(table.schema.get_field_index("logprobs"), "logprobs",
+                             __import__("pyarrow").array(lp, table.schema.field("logprobs").type))
+    pq.write_table(table, path)
+    code, out = _cli(["audit", root, "--table", "teacher", "--rows", 256], capsys)
+    assert code == 1 and "FAIL" in out and "Traceback" not in out
+
+
+def test_audit_names_a_missing_model_in_one_line(exact_cache, tmp_path, capsys):
+    root = tmp_path / "cache"
+    shutil.copytree(exact_cache, root)
+    manifest = json.loads((root / "opdcache.json").read_text())
+    missing = str(tmp_path / "gone")
+    manifest["tables"]["rollouts"]["model"]["name_or_path"] = missing
+    (root / "opdcache.json").write_text(json.dumps(manifest))
+    code, out = _cli(["audit", root, "--table", "rollouts"], capsys)
+    lines = [line for line in out.strip().splitlines() if line.startswith("error")]
+    assert code == 2 and len(lines) == 1 and "pass --model PATH" in lines[0] and "Traceback" not in out
+    code, out = _cli(["audit", root, "--rows", 0], capsys)
+    assert code == 2 and "--rows must be a positive" in out
+
+
+def test_resume_without_exact_is_refused(exact_cache, tmp_path, weights, capsys):
+    from opdcache.demo.task import write_prompts
+
+    prompts = write_prompts(tmp_path / "p.jsonl", "opd", 64)
+    out = tmp_path / "cache"
+    shutil.copytree(exact_cache, out)
+    code, text = _cli(["build-rollouts", "--model", weights / "student", "--prompts", prompts, "--out", out, "--num-shards", 2,
+                       "--samples", 4, "--temperature", 0.9, "--top-p", 0.95, "--max-new-tokens", 12, "--ref-top-k", 4,
+                       "--mc-samples", 2, "--sft-teacher", weights / "teacher", "--batch-size", 48], capsys)
+    assert code == 2 and "exact" in text and "Traceback" not in text
