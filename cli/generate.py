@@ -43,7 +43,7 @@ def _run(kind: str, model: str, o: dict) -> None:
                                 seed=o["seed"], ref_top_k=o.get("ref_top_k"), mc_samples=o.get("mc_samples")),
         engine=EngineConfig(backend=o["backend"], dtype=o["dtype"], device=o["device"], quantize=o.get("quantize"),
                             tensor_parallel_size=o["tensor_parallel_size"], gpu_memory_utilization=o["gpu_memory_utilization"],
-                            generate_batch_size=o["batch_size"], exact=o["exact"]),
+                            generate_batch_size=o["batch_size"], exact=o["exact"], inject=o.get("inject_mismatch")),
         num_workers=o["num_workers"], worker_index=o["worker_index"], progress=o["progress"],
     )
     if o["executor"] == "ray":
@@ -93,7 +93,7 @@ def build_rollouts(
     ref_top_k: Annotated[Optional[int], typer.Option("--ref-top-k", help="Store pi_ref's top-k per position (temperature 1).", show_default=False)] = None,
     mc_samples: Annotated[Optional[int], typer.Option("--mc-samples", help="Extra next-token samples per position, not rolled out (papers/001 6.1).", show_default=False)] = None,
     sft_teacher: Annotated[Optional[str], typer.Option("--sft-teacher", help="The teacher pi_ref was fine-tuned on, if pi_ref has no opdcache lineage (directory or Hub id org/name[@revision]).", show_default=False)] = None,
-    backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", quantize: O.Quantize = None, exact: O.Exact = False,
+    backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", quantize: O.Quantize = None, exact: O.Exact = False, inject_mismatch: O.InjectMismatch = None,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
     executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0,

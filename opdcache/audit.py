@@ -115,7 +115,7 @@ def _engine(record: dict, path: Path):
         if record["exact"].get("arithmetic") != ARITHMETIC:
             raise ConfigError(f"the cache was computed in {record['exact'].get('arithmetic')!r}, this opdcache implements {ARITHMETIC!r}; "
                               "audit it with the opdcache version that wrote it")
-        return ExactBackend(path, dtype=record.get("dtype") or "float32", quantize=quant)
+        return ExactBackend(path, dtype=record.get("dtype") or "float32", quantize=quant, inject=record["exact"].get("inject"))
     from opdcache.backends.hf import TransformersBackend
 
     emulated = quant if quant and record.get("engine") == "transformers" and not quant.startswith("int8") else None

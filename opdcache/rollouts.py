@@ -70,7 +70,16 @@ class EngineConfig:
     """The exact arithmetic (opdcache/exact/): stored numbers equal the trainer's exact recompute bit for bit, whatever
     the batch, padding, KV cache or thread count. CPU, transformers models of the Llama/Mistral/Qwen2/Qwen3 families."""
 
+    inject: str | None = None
+    """--exact only: controlled mismatch injected into the engine (opdcache/backends/exact.py, Injection), recorded."""
+
     def __post_init__(self) -> None:
+        if self.inject is not None:
+            from opdcache.backends.exact import Injection
+
+            if not self.exact:
+                raise ConfigError("--inject-mismatch perturbs the exact engine against its exact reference: add --exact")
+            object.__setattr__(self, "inject", Injection.parse(self.inject).spec())
         if self.backend not in ("transformers", "vllm"):
             raise ConfigError(f"--backend must be transformers or vllm, got {self.backend!r}")
         if self.exact and self.backend == "vllm":
@@ -101,6 +110,8 @@ class EngineConfig:
             from opdcache.backends.exact import ARITHMETIC
 
             view["exact"] = ARITHMETIC
+        if self.inject:
+            view["inject"] = self.inject
         return view
 
 
@@ -109,7 +120,7 @@ def make_backend(model: str | Path, engine: EngineConfig, **extra):
         from opdcache.backends.exact import ExactBackend
 
         return ExactBackend(model, dtype=engine.dtype, quantize=engine.quantize, generate_batch_size=engine.generate_batch_size,
-                            max_batch_tokens=engine.max_batch_tokens or 2048)
+                            max_batch_tokens=engine.max_batch_tokens or 2048, inject=engine.inject)
     if engine.backend == "vllm":
         from opdcache.backends.vllm import VLLMBackend
 

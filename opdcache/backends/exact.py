@@ -10,6 +10,7 @@ per decode step [batch, vocabulary] float32 logits and float64 probabilities.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -24,6 +25,39 @@ from opdcache.exact.decoder import ExactDecoder
 from opdcache.progress import advance
 
 ARITHMETIC = "opdcache-exact-1"  # the definition of the arithmetic (arith.py, decoder.py, head.py): bump on any change
+INJECT_HELP = "logit-noise:SIGMA (Gaussian noise of scale SIGMA nats on every logit) or bf16-activations (each layer's output rounded to bfloat16)"
+
+
+@dataclass(frozen=True)
+class Injection:
+    """Controlled mismatch injected into exact rollouts (papers/003 section 6), so TIS and rejection thresholds can be
+    calibrated against the exact reference: the engine's log-probs (stored, and sampled from) are those of the
+    perturbed model, while train --exact and mismatch-report --exact recompute the unperturbed one."""
+
+    logit_noise: float = 0.0
+    """Scale of N(0, sigma^2) noise added to every logit at every decode step (from the sample's own random stream)."""
+    bf16_activations: bool = False
+    """Round each decoder layer's output to bfloat16 (a bf16 engine's activations, on float32 weights)."""
+
+    @classmethod
+    def parse(cls, spec: str | None) -> "Injection | None":
+        if spec is None:
+            return None
+        text = str(spec).strip().lower()
+        if text == "bf16-activations":
+            return cls(bf16_activations=True)
+        if text.startswith("logit-noise:"):
+            try:
+                sigma = float(text.split(":", 1)[1])
+            except ValueError:
+                sigma = -1.0
+            if not 0 < sigma <= 10 or sigma != sigma:
+                raise ConfigError(f"--inject-mismatch logit-noise:SIGMA needs 0 < SIGMA <= 10, got {spec!r}")
+            return cls(logit_noise=sigma)
+        raise ConfigError(f"--inject-mismatch must be {INJECT_HELP}; got {spec!r}")
+
+    def spec(self) -> str:
+        return "bf16-activations" if self.bf16_activations else f"logit-noise:{self.logit_noise:g}"
 
 
 def arithmetic_record(dtype: str) -> dict:
@@ -41,7 +75,7 @@ class ExactBackend:
     name = "exact"
 
     def __init__(self, model_path: str | Path, dtype: str = "auto", quantize: str | None = None,
-                 generate_batch_size: int = 64, max_batch_tokens: int = 2048):
+                 generate_batch_size: int = 64, max_batch_tokens: int = 2048, inject: str | None = None):
         from opdcache.quant import parse_quantize
 
         spec = None if quantize is None else parse_quantize(quantize).spec()
@@ -49,19 +83,21 @@ class ExactBackend:
             raise ConfigError("--exact supports --dtype float32 or bfloat16, got float16")
         self.model = load_model(model_path, "float32" if dtype == "auto" else dtype, "cpu", spec)
         self.path, self.quantize = Path(model_path), spec
-        self._attach(generate_batch_size, max_batch_tokens)
+        self._attach(generate_batch_size, max_batch_tokens, Injection.parse(inject))
 
     @classmethod
-    def from_model(cls, model, generate_batch_size: int = 64, max_batch_tokens: int = 2048) -> "ExactBackend":
+    def from_model(cls, model, generate_batch_size: int = 64, max_batch_tokens: int = 2048, inject: str | None = None) -> "ExactBackend":
+        """Wrap a model in memory (an online learner's current weights)."""
         self = cls.__new__(cls)
         self.model, self.path, self.quantize = model, None, None
-        self._attach(generate_batch_size, max_batch_tokens)
+        self._attach(generate_batch_size, max_batch_tokens, Injection.parse(inject))
         return self
 
-    def _attach(self, generate_batch_size: int, max_batch_tokens: int) -> None:
+    def _attach(self, generate_batch_size: int, max_batch_tokens: int, inject: Injection | None) -> None:
         import transformers
 
-        self.decoder = ExactDecoder(self.model)
+        self.inject = inject
+        self.decoder = ExactDecoder(self.model, round_activations=torch.bfloat16 if inject and inject.bf16_activations else None)
         self.version = transformers.__version__
         self.dtype = str(self.decoder.dtype).replace("torch.", "")
         head = self.model.get_output_embeddings()
@@ -76,8 +112,10 @@ class ExactBackend:
         """Nothing to release."""
 
     def model_info(self) -> dict:
-        return {"engine": self.name, "engine_version": self.version, "dtype": self.dtype, "quantization": self.quantize,
-                "exact": arithmetic_record(self.dtype)}
+        record = arithmetic_record(self.dtype)
+        if self.inject is not None:
+            record["inject"] = self.inject.spec()
+        return {"engine": self.name, "engine_version": self.version, "dtype": self.dtype, "quantization": self.quantize, "exact": record}
 
     # ------------------------------------------------------------ generation
     @torch.no_grad()
@@ -89,9 +127,12 @@ class ExactBackend:
             advance(len(batch))
         return out
 
-    def _step_logprobs(self, h_BH: torch.Tensor, s: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step_logprobs(self, h_BH: torch.Tensor, s: SamplingConfig, gens: list) -> tuple[torch.Tensor, torch.Tensor]:
         """(temperature-1 log-probs, sampling log-probs) [B, V] of one decode step."""
         z = H.full_logits(h_BH, self.W, self.b, self.decoder.dtype)
+        if self.inject is not None and self.inject.logit_noise:
+            noise = torch.stack([torch.randn(z.shape[1], generator=g) for g in gens])  # [B, V] from each sample's stream
+            z = z + noise * self.inject.logit_noise
         ref = H.log_softmax(z)
         if s.temperature in (0, 1) and s.top_p >= 1:
             return ref, ref
@@ -119,7 +160,7 @@ class ExactBackend:
         eos = torch.tensor(self.eos_ids, dtype=torch.long)
         steps: dict[str, list[torch.Tensor]] = {k: [] for k in ("tok", "slp", "rlp", "kid", "klp", "mid", "mlp")}
         for t in range(s.max_new_tokens):
-            ref, samp = self._step_logprobs(h, s)
+            ref, samp = self._step_logprobs(h, s, gens)
             if s.temperature == 0:
                 tok = ref.argmax(-1)
                 samp = torch.full_like(ref, float("-inf")).scatter(-1, tok[:, None], 0.0)

@@ -188,7 +188,7 @@ def evaluate(name: str, path: Path, teacher, cfg: DemoConfig, report: DemoReport
     return report.figures[name]
 
 
-def _stage(report: DemoReport, name: str, done: bool, run) -> None:
+def stage(report: DemoReport, name: str, done: bool, run) -> None:
     start = time.perf_counter()
     if done:
         report.say(f"[{name}] already done, skipped")
@@ -197,7 +197,7 @@ def _stage(report: DemoReport, name: str, done: bool, run) -> None:
     report.say(f"[{name}] {detail} ({time.perf_counter() - start:.1f}s)")
 
 
-def _prepare(cfg: DemoConfig, report: DemoReport) -> dict:
+def prepare(cfg: DemoConfig, report: DemoReport) -> dict:
     """Models, prompts, teacher trajectories, SFT (pi_ref), pi_ref rollouts scored by the teacher; evaluations of
     the teacher, the base student and pi_ref. Shared by the demo and its ablations."""
     import torch
@@ -211,8 +211,8 @@ def _prepare(cfg: DemoConfig, report: DemoReport) -> dict:
     evaluate("base", paths["student"], teacher, cfg, report)
     pi_ref, rollouts = sft_stages(cfg, report, paths), w / "caches" / "rollouts"
     evaluate("pi_ref", pi_ref, teacher, cfg, report)
-    _rollouts(cfg, report, pi_ref, paths["prompts_opd"], rollouts)
-    _score(report, rollouts, paths["teacher"])
+    rollouts_stage(cfg, report, pi_ref, paths["prompts_opd"], rollouts)
+    score_stage(report, rollouts, paths["teacher"])
     return {**paths, "teacher_model": teacher, "pi_ref": pi_ref, "rollouts": rollouts}
 
 
@@ -224,26 +224,26 @@ def sft_stages(cfg: DemoConfig, report: DemoReport, paths: dict[str, Path]) -> P
     from opdcache.sft import SFTConfig, run_sft
 
     sft_cache, pi_ref = cfg.workdir / "caches" / "sft", cfg.workdir / "models" / "pi_ref"
-    _stage(report, "build-sft", (sft_cache / "opdcache.json").is_file(), lambda: run_generate(GenerateJob(
+    stage(report, "build-sft", (sft_cache / "opdcache.json").is_file(), lambda: run_generate(GenerateJob(
         model=paths["teacher"], prompts=PromptConfig(paths["prompts_train"]), out=sft_cache, kind="sft", num_shards=4,
         sampling=SamplingConfig(temperature=0.8, max_new_tokens=48, seed=cfg.seed), reward="addition")).summary())
-    _stage(report, "sft", (pi_ref / "config.json").is_file(), lambda: "pi_ref: {pairs} teacher trajectories, final loss {final_loss:.3f}".format(
+    stage(report, "sft", (pi_ref / "config.json").is_file(), lambda: "pi_ref: {pairs} teacher trajectories, final loss {final_loss:.3f}".format(
         **run_sft(paths["student"], sft_cache, pi_ref, SFTConfig(steps=cfg.sft_steps, batch_size=64, lr=3e-3, warmup=10, seed=cfg.seed))))
     return pi_ref
 
 
-def _rollouts(cfg: DemoConfig, report: DemoReport, pi_ref: Path, prompts: Path, out: Path, quantize: str | None = None) -> None:
+def rollouts_stage(cfg: DemoConfig, report: DemoReport, pi_ref: Path, prompts: Path, out: Path, quantize: str | None = None) -> None:
     from opdcache.backends.base import SamplingConfig
     from opdcache.prompts import PromptConfig
     from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
 
-    _stage(report, "build-rollouts" + (f" --quantize {quantize}" if quantize else ""), (out / "opdcache.json").is_file(),
+    stage(report, "build-rollouts" + (f" --quantize {quantize}" if quantize else ""), (out / "opdcache.json").is_file(),
            lambda: run_generate(GenerateJob(
                model=pi_ref, prompts=PromptConfig(prompts), out=out, num_shards=4, reward="addition", engine=EngineConfig(quantize=quantize),
                sampling=SamplingConfig(temperature=1.0, max_new_tokens=48, samples=cfg.samples, seed=cfg.seed, ref_top_k=8, mc_samples=4))).summary())
 
 
-def _score(report: DemoReport, cache: Path, teacher: Path, stores=("logprob", "topk", "hidden", "svd"), allow_inconsistent: bool = False) -> str:
+def score_stage(report: DemoReport, cache: Path, teacher: Path, stores=("logprob", "topk", "hidden", "svd"), allow_inconsistent: bool = False) -> str:
     from opdcache.scoring import ScoreJob
 
     slug = ScoreJob(cache=cache, teacher=teacher).table_slug
@@ -256,21 +256,21 @@ def _score(report: DemoReport, cache: Path, teacher: Path, stores=("logprob", "t
                                  allow_inconsistent_teacher=allow_inconsistent))
         return f"teachers/{slug}: stores {', '.join(stores)}; consistency {res['consistency']['verdict']}"
 
-    _stage(report, f"score-teacher {cache.name}/{slug}", done, run)
+    stage(report, f"score-teacher {cache.name}/{slug}", done, run)
     return slug
 
 
-def _train(cfg: DemoConfig, report: DemoReport, pi_ref: Path, cache: Path, run_dir: Path, teacher: str | None = None, **extra) -> Path:
+def train_run(cfg: DemoConfig, report: DemoReport, pi_ref: Path, cache: Path, run_dir: Path, teacher: str | None = None, **extra) -> Path:
     from opdcache.train import TrainConfig, run_train
 
-    _stage(report, f"train {run_dir.name}", (run_dir / "model" / "config.json").is_file(), lambda: "{loss}: {steps} steps, final loss {l:.4f}".format(
+    stage(report, f"train {run_dir.name}", (run_dir / "model" / "config.json").is_file(), lambda: "{loss}: {steps} steps, final loss {l:.4f}".format(
         loss=cfg.loss, steps=cfg.opd_steps, l=run_train(TrainConfig(model=pi_ref, cache=cache, out=run_dir, loss=cfg.loss, steps=cfg.opd_steps, teacher=teacher,
                                                                   batch_size=cfg.opd_batch_size, lr=cfg.opd_lr, seed=cfg.seed,
                                                                   kl_coef=cfg.kl_coef, kl_estimator="k3", tau=cfg.tau, **extra))["last"]["loss"]))
     return run_dir / "model"
 
 
-def _finish(report: DemoReport, cfg: DemoConfig, start: float, name: str) -> DemoReport:
+def finish(report: DemoReport, cfg: DemoConfig, start: float, name: str) -> DemoReport:
     report.figures["seconds"] = time.perf_counter() - start
     out = cfg.workdir / name
     report.say(f"[done] {report.figures['seconds']:.0f}s; figures in {out}")
@@ -283,16 +283,16 @@ def run_demo(cfg: DemoConfig) -> DemoReport:
 
     report = DemoReport()
     start = time.perf_counter()
-    p = _prepare(cfg, report)
+    p = prepare(cfg, report)
     problems = [x for x in validate(p["rollouts"]) if not x.warning]
     report.say(f"[validate] {p['rollouts']}: {'ok' if not problems else f'{len(problems)} problems, first: {problems[0]}'}")
-    model = _train(cfg, report, p["pi_ref"], p["rollouts"], cfg.workdir / "runs" / run_name(cfg))
+    model = train_run(cfg, report, p["pi_ref"], p["rollouts"], cfg.workdir / "runs" / run_name(cfg))
     evaluate("opd", model, p["teacher_model"], cfg, report)
     f = report.figures
     report.say(f"[result] held-out accuracy: base {f['base']['accuracy']:.1%} -> SFT (pi_ref) {f['pi_ref']['accuracy']:.1%} -> "
                f"OPD ({cfg.loss}) {f['opd']['accuracy']:.1%} (teacher {f['teacher']['accuracy']:.1%}); reverse KL to teacher "
                f"{f['pi_ref']['reverse_kl']:.4f} -> {f['opd']['reverse_kl']:.4f}")
-    return _finish(report, cfg, start, "demo_report.json")
+    return finish(report, cfg, start, "demo_report.json")
 
 
 def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
@@ -303,8 +303,8 @@ def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
 
     report = DemoReport()
     start = time.perf_counter()
-    p = _prepare(cfg, report)
-    _score(report, p["rollouts"], p["teacher_carry"], stores=stores_for(cfg.loss)[0], allow_inconsistent=True)
+    p = prepare(cfg, report)
+    score_stage(report, p["rollouts"], p["teacher_carry"], stores=stores_for(cfg.loss)[0], allow_inconsistent=True)
     c = check(p["rollouts"])
     report.figures["consistency"] = {"lineage": {n: t["lineage"] for n, t in c["teachers"].items()},
                                      "gap": {n: t["gap"]["mean"] for n, t in c["teachers"].items()},
@@ -313,12 +313,12 @@ def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
                + ", ".join(f"{n} {g:.4f}" for n, g in report.figures["consistency"]["gap"].items())
                + f"; empirically consistent with: {c['consistent_empirically']}")
     for slug in ("teacher", "teacher_carry"):
-        model = _train(cfg, report, p["pi_ref"], p["rollouts"], cfg.workdir / "runs" / f"consistency-{slug}-{run_name(cfg)}", teacher=slug)
+        model = train_run(cfg, report, p["pi_ref"], p["rollouts"], cfg.workdir / "runs" / f"consistency-{slug}-{run_name(cfg)}", teacher=slug)
         evaluate(f"opd_{slug}", model, p["teacher_model"], cfg, report)
     f = report.figures
     report.say(f"[result] held-out accuracy: pi_ref {f['pi_ref']['accuracy']:.1%} -> Lightning OPD with teacher 1 (consistent) "
                f"{f['opd_teacher']['accuracy']:.1%}, with teacher 2 (inconsistent) {f['opd_teacher_carry']['accuracy']:.1%}")
-    return _finish(report, cfg, start, f"ablation_consistency_{cfg.loss}.json")
+    return finish(report, cfg, start, f"ablation_consistency_{cfg.loss}.json")
 
 
 def run_quantized_ablation(cfg: DemoConfig) -> DemoReport:
@@ -339,5 +339,11 @@ def run_storage_ablation(cfg: DemoConfig) -> DemoReport:
     return run(cfg)
 
 
+def run_mismatch_ablation(cfg: DemoConfig) -> DemoReport:
+    from opdcache.demo.mismatch import run_mismatch_ablation as run
+
+    return run(cfg)
+
+
 ABLATIONS = {"consistency": run_consistency_ablation, "quantized": run_quantized_ablation, "staleness": run_staleness_ablation,
-             "storage": run_storage_ablation}
+             "storage": run_storage_ablation, "mismatch": run_mismatch_ablation}

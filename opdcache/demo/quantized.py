@@ -20,7 +20,7 @@ import json
 import time
 from pathlib import Path
 
-from opdcache.demo.pipeline import DemoConfig, DemoReport, _finish, _prepare, _rollouts, _score, _train, evaluate, run_name
+from opdcache.demo.pipeline import DemoConfig, DemoReport, evaluate, finish, prepare, rollouts_stage, run_name, score_stage, train_run
 
 QUANTIZED_RUNS = {
     "none": {},
@@ -53,14 +53,14 @@ def run_quantized_ablation(cfg: DemoConfig) -> DemoReport:
 
     report = DemoReport()
     start = time.perf_counter()
-    p = _prepare(cfg, report)
+    p = prepare(cfg, report)
     fig = mismatch.report(p["rollouts"])[0]["sections"]["rollouts"]
     report.figures["mismatch"] = {"float32": _mismatch_figures(fig)}
     report.figures["runs"] = {}
     for label, spec in SCHEMES.items():
         cache = cfg.workdir / "caches" / f"rollouts_{label}"
-        _rollouts(cfg, report, p["pi_ref"], p["prompts_opd"], cache, quantize=spec)
-        _score(report, cache, p["teacher"], stores=stores_for(cfg.loss)[0])
+        rollouts_stage(cfg, report, p["pi_ref"], p["prompts_opd"], cache, quantize=spec)
+        score_stage(report, cache, p["teacher"], stores=stores_for(cfg.loss)[0])
         rep = mismatch.report(cache, aligned=label != "int8")[0]["sections"]
         report.figures["mismatch"][label] = {name: _mismatch_figures(f) for name, f in rep.items()}
         plain = rep["rollouts"]
@@ -71,7 +71,7 @@ def run_quantized_ablation(cfg: DemoConfig) -> DemoReport:
             settings = dict(settings)
             aligned = settings.pop("rollout_aligned", False)
             run_dir = cfg.workdir / "runs" / f"{label}-{name}-{run_name(cfg)}"
-            model = _train(cfg, report, p["pi_ref"], cache, run_dir, corrections=Corrections(**settings), rollout_aligned=aligned)
+            model = train_run(cfg, report, p["pi_ref"], cache, run_dir, corrections=Corrections(**settings), rollout_aligned=aligned)
             key = f"{label}/{name}"
             figures = evaluate(key, model, p["teacher_model"], cfg, report, served=None if label == "int8" else spec)
             logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -79,7 +79,7 @@ def run_quantized_ablation(cfg: DemoConfig) -> DemoReport:
             report.figures["runs"][key] = figures
             del report.figures[key]
     report.say("[result] held-out accuracy (pi_ref {:.1%}):\n".format(report.figures["pi_ref"]["accuracy"]) + table([report.figures]))
-    return _finish(report, cfg, start, f"ablation_quantized_{cfg.loss}.json")
+    return finish(report, cfg, start, f"ablation_quantized_{cfg.loss}.json")
 
 
 def _mismatch_figures(f: dict) -> dict:

@@ -41,12 +41,12 @@ def run_staleness_ablation(cfg):
     ``ablation_staleness_seed<seed>.json``."""
     from opdcache.asyncopd import AsyncConfig, run_async
     from opdcache.backends.base import SamplingConfig
-    from opdcache.demo.pipeline import DemoReport, _finish, _prepare, evaluate
+    from opdcache.demo.pipeline import DemoReport, evaluate, finish, prepare
     from opdcache.prompts import PromptConfig
 
     report = DemoReport()
     start = time.perf_counter()
-    p = _prepare(cfg, report)
+    p = prepare(cfg, report)
     report.figures["runs"] = {}
     for variant, settings in VARIANTS.items():
         settings = dict(settings)
@@ -65,7 +65,7 @@ def run_staleness_ablation(cfg):
             report.figures["runs"][name] = {"variant": variant, "staleness": k_name(k), **figures}
             del report.figures[name]
     report.say("[result] held-out accuracy by variant and K:\n" + table([report.figures]))
-    done = _finish(report, cfg, start, f"ablation_staleness_seed{cfg.seed}.json")
+    done = finish(report, cfg, start, f"ablation_staleness_seed{cfg.seed}.json")
     png = cfg.workdir / f"ablation_staleness_seed{cfg.seed}.png"
     summarize([cfg.workdir / f"ablation_staleness_seed{cfg.seed}.json"], png)
     report.say(f"[plot] held-out accuracy against K: {png}")

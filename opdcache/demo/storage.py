@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from opdcache.demo.pipeline import DemoConfig, DemoReport, _finish, _prepare, _stage, _train, evaluate, run_name
+from opdcache.demo.pipeline import DemoConfig, DemoReport, evaluate, finish, prepare, run_name, stage, train_run
 
 TABLES = {  # teacher table -> ScoreJob settings (besides the logprob store)
     "topk16": {"stores": ("logprob", "topk"), "top_k": 16},
@@ -42,11 +42,11 @@ def run_storage_ablation(cfg: DemoConfig) -> DemoReport:
 
     report = DemoReport()
     start = time.perf_counter()
-    p = _prepare(cfg, report)
+    p = prepare(cfg, report)
     cache = p["rollouts"]
     for slug, settings in TABLES.items():
         done = f"teachers/{slug}" in json.loads((cache / "opdcache.json").read_text())["tables"]
-        _stage(report, f"score-teacher {slug}", done, lambda s=slug, kw=settings: "teachers/{}: {}".format(
+        stage(report, f"score-teacher {slug}", done, lambda s=slug, kw=settings: "teachers/{}: {}".format(
             s, run_score(ScoreJob(cache=cache, teacher=p["teacher"], slug=s, **kw))["consistency"]["verdict"]))
     c = Cache(cache)
     tokens = sum(s["tokens"] for s in c.table("rollouts")["shards"])
@@ -56,13 +56,13 @@ def run_storage_ablation(cfg: DemoConfig) -> DemoReport:
     for name, (table, loss, extra, store) in RUNS.items():
         run_cfg = dataclasses.replace(cfg, loss=loss)
         run_dir = cfg.workdir / "runs" / f"storage-{name}-{run_name(run_cfg)}"
-        model = _train(run_cfg, report, p["pi_ref"], cache, run_dir, teacher=table, **extra)
+        model = train_run(run_cfg, report, p["pi_ref"], cache, run_dir, teacher=table, **extra)
         figures = evaluate(f"storage/{name}", model, p["teacher_model"], cfg, report)
         figures["bytes_per_token"] = report.figures["tables"][table]["bytes_per_token"][store]
         report.figures["runs"][name] = figures
         del report.figures[f"storage/{name}"]
     report.say("[result] held-out accuracy (pi_ref {:.1%}):\n".format(report.figures["pi_ref"]["accuracy"]) + table_of([report.figures]))
-    return _finish(report, cfg, start, "ablation_storage.json")
+    return finish(report, cfg, start, "ablation_storage.json")
 
 
 def _cell(values: list[float], digits: int = 1, scale: float = 100.0) -> str:

@@ -78,8 +78,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class ExactDecoder:
     """The decoder of ``model`` (a transformers causal LM of a supported family) in the exact arithmetic."""
 
-    def __init__(self, model, dtype: torch.dtype | None = None):
+    def __init__(self, model, dtype: torch.dtype | None = None, round_activations: torch.dtype | None = None):
+        """``round_activations``: round each layer's output to this dtype (injected mismatch, opdcache/backends/exact.py)."""
         cfg = model.config
+        self.round_activations = round_activations
         check_supported(cfg)
         self.model = model
         self.base = getattr(model, model.base_model_prefix)
@@ -165,8 +167,11 @@ class ExactDecoder:
         pos = torch.arange(L, device=input_ids_BL.device).expand(B, L)
         h = self.base.embed_tokens(input_ids_BL).to(self.dtype)
         for layer in self.base.layers:
-            h = self.layer(layer, h, pos)
+            h = self._rounded(self.layer(layer, h, pos))
         return self.norm(self.base.norm, h)
+
+    def _rounded(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.round_activations is None else h.to(self.round_activations).to(h.dtype)
 
     def new_cache(self, batch: int, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A zeroed KV cache (zeros: masked keys then add exact zeros, never NaN) for ``capacity`` positions."""
@@ -178,5 +183,5 @@ class ExactDecoder:
         final hidden states [B, Q, H]. A prefill is a step with Q = the longest prompt (right-padded)."""
         h = self.base.embed_tokens(ids_BQ).to(self.dtype)
         for layer, kv in zip(self.base.layers, cache):
-            h = self.layer(layer, h, pos_BQ, kv)
+            h = self._rounded(self.layer(layer, h, pos_BQ, kv))
         return self.norm(self.base.norm, h)
