@@ -110,12 +110,21 @@ def _exit(code: int) -> None:
     sys.exit(code)
 
 
+MAX_ERROR_CHARS = 2000  # an error quoting a hostile value (a 100 MB string in a manifest) is cut, never echoed whole
+
+
+def _one_line(message: str) -> str:
+    if len(message) <= MAX_ERROR_CHARS:
+        return message
+    return message[:MAX_ERROR_CHARS] + f"... ({len(message) - MAX_ERROR_CHARS:,} more characters cut)"
+
+
 def main(argv: list[str] | None = None) -> None:
     _register()
     try:
         code = app(args=argv, standalone_mode=False)  # click returns a typer.Exit's code here
     except OpdcacheError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {_one_line(str(exc))}", err=True)
         _exit(2 if isinstance(exc, USAGE_ERRORS) else 1)
     except typer.Exit as exc:
         _exit(exc.exit_code)

@@ -26,6 +26,7 @@ import numpy as np
 from opdcache import manifest as M
 from opdcache import schema as S
 from opdcache import shards, storage
+from opdcache.untrusted import loads, read_json
 from opdcache.errors import ConfigError, ManifestError, ResumeError
 from opdcache.fingerprint import config_fingerprint, sha256_file
 
@@ -137,7 +138,7 @@ class TableJob:
         path = storage.as_path(root) / table / JOB_FILE
         if not path.is_file():
             raise ManifestError(f"no job in progress for {table!r} under {root} ({path} is missing)")
-        rec = json.loads(path.read_text())
+        rec = read_json(path, str(path), ManifestError)
         cfg = dict(rec["config"])
         job = cls(storage.as_path(root), cfg.pop("table"), cfg.pop("kind"), S.StoreParams.from_dict(cfg.pop("params")),
                   {k: v for k, v in cfg.items() if k not in ("num_shards", "format_version")}, cfg["num_shards"],
@@ -154,7 +155,7 @@ class TableJob:
                 self._refuse_if_changed(done["config"], done["config_fingerprint"], "the finished cache")
         job_file = self.dir / JOB_FILE
         if job_file.is_file():
-            old = json.loads(job_file.read_text())
+            old = read_json(job_file, str(job_file), ManifestError)
             self._refuse_if_changed(old["config"], old["config_fingerprint"], "the partial run")
         else:
             storage.write_text_atomic(job_file, json.dumps(self._job_record(), indent=2, sort_keys=True) + "\n")
@@ -228,7 +229,7 @@ class TableJob:
             meta = shards.read_schema(self.shard_path(i)).metadata or {}
             if compact.DISTORTION_META not in meta:
                 raise ManifestError(f"{self.shard_path(i)} has no recorded top-k distortion; delete it and rerun the job to rewrite it")
-            sums.append(json.loads(meta[compact.DISTORTION_META]))
+            sums.append(loads(meta[compact.DISTORTION_META], f"{self.table} shard footer", ManifestError))
         return {"precision": self.params.topk_precision or "float32", "mass": self.params.topk_mass,
                 "distortion": compact.distortion_summary(compact.merge_sums(sums))}
 
@@ -366,7 +367,7 @@ def _table_records(root) -> dict[str, dict]:
     for table_dir in [root / "sft", root / "rollouts"] + (sorted((root / "teachers").iterdir()) if (root / "teachers").is_dir() else []):
         path = table_dir / TABLE_RECORD
         if path.is_file():
-            rec = json.loads(path.read_text())
+            rec = read_json(path, str(path), ManifestError)
             records[rec["table"]] = rec["entry"]
     return records
 

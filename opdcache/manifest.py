@@ -20,6 +20,7 @@ from opdcache import schema as S
 from opdcache.errors import ManifestError
 from opdcache.fingerprint import canonical_json
 from opdcache.storage import write_text_atomic
+from opdcache.untrusted import quote
 
 MANIFEST_NAME = "opdcache.json"
 
@@ -172,13 +173,13 @@ def check(manifest: dict, where: str = MANIFEST_NAME) -> dict:
     version = manifest.get("format_version")
     if version not in S.READABLE_VERSIONS:
         raise ManifestError(
-            f"{where}: format version {version}, this opdcache {__version__} reads versions "
+            f"{where}: format version {quote(version)}, this opdcache {__version__} reads versions "
             f"{', '.join(map(str, S.READABLE_VERSIONS))}; install the opdcache version that wrote it, or rebuild the cache"
         )
     exc = jsonschema.exceptions.best_match(_validator(version).iter_errors(manifest))  # the error jsonschema.validate would raise
     if exc is not None:
         path = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
-        raise ManifestError(f"{where}: {path}: {exc.message}")
+        raise ManifestError(f"{where}: {quote(path)}: {quote(exc.message, 400)}")
     _check_paths(manifest, where)
     return manifest
 
@@ -208,11 +209,9 @@ def load(root: str | Path) -> dict:
             f"{root} has no {MANIFEST_NAME}: the cache is incomplete (a job is still running or was stopped; "
             "rerun it to resume) or this is not an opdcache cache"
         )
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ManifestError(f"{path}: invalid JSON ({exc})") from None
-    return check(data, str(path))
+    from opdcache.untrusted import read_json
+
+    return check(read_json(path, str(path), ManifestError), str(path))
 
 
 def save(root: str | Path, manifest: dict) -> None:

@@ -53,6 +53,7 @@ class PromptConfig:
     """Hub revision of a dataset id (or org/name@revision)."""
 
     def __post_init__(self) -> None:
+        check_local_prompts(Path(self.path))  # a FIFO or a device is refused here, at argument checking
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
             raise ConfigError(f"--chat-template-kwargs must be a JSON object, got {self.chat_template_kwargs!r}")
         taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_CALL_ARGUMENTS)
@@ -99,10 +100,44 @@ class PromptSet:
                 f"for the model skipped; {dup_rows} duplicate rows kept (reported){unk}")
 
 
+MAX_LINE_BYTES = 16 << 20  # a prompt line longer than this is skipped as malformed, never read whole
+
+
+def check_local_prompts(path: Path) -> None:
+    """Refuse, before any model loads, a --prompts that is neither a directory nor a regular file: a FIFO would block
+    forever and a device such as /dev/zero never ends. A path that does not exist may still be a Hub dataset id."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+        raise InputError(f"--prompts {path} is {kind}, not a file; write the prompts to a .jsonl or .parquet file (or pass a datasets directory)")
+
+
+def _bounded_lines(f) -> Iterator[tuple[bytes, bool]]:
+    """(line, too long) for each line of a binary file; a line over MAX_LINE_BYTES is skipped in chunks, never held."""
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while True:  # drop the rest of the line
+                more = f.readline(MAX_LINE_BYTES)
+                if not more or more.endswith(b"\n"):
+                    break
+            yield b"", True
+            continue
+        yield raw, False
+
+
 def _rows(path: Path) -> Iterator[tuple[int, dict | None, str | None]]:
     """(1-based line, row or None, error) for each input row."""
     if not path.exists():
         raise InputError(f"prompt file {path} does not exist; check --prompts")
+    check_local_prompts(path)
     if path.is_dir():
         import datasets
 
@@ -118,7 +153,10 @@ def _rows(path: Path) -> Iterator[tuple[int, dict | None, str | None]]:
             yield i + 1, row, None
     elif path.suffix in (".jsonl", ".json", ".ndjson"):
         with open(path, "rb") as f:
-            for i, raw in enumerate(f):
+            for i, (raw, too_long) in enumerate(_bounded_lines(f)):
+                if too_long:
+                    yield i + 1, None, f"line longer than {MAX_LINE_BYTES >> 20} MiB"
+                    continue
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:  # one bad line, not the whole file

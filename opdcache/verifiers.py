@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -121,15 +122,47 @@ def resolve(spec: str) -> Callable:
     raise ConfigError(f"--reward must be one of {', '.join(available())} or module:function, got {spec!r}")
 
 
+@contextmanager
+def _interrupts_seen():
+    """A list that becomes non-empty when SIGINT arrives during the block (the handler then raises KeyboardInterrupt as
+    Python's default does), so a verifier's own ``raise KeyboardInterrupt`` can be told from a real Ctrl-C. Outside the
+    main thread, or where SIGINT is ignored or handled by someone else, every KeyboardInterrupt counts as real."""
+    import signal
+    import threading
+
+    seen: list[int] = []
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        seen.append(1)
+        yield seen
+        return
+
+    def handler(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def score(fn: Callable, response: str, task: dict, credit_truncated: bool = False) -> Verdict:
     """Run one verifier on one row; never raises for the row's sake (the failure becomes the verdict's reason).
     A response cut at the length limit scores 0 without asking the verifier, unless ``credit_truncated``."""
     if task.get("finish_reason") == "length" and not credit_truncated:
         return Verdict(0.0, "cut off by --max-new-tokens: no credit (--credit-truncated to let the verifier judge it)")
     try:
-        out = fn(response, task)
+        with _interrupts_seen() as seen:
+            out = fn(response, task)
     except ConfigError:
         raise  # a setup problem (missing package), not this row's
+    except KeyboardInterrupt:
+        if seen:  # a real Ctrl-C (SIGINT arrived): stop the job as always
+            raise
+        return Verdict(None, "verifier raised KeyboardInterrupt itself (no Ctrl-C was pressed)")
+    except SystemExit as exc:  # sys.exit() inside a verifier must not end the job and lose its shards
+        return Verdict(None, f"verifier called sys.exit({str(exc.code)[:100]})")
     except Exception as exc:  # a verifier's bug or a row it cannot read: mark the row, keep the job
         return Verdict(None, f"verifier raised {type(exc).__name__}: {str(exc)[:200]}")
     reason = None

@@ -48,7 +48,11 @@ def _begin(cfg: AsyncConfig) -> None:
     path = cfg.out / Q.RUN_FILE
     record = {"config": cfg.to_json(), "identity": cfg.identity()}
     if path.is_file():
-        old = json.loads(path.read_text())
+        from opdcache.untrusted import read_json
+
+        old = read_json(path, str(path), ResumeError)
+        if not isinstance(old, dict) or not isinstance(old.get("identity"), dict):
+            raise ResumeError(f"{path} is not an opdcache async run record (no identity); use a new --out or delete {cfg.out}")
         diff = config_diff(old["identity"], record["identity"])
         if diff:
             raise ResumeError(f"{cfg.out} holds an async run with other settings:\n  " + "\n  ".join(diff)

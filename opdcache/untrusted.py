@@ -1,0 +1,82 @@
+"""Reading JSON that came with a cache or a run directory (untrusted bytes) within stated limits, and quoting its values
+in messages without echoing them whole.
+
+A manifest, a job record or ``run.json`` is parsed only if it is at most MAX_JSON_BYTES; numbers of more than
+MAX_NUMBER_CHARS characters, nesting deeper than MAX_DEPTH and strings longer than MAX_STRING_CHARS are refused in one
+line naming the file, before any command looks at the values. :func:`quote` cuts any value to QUOTE_CHARS for messages.
+"""
+
+from __future__ import annotations
+
+import json
+
+MAX_JSON_BYTES = 256 << 20  # a manifest of 100,000 shards is about 40 MB
+MAX_NUMBER_CHARS = 40  # digits of any number (Python refuses 4,300-digit integers with a traceback)
+MAX_DEPTH = 64  # a manifest nests 6 deep
+MAX_STRING_CHARS = 1 << 20
+QUOTE_CHARS = 200
+
+
+def quote(value, limit: int = QUOTE_CHARS) -> str:
+    """repr-like text of ``value`` cut to ``limit`` characters, saying how much was cut."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return repr(text) if isinstance(value, str) else text
+    return (repr(text[:limit]) if isinstance(value, str) else text[:limit]) + f"... ({len(text) - limit:,} more characters)"
+
+
+def _number(kind):
+    def parse(text: str):
+        if len(text) > MAX_NUMBER_CHARS:
+            raise ValueError(f"a number of {len(text):,} characters (the limit is {MAX_NUMBER_CHARS})")
+        return kind(text)
+
+    return parse
+
+
+def _check_shape(value) -> None:
+    """Depth and string lengths, walked without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
+        if isinstance(item, str):
+            if len(item) > MAX_STRING_CHARS:
+                raise ValueError(f"a string of {len(item):,} characters (the limit is {MAX_STRING_CHARS:,})")
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                if len(k) > MAX_STRING_CHARS:
+                    raise ValueError(f"a key of {len(k):,} characters")
+                stack.append((v, depth + 1))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+
+
+def loads(data: bytes | str, where: str, error=ValueError):
+    """The JSON value of ``data``, or ``error`` (an exception class) with one line naming ``where`` and the problem."""
+    size = len(data)
+    if size > MAX_JSON_BYTES:
+        raise error(f"{where}: {size:,} bytes, over the {MAX_JSON_BYTES >> 20} MiB a cache's JSON may take; the file is damaged or hostile")
+    try:
+        value = json.loads(data, parse_int=_number(int), parse_float=_number(float), parse_constant=_number(float))
+        _check_shape(value)
+    except RecursionError:
+        raise error(f"{where}: invalid JSON (nested too deeply to read); the file is damaged or hostile") from None
+    except json.JSONDecodeError as exc:
+        raise error(f"{where}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise error(f"{where}: refused ({str(exc)[:QUOTE_CHARS]}); the file is damaged or hostile") from None
+    return value
+
+
+def read_json(path, where: str | None = None, error=ValueError):
+    """:func:`loads` of a file (local or object-store path), its size checked before it is read."""
+    where = where or str(path)
+    try:
+        size = path.stat().st_size
+    except (OSError, AttributeError, TypeError):
+        size = None
+    if size is not None and size > MAX_JSON_BYTES:
+        raise error(f"{where}: {size:,} bytes, over the {MAX_JSON_BYTES >> 20} MiB a cache's JSON may take; the file is damaged or hostile")
+    return loads(path.read_bytes(), where, error)
