@@ -140,7 +140,7 @@ def _audit_base(cache: Cache, name: str, cfg: AuditConfig) -> dict:
     stored: dict[str, list] = {c: [] for c in stored_cols}
     fresh: dict[str, list] = {c: [] for c in stored_cols}
     for shard, rows in _sample(cache, name, cfg.rows, cfg.seed).items():
-        table = shards.read_table(cache.shard_paths(name)[shard]).take(rows)
+        table = cache.read_shard(name, shard).take(rows)
         for c in stored_cols:
             stored[c] += shards.row_values(table[c])
         if exact:  # replay: same prompt, same random stream, same arithmetic
@@ -180,8 +180,8 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
 
         params_no_svd = dataclasses.replace(params, stores=tuple(s for s in params.stores if s != "svd"), svd_rank=None, svd_dtype=None)
     for shard, rows in _sample(cache, name, cfg.rows, cfg.seed).items():
-        table = shards.read_table(cache.shard_paths(name)[shard], names).take(rows)
-        base_rows = shards.read_table(cache.shard_paths(base)[shard], teacher_columns(params)).take(rows)
+        table = cache.read_shard(name, shard, names).take(rows)
+        base_rows = cache.read_shard(base, shard, teacher_columns(params)).take(rows)
         scores = backend.score(score_requests(base_rows, params.samples_per_position, seed), top_k=params.top_k, hidden=want_hidden)
         records = teacher_records(base_rows["id"].to_pylist(), scores, params_no_svd, None, f"audit of shard {shard}")
         built = shards.build_table("teacher", params_no_svd, records)

@@ -342,9 +342,16 @@ class Cache:
                               f"run `opdcache validate {self.root}`, then rescore the teacher or re-pull the cache")
         return path
 
+    def read_shard(self, table: str, index: int, columns=None, max_row_tokens: int | None = None):
+        """Shard ``index`` of ``table`` (some columns), its footer checked against the manifest's rows and tokens before
+        anything is decoded (opdcache/shards.py, check_footer): the reading layer every command goes through."""
+        info = self.table(table)["shards"][index]
+        return shards.read_table(self.shard_paths(table)[index], columns, rows=info["rows"], tokens=info["tokens"],
+                                 max_row_tokens=max_row_tokens, where=info["path"])
+
     def sequences(self, table: str, column: str) -> list[np.ndarray]:
         """A per-token column of a whole table, one array per row, in row order over the shards."""
-        return [row for path in self.shard_paths(table) for row in shards.row_values(shards.read_table(path, [column])[column])]
+        return [row for i in range(len(self.table(table)["shards"])) for row in shards.row_values(self.read_shard(table, i, [column])[column])]
 
     def teacher_table(self, slug: str | None) -> str:
         if slug is None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opdcache import shards, storage
+from opdcache import rowrules, shards, storage
 from opdcache.cache import Cache
 from opdcache.errors import ConfigError
 
@@ -56,6 +56,8 @@ class CacheLoaderConfig:
     """Check each shard's size and sha256 against the manifest before decoding it (once per shard and process)."""
     max_length: int | None = None
     """Refuse a row whose prompt + response is longer than this (the model's context: Trainer sets it)."""
+    vocab_size: int | None = None
+    """Refuse token ids outside [0, vocab_size) (the model's vocabulary: Trainer sets it; default the manifest's)."""
     keep_decoded_bytes: int = 1 << 30
     """Decoded shards kept across epochs, up to this many bytes per process (0: none): a cache that fits is read,
     hashed, checked and decoded once, and every later epoch slices the kept buffers. Memory: at most this plus one
@@ -76,7 +78,7 @@ def _dist() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-class _Shard:
+class DecodedShard:
     """One shard's columns as flat numpy arrays plus row offsets (decoded once, sliced per row).
 
     What it trains on is checked first: teacher rows aligned with the rollout rows by id, every per-token column as
@@ -84,14 +86,17 @@ class _Shard:
     violation is one line naming the shard and `opdcache validate`, never a misaligned or oversized batch."""
 
     def __init__(self, rollout_path, teacher_path, rollout_cols: list[str], teacher_cols: list[str], where: str = "this shard",
-                 max_length: int | None = None):
-        """Each source: a local path, an object-store path, or a shard's bytes already fetched (opdcache.shards.read_table)."""
+                 max_length: int | None = None, rows: int | None = None, vocab: int | None = None, samples: int | None = None,
+                 tokens: int | None = None):
+        """Each source: a local path, an object-store path, or a shard's bytes already fetched (opdcache.shards.read_table).
+        ``rows``: the manifest's row count (the footer must agree, and sizes are checked before decoding); ``vocab``: ids
+        must lie in [0, vocab); ``samples``: the sampled store's m. The v3 row rules are validate's (opdcache/rowrules.py)."""
         from opdcache.errors import SchemaError
 
         def refuse(what: str):
             raise SchemaError(f"{where}: {what}; run `opdcache validate` on the cache and rebuild that shard")
 
-        r = shards.read_table(rollout_path, list(dict.fromkeys(["id"] + rollout_cols)))
+        r = shards.read_table(rollout_path, list(dict.fromkeys(["id"] + rollout_cols)), rows=rows, max_row_tokens=max_length, where=where, tokens=tokens)
         self.offsets = shards.list_offsets(r["response_ids"])
         self.prompt_offsets = shards.list_offsets(r["prompt_ids"])
         lengths = np.diff(self.offsets)
@@ -106,7 +111,7 @@ class _Shard:
         self.cols = {name: shards.token_values(r[name]) for name in rollout_cols}
         self.hidden_dtype = None
         if teacher_path is not None:
-            t = shards.read_table(teacher_path, ["id"] + teacher_cols)
+            t = shards.read_table(teacher_path, ["id"] + teacher_cols, rows=rows, max_row_tokens=max_length, where=where, tokens=tokens)
             if t.num_rows != r.num_rows or t["id"].to_pylist() != r["id"].to_pylist():
                 refuse("teacher rows are not aligned with the rollout rows (ids differ)")
             for name in teacher_cols:  # per-token columns only (CacheDataset leaves out row columns such as id)
@@ -120,6 +125,23 @@ class _Shard:
                 self.cols["teacher_" + name] = values
                 if name == "hidden":
                     self.hidden_dtype = shards.hidden_dtype_of(t.schema.field("hidden"))
+        for column, bad, message in self._violations(vocab, samples):
+            row = int(np.searchsorted(self.offsets, np.flatnonzero(bad)[0], side="right") - 1)
+            refuse(f"row {row}, column {column}: {message}")
+
+    def _violations(self, vocab: int | None, samples: int | None) -> list:
+        """The rules validate applies to these columns (opdcache/rowrules.py), on the decoded values."""
+        c = self.cols
+        out = rowrules.ids_in_vocabulary("response_ids", c["response_ids"], vocab)
+        for name in ("ref_topk_ids", "mc_ids"):
+            if name in c:
+                out += rowrules.ids_in_vocabulary(name, c[name], vocab)
+        if "teacher_topk_ids" in c:
+            out += rowrules.topk_rules("topk", c["teacher_topk_ids"], c["teacher_topk_logprobs"], vocab, c.get("teacher_topk_tail"))
+        if "teacher_sampled_ids" in c:
+            out += rowrules.sampled_rules(c["teacher_sampled_ids"], c["teacher_sampled_counts"], c["teacher_sampled_logprobs"],
+                                          samples or 0, vocab)
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -210,16 +232,15 @@ class CacheDataset(torch.utils.data.IterableDataset):
         self.rollout_paths = cache.shard_paths(base)
         self.expected = {p: s for p, s in zip(self.rollout_paths, cache.table(base)["shards"])}  # path -> manifest entry
         self.verified: set = set()
-        self.kept: dict[int, _Shard] = {}  # decoded shards kept across epochs (config.keep_decoded_bytes)
+        self.kept: dict[int, DecodedShard] = {}  # decoded shards kept across epochs (config.keep_decoded_bytes)
         self.kept_bytes = 0
         self.rows_per_shard = [s["rows"] for s in cache.table(base)["shards"]]
-        for path, rows in zip(self.rollout_paths, self.rows_per_shard):  # before anything is sized by the manifest's claim
-            actual = shards.open_parquet(path).metadata.num_rows
-            if actual != rows:
-                from opdcache.errors import SchemaError
-
-                raise SchemaError(f"{path} holds {actual} rows, the manifest says {rows}; run `opdcache validate {config.cache}`")
+        self.tokens_per_shard = [s["tokens"] for s in cache.table(base)["shards"]]
+        for path, rows, tokens in zip(self.rollout_paths, self.rows_per_shard, self.tokens_per_shard):  # before anything is sized by the manifest
+            shards.check_shard_footer(path, rows, tokens=tokens, max_row_tokens=config.max_length)
         rparams = cache.params(base)
+        self.vocab = config.vocab_size or cache.table(base)["config"].get("vocab_size")
+        self.samples = None
         cols = ["prompt_ids", "response_ids", "sampling_logprobs"] + (["ref_logprobs"] if base == "rollouts" else [])
         if "ref_topk" in config.rollout_stores:
             if not rparams.ref_top_k:
@@ -241,6 +262,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
 
             self.teacher_cols = [c.name for c in S.columns("teacher", tparams) if c.store in config.stores and c.shape != "row"]
             self.teacher_paths = cache.shard_paths(table)
+            self.samples = tparams.samples_per_position
             self.expected.update(zip(self.teacher_paths, cache.table(table)["shards"]))
         rank, world = _dist()
         self.rank = config.rank if config.rank is not None else rank
@@ -266,7 +288,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
     def __len__(self) -> int:
         return len(self.batches(self.epoch))
 
-    def _load(self, shard: int, cache: dict) -> _Shard:
+    def _load(self, shard: int, cache: dict) -> DecodedShard:
         if shard in self.kept:
             return self.kept[shard]
         if shard not in cache:
@@ -277,8 +299,9 @@ class CacheDataset(torch.utils.data.IterableDataset):
                     if path is not None and path not in self.verified:
                         sources[k] = _verify_shard(path, self.expected[path], self.config.cache)
                         self.verified.add(path)
-            decoded = _Shard(*sources, self.rollout_cols, self.teacher_cols, where=str(self.rollout_paths[shard]),
-                             max_length=self.config.max_length)
+            decoded = DecodedShard(*sources, self.rollout_cols, self.teacher_cols, where=str(self.rollout_paths[shard]),
+                                   max_length=self.config.max_length, rows=self.rows_per_shard[shard], vocab=self.vocab, samples=self.samples,
+                                   tokens=self.tokens_per_shard[shard])
             if self.kept_bytes + decoded.nbytes <= self.config.keep_decoded_bytes:
                 self.kept[shard] = decoded
                 self.kept_bytes += decoded.nbytes
@@ -289,7 +312,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        loaded: dict[int, _Shard] = {}
+        loaded: dict[int, DecodedShard] = {}
         for i, batch in enumerate(self.batches(self.epoch)):
             if i < self.start_batch or i % nw != wid:
                 continue

@@ -29,10 +29,13 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+
 from opdcache import schema as S
 from opdcache import shards, storage
 from opdcache.cache import Cache
-from opdcache.errors import ConfigError
+from opdcache.errors import ConfigError, SchemaError
 
 FORMATS = ("jsonl", "parquet-flat", "lightning-opd")
 ROLLOUT_COLUMNS = ("id", "prompt_index", "sample_index", "prompt_ids", "response_ids", "finish_reason", "sampling_logprobs",
@@ -68,7 +71,7 @@ def export(cache_root: str | Path, to: str, out: str | Path, teacher: str | None
     sink = open(jsonl_tmp, "w") if to == "jsonl" else None
     try:
         for i, (rpath, tpath) in enumerate(zip(rollout_paths, teacher_paths)):
-            rows = _rows(rpath, tpath, tokenizer)
+            rows = _rows(cache, base, table, i, tokenizer)
             if to == "lightning-opd":
                 rows, bad = _lightning_opd_rows(rows, tokenizer, ref_logprobs)
                 refused += bad
@@ -147,13 +150,21 @@ def _plain(trow: dict, half: list[str]) -> dict:
     return trow
 
 
-def _rows(rollout_path: Path, teacher_path: Path | None, tokenizer) -> list[dict]:
-    r = shards.read_table(rollout_path)
+def _rows(cache, base: str, table: str | None, index: int, tokenizer) -> list[dict]:
+    """Shard ``index``'s rows, teacher columns beside the rollout columns; refused unless the teacher rows are the
+    rollout rows (same ids) and every per-token teacher column is as long as its row's response, as train refuses."""
+    r = cache.read_shard(base, index)
     rows = r.select([c for c in ROLLOUT_COLUMNS if c in r.column_names]).to_pylist()
-    if teacher_path is not None:
-        t = shards.read_table(teacher_path)
+    if table is not None:
+        t = cache.read_shard(table, index)
+        where = cache.table(table)["shards"][index]["path"]
         if t["id"].to_pylist() != [row["id"] for row in rows]:
-            raise ConfigError(f"{teacher_path} is not row-aligned with {rollout_path}; run `opdcache validate`")
+            raise SchemaError(f"{where} is not row-aligned with the rollout rows (ids differ); run `opdcache validate`")
+        lengths = np.diff(shards.list_offsets(r["response_ids"]))
+        for name in TEACHER_COLUMNS:
+            if name in t.column_names and pa.types.is_list(t.schema.field(name).type) and not np.array_equal(np.diff(shards.list_offsets(t[name])), lengths):
+                raise SchemaError(f"{where}: teacher column {name} is not as long as the responses (shifted or truncated rows); "
+                                  "run `opdcache validate` and rebuild that shard")
         cols = [c for c in TEACHER_COLUMNS if c in t.column_names]
         half = [c for c in cols if (t.schema.field(c).metadata or {}).get(S.FIELD_DTYPE) == b"float16"]
         for row, trow in zip(rows, t.select(cols).to_pylist()):

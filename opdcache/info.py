@@ -16,7 +16,8 @@ def store_bytes(cache: Cache, table: str) -> dict[str, int]:
     kind = entry["kind"]
     store_of = {c.name: c.store for c in S.columns(kind)}
     sizes: dict[str, int] = defaultdict(int)
-    for path in cache.shard_paths(table):
+    for path, info in zip(cache.shard_paths(table), entry["shards"]):
+        shards.check_shard_footer(path, info["rows"], info["path"], info["tokens"])  # a footer lie is refused here too
         meta = shards.open_parquet(path).metadata
         for rg in range(meta.num_row_groups):
             group = meta.row_group(rg)
@@ -30,7 +31,7 @@ def _reward_mean(cache: Cache, table: str) -> float | None:
     """Mean of the ``reward`` column over the rows that have one (None when no row does)."""
     import pyarrow.compute as pc
 
-    values = [shards.read_table(p, ["reward"])["reward"] for p in cache.shard_paths(table)]
+    values = [cache.read_shard(table, i, ["reward"])["reward"] for i in range(len(cache.table(table)["shards"]))]
     count = sum(v.length() - v.null_count for v in values)
     return sum(float(pc.sum(v).as_py() or 0.0) for v in values) / count if count else None
 

@@ -128,7 +128,7 @@ class Section:
 
 
 def _ids(cache: Cache, table: str) -> list[str]:
-    return [i for path in cache.shard_paths(table) for i in shards.read_table(path, ["id"])["id"].to_pylist()]
+    return [i for k in range(len(cache.table(table)["shards"])) for i in cache.read_shard(table, k, ["id"])["id"].to_pylist()]
 
 
 def rollout_section(cache: Cache, model: str | Path | None = None, device: str = "auto", progress: bool | None = None,
@@ -169,8 +169,8 @@ def rollout_section(cache: Cache, model: str | Path | None = None, device: str =
         backend = TransformersBackend(path, dtype="float32", device=device, quantize=scheme)
     top_column = ["ref_topk_ids"] if params.ref_top_k else []
     with closing(backend), bar(total=len(cache.shard_paths("rollouts")), desc="mismatch: float32 recompute", unit="shard", enabled=progress) as pbar:
-        for shard in cache.shard_paths("rollouts"):
-            rows = shards.read_table(shard, ["id", "prompt_ids", "response_ids", "ref_logprobs"] + top_column)
+        for index in range(len(cache.shard_paths("rollouts"))):
+            rows = cache.read_shard("rollouts", index, ["id", "prompt_ids", "response_ids", "ref_logprobs"] + top_column)
             reqs = score_requests(rows.select(["prompt_ids", "response_ids"]))
             scores = backend.score(reqs, top_k=1)  # top-1: the trainer's argmax
             stored = shards.row_values(rows["ref_logprobs"])
@@ -250,9 +250,9 @@ def exact_teacher_section(cache: Cache, slug: str, teacher: str | Path | None = 
     backend = ExactBackend(path, dtype=recorded.get("dtype") or "float32",
                            quantize=recorded.get("quantization") if recorded.get("engine") == "exact" else None)
     deltas, ids, responses = [], [], []
-    for base, shard in zip(cache.shard_paths(cache.base_table), cache.shard_paths(table)):
-        rows = shards.read_table(base, ["id", "prompt_ids", "response_ids"])
-        stored = shards.row_values(shards.read_table(shard, ["logprobs"])["logprobs"])
+    for index in range(len(cache.shard_paths(table))):
+        rows = cache.read_shard(cache.base_table, index, ["id", "prompt_ids", "response_ids"])
+        stored = shards.row_values(cache.read_shard(table, index, ["logprobs"])["logprobs"])
         reqs = score_requests(rows)
         deltas += [sc.logprobs.astype(np.float64) - r.astype(np.float64) for sc, r in zip(backend.score(reqs), stored)]
         ids += rows["id"].to_pylist()

@@ -161,7 +161,8 @@ class Trainer:
             stores, rstores = stores_for(cfg.loss, cfg.topk_support)
             self.source = CacheSource(CacheLoaderConfig(cache=cfg.cache, teacher=table.split("/", 1)[1], stores=stores, rollout_stores=rstores,
                                                         batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers,
-                                                        max_length=getattr(self.model.config, "max_position_embeddings", None)))
+                                                        max_length=getattr(self.model.config, "max_position_embeddings", None),
+                                                        vocab_size=int(self.model.get_output_embeddings().weight.shape[0])))
             if "hidden" in stores:
                 from opdcache.heads import load_head
 

@@ -46,13 +46,12 @@ def run_upgrade(cache_root, teacher: str | None, topk_precision: str | None, top
     meta = {k: entry[k] for k in ("model", "consistency", "compute") if k in entry}
     job = TableJob(cache.root, f"teachers/{slug}", "teacher", new_params, config, len(entry["shards"]),
                    parent_fingerprint=cache.table(cache.base_table)["config_fingerprint"], meta=meta)
-    sources = cache.shard_paths(source)
 
     def make_shard(index: int) -> shards.Records:
         from opdcache.scoring import teacher_records
         from opdcache.backends.base import Scores
 
-        table = shards.read_table(sources[index], columns)
+        table = cache.read_shard(source, index, columns)
         values = {c: shards.row_values(table[c]) for c in columns if c != "id"}
         scores = [Scores(logprobs=values["logprobs"][i], logsumexp=values["logsumexp"][i], topk_ids=values["topk_ids"][i],
                          topk_logprobs=values["topk_logprobs"][i],

@@ -39,8 +39,8 @@ import numpy as np
 import pyarrow as pa
 
 from opdcache import manifest as M
+from opdcache import rowrules, shards, storage
 from opdcache import schema as S
-from opdcache import shards, storage
 from opdcache.errors import ManifestError, SchemaError
 from opdcache.fingerprint import config_fingerprint, sha256_file
 
@@ -118,8 +118,14 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
                 continue
             if quick:
                 continue
-            # every column but the hidden states, which _check_hidden streams one row group at a time
-            table = shards.read_table(path, [c.name for c in S.columns(entry["kind"], params) if c.name != "hidden"])
+            # every column but the hidden states, which _check_hidden streams one row group at a time; the footer's sizes
+            # are checked before anything is decoded (opdcache/shards.py, check_footer)
+            try:
+                table = shards.read_table(path, [c.name for c in S.columns(entry["kind"], params) if c.name != "hidden"],
+                                          rows=info["rows"], tokens=info["tokens"], where=info["path"])
+            except SchemaError as exc:
+                out.add(info["path"], str(exc).split(": ", 1)[-1])
+                continue
             tokens = shards.table_tokens(table)
             if tokens != info["tokens"]:
                 out.add(info["path"], f"{tokens} response tokens, the manifest says {info['tokens']} (info would report wrong totals)")
@@ -243,6 +249,11 @@ def _check_file(path: Path, info: dict, entry: dict, params: S.StoreParams, out:
     if pf.metadata.num_rows != info["rows"]:
         out.add(rel, f"{pf.metadata.num_rows} rows, the manifest says {info['rows']}")
         return False
+    try:
+        shards.check_footer(pf, size, None, rel, info["rows"], tokens=info["tokens"])  # sizes bounded before any column is decoded
+    except SchemaError as exc:
+        out.add(rel, str(exc).split(": ", 1)[-1])
+        return False
     return True
 
 
@@ -260,44 +271,15 @@ def _check_logprobs(file: str, column: str, values: np.ndarray, offsets: np.ndar
         out.rows(file, column, _row_of(offsets, np.flatnonzero(above)), "log-prob above 0")
 
 
-def _duplicate_ids(ids: np.ndarray, pad: np.ndarray) -> np.ndarray:
-    """[tokens] True where a row of ids [tokens, k] holds one id twice; padding slots (``pad``) never count."""
-    distinct_pads = np.iinfo(np.int64).min + np.arange(ids.shape[1])  # below every id, and different from each other
-    return (np.diff(np.sort(np.where(pad, distinct_pads, ids), axis=1), axis=1) == 0).any(axis=1)
+def _report(file: str, offsets: np.ndarray, violations, out: _Collector) -> None:
+    for column, bad, message in violations:
+        out.rows(file, column, _row_of(offsets, np.flatnonzero(bad)), message)
 
 
 def _check_topk(file: str, prefix: str, ids: np.ndarray, lps: np.ndarray, offsets: np.ndarray, vocab: int | None, out: _Collector,
                 tail: np.ndarray | None = None, tol: float = 1e-3) -> None:
-    """ids, lps: [tokens, k]. ``tail`` given: the v3 compact store, whose trailing slots may be padding (id -1,
-    log-prob -inf) and whose kept probabilities plus tail sum to 1 within ``tol``."""
-    col_ids, col_lps = f"{prefix}_ids", f"{prefix}_logprobs"
-    pad = ids == S.PAD_ID if tail is not None else np.zeros(ids.shape, bool)
-    if vocab is not None:
-        bad = (((ids < 0) | (ids >= vocab)) & ~pad).any(axis=1)
-        if bad.any():
-            out.rows(file, col_ids, _row_of(offsets, np.flatnonzero(bad)), f"token id outside the vocabulary [0, {vocab})")
-    if tail is not None:
-        misplaced = (pad[:, :-1] & ~pad[:, 1:]).any(axis=1) | pad[:, 0] | (pad != (lps == -np.inf)).any(axis=1)
-        if misplaced.any():
-            out.rows(file, col_ids, _row_of(offsets, np.flatnonzero(misplaced)),
-                     "padding (id -1, log-prob -inf) must fill the trailing slots only, after at least one entry")
-    dup = _duplicate_ids(ids, pad)
-    if dup.any():
-        out.rows(file, col_ids, _row_of(offsets, np.flatnonzero(dup)), "duplicate token ids in a top-k row")
-    _check_logprobs(file, col_lps, np.where(pad, 0.0, lps), offsets, out)
-    with np.errstate(invalid="ignore"):
-        unsorted = (np.diff(lps, axis=1) > 0).any(axis=1)
-    if unsorted.any():
-        out.rows(file, col_lps, _row_of(offsets, np.flatnonzero(unsorted)), "top-k log-probs not sorted descending")
-    mass = np.exp(lps.astype(np.float64)).sum(axis=1)
-    over = mass > 1 + tol
-    if over.any():
-        out.rows(file, col_lps, _row_of(offsets, np.flatnonzero(over)), "top-k probabilities sum to more than 1")
-    if tail is not None:
-        bad_tail = ~((tail >= 0) & (tail <= 1)) | (np.abs(mass + tail - 1) > tol)
-        if bad_tail.any():
-            out.rows(file, f"{prefix}_tail", _row_of(offsets, np.flatnonzero(bad_tail)),
-                     f"tail outside [0, 1], or kept probabilities plus tail differ from 1 by more than {tol:g}")
+    """ids, lps: [tokens, k]; the rules of opdcache/rowrules.py (the loader refuses the same rows)."""
+    _report(file, offsets, rowrules.topk_rules(prefix, ids, lps, vocab, tail, tol), out)
 
 
 def _check_against_topk(file: str, column: str, sampled: np.ndarray, sampled_lp: np.ndarray, ids: np.ndarray,
@@ -318,26 +300,13 @@ def _check_against_topk(file: str, column: str, sampled: np.ndarray, sampled_lp:
 
 
 def _check_sampled(file: str, table: pa.Table, params: S.StoreParams, offsets: np.ndarray, vocab: int | None, out: _Collector) -> None:
-    """The sampled store: ids in the vocabulary or padding, distinct, counts summing to m (0 exactly at padding),
-    log-probs finite and not above 0 at entries, -inf at padding."""
+    """The sampled store: the rules of opdcache/rowrules.py (the loader refuses the same rows)."""
     from opdcache.compact import decode_logprobs
 
     ids = shards.token_values(table["sampled_ids"])
     counts = shards.token_values(table["sampled_counts"])
     lps = decode_logprobs(shards.token_values(table["sampled_logprobs"]), table.schema.field("sampled_logprobs"))
-    pad = ids == S.PAD_ID
-    checks = [
-        ("sampled_ids", ((ids < 0) | (ids >= (vocab or np.iinfo(np.int64).max))) & ~pad, f"token id outside the vocabulary [0, {vocab})"),
-        ("sampled_counts", (counts.sum(axis=1) != params.samples_per_position)[:, None] | ((counts == 0) != pad) | (counts < 0),
-         f"counts must sum to {params.samples_per_position} (samples_per_position), and be 0 exactly at padding"),
-        ("sampled_logprobs", (pad & (lps != -np.inf)) | (~pad & (~np.isfinite(lps) | (lps > 0))),
-         "log-probs must be finite and not above 0 at entries, -inf at padding"),
-        ("sampled_ids", _duplicate_ids(ids, pad), "duplicate token ids in a sampled row"),
-    ]
-    for column, bad, message in checks:
-        rows = bad.any(axis=1) if bad.ndim == 2 else bad
-        if rows.any():
-            out.rows(file, column, _row_of(offsets, np.flatnonzero(rows)), message)
+    _report(file, offsets, rowrules.sampled_rules(ids, counts, lps, params.samples_per_position, vocab), out)
 
 
 def _check_base_rows(file: str, table: pa.Table, entry: dict, out: _Collector):
@@ -363,9 +332,7 @@ def _check_base_rows(file: str, table: pa.Table, entry: dict, out: _Collector):
         _check_against_topk(file, "ref_logprobs", response, shards.token_values(table["ref_logprobs"]), ids, lps, offsets, out)
     if "mc_ids" in table.column_names:
         _check_lengths(file, "mc_ids", table, offsets, out)
-        mc = shards.token_values(table["mc_ids"])
-        if vocab is not None and ((mc < 0) | (mc >= vocab)).any():
-            out.rows(file, "mc_ids", _row_of(offsets, np.flatnonzero(((mc < 0) | (mc >= vocab)).any(axis=1))), f"token id outside the vocabulary [0, {vocab})")
+        _report(file, offsets, rowrules.ids_in_vocabulary("mc_ids", shards.token_values(table["mc_ids"]), vocab), out)
         _check_logprobs(file, "mc_sampling_logprobs", shards.token_values(table["mc_sampling_logprobs"]), offsets, out)
     return np.asarray(table["id"].to_pylist(), dtype=object), np.diff(offsets), response, offsets
 

@@ -93,13 +93,13 @@ def test_logged_importance_weights_equal_pi_theta_over_pi_old_recomputed(tmp_pat
     rho_mean must be exp(log pi_v3 - log pi_v2) over its tokens, recomputed here with a plain full-logits forward."""
     from transformers import AutoModelForCausalLM
 
-    from opdcache.data import _Shard, collate
+    from opdcache.data import DecodedShard, collate
 
     cfg = _cfg(weights, opd_prompts, tmp_path / "run", steps=5, keep_snapshots=True)
     run_async(cfg)
     model = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float32).eval()
     rollout = Path(cfg.cache_root) / "rollouts" / "part-00003-of-00005.parquet"
-    shard = _Shard(rollout, None, ["prompt_ids", "response_ids", "sampling_logprobs"], [])
+    shard = DecodedShard(rollout, None, ["prompt_ids", "response_ids", "sampling_logprobs"], [])
     batch = collate([shard.row(i) for i in range(4)])
     mask = batch["response_mask"].bool()
 

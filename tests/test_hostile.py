@@ -263,7 +263,7 @@ def test_a_manifest_declaring_a_trillion_rows_is_refused_before_allocating(cache
     manifest["tables"]["rollouts"]["shards"][0]["rows"] = 10 ** 12
     (cache / "opdcache.json").write_text(json.dumps(manifest))
     code, out = _train(cache, weights, tmp_path, capsys)
-    assert code == 1 and "the manifest says 1000000000000" in _one_line(out)
+    assert code == 1 and "the manifest says 1,000,000,000,000" in _one_line(out)
 
 
 # ---------------------------------------------------------------- 8. one bad line or verifier never kills a job

@@ -195,7 +195,7 @@ class QueueSource:
             ["topk_ids", "topk_logprobs"] if cfg.loss == "topk-fkl" else [])
 
     def next_batch(self) -> dict:
-        from opdcache.data import _Shard, collate
+        from opdcache.data import DecodedShard, collate
 
         b = self.next
         rollout, teacher = table_paths(self.cfg, b)
@@ -204,7 +204,7 @@ class QueueSource:
         if versions != {self.cfg.version_for(b)}:
             raise SchemaError(f"{rollout} was sampled by snapshot(s) {sorted(versions)}, the run's staleness prescribes "
                               f"v{self.cfg.version_for(b)}; the cache belongs to another run")
-        shard = _Shard(rollout, teacher, self.rollout_cols, self.teacher_cols, where=str(rollout))  # checks the alignment
+        shard = DecodedShard(rollout, teacher, self.rollout_cols, self.teacher_cols, where=str(rollout))  # checks the alignment
         batch = collate([shard.row(i) for i in range(len(shard.offsets) - 1)])
         version = self.cfg.version_for(b)
         self.current = {"batch": b, "student_version": version, "staleness": b - version}
