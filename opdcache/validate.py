@@ -101,6 +101,7 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
     _check_stray_files(root, tables, out)
     _check_tokenizer(root, manifest, out)
     base_lengths: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # shard index -> (ids, response lengths)
+    prompt_lengths: dict[int, int] = {}  # prompt index -> its tokens, over the base table's rows
     base = tables[base_name]
     for name in [base_name] + sorted(t for t in tables if t != base_name):
         entry = tables[name]
@@ -131,10 +132,28 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
                 out.add(info["path"], f"{tokens} response tokens, the manifest says {info['tokens']} (info would report wrong totals)")
             if name == base_name:
                 base_lengths[index] = _check_base_rows(info["path"], table, entry, out)
+                if "prompt_index" in table.column_names:
+                    prompt_lengths.update(zip(table["prompt_index"].to_pylist(), np.diff(shards.list_offsets(table["prompt_ids"])).tolist()))
             else:
                 _check_teacher_rows(root, info["path"], table, entry, params, base_lengths.get(index),
                                     root / base["shards"][index]["path"] if index < len(base["shards"]) else None, out)
+    if not quick and prompt_lengths:
+        _check_stats(base_name, base.get("stats") or {}, prompt_lengths, out)
     return out.problems
+
+
+def _check_stats(name: str, stats: dict, prompt_lengths: dict[int, int], out: _Collector) -> None:
+    """The manifest's derived statistics against the shards: the prompts the rows come from, and their tokens (equal
+    when every prompt kept a row; at most the recorded figure when some prompts' samples were all quarantined or
+    rejected)."""
+    seen, tokens = len(prompt_lengths), sum(prompt_lengths.values())
+    want_prompts, want_tokens = stats.get("prompts"), stats.get("prompt_tokens")
+    where = f"{M.MANIFEST_NAME} tables/{name}/stats"
+    if isinstance(want_prompts, int) and seen > want_prompts:
+        out.add(where, f"prompts {want_prompts} is fewer than the {seen} prompts the shards' rows come from (edited by hand?)")
+    if isinstance(want_tokens, int) and isinstance(want_prompts, int):
+        if (seen == want_prompts and tokens != want_tokens) or tokens > want_tokens:
+            out.add(where, f"prompt_tokens {want_tokens:,} differs from the {tokens:,} tokens of the {seen} prompts in the shards (edited by hand?)")
 
 
 def _check_side_files(root: Path, name: str, entry: dict, params: S.StoreParams, out: _Collector) -> None:
@@ -161,6 +180,45 @@ def _check_side_files(root: Path, name: str, entry: dict, params: S.StoreParams,
             out.add(rel, f"size is {size} bytes, the manifest says {want['bytes']} (truncated or replaced)")
         elif sha256_file(path) != want["sha256"]:
             out.add(rel, "sha256 does not match the manifest's (corrupted)")
+        else:
+            problem = safetensors_problem(path, size, SIDE_FILE_TENSORS[fname])
+            if problem:
+                out.add(rel, problem)
+
+
+SIDE_FILE_TENSORS = {"head.safetensors": ("weight",), "svd.safetensors": ("encoder", "decoder")}
+MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit on its JSON header
+
+
+def safetensors_problem(path, size: int, required: tuple[str, ...]) -> str | None:
+    """What is wrong with a file claimed to be safetensors (its 8-byte header length, its JSON header read within limits,
+    the tensors it must hold, each within the file), or None; no tensor is loaded. A pickle (torch.save) fails here even
+    when its hash was updated to match."""
+    import struct
+
+    from opdcache.untrusted import loads
+
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return "not a safetensors file (shorter than its 8-byte header length)"
+        n = struct.unpack("<Q", head)[0]
+        if n > min(MAX_SAFETENSORS_HEADER, size - 8):
+            return f"not a safetensors file (its header claims {n:,} bytes in a {size:,}-byte file; a pickle or other format?)"
+        try:
+            header = loads(f.read(n), "header", ValueError)
+        except ValueError as exc:
+            return f"not a safetensors file ({str(exc)[:200]})"
+    if not isinstance(header, dict):
+        return "not a safetensors file (its header is not a JSON object)"
+    for name in required:
+        info = header.get(name)
+        if not isinstance(info, dict) or not isinstance(info.get("data_offsets"), list) or len(info["data_offsets"]) != 2:
+            return f"safetensors header has no tensor {name!r} (the store needs it)"
+        a, b = info["data_offsets"]
+        if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b <= size - 8 - n):
+            return f"tensor {name!r} lies outside the file (data_offsets {a}..{b})"
+    return None
 
 
 def _check_tokenizer(root, manifest: dict, out: _Collector) -> None:

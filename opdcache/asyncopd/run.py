@@ -14,12 +14,13 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from opdcache import storage
 from opdcache.asyncopd import queue as Q
 from opdcache.asyncopd.config import AsyncConfig
-from opdcache.asyncopd.stages import STAGES
+from opdcache.asyncopd.stages import STAGES, table_paths
 from opdcache.cache import JOB_FILE, TableJob, config_diff, finalize_table
 from opdcache.errors import ConfigError, OpdcacheError, ResumeError
 
@@ -211,10 +212,55 @@ def figures(cfg: AsyncConfig) -> dict:
     return out
 
 
+LOCK_FILE = "run.lock"
+
+
+@contextmanager
+def _owned(out: Path):
+    """Hold the run directory for this run alone: an exclusive lock on run.lock (flock, released by the kernel when the
+    process dies, so a killed run never leaves it held), which records the holder's host and pid for the refusal."""
+    import fcntl
+    import socket
+
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            raise ResumeError(f"{out} is in use by another opdcache async run ({holder}); wait for it to finish or stop it, "
+                              "or give this run another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _check_regenerable(cfg: AsyncConfig) -> None:
+    """A consumed batch whose rollout shard is gone cannot be sampled again once its snapshot is deleted (the rollout
+    stage would wait for it forever): refuse in one line saying what is missing."""
+    consumed = sorted({e["batch"] for e in Q.read_jsonl(cfg.out / Q.LEDGER)})
+    for b in consumed:
+        shard = table_paths(cfg, b)[0]
+        if not shard.is_file() and not Q.snapshot_path(cfg.cache_root, cfg.version_for(b)).is_file():
+            raise ResumeError(f"batch {b} was consumed but its rollout shard {shard} is missing, and the snapshot "
+                              f"v{cfg.version_for(b)} that sampled it is gone, so it cannot be sampled again: restore the shard, "
+                              f"or start over with a new --out (or delete {cfg.out} and the cache)")
+
+
 def run_async(cfg: AsyncConfig) -> dict:
-    """Run (or resume) an async OPD run to its end; return the manifest's consumption record and the figures."""
+    """Run (or resume) an async OPD run to its end; return the manifest's consumption record and the figures.
+    The run directory is held by this run alone while it runs (run.lock)."""
     _check_inputs(cfg)
+    with _owned(cfg.out):
+        return _run_owned(cfg)
+
+
+def _run_owned(cfg: AsyncConfig) -> dict:
     _begin(cfg)
+    _check_regenerable(cfg)
     done = len(Q.read_jsonl(cfg.out / Q.LEDGER)) >= cfg.steps and (cfg.out / "learner" / "model").is_dir()
     if not done:
         (_run_ray if cfg.executor == "ray" else _run_local)(cfg)
