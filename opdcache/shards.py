@@ -283,7 +283,7 @@ def _open(path) -> tuple[pq.ParquetFile, int]:
     source, fs = storage.arrow_source(path)
     if fs is None:
         return pq.ParquetFile(source, memory_map=True), os.path.getsize(source)
-    return pq.ParquetFile(fs.open(source, "rb")), fs.get_file_info(source).size
+    return pq.ParquetFile(fs.open(source, "rb")), int(fs.size(source))  # fsspec
 
 
 def check_shard_footer(path, rows: int | None = None, where: str | None = None, tokens: int | None = None,
