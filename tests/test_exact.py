@@ -106,6 +106,23 @@ def test_sum_and_gradients():
     assert torch.allclose(x.grad, torch.ones(5, 3) @ w.detach()) and torch.allclose(w.grad, torch.ones(3, 5) @ x.detach())
 
 
+def test_log_softmax_over_slices_with_a_slice_masked_whole():
+    # a top-p nucleus can leave a whole 8,192-column slice at -inf: it must add nothing, not NaN
+    from opdcache.exact import head as H
+
+    z = torch.randn(3, 3 * H.VOCAB_BLOCK + 17, generator=torch.Generator().manual_seed(5)) * 3
+    z[:, H.VOCAB_BLOCK: 2 * H.VOCAB_BLOCK] = float("-inf")
+    z[1, : H.VOCAB_BLOCK] = float("-inf")
+    lp = H.log_softmax(z)
+    ref = torch.log_softmax(z.double(), -1)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(lp), finite)
+    assert (lp[finite].double() - ref[finite]).abs().max() < 1e-5
+    u = torch.rand(3, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    drawn = H.draw(lp, u)
+    assert torch.isfinite(lp.gather(1, drawn)).all()
+
+
 # ----------------------------------------------------------------------------------------------- the engine
 def _requests(n, seed=0, vocab=64):
     rng = np.random.default_rng(seed)

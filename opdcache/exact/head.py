@@ -30,9 +30,11 @@ def logits(hidden_PH: torch.Tensor, weight_VH: torch.Tensor, bias_V, a: int, dty
 
 
 def slice_stats(z_PC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(m_b, S_b) of one slice: its largest logit and sum exp(z - m_b), exact; float32 [P] each."""
+    """(m_b, S_b) of one slice: its largest logit and sum exp(z - m_b), exact; float32 [P] each. A slice masked whole
+    (every logit -inf: outside a top-p nucleus) has m_b = -inf and S_b = 0, and adds nothing in :func:`combine`."""
     m = z_PC.amax(-1).detach()
-    return m, X.sum_last(X.exp(z_PC - m[:, None]), nonnegative=True)
+    shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # -inf - -inf would be NaN
+    return m, X.sum_last(X.exp(z_PC - shift[:, None]), nonnegative=True)
 
 
 def combine(m_PS: torch.Tensor, s_PS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
