@@ -11,6 +11,11 @@ and after. The models are the demo's (hidden 64 and 128): at this size both side
 overhead, not by matmul throughput, which is where --exact's float64 matmuls (half the float32 rate) would show.
 
     python benchmarks/bench_exact.py [--prompts 64 --rounds 3]
+    python benchmarks/bench_exact.py --model ~/.cache/opdcache/real/smollm2-135m-instruct --prompts 8 --max-new-tokens 32
+
+``--model``: a real model as both student and teacher (SmolLM2-135M-Instruct as the real test group converts it: hidden
+576, 30 layers, vocabulary 49,152), prompts from its chat template; there the matmuls dominate and the ratio is what
+float64 arithmetic with its interval check costs against float32 BLAS.
 """
 
 from __future__ import annotations
@@ -73,21 +78,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "exact.json")
+    ap.add_argument("--model", type=Path, default=None, help="a real model as student and teacher (default: the demo's two)")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from opdcache.models import load_tokenizer
 
-    tok = load_tokenizer(WEIGHTS / "student")
+    student, teacher = (args.model, args.model) if args.model else (WEIGHTS / "student", WEIGHTS / "teacher")
+    tok = load_tokenizer(student)
     rng = np.random.default_rng(0)
-    texts = [f"{a}+{b}=" for a, b in rng.integers(100, 1000, size=(args.prompts, 2))]
-    prompt_ids = [tok(t)["input_ids"] for t in texts]
+    if args.model:
+        questions = [f"What is {a} plus {b}? Answer briefly." for a, b in rng.integers(10, 100, size=(args.prompts, 2))]
+        prompt_ids = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True) for q in questions]
+        prompt_ids = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompt_ids]
+    else:
+        prompt_ids = [tok(f"{a}+{b}=")["input_ids"] for a, b in rng.integers(100, 1000, size=(args.prompts, 2))]
     reqs = [GenerateRequest(p, seed=i * 4 + k) for i, p in enumerate(prompt_ids) for k in range(4)]
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=48, ref_top_k=8, mc_samples=4)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens, ref_top_k=8, mc_samples=4)
     engines = {
-        "default": (lambda: TransformersBackend(WEIGHTS / "student", dtype="float32", device="cpu"),
-                    lambda: TransformersBackend(WEIGHTS / "teacher", dtype="float32", device="cpu")),
-        "exact": (lambda: ExactBackend(WEIGHTS / "student"), lambda: ExactBackend(WEIGHTS / "teacher")),
+        "default": (lambda: TransformersBackend(student, dtype="float32", device="cpu"),
+                    lambda: TransformersBackend(teacher, dtype="float32", device="cpu")),
+        "exact": (lambda: ExactBackend(student), lambda: ExactBackend(teacher)),
     }
+    out_path = args.out or Path(__file__).parent / "results" / ("exact_real.json" if args.model else "exact.json")
     loaded = {k: (a(), b()) for k, (a, b) in engines.items()}
     results: dict = {k: {"generate": [], "score": [], "train": []} for k in engines}
     load_before = os.getloadavg()
@@ -121,8 +134,10 @@ def main() -> None:
         d, e = table["default"][stage], table["exact"][stage]
         print(f"{stage:<10} {d['tokens_per_s_median']:>14,.0f} {e['tokens_per_s_median']:>12,.0f} "
               f"{e['wall_median'] / d['wall_median']:>10.2f}x {e['cpu_median'] / d['cpu_median']:>9.2f}x")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": f"python benchmarks/bench_exact.py --prompts {args.prompts} --rounds {args.rounds}",
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    command = f"python benchmarks/bench_exact.py --prompts {args.prompts} --rounds {args.rounds} --max-new-tokens {args.max_new_tokens}" + \
+        (f" --model {args.model}" if args.model else "")
+    out_path.write_text(json.dumps({"command": command, "model": str(student),
                                     "date": time.strftime("%Y-%m-%d"), "load_before": load_before, "load_after": load_after,
                                     "threads": torch.get_num_threads(), "results": table}, indent=2) + "\n")
 

@@ -104,6 +104,29 @@ class ExactDecoder:
                 x = x + (scheme.activation(x) - x).detach()
         return X.linear(x.to(self.dtype), w.to(self.dtype), module.bias).to(self.dtype)
 
+    def linears(self, modules: list, x: torch.Tensor) -> list[torch.Tensor]:
+        """Several linear layers reading the same x (q, k, v; gate, up) as one exact matmul over their stacked weights:
+        every output element is the same dot product, so the same bits, with one call's overhead instead of several."""
+        if any(getattr(m, "_opd_train", False) for m in modules) or len({getattr(m, "_opd_scheme", None) for m in modules}) > 1:
+            return [self.linear(m, x) for m in modules]
+        scheme = getattr(modules[0], "_opd_scheme", None)
+        if scheme is not None and scheme.quantizes_activations:
+            x = x + (scheme.activation(x) - x).detach()
+        weights = [m.weight for m in modules]
+        if any(w.requires_grad for w in weights) and torch.is_grad_enabled():
+            w = torch.cat(weights).to(self.dtype)
+            b = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
+        else:
+            key = tuple((id(w), w._version) for w in weights) + (self.dtype,)
+            hit = getattr(modules[0], "_opd_fused", None)
+            if hit is None or hit[0] != key:
+                w = torch.cat([w.detach() for w in weights]).to(self.dtype)
+                b = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules])
+                modules[0]._opd_fused = hit = (key, w, b)
+            w, b = hit[1], hit[2]
+        y = X.linear(x.to(self.dtype), w, b).to(self.dtype)
+        return list(torch.split(y, [m.weight.shape[0] for m in modules], dim=-1))
+
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm: x / sqrt(mean(x^2) + eps) in float32, then the weight in the model's dtype."""
         x32 = x.float()
@@ -135,9 +158,10 @@ class ExactDecoder:
         sequences (positions 0..Q-1); with one, their keys and values are written into it at ``pos`` first."""
         attn, B, Q = layer.self_attn, h.shape[0], h.shape[1]
         x = self.norm(layer.input_layernorm, h)
-        q = self.linear(attn.q_proj, x).view(B, Q, self.heads, self.head_dim)
-        k = self.linear(attn.k_proj, x).view(B, Q, self.kv_heads, self.head_dim)
-        v = self.linear(attn.v_proj, x).view(B, Q, self.kv_heads, self.head_dim)
+        q, k, v = self.linears([attn.q_proj, attn.k_proj, attn.v_proj], x)
+        q = q.reshape(B, Q, self.heads, self.head_dim)
+        k = k.reshape(B, Q, self.kv_heads, self.head_dim)
+        v = v.reshape(B, Q, self.kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q, k = self.norm(attn.q_norm, q), self.norm(attn.k_norm, k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, Q, d]
@@ -156,8 +180,9 @@ class ExactDecoder:
         h = h + self.linear(attn.o_proj, o)
         x = self.norm(layer.post_attention_layernorm, h)
         mlp = layer.mlp
-        act = X.silu(self.linear(mlp.gate_proj, x).float()).to(self.dtype)
-        return h + self.linear(mlp.down_proj, act * self.linear(mlp.up_proj, x))
+        gate, up = self.linears([mlp.gate_proj, mlp.up_proj], x)
+        act = X.silu(gate.float()).to(self.dtype)
+        return h + self.linear(mlp.down_proj, act * up)
 
     # ------------------------------------------------------------------ entry points
     def forward(self, input_ids_BL: torch.Tensor) -> torch.Tensor:
