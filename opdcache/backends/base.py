@@ -96,6 +96,49 @@ class Scores:
     hidden: object | None = None  # torch.Tensor [T, H] in the model's dtype
 
 
+def split_scores(cat: dict, lengths: Sequence[int], top_k: int | None, hidden_NH=None) -> list[Scores]:
+    """Per-sequence Scores from an engine's flat per-position values (torch tensors over the N = sum(lengths) scored
+    positions): "lp" [N], "lse" [N], and where present "kid"/"klp" [N, k], "rk" [N, k_ref], "mc" [N, m], "sid"/"slp"
+    [N, D]; ``hidden_NH`` [N, H] when the hidden store is wanted. Log-probs are clamped at 0 (rounding can leave +1e-7)."""
+    result, offset = [], 0
+    for T in lengths:
+        sl = slice(offset, offset + T)
+        sc = Scores(logprobs=cat["lp"][sl].clamp(max=0).numpy(), logsumexp=cat["lse"][sl].numpy())
+        if top_k:
+            sc.topk_ids = cat["kid"][sl].numpy().astype(np.int32)
+            sc.topk_logprobs = cat["klp"][sl].clamp(max=0).numpy()
+        if "rk" in cat:
+            sc.ref_topk_logprobs = cat["rk"][sl].clamp(max=0).numpy()
+        if "mc" in cat:
+            sc.mc_logprobs = cat["mc"][sl].clamp(max=0).numpy()
+        if "sid" in cat:
+            sc.sampled_ids, sc.sampled_logprobs = cat["sid"][sl].numpy(), cat["slp"][sl].clamp(max=0).numpy()
+        if hidden_NH is not None:
+            sc.hidden = hidden_NH[sl].clone()
+        result.append(sc)
+        offset += T
+    return result
+
+
+def split_generations(stacked: dict, n_tokens, done, s: SamplingConfig) -> list[Generation]:
+    """Per-sequence Generations from an engine's per-step values stacked [B, steps, ...] ("tok", "slp", "rlp", and with
+    --ref-top-k "kid"/"klp", with --mc-samples "mid"/"mlp"), each row cut at its own length ``n_tokens[b]``."""
+    out = []
+    for b in range(len(n_tokens)):
+        T = int(n_tokens[b])
+        g = Generation(response_ids=stacked["tok"][b, :T].astype(np.int32), finish_reason="stop" if done[b] else "length",
+                       sampling_logprobs=stacked["slp"][b, :T].astype(np.float32),
+                       ref_logprobs=np.minimum(stacked["rlp"][b, :T], 0).astype(np.float32))
+        if s.ref_top_k:
+            g.ref_topk_ids = stacked["kid"][b, :T].astype(np.int32)
+            g.ref_topk_logprobs = np.minimum(stacked["klp"][b, :T], 0).astype(np.float32)
+        if s.mc_samples:
+            g.mc_ids = stacked["mid"][b, :T].astype(np.int32)
+            g.mc_sampling_logprobs = stacked["mlp"][b, :T].astype(np.float32)
+        out.append(g)
+    return out
+
+
 class Backend(Protocol):
     name: str
     version: str

@@ -17,7 +17,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores
+from opdcache.backends.base import (GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations,
+                                     split_scores)
 from opdcache.backends.hf import load_model
 from opdcache.errors import ConfigError
 from opdcache.exact import head as H
@@ -185,21 +186,7 @@ class ExactBackend:
                 break
             h = self.decoder.step(tok[:, None], pos[:, None], cache)[:, 0]
             pos = pos + 1
-        stacked = {k: torch.stack(v, 1).numpy() for k, v in steps.items() if v}
-        result = []
-        for b in range(B):
-            T = int(n_tokens[b])
-            g = Generation(response_ids=stacked["tok"][b, :T].astype(np.int32), finish_reason="stop" if done[b] else "length",
-                           sampling_logprobs=stacked["slp"][b, :T].astype(np.float32),
-                           ref_logprobs=np.minimum(stacked["rlp"][b, :T], 0).astype(np.float32))
-            if s.ref_top_k:
-                g.ref_topk_ids = stacked["kid"][b, :T].astype(np.int32)
-                g.ref_topk_logprobs = np.minimum(stacked["klp"][b, :T], 0).astype(np.float32)
-            if s.mc_samples:
-                g.mc_ids = stacked["mid"][b, :T].astype(np.int32)
-                g.mc_sampling_logprobs = stacked["mlp"][b, :T].astype(np.float32)
-            result.append(g)
-        return result
+        return split_generations({k: torch.stack(v, 1).numpy() for k, v in steps.items() if v}, n_tokens, done, s)
 
     # ------------------------------------------------------------ scoring
     def _batches(self, requests: Sequence[ScoreRequest]) -> list[list[int]]:
@@ -261,25 +248,9 @@ class ExactBackend:
                 parts["sid"].append(sid)
                 parts["slp"].append(full.gather(1, sid))
         cat = {k: torch.cat(v) for k, v in parts.items() if v}
-        split = dict(zip(names, torch.split(cat["lp"], widths, 1)))
-        result, offset = [], 0
-        for T in lengths:
-            sl = slice(offset, offset + T)
-            sc = Scores(logprobs=split["lp"][sl, 0].clamp(max=0).numpy(), logsumexp=cat["lse"][sl].numpy())
-            if top_k:
-                sc.topk_ids = cat["kid"][sl].numpy().astype(np.int32)
-                sc.topk_logprobs = cat["klp"][sl].clamp(max=0).numpy()
-            if "rk" in split:
-                sc.ref_topk_logprobs = split["rk"][sl].clamp(max=0).numpy()
-            if "mc" in split:
-                sc.mc_logprobs = split["mc"][sl].clamp(max=0).numpy()
-            if "sid" in cat:
-                sc.sampled_ids, sc.sampled_logprobs = cat["sid"][sl].numpy(), cat["slp"][sl].clamp(max=0).numpy()
-            if want_hidden:
-                sc.hidden = h_NH[sl].clone()
-            result.append(sc)
-            offset += T
-        return result
+        cat.update(zip(names, torch.split(cat.pop("lp"), widths, 1)))
+        cat["lp"] = cat["lp"][:, 0]
+        return split_scores(cat, lengths, top_k, h_NH if want_hidden else None)
 
     @torch.no_grad()
     def hidden_states(self, requests: Sequence[ScoreRequest]) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores
+from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations, split_scores
 from opdcache.backends.streamed import head_transform, streamed_logit_stats
 from opdcache.errors import ConfigError
 from opdcache.progress import advance
@@ -287,22 +287,7 @@ class TransformersBackend:
             next_pos = next_pos + 1
             if t % TRIM_EVERY == TRIM_EVERY - 1:
                 release_free_heap()
-        stacked = {k: torch.stack(v, 1).numpy() for k, v in steps.items() if v}  # [B, steps, ...]
-        gens_out = []
-        for b in range(B):
-            T = int(n_tokens[b])
-            g = Generation(
-                response_ids=stacked["tok"][b, :T].astype(np.int32), finish_reason="stop" if done[b] else "length",
-                sampling_logprobs=stacked["slp"][b, :T].astype(np.float32), ref_logprobs=np.minimum(stacked["rlp"][b, :T], 0).astype(np.float32),
-            )
-            if s.ref_top_k:
-                g.ref_topk_ids = stacked["kid"][b, :T].astype(np.int32)
-                g.ref_topk_logprobs = np.minimum(stacked["klp"][b, :T], 0).astype(np.float32)
-            if s.mc_samples:
-                g.mc_ids = stacked["mid"][b, :T].astype(np.int32)
-                g.mc_sampling_logprobs = stacked["mlp"][b, :T].astype(np.float32)
-            gens_out.append(g)
-        return gens_out
+        return split_generations({k: torch.stack(v, 1).numpy() for k, v in steps.items() if v}, n_tokens, done, s)  # [B, steps, ...]
 
     @staticmethod
     def _draw_noise(gens: list[torch.Generator], steps: int, V: int) -> torch.Tensor:
@@ -402,22 +387,4 @@ class TransformersBackend:
             for key, value in stats.items():
                 parts[key].append(value)
         cat = {k: torch.cat(v).cpu() for k, v in parts.items() if v}
-        result, offset = [], 0
-        hidden_cpu = hidden_NH.detach().cpu() if want_hidden else None
-        for T in lengths:
-            sl = slice(offset, offset + T)
-            sc = Scores(logprobs=cat["lp"][sl].clamp(max=0).numpy(), logsumexp=cat["lse"][sl].numpy())
-            if top_k:
-                sc.topk_ids = cat["kid"][sl].numpy().astype(np.int32)
-                sc.topk_logprobs = cat["klp"][sl].clamp(max=0).numpy()
-            if "rk" in cat:
-                sc.ref_topk_logprobs = cat["rk"][sl].clamp(max=0).numpy()
-            if "mc" in cat:
-                sc.mc_logprobs = cat["mc"][sl].clamp(max=0).numpy()
-            if "sid" in cat:
-                sc.sampled_ids, sc.sampled_logprobs = cat["sid"][sl].numpy(), cat["slp"][sl].clamp(max=0).numpy()
-            if want_hidden:
-                sc.hidden = hidden_cpu[sl].clone()
-            result.append(sc)
-            offset += T
-        return result
+        return split_scores(cat, lengths, top_k, hidden_NH.detach().cpu() if want_hidden else None)
