@@ -26,7 +26,8 @@ def demo(
 
     Memory: under 1 GiB (the tiny models and caches of a few thousand sequences)."""
     O.announce_threads()
-    from opdcache.demo.pipeline import ABLATIONS, run_demo
+    from opdcache.demo.ablations import ABLATIONS
+    from opdcache.demo.pipeline import run_demo
     from opdcache.errors import ConfigError
 
     if ablation is not None and ablation not in ABLATIONS:

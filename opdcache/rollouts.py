@@ -217,7 +217,8 @@ def _store_params(kind: str, s: SamplingConfig) -> S.StoreParams:
     return S.StoreParams(stores=tuple(stores), ref_top_k=s.ref_top_k, mc_samples=s.mc_samples)
 
 
-def _record(kind: str, prompt, sample_index: int, gen: Generation, reward: float | None) -> dict:
+def rollout_record(kind: str, prompt, sample_index: int, gen: Generation, reward: float | None) -> dict:
+    """One row of a rollouts (or sft) table from a generation: ids, the prompt's fields, the per-token values, the reward."""
     rec = {
         "id": row_id(prompt.prompt_ids, sample_index), "prompt_index": prompt.index, "sample_index": sample_index,
         "prompt_ids": np.asarray(prompt.prompt_ids, dtype=np.int32), "response_ids": gen.response_ids,
@@ -323,7 +324,7 @@ def run_generate(job: GenerateJob) -> GenerateResult:
                 reward = verdict.score
                 if verdict.score is None:
                     failed.append({"id": row_id(p.prompt_ids, k), "prompt_index": p.index, "sample_index": k, "reason": verdict.reason})
-            rec = _record(job.kind, p, k, g, reward)
+            rec = rollout_record(job.kind, p, k, g, reward)
             reason = shards.first_non_finite(rec) or undecodable_reason(g.response_ids, decodable, backend.vocab_size)
             if reason:
                 bad.append({"id": rec["id"], "prompt_index": p.index, "sample_index": k, "reason": reason})

@@ -27,7 +27,7 @@ def test_demo_pipeline_end_to_end_and_rerun_skips(tmp_path):
 
 @pytest.mark.slow
 def test_ablations_run_and_report_what_they_measure(tmp_path):
-    from opdcache.demo.pipeline import run_consistency_ablation, run_quantized_ablation
+    from opdcache.demo.ablations import run_consistency_ablation, run_quantized_ablation
     from opdcache.demo.quantized import QUANTIZED_RUNS, table
 
     cfg = DemoConfig(workdir=tmp_path / "demo", n_train=64, n_opd=24, n_heldout=30, sft_steps=20, opd_steps=2, samples=1)

@@ -72,7 +72,7 @@ def rollout_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
 
     from opdcache.lineage import check_vocab_sizes, model_info, resolve_sft_teacher, undecodable_reason
     from opdcache.prompts import read_prompts, write_errors
-    from opdcache.rollouts import QUARANTINE_FILE, _record
+    from opdcache.rollouts import QUARANTINE_FILE, rollout_record
 
     ref = resolve_model(cfg.model, what="--model")
     tokenizer = load_tokenizer(ref.path)
@@ -118,7 +118,7 @@ def rollout_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
             gens = backend.generate([GenerateRequest(prompts.prompts[i].prompt_ids, seed) for i, seed in zip(idx, seeds)], cfg.sampling)
             records, bad = [], []
             for i, k, g in zip(idx, _sample_indices(schedule, b), gens):
-                rec = _record("rollouts", prompts.prompts[i], k, g, None) | {"student_version": version}
+                rec = rollout_record("rollouts", prompts.prompts[i], k, g, None) | {"student_version": version}
                 reason = shards.first_non_finite(rec) or undecodable_reason(g.response_ids, decodable, backend.vocab_size)
                 (bad if reason else records).append(rec if not reason else {"id": rec["id"], "batch": b, "reason": reason})
             if bad:

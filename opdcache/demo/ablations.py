@@ -1,0 +1,42 @@
+"""The demo's ablations, one registry: each is a function of a DemoConfig that reuses the shared stages of
+opdcache/demo/pipeline.py (which imports none of them) and writes its figures into the work directory."""
+
+from __future__ import annotations
+
+import time
+
+from opdcache.demo.mismatch import run_mismatch_ablation
+from opdcache.demo.pipeline import DemoConfig, DemoReport, evaluate, finish, prepare, run_name, score_stage, train_run
+from opdcache.demo.quantized import run_quantized_ablation
+from opdcache.demo.staleness import run_staleness_ablation
+from opdcache.demo.storage import run_storage_ablation
+
+
+def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
+    """papers/000 Table 4 on the embedded task: pi_ref is fine-tuned on teacher 1's ("columns") trajectories; Lightning
+    OPD from its rollouts with teacher 1 (consistent) and with teacher 2 ("carry" style: same task, other traces)."""
+    from opdcache.consistency import check
+    from opdcache.train import stores_for
+
+    report = DemoReport()
+    start = time.perf_counter()
+    p = prepare(cfg, report)
+    score_stage(report, p["rollouts"], p["teacher_carry"], stores=stores_for(cfg.loss)[0], allow_inconsistent=True)
+    c = check(p["rollouts"])
+    report.figures["consistency"] = {"lineage": {n: t["lineage"] for n, t in c["teachers"].items()},
+                                     "gap": {n: t["gap"]["mean"] for n, t in c["teachers"].items()},
+                                     "empirical": c["consistent_empirically"], "consistent_with": c["consistent_with"]}
+    report.say(f"[check-consistency] lineage: {report.figures['consistency']['lineage']}; gap r - T per token: "
+               + ", ".join(f"{n} {g:.4f}" for n, g in report.figures["consistency"]["gap"].items())
+               + f"; empirically consistent with: {c['consistent_empirically']}")
+    for slug in ("teacher", "teacher_carry"):
+        model = train_run(cfg, report, p["pi_ref"], p["rollouts"], cfg.workdir / "runs" / f"consistency-{slug}-{run_name(cfg)}", teacher=slug)
+        evaluate(f"opd_{slug}", model, p["teacher_model"], cfg, report)
+    f = report.figures
+    report.say(f"[result] held-out accuracy: pi_ref {f['pi_ref']['accuracy']:.1%} -> Lightning OPD with teacher 1 (consistent) "
+               f"{f['opd_teacher']['accuracy']:.1%}, with teacher 2 (inconsistent) {f['opd_teacher_carry']['accuracy']:.1%}")
+    return finish(report, cfg, start, f"ablation_consistency_{cfg.loss}.json")
+
+
+ABLATIONS = {"consistency": run_consistency_ablation, "quantized": run_quantized_ablation, "staleness": run_staleness_ablation,
+             "storage": run_storage_ablation, "mismatch": run_mismatch_ablation}
