@@ -40,6 +40,7 @@ def async_(
     threads: Annotated[Optional[int], typer.Option("--threads", help="Torch threads per stage (default: usable CPUs / 3).", show_default=False)] = None,
     seed: O.Seed = 0,
     deterministic: Annotated[bool, typer.Option("--deterministic", help="Deterministic learner kernels.")] = False,
+    exact: O.Exact = False,
     prompt_field: O.PromptField = "prompt",
     messages_field: O.MessagesField = None,
     system_prompt: O.SystemPrompt = None,
@@ -75,7 +76,7 @@ def async_(
         sampling=SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, mc_samples=mc_samples, seed=seed),
         lr=lr, tau=tau, ppo_clip=ppo_clip, checkpoint_every=checkpoint_every, keep_snapshots=keep_snapshots, executor=executor,
         gpus_per_stage=gpus_per_stage, ray_address=ray_address, device=device, threads=threads, seed=seed,
-        deterministic=deterministic, progress=progress)
+        deterministic=deterministic, exact=exact, progress=progress)
     result = run_async(cfg)
     if as_json:
         typer.echo(json.dumps(result, indent=2))

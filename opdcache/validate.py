@@ -113,6 +113,7 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
             out.add(M.MANIFEST_NAME, f"table {name}: the recorded config does not hash to its config_fingerprint "
                                      f"{entry['config_fingerprint'][:12]}... (the manifest was edited by hand)")
         _check_side_files(root, name, entry, params, out)
+        _check_arithmetic_record(name, entry, out)
         for index, info in enumerate(entry["shards"]):
             path = root / info["path"]
             if not _inside(root, path, info["path"], out) or not _check_file(path, info, entry, params, out):
@@ -154,6 +155,24 @@ def _check_stats(name: str, stats: dict, prompt_lengths: dict[int, int], out: _C
     if isinstance(want_tokens, int) and isinstance(want_prompts, int):
         if (seen == want_prompts and tokens != want_tokens) or tokens > want_tokens:
             out.add(where, f"prompt_tokens {want_tokens:,} differs from the {tokens:,} tokens of the {seen} prompts in the shards (edited by hand?)")
+
+
+EXACT_RECORD = ("arithmetic", "dtype", "vocab_block", "torch")
+
+
+def _check_arithmetic_record(name: str, entry: dict, out: _Collector) -> None:
+    """A table computed by the exact engine must say what fixes its arithmetic (what `opdcache audit` re-creates): the
+    definition, dtype, vocabulary slice and torch version under model.exact, and the thread count under compute."""
+    model = entry.get("model") or {}
+    if model.get("engine") != "exact":
+        return
+    record = model.get("exact")
+    missing = [k for k in EXACT_RECORD if not isinstance(record, dict) or record.get(k) is None]
+    if not isinstance((entry.get("compute") or {}).get("torch_threads"), int):
+        missing.append("compute.torch_threads")
+    if missing:
+        out.add(M.MANIFEST_NAME, f"table {name} was computed by the exact engine but its record lacks {', '.join(missing)}: "
+                                 "audit could not re-create its arithmetic")
 
 
 def _check_side_files(root: Path, name: str, entry: dict, params: S.StoreParams, out: _Collector) -> None:

@@ -287,3 +287,70 @@ def test_resume_without_exact_is_refused(exact_cache, tmp_path, weights, capsys)
                        "--samples", 4, "--temperature", 0.9, "--top-p", 0.95, "--max-new-tokens", 12, "--ref-top-k", 4,
                        "--mc-samples", 2, "--sft-teacher", weights / "teacher", "--batch-size", 48], capsys)
     assert code == 2 and "exact" in text and "Traceback" not in text
+
+
+@pytest.mark.parametrize("settings", [["--dtype", "bfloat16"], ["--quantize", "w4a16:g32"]])
+def test_bfloat16_and_w4a16_caches_reproduce(tmp_path, weights, settings, capsys):
+    from opdcache.demo.task import write_prompts
+
+    prompts = write_prompts(tmp_path / "p.jsonl", "opd", 16)
+    out = tmp_path / "cache"
+    code, text = _cli(["build-rollouts", "--model", weights / "student", "--prompts", prompts, "--out", out, "--num-shards", 2,
+                       "--samples", 4, "--temperature", 0.9, "--top-p", 0.9, "--max-new-tokens", 10, "--exact", *settings], capsys)
+    assert code in (0, None), text
+    record = json.loads((out / "opdcache.json").read_text())["tables"]["rollouts"]["model"]
+    assert record["engine"] == "exact" and (record["dtype"] == "bfloat16" if "--dtype" in settings else record["quantization"].startswith("w4a16:g32:sym"))
+    code, text = _cli(["mismatch-report", out, "--exact", "--no-png", "--out", tmp_path / "mm", "--max-abs-delta", 0], capsys)
+    assert code in (0, None), text
+    rep = json.loads((tmp_path / "mm" / "mismatch_report.json").read_text())
+    assert rep["sections"]["rollouts, exact"]["max_abs_delta"] == 0
+    code, text = _cli(["audit", out, "--rows", 8], capsys)
+    assert code in (0, None) and "PASS" in text, text
+
+
+def test_injected_mismatch_is_recorded_measured_and_replayed(tmp_path, weights, capsys):
+    from opdcache.demo.task import write_prompts
+
+    prompts = write_prompts(tmp_path / "p.jsonl", "opd", 16)
+    out = tmp_path / "cache"
+    code, text = _cli(["build-rollouts", "--model", weights / "student", "--prompts", prompts, "--out", out, "--num-shards", 1,
+                       "--samples", 4, "--max-new-tokens", 10, "--exact", "--inject-mismatch", "logit-noise:0.5"], capsys)
+    assert code in (0, None), text
+    record = json.loads((out / "opdcache.json").read_text())["tables"]["rollouts"]["model"]
+    assert record["exact"]["inject"] == "logit-noise:0.5"
+    code, text = _cli(["mismatch-report", out, "--exact", "--no-png", "--out", tmp_path / "mm"], capsys)
+    rep = json.loads((tmp_path / "mm" / "mismatch_report.json").read_text())["sections"]["rollouts, exact"]
+    assert rep["max_abs_delta"] > 0.05 and rep["k3"] > 0  # the injected noise, measured against the exact reference
+    code, text = _cli(["audit", out, "--rows", 16], capsys)
+    assert code in (0, None) and "PASS" in text, text  # the injected cache itself is replayed bit for bit
+    code, text = _cli(["build-rollouts", "--model", weights / "student", "--prompts", prompts, "--out", tmp_path / "x",
+                       "--inject-mismatch", "logit-noise:0.5"], capsys)
+    assert code == 2 and "add --exact" in text
+    code, text = _cli(["build-rollouts", "--model", weights / "student", "--prompts", prompts, "--out", tmp_path / "x", "--exact",
+                       "--inject-mismatch", "logit-noise:-1"], capsys)
+    assert code == 2 and "0 < SIGMA <= 10" in text
+
+
+def test_validate_requires_the_arithmetic_record(exact_cache, tmp_path, capsys):
+    root = tmp_path / "cache"
+    shutil.copytree(exact_cache, root)
+    manifest = json.loads((root / "opdcache.json").read_text())
+    del manifest["tables"]["rollouts"]["model"]["exact"]["torch"]
+    (root / "opdcache.json").write_text(json.dumps(manifest))
+    code, text = _cli(["validate", root], capsys)
+    assert code == 1 and "lacks torch" in text
+
+
+def test_a_consumed_batch_that_cannot_be_sampled_again_is_refused(tmp_path, weights, opd_prompts):
+    from opdcache.asyncopd.config import AsyncConfig
+    from opdcache.asyncopd.run import _check_regenerable
+    from opdcache.errors import ResumeError
+    from opdcache.prompts import PromptConfig
+
+    cfg = AsyncConfig(model=weights / "student", teacher=weights / "teacher", prompts=PromptConfig(opd_prompts), out=tmp_path / "run",
+                      steps=6, batch_size=2, staleness=2)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ledger.jsonl").write_text("".join(json.dumps({"batch": b}) + "\n" for b in range(5)))
+    # batches 0-2 were sampled by --model itself (version 0) and can be sampled again; batch 3 needs snapshot v1
+    with pytest.raises(ResumeError, match="batch 3 was consumed but its rollout shard .* is missing, and the snapshot v1"):
+        _check_regenerable(cfg)

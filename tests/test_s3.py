@@ -357,3 +357,19 @@ def test_an_async_run_with_its_cache_on_s3_writes_the_local_runs_bytes(s3, tmp_p
     assert not [p for p in validate(url) if not p.warning]
     losses = [[json.loads(l)["loss"] for l in (tmp_path / d / "learner" / "metrics.jsonl").read_text().splitlines()] for d in ("remote", "local")]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_audit_reads_the_url(s3, weights, opd_prompts, tmp_path, capsys):
+    """An --exact cache written to S3 is audited in place: re-generated and re-scored bit for bit."""
+    from opdcache.rollouts import EngineConfig
+
+    url = f"s3://{BUCKET}/runs/exact"
+    gen = GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=6), out=url, num_shards=2,
+                      sampling=SamplingConfig(max_new_tokens=10, samples=2, temperature=0.9, top_p=0.9), engine=EngineConfig(exact=True))
+    run_generate(gen)
+    run_score(ScoreJob(cache=url, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=4, engine=EngineConfig(exact=True),
+                       allow_inconsistent_teacher=True))
+    code, out = _cli(["audit", url, "--rows", 6, "--json"], capsys)
+    assert code in (0, None), out
+    report = json.loads(out[out.index("{"):])
+    assert report["passed"] and all(t["exact_claimed"] for t in report["tables"])

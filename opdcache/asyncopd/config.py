@@ -62,6 +62,9 @@ class AsyncConfig:
     """Seed of the prompt order, the sampling streams and the learner."""
     deterministic: bool = False
     """Deterministic learner kernels (CPU runs become bit-reproducible)."""
+    exact: bool = False
+    """Every stage in the exact arithmetic (opdcache/exact/): the rollout engine's, the teacher's and the learner's
+    numbers are the same bits for the same weights (at K = 0 the old-to-current weight of a batch is exactly 1)."""
     checkpoint_every: int = 1
     """Learner checkpoint every N steps; a killed learner redoes at most N - 1 updates (same batches, same ledger)."""
     keep_snapshots: bool = False
@@ -124,7 +127,7 @@ class AsyncConfig:
             batch_size=self.batch_size, lr=self.lr, tau=self.tau, ppo_clip=self.ppo_clip, max_grad_norm=self.max_grad_norm,
             weight_decay=self.weight_decay, chunk=self.chunk, seed=self.seed, deterministic=self.deterministic,
             importance_weights=self.importance_weights, checkpoint_every=self.checkpoint_every, progress=self.progress,
-            dtype="float32" if self.device == "cpu" else "auto")
+            dtype="float32" if self.device == "cpu" or self.exact else "auto", exact=self.exact)
 
     # ---- run.json
 
@@ -144,6 +147,8 @@ class AsyncConfig:
     def identity(self) -> dict:
         """The settings that decide what the run computes (a resume must keep them); not where or how fast."""
         skip = {"progress", "executor", "gpus_per_stage", "ray_address", "threads", "keep_snapshots", "device"}
+        if not self.exact:  # absent when off: runs from before --exact keep their identity
+            skip.add("exact")
         return {k: v for k, v in self.to_json().items() if k not in skip}
 
 

@@ -240,11 +240,12 @@ def _owned(out: Path):
 
 def _check_regenerable(cfg: AsyncConfig) -> None:
     """A consumed batch whose rollout shard is gone cannot be sampled again once its snapshot is deleted (the rollout
-    stage would wait for it forever): refuse in one line saying what is missing."""
+    stage would wait for it forever; version 0 is --model itself, always there): refuse in one line saying what is
+    missing."""
     consumed = sorted({e["batch"] for e in Q.read_jsonl(cfg.out / Q.LEDGER)})
     for b in consumed:
-        shard = table_paths(cfg, b)[0]
-        if not shard.is_file() and not Q.snapshot_path(cfg.cache_root, cfg.version_for(b)).is_file():
+        shard, version = table_paths(cfg, b)[0], cfg.version_for(b)
+        if version >= 1 and not shard.is_file() and not Q.snapshot_path(cfg.cache_root, version).is_file():  # v0 is --model itself
             raise ResumeError(f"batch {b} was consumed but its rollout shard {shard} is missing, and the snapshot "
                               f"v{cfg.version_for(b)} that sampled it is gone, so it cannot be sampled again: restore the shard, "
                               f"or start over with a new --out (or delete {cfg.out} and the cache)")

@@ -47,7 +47,7 @@ def table_paths(cfg: AsyncConfig, batch: int):
 
 
 def _engine(cfg: AsyncConfig) -> EngineConfig:
-    return EngineConfig(device=cfg.device)
+    return EngineConfig(device=cfg.device, exact=cfg.exact)
 
 
 # ---------------------------------------------------------------- rollout
