@@ -102,9 +102,10 @@ def _dot_exact_plain(a64: torch.Tensor, b64: torch.Tensor, nb: torch.Tensor | No
     na = _norms(a64, -1).mul_(2 * SLACK * K * U)  # [..., M, 1]
     if nb is None:
         nb = _norms(b64, -2)  # [..., 1, N]
-    bound = na * nb  # 2E: the interval that holds S, T and F
-    out = torch.sub(s, bound).float()  # round32(S - 2E): where it equals round32(S + 2E), it is round32(F) (monotone)
-    good = out == bound.add_(s).float()
+    # 2E = na * nb: the interval that holds S, T and F. round32(S - 2E): where it equals round32(S + 2E), it is round32(F)
+    # (round32 is monotone); each side one fused pass (addcmul) and one rounding
+    out = torch.addcmul(s, na, nb, value=-1.0).float()
+    good = out == torch.addcmul(s, na, nb).float()
     if not bool(good.all()):
         M, N = s.shape[-2:]
         A, B = a64.reshape(-1, M, K), b64.reshape(-1, K, N)  # a [M, K] with b [K, N], or both batched alike
