@@ -252,7 +252,7 @@ def test_exact_mode_on_the_real_model(smollm2, prompts, tmp_path, capsys):
         return text.out
 
     cli("build-rollouts", "--model", smollm2, "--prompts", prompts, "--messages-field", "messages", "--system-prompt", SYSTEM,
-        "--out", out, "--num-shards", 2, "--samples", 64, "--temperature", 0.9, "--top-p", 0.95, "--max-new-tokens", 12,
+        "--out", out, "--num-shards", 2, "--samples", 64, "--temperature", 0.9, "--top-p", 0.95, "--max-new-tokens", 8,
         "--ref-top-k", 4, "--exact", "--batch-size", 64)
     cli("score-teacher", out, "--teacher", smollm2, "--store", "logprob,topk", "--top-k", 8, "--name", "smollm2",
         "--allow-inconsistent-teacher", "--exact")
