@@ -165,16 +165,21 @@ def test_generation_is_invariant_and_equals_scoring(weights, model, dtype, quant
     assert sum(len(g.response_ids) for g in base) > 300
 
 
-def test_padding_neither_side_changes_a_row(weights):
-    # a row inside a right-padded batch, alone, and behind left padding (which the engine removes by moving the row to
-    # position 0: the exact engine keeps every row's tokens at their own positions) give the same hidden states
+def test_padding_does_not_change_a_row(weights):
+    # the engine takes unpadded id lists and right-pads internally (a row's token t at position t, keys at their own
+    # positions), so how much padding a row gets -- none alone, some beside a longer row, a lot beside a much longer
+    # one -- changes none of its bits; there is no left-padded layout to differ from (the transformers engine's
+    # left padding for generation is exactly what this removes)
     engine = ExactBackend(weights / "teacher")
-    ids = torch.tensor([[5, 9, 13, 2, 7, 0, 0, 0], [4, 4, 8, 9, 10, 11, 12, 3]])
-    both = engine.decoder.forward(ids)
-    alone = engine.decoder.forward(ids[:1, :5])
-    assert torch.equal(both[0, :5], alone[0])
-    h = torch.nn.functional.pad(ids[:1, :5], (3, 0))  # left padding, then stripped as a caller must: same tokens, same positions
-    assert torch.equal(engine.decoder.forward(h[:, 3:])[0], alone[0])
+    row = torch.tensor([[5, 9, 13, 2, 7]])
+    alone = engine.decoder.forward(row)[0]
+    for pad_to in (8, 40):
+        longer = torch.randint(2, 64, (1, pad_to), generator=torch.Generator().manual_seed(pad_to))
+        batch = torch.zeros(2, pad_to, dtype=torch.long)
+        batch[0, :5], batch[1] = row[0], longer[0]
+        assert torch.equal(engine.decoder.forward(batch)[0, :5], alone)
+        flipped = batch.flip(0)  # the row's position in the batch
+        assert torch.equal(engine.decoder.forward(flipped)[1, :5], alone)
 
 
 def test_exact_forward_is_the_models_maths(weights):
