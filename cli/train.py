@@ -86,12 +86,9 @@ def train(
     never with tokens x vocabulary. A --cache on an object store holds one verified shard's bytes in memory while it
     is decoded. Several processes: torchrun --nproc-per-node N -m opdcache.cli.main train ...
     """
-    O.announce_threads()
     import yaml
 
     from opdcache.errors import ConfigError
-    from opdcache.losses import Corrections
-    from opdcache.train import TrainConfig, run_train
 
     values = yaml.safe_load(config.read_text()) if config else {}
     if not isinstance(values, dict):
@@ -104,13 +101,17 @@ def train(
     values.update({k: v for k, v in flags.items() if v is not None})
     corr = dict(values.pop("corrections", {}) or {})
     corr.update({k: v for k, v in dict(tis_cap=tis_cap, reject_k=reject_k, reject_threshold=reject_threshold, trust_band=trust_band).items() if v is not None})
+    for required in ("model", "cache", "out"):  # before torch is imported: a missing flag is said at once
+        if values.get(required) is None:
+            raise ConfigError(f"--{required} is required (as a flag or in --config)")
+    O.announce_threads()
+    from opdcache.losses import Corrections
+    from opdcache.train import TrainConfig, run_train
+
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = set(values) - known
     if unknown:
         raise ConfigError(f"unknown training settings {sorted(unknown)}; see `opdcache train --help`")
-    for required in ("model", "cache", "out"):
-        if values.get(required) is None:
-            raise ConfigError(f"--{required} is required (as a flag or in --config)")
     for key in ("model", "out", "teacher_model"):  # the cache stays a string: it may be a URL (s3://...)
         if values.get(key) is not None:
             values[key] = Path(values[key])

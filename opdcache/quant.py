@@ -208,6 +208,32 @@ class QuantLinear(torch.nn.Linear):
         return torch.nn.functional.linear(x, w, self.bias)
 
 
+def check_config(scheme: QuantScheme | None, model_dir) -> None:
+    """Refuse, from a local model's config.json alone (before any weight loads), a w4a16 group size that does not divide
+    the input width of one of its linear layers (hidden, intermediate, attention output); a model elsewhere is checked
+    when it loads."""
+    import json
+    from pathlib import Path
+
+    if scheme is None or scheme.method != "w4a16":
+        return
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return
+    hidden, inter = cfg.get("hidden_size"), cfg.get("intermediate_size")
+    heads, head_dim = cfg.get("num_attention_heads"), cfg.get("head_dim")
+    widths = {"hidden_size (q/k/v, gate/up)": (hidden, ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")),
+              "intermediate_size (down_proj)": (inter, ("down_proj",)),
+              "num_attention_heads x head_dim (o_proj)": (heads * head_dim if heads and head_dim else None, ("o_proj",))}
+    for what, (cols, names) in widths.items():
+        if all(scheme.keeps(n) for n in names):
+            continue
+        if isinstance(cols, int) and cols % scheme.group_size:
+            raise ConfigError(f"w4a16: the group size {scheme.group_size} does not divide the model's {what} of {cols}; "
+                              f"pick one that does (e.g. w4a16:g{_divisor(cols, scheme.group_size)})")
+
+
 def apply_scheme(model: torch.nn.Module, scheme: QuantScheme, mode: str) -> list[str]:
     """Make every ``nn.Linear`` of ``model`` not kept by the scheme compute in it; return the names of those layers.
     ``mode``: "inference" (weights replaced by their dequantized values, once) or "train" (straight-through)."""

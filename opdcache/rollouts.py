@@ -183,6 +183,10 @@ class GenerateJob:
                               f"got {self.sampling.temperature}; use --backend transformers for hotter sampling")
         if self.reward is not None:
             verifiers.resolve(self.reward)  # an unknown name or an unimportable module:function fails here, before any work
+        if self.engine.backend == "transformers" and self.engine.quantize is not None:
+            from opdcache.quant import QuantScheme, check_config
+
+            check_config(QuantScheme.parse(self.engine.quantize), self.model)  # from config.json, before the model loads
         if self.keep not in ("all", "correct"):
             raise ConfigError(f"--keep must be all or correct, got {self.keep!r}")
         if self.keep == "correct" and (self.kind != "sft" or self.reward is None):

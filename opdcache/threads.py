@@ -7,7 +7,8 @@ Two settings fix it without giving up parallelism on a quiet machine:
 
 * ``OMP_WAIT_POLICY=PASSIVE`` (unless the user set it): waiting threads sleep instead of spinning. It must be in the
   environment before the OpenMP runtime loads, i.e. before ``import torch``: the CLI sets it first thing.
-* the thread count comes from ``--threads``, else ``OPDCACHE_THREADS``, else the CPUs this process may run on
+* the thread count comes from ``--threads``, else ``OPDCACHE_THREADS``, else ``OMP_NUM_THREADS`` (set by Slurm, torchrun
+  and Ray workers from their allocation), else the CPUs this process may run on
   (``os.sched_getaffinity``, which respects taskset, cgroups' cpusets and Slurm's binding), not the machine's cores.
 
 The count changes the last bits of CPU float reductions, so caches record it (unhashed: a resume on a machine with
@@ -36,6 +37,9 @@ def pick(threads: int | None = None) -> tuple[int, str]:
             threads, source = int(os.environ[ENV]), ENV
         except ValueError:
             raise ConfigError(f"{ENV} must be a whole number of threads, got {os.environ[ENV]!r}") from None
+    elif os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(os.environ["OMP_NUM_THREADS"]) >= 1:
+        # Slurm, torchrun and Ray workers set it from their CPU allocation (e.g. num_cpus=1): honour it
+        threads, source = int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
     else:
         threads, source = usable_cpus(), "the CPUs this process may use"
     if threads < 1:

@@ -75,3 +75,46 @@ def test_a_torchrun_worker_leaves_without_interpreter_shutdown_and_keeps_its_out
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 3
     assert proc.stdout.splitlines() == (["buffered line", "shutdown ran"] if shutdown else ["buffered line"])
+
+
+def test_checks_made_from_arguments_and_configs_come_before_any_model_loads(tmp_path, weights, opd_prompts, monkeypatch):
+    """Issue 30: a missing --model, a w4a16 group that the model's config says cannot divide its layers, and a math
+    verifier whose package is missing are refused before torch is imported or any model loads (one line, exit 2)."""
+    import importlib.util
+    import subprocess
+    import sys
+    import time
+
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "opdcache.cli.main", "train"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--model is required" in p.stderr
+    assert time.monotonic() - start < 20  # the process's own start-up; without torch this is well under a second quiet
+    p = subprocess.run([sys.executable, "-c", "import sys; from opdcache.cli.main import main\n"
+                        "try:\n main(['train'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"], capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip().endswith("False"), p.stdout + p.stderr
+
+    from opdcache.errors import ConfigError
+    from opdcache.prompts import PromptConfig
+    from opdcache.rollouts import EngineConfig, GenerateJob
+
+    with pytest.raises(ConfigError, match="does not divide the model's hidden_size .* of 64; pick one that does"):
+        GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=tmp_path / "c", engine=EngineConfig(quantize="w4a16"))
+    GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=tmp_path / "c", engine=EngineConfig(quantize="w4a16:g32"))
+
+    from opdcache import verifiers
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(ConfigError, match="--reward math needs the math-verify package"):
+        verifiers.resolve("math")
+
+
+def test_omp_num_threads_is_honoured(monkeypatch):
+    from opdcache.threads import ENV, pick
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert pick() == (1, "OMP_NUM_THREADS")
+    monkeypatch.setenv(ENV, "2")
+    assert pick() == (2, ENV)
+    assert pick(3) == (3, "--threads")
