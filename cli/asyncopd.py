@@ -33,7 +33,7 @@ def async_(
     ppo_clip: Annotated[float, typer.Option("--ppo-clip", help="ppo: clip range of the old-to-current ratio.")] = 0.2,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Learner checkpoint every N steps.")] = 1,
     keep_snapshots: Annotated[bool, typer.Option("--keep-snapshots", help="Keep every published student snapshot in the cache.")] = False,
-    executor: O.Executor = "local",
+    executor: Annotated[str, typer.Option("--executor", help="local (one process per stage on this machine) or ray (one Ray task per stage, with --gpus-per-stage).")] = "local",
     gpus: Annotated[str, typer.Option("--gpus-per-stage", help="--executor ray: GPUs of the rollout,teacher,learner stages.")] = "0,0,0",
     ray_address: O.RayAddress = None,
     device: O.Device = "auto",

@@ -81,10 +81,15 @@ def _click_exception_types() -> tuple[type, ...]:
     return tuple(types)
 
 
-def _usage_line(exc: Exception) -> str:
-    """One line for a command-line usage error: what is wrong and where to read the usage."""
+def _usage_line(exc: Exception, argv: list[str] | None = None) -> str:
+    """One line for a command-line usage error: what is wrong and where to read the usage (the command's own help when
+    the error comes before click knows the command, e.g. an option missing its value)."""
     ctx = getattr(exc, "ctx", None)
     command = getattr(ctx, "command_path", None) or "opdcache"
+    if command == "opdcache":
+        named = next((a for a in (sys.argv[1:] if argv is None else argv) if a in app_commands()), None)
+        if named:
+            command = f"opdcache {named}"
     if type(exc).__name__ == "NoArgsIsHelpError":  # the message is the whole help page
         if command == "opdcache":
             names = ", ".join(sorted(app_commands()))
@@ -132,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         code = 130
     except Exception as exc:
         if isinstance(exc, _click_exception_types()):
-            typer.echo(_usage_line(exc), err=True)
+            typer.echo(_usage_line(exc, argv), err=True)
             _exit(2)
         line = _storage_failure(exc)
         if line is None:

@@ -355,6 +355,6 @@ def histogram_png(sections: list[Section], path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the whole x-axis label, not cut at the figure's edge
     plt.close(fig)
     return path

@@ -55,7 +55,9 @@ def test_ctrl_c_is_one_line_saying_what_is_kept(tmp_path):
         "m._register()\n"
         "m.app.command('slow')(slow)\n"
         "m.main(['slow'])\n")
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the child gets SIGINT's default disposition whatever the runner inherited (a background job starts with it ignored)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.readline().strip() == "started"  # wait on the command's own signal, not on a clock
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
@@ -118,3 +120,13 @@ def test_omp_num_threads_is_honoured(monkeypatch):
     monkeypatch.setenv(ENV, "2")
     assert pick() == (2, ENV)
     assert pick(3) == (3, "--threads")
+
+
+def test_an_option_missing_its_value_points_to_the_commands_help(capsys):
+    from opdcache.cli.main import main
+
+    for argv, command in ((["train", "--model"], "opdcache train"), (["--threads", "2", "audit", "--rows"], "opdcache audit")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"see `{command} --help`" in err and "requires an argument" in err

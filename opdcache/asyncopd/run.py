@@ -84,9 +84,11 @@ def _run_local(cfg: AsyncConfig) -> None:
     threads = stage_threads(cfg)
     env = {**os.environ, "OPDCACHE_STAGE_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     procs: dict[str, subprocess.Popen] = {}
+    handles = []  # the stages' log files, closed when the run ends
     try:
         for name in STAGES:
             log = open(logs / f"{name}.log", "w")
+            handles.append(log)
             procs[name] = subprocess.Popen([sys.executable, "-m", "opdcache.asyncopd.worker", name, str(cfg.out), str(os.getpid())],
                                            stdout=log, stderr=subprocess.STDOUT, env=env)
             (logs / f"{name}.pid").write_text(f"{procs[name].pid}\n")
@@ -111,6 +113,8 @@ def _run_local(cfg: AsyncConfig) -> None:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+        for log in handles:
+            log.close()
 
 
 def _run_ray(cfg: AsyncConfig) -> None:
