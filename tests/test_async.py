@@ -191,3 +191,24 @@ def test_settings_that_cannot_work_asynchronously_are_refused():
         AsyncConfig(model=Path("m"), teacher=Path("t"), prompts=p, out=Path("o"), loss="mc")
     with pytest.raises(ConfigError, match="--staleness must be >= 0"):
         AsyncConfig(model=Path("m"), teacher=Path("t"), prompts=p, out=Path("o"), staleness=-1)
+
+
+@pytest.mark.parametrize("prompts,batch", [(5, 3), (7, 7), (3, 8), (10, 4)])
+def test_sample_indices_equal_counting_every_earlier_batch(prompts, batch):
+    from opdcache.asyncopd.stages import sample_indices
+    from opdcache.schedule import PromptSchedule
+
+    def reference(schedule, b):  # the plain definition: count each prompt's draws in batches 0..b-1, then within b
+        seen = {}
+        for earlier in range(b):
+            for i in schedule.batch(earlier)[0]:
+                seen[i] = seen.get(i, 0) + 1
+        out = []
+        for i in schedule.batch(b)[0]:
+            out.append(seen.get(i, 0))
+            seen[i] = out[-1] + 1
+        return out
+
+    schedule = PromptSchedule(prompts, batch, seed=3)
+    for b in range(12):
+        assert sample_indices(schedule, b) == reference(PromptSchedule(prompts, batch, seed=3), b)

@@ -53,17 +53,13 @@ def _engine(cfg: AsyncConfig) -> EngineConfig:
 # ---------------------------------------------------------------- rollout
 
 
-def _sample_indices(schedule: PromptSchedule, batch: int) -> list[int]:
-    """How many times each prompt of ``batch`` was drawn before (its sample_index), from the schedule alone."""
-    seen: dict[int, int] = {}
-    for b in range(batch):
-        for i in schedule.batch(b)[0]:
-            seen[i] = seen.get(i, 0) + 1
-    out = []
-    for i in schedule.batch(batch)[0]:
-        out.append(seen.get(i, 0))
-        seen[i] = out[-1] + 1
-    return out
+def sample_indices(schedule: PromptSchedule, batch: int) -> list[int]:
+    """How many times each prompt of ``batch`` was drawn before (its sample_index), in O(batch size): the schedule is a
+    sequence of whole permutations of the prompts, so the prompt at position p of it has been drawn p // N times before
+    (once in each earlier permutation). tests/test_async.py checks it against counting every earlier batch."""
+    idx, _ = schedule.batch(batch)
+    start = batch * schedule.batch_size
+    return [(start + j) // schedule.num_prompts for j in range(len(idx))]
 
 
 def rollout_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
@@ -117,7 +113,7 @@ def rollout_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
             idx, seeds = schedule.batch(b)
             gens = backend.generate([GenerateRequest(prompts.prompts[i].prompt_ids, seed) for i, seed in zip(idx, seeds)], cfg.sampling)
             records, bad = [], []
-            for i, k, g in zip(idx, _sample_indices(schedule, b), gens):
+            for i, k, g in zip(idx, sample_indices(schedule, b), gens):
                 rec = rollout_record("rollouts", prompts.prompts[i], k, g, None) | {"student_version": version}
                 reason = shards.first_non_finite(rec) or undecodable_reason(g.response_ids, decodable, backend.vocab_size)
                 (bad if reason else records).append(rec if not reason else {"id": rec["id"], "batch": b, "reason": reason})
