@@ -212,3 +212,20 @@ def test_sample_indices_equal_counting_every_earlier_batch(prompts, batch):
     schedule = PromptSchedule(prompts, batch, seed=3)
     for b in range(12):
         assert sample_indices(schedule, b) == reference(PromptSchedule(prompts, batch, seed=3), b)
+
+
+def test_an_out_that_is_a_file_is_one_line(tmp_path, weights, opd_prompts, capsys):
+    from opdcache.cli.main import main
+
+    (tmp_path / "run").write_text("not a directory")
+    with pytest.raises(SystemExit) as e:
+        main(["async", "--model", str(weights / "student"), "--teacher", str(weights / "teacher"), "--prompts", str(opd_prompts),
+              "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--out" in err and "is a file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_python_default_temperature_is_the_clis():
+    from opdcache.asyncopd.config import AsyncConfig
+
+    assert AsyncConfig.__dataclass_fields__["sampling"].default_factory().temperature == 1.0  # the README's K = 0 weight of 1

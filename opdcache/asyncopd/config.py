@@ -37,7 +37,7 @@ class AsyncConfig:
     """Learner updates; also the number of rollout batches (shards)."""
     batch_size: int = 16
     """Prompts per batch (one response each), as in `train --online`."""
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.8, max_new_tokens=64))
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0, max_new_tokens=64))
     """How the rollout worker samples (temperature, top_p, max_new_tokens, mc_samples; samples must be 1)."""
     loss: str = "is"
     """is (A_theta, unclipped IS; papers/001 eq. 7), mc (m samples, eq. 15), ppo (A_old, clipped; eq. 6), topk-fkl

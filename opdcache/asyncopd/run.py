@@ -65,6 +65,8 @@ def _check_inputs(cfg: AsyncConfig) -> None:
     """What a stage would only find out after starting its engine: refuse it before anything starts."""
     from opdcache.models import is_hub_id, resolve_model
 
+    if cfg.out.exists() and not cfg.out.is_dir():
+        raise ConfigError(f"--out {cfg.out} is a file; the run directory must be a directory (new or a run's to resume)")
     resolve_model(cfg.model, what="--model")
     resolve_model(cfg.teacher, what="--teacher")
     if not Path(cfg.prompts.path).exists() and not is_hub_id(str(cfg.prompts.path)):
