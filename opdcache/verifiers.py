@@ -105,9 +105,9 @@ def resolve(spec: str) -> Callable:
     """The verifier named by ``--reward``: a built-in, a registered plugin, or ``module:function``."""
     if spec in BUILTIN:
         if spec.startswith("math"):  # checked here, at argument checking, not after every response is generated
-            import importlib.util
+            from importlib.util import find_spec
 
-            if importlib.util.find_spec("math_verify") is None:
+            if find_spec("math_verify") is None:
                 raise ConfigError(f"--reward {spec} needs the math-verify package: pip install 'opdcache[math]'")
         return BUILTIN[spec]
     plugins = _plugins()

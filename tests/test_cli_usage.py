@@ -107,6 +107,7 @@ def test_checks_made_from_arguments_and_configs_come_before_any_model_loads(tmp_
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    assert callable(verifiers.resolve("opdcache.demo.task:verify_addition"))  # module:function still imports (no shadowed name)
     with pytest.raises(ConfigError, match="--reward math needs the math-verify package"):
         verifiers.resolve("math")
 
