@@ -359,3 +359,16 @@ def test_a_consumed_batch_that_cannot_be_sampled_again_is_refused(tmp_path, weig
     # batches 0-2 were sampled by --model itself (version 0) and can be sampled again; batch 3 needs snapshot v1
     with pytest.raises(ResumeError, match="batch 3 was consumed but its rollout shard .* is missing, and the snapshot v1"):
         _check_regenerable(cfg)
+
+
+def test_async_exact_at_staleness_zero_has_weights_of_exactly_one(tmp_path, weights, opd_prompts, capsys):
+    """async --exact: the rollout, teacher and learner stages share one arithmetic, so at K = 0 the learner's recompute of
+    the snapshot that sampled each batch gives old-to-current weights of exactly 1 (papers/001's rho), at every step."""
+    code, text = _cli(["async", "--model", weights / "student", "--teacher", weights / "teacher", "--prompts", opd_prompts,
+                       "--staleness", 0, "--steps", 2, "--batch-size", 8, "--max-new-tokens", 10, "--out", tmp_path / "run", "--exact"], capsys)
+    assert code in (0, None), text
+    steps = [json.loads(line) for line in (tmp_path / "run" / "learner" / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2 and steps[1]["student_version"] == 1
+    assert all(s["rho_mean"] == 1.0 and s["rho_std"] == 0.0 and s["rho_max"] == 1.0 and s["k1"] == 0.0 for s in steps)
+    record = json.loads((tmp_path / "run" / "cache" / "opdcache.json").read_text())["tables"]["rollouts"]["model"]
+    assert record["engine"] == "exact"
