@@ -7,7 +7,10 @@ default token budget), and the trainer's default forward. Both sides do the same
 README's build-rollouts), the demo teacher scores them with its top-8, and one lightning train step runs over 64 of
 them (forward and backward). Rounds alternate the sides (A B, then B A); we report per side the min and median of
 wall seconds and of CPU-seconds (getrusage of this process), tokens per wall second, and the load average before
-and after. The models are the demo's (hidden 64 and 128): at this size both sides are bound by per-operation
+and after. Against shared/BENCHMARKING.md: the same work on the same 2 threads, interleaved rounds, CPU-seconds beside wall
+time; the sides share one process (both engines loaded once: the figure is the engines' per-token cost, not start-up),
+and memory is not measured here (exact mode's extra memory is stated, not measured: a float64 copy of each weight, 8
+bytes per parameter, and float64 copies of each matmul's inputs and output). The models are the demo's (hidden 64 and 128): at this size both sides are bound by per-operation
 overhead, not by matmul throughput, which is where --exact's float64 matmuls (half the float32 rate) would show.
 
     python benchmarks/bench_exact.py [--prompts 64 --rounds 3]

@@ -139,7 +139,8 @@ def _audit_base(cache: Cache, name: str, cfg: AuditConfig) -> dict:
     sampling = SamplingConfig(**entry["config"]["sampling"]) if exact else None
     stored: dict[str, list] = {c: [] for c in stored_cols}
     fresh: dict[str, list] = {c: [] for c in stored_cols}
-    for shard, rows in _sample(cache, name, cfg.rows, cfg.seed).items():
+    picks = _sample(cache, name, cfg.rows, cfg.seed)
+    for shard, rows in picks.items():
         table = cache.read_shard(name, shard).take(rows)
         for c in stored_cols:
             stored[c] += shards.row_values(table[c])
@@ -156,7 +157,7 @@ def _audit_base(cache: Cache, name: str, cfg: AuditConfig) -> dict:
         stored = {"ref_logprobs": stored["ref_logprobs"]} if "ref_logprobs" in stored else {}
     columns = {c: _compare(stored[c], fresh[c]) for c in stored}
     return {"table": name, "exact_claimed": exact, "how": "re-generated" if exact else "re-scored (teacher-forced, float32 transformers)",
-            "rows": sum(len(v) for v in _sample(cache, name, cfg.rows, cfg.seed).values()), "columns": columns}
+            "rows": sum(map(len, picks.values())), "columns": columns}
 
 
 def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
@@ -179,7 +180,8 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
         import dataclasses
 
         params_no_svd = dataclasses.replace(params, stores=tuple(s for s in params.stores if s != "svd"), svd_rank=None, svd_dtype=None)
-    for shard, rows in _sample(cache, name, cfg.rows, cfg.seed).items():
+    picks = _sample(cache, name, cfg.rows, cfg.seed)
+    for shard, rows in picks.items():
         table = cache.read_shard(name, shard, names).take(rows)
         base_rows = cache.read_shard(base, shard, teacher_columns(params)).take(rows)
         scores = backend.score(score_requests(base_rows, params.samples_per_position, seed), top_k=params.top_k, hidden=want_hidden)
@@ -190,7 +192,7 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
             fresh[c] += shards.row_values(built[c])
     columns = {c: _compare(stored[c], fresh[c]) for c in names}
     return {"table": name, "exact_claimed": exact, "how": "re-scored with the table's store settings",
-            "rows": sum(len(v) for v in _sample(cache, name, cfg.rows, cfg.seed).values()), "columns": columns}
+            "rows": sum(map(len, picks.values())), "columns": columns}
 
 
 def audit(cfg: AuditConfig) -> dict:

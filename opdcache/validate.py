@@ -45,6 +45,7 @@ import pyarrow as pa
 
 from opdcache import manifest as M
 from opdcache import rowrules, shards, storage
+from opdcache.sidefiles import SIDE_FILE_TENSORS, safetensors_problem
 from opdcache import schema as S
 from opdcache.errors import ManifestError, SchemaError
 from opdcache.fingerprint import config_fingerprint, sha256_file
@@ -208,41 +209,6 @@ def _check_side_files(root: Path, name: str, entry: dict, params: S.StoreParams,
             problem = safetensors_problem(path, size, SIDE_FILE_TENSORS[fname])
             if problem:
                 out.add(rel, problem)
-
-
-SIDE_FILE_TENSORS = {"head.safetensors": ("weight",), "svd.safetensors": ("encoder", "decoder")}
-MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit on its JSON header
-
-
-def safetensors_problem(path, size: int, required: tuple[str, ...]) -> str | None:
-    """What is wrong with a file claimed to be safetensors (its 8-byte header length, its JSON header read within limits,
-    the tensors it must hold, each within the file), or None; no tensor is loaded. A pickle (torch.save) fails here even
-    when its hash was updated to match."""
-    import struct
-
-    from opdcache.untrusted import loads
-
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return "not a safetensors file (shorter than its 8-byte header length)"
-        n = struct.unpack("<Q", head)[0]
-        if n > min(MAX_SAFETENSORS_HEADER, size - 8):
-            return f"not a safetensors file (its header claims {n:,} bytes in a {size:,}-byte file; a pickle or other format?)"
-        try:
-            header = loads(f.read(n), "header", ValueError)
-        except ValueError as exc:
-            return f"not a safetensors file ({str(exc)[:200]})"
-    if not isinstance(header, dict):
-        return "not a safetensors file (its header is not a JSON object)"
-    for name in required:
-        info = header.get(name)
-        if not isinstance(info, dict) or not isinstance(info.get("data_offsets"), list) or len(info["data_offsets"]) != 2:
-            return f"safetensors header has no tensor {name!r} (the store needs it)"
-        a, b = info["data_offsets"]
-        if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b <= size - 8 - n):
-            return f"tensor {name!r} lies outside the file (data_offsets {a}..{b})"
-    return None
 
 
 def _check_tokenizer(root, manifest: dict, out: _Collector) -> None:
