@@ -216,6 +216,8 @@ class TableJob:
             entry["files"] = side
         if self.params.topk_compact:  # the distortion each shard measured when it was written, merged
             entry["topk"] = self.topk_record()
+        if self.kind == "teacher":
+            entry["fidelity"] = self.fidelity_record()
         entry.update({k: v for k, v in extra.items() if v is not None})
         return entry
 
@@ -232,6 +234,15 @@ class TableJob:
             sums.append(loads(meta[compact.DISTORTION_META], f"{self.table} shard footer", ManifestError))
         return {"precision": self.params.topk_precision or "float32", "mass": self.params.topk_mass,
                 "distortion": compact.distortion_summary(compact.merge_sums(sums))}
+
+    def fidelity_record(self) -> dict:
+        """A teacher table's error against the full vocabulary (opdcache/fidelity.py), merged from its shards' footers."""
+        from opdcache import fidelity
+
+        metas = [shards.read_schema(self.shard_path(i)).metadata or {} for i in range(self.num_shards)]
+        sums = [loads(m[fidelity.META], f"{self.table} shard footer", ManifestError) if fidelity.META in m else {} for m in metas]
+        reason = None if all(fidelity.META in m for m in metas) else "a shard was written by an opdcache that did not record it"
+        return fidelity.summary(fidelity.merge(sums), reason)
 
     def finish(self) -> None:
         """Drop the job file (the manifest holds the finished table)."""

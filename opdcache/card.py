@@ -80,6 +80,12 @@ def render(manifest: dict) -> str:
                       "how often each was drawn; `sampled_logprobs` the teacher's log-prob of each, as float16 bits in `uint16`. "
                       "(1/m) * sum(count * (teacher_logprob - student_logprob)) is an unbiased estimate of the forward KL.", "",
                       "```python", SAMPLED_RECIPE, "```", ""]
+        if entry["kind"] == "teacher":
+            from opdcache.fidelity import describe
+
+            lines += [f"### Error of `{config_name(name)}` against the teacher's full vocabulary", "",
+                      "Measured while scoring, from the full distribution the scorer streams (no student involved):", ""]
+            lines += [f"- {line}" for line in describe(entry.get("fidelity") or {})] + [""]
     return "\n".join(lines)
 
 

@@ -55,6 +55,7 @@ def summary(root: str | Path) -> dict:
             "consistency": (entry.get("consistency") or {}).get("verdict"),
             "reward_mean": _reward_mean(cache, name) if "task" in entry["params"]["stores"] else None,
             "topk": entry.get("topk"),
+            "fidelity": entry.get("fidelity") if entry["kind"] == "teacher" else None,
             "samples_per_position": entry["params"].get("samples_per_position"),
         }
     out = {
@@ -105,6 +106,10 @@ def render(info: dict) -> str:
                            f"{d['mean_abs_logprob_error']:.2e}, KL(exact || compact) max {d['max_kl_exact_to_compact']:.2e} mean "
                            f"{d['mean_kl_exact_to_compact']:.2e}, mass moved into the tail max {d['max_moved_mass']:.2e} mean "
                            f"{d['mean_moved_mass']:.2e}")
+        if t["kind"] == "teacher":
+            from opdcache.fidelity import describe
+
+            lines += _wrap("against the full vocabulary (measured while scoring): " + "; ".join(describe(t.get("fidelity") or {})))
         if t.get("samples_per_position"):
             lines += _wrap(f"sampled store: {t['samples_per_position']} teacher draws a position (RS-KD; train --loss sampled-fkl)")
         if t.get("reward_mean") is not None:

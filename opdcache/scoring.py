@@ -45,6 +45,9 @@ class ScoreJob:
     """Rank of the svd store."""
     svd_method: str = "prob-weighted"
     """naive, importance or prob-weighted (papers/002)."""
+    hidden_dtype: str | None = None
+    """Precision of the stored hidden states: float32, bfloat16 or float16 (None: the teacher's compute dtype). Narrower
+    than the compute dtype, the states are rounded and the rounding's KL to the full distribution is recorded."""
     svd_dtype: str = "bfloat16"
     """Precision of the stored svd states: bfloat16 (format v3; its rounding is inside the recorded distortion) or
     float32 (v1)."""
@@ -92,6 +95,10 @@ class ScoreJob:
             raise ConfigError(f"--samples-per-position must be between 1 and 255 with --store sampled, got {self.samples_per_position}")
         if self.samples_per_position is not None and "sampled" not in stores:
             raise ConfigError("--samples-per-position sets the sampled store: add --store sampled")
+        if self.hidden_dtype is not None and self.hidden_dtype not in S.HIDDEN_DTYPES:
+            raise ConfigError(f"--hidden-dtype must be one of {', '.join(S.HIDDEN_DTYPES)}, got {self.hidden_dtype!r}")
+        if self.hidden_dtype is not None and "hidden" not in stores:
+            raise ConfigError("--hidden-dtype sets the hidden store's precision: add --store hidden")
         if self.svd_dtype not in ("bfloat16", "float32"):
             raise ConfigError(f"--svd-dtype must be bfloat16 or float32, got {self.svd_dtype!r}")
         if "svd" in stores and not (self.svd_rank and self.svd_rank >= 1):
@@ -156,18 +163,20 @@ def teacher_columns(params: S.StoreParams) -> list[str]:
     return ["id", "prompt_ids", "response_ids"] + (["ref_topk_ids"] if params.ref_top_k else []) + (["mc_ids"] if params.mc_samples else [])
 
 
-def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, where: str = "") -> shards.Records:
+def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, where: str = "", vocab_size: int | None = None) -> shards.Records:
     """A teacher table's rows from the engine's scores of the rollout rows ``ids`` (row-aligned); refuses non-finite
     values. A compact top-k store's rows are encoded here (opdcache/compact.py) and the shard's distortion against the
-    exact top-k goes into its footer; the sampled store's draws are collapsed into distinct ids and counts."""
+    exact top-k goes into its footer; the sampled store's draws are collapsed into distinct ids and counts. With
+    ``vocab_size`` and an engine that streams the full distribution, the stores' error against it (opdcache/fidelity.py)
+    goes into the footer too."""
     import json
 
     import torch
 
-    from opdcache import compact
+    from opdcache import compact, fidelity
     from opdcache.sampled import store_columns
 
-    records, sums = shards.Records(), []
+    records, sums, errors = shards.Records(), [], []
     for row_id, sc in zip(ids, scores):
         rec = {"id": row_id, "logprobs": sc.logprobs, "logsumexp": sc.logsumexp}
         if params.top_k:
@@ -177,7 +186,7 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
         if params.mc_samples:
             rec["mc_logprobs"] = sc.mc_logprobs
         if "hidden" in params.stores:
-            rec["hidden"] = shards.hidden_to_numpy(sc.hidden)
+            rec["hidden"] = shards.hidden_to_numpy(sc.hidden.to(getattr(torch, params.hidden_dtype)))
         if proj is not None:
             rec["svd"] = proj.encode(sc.hidden).numpy()
         if params.samples_per_position:
@@ -186,10 +195,13 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
         if reason:
             raise SchemaError(f"teacher produced {reason} for rollout row {row_id} ({where}); "
                               "nothing was written for this shard. Check the teacher's dtype (try --dtype float32)")
+        enc = None
         if params.topk_compact:
             enc = compact.compact_topk(sc.topk_ids, sc.topk_logprobs, params.topk_precision or "float32", params.topk_mass)
             rec["topk_ids"], rec["topk_logprobs"], rec["topk_tail"] = enc["ids"], enc["stored"], enc["tail"]
             sums.append(compact.distortion_sums(enc))
+        if vocab_size:
+            errors.append(fidelity.row_sums(sc, enc, params, vocab_size))
         if params.samples_per_position:
             rec.update(store_columns(sc.sampled_ids, sc.sampled_logprobs))
         if proj is not None and params.svd_dtype == "bfloat16":  # rounded after the finiteness check, as its bits
@@ -197,6 +209,8 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
         records.append(rec)
     if params.topk_compact:
         records.meta[compact.DISTORTION_META] = json.dumps(compact.merge_sums(sums), sort_keys=True).encode()
+    if vocab_size:
+        records.meta[fidelity.META] = fidelity.encode(fidelity.merge(errors))
     return records
 
 
@@ -226,7 +240,7 @@ def run_score(job: ScoreJob) -> dict:
     params = S.StoreParams(
         stores=job.stores, top_k=job.top_k if "topk" in job.stores else None, ref_top_k=base_params.ref_top_k,
         mc_samples=base_params.mc_samples, hidden_size=H if "hidden" in job.stores else None,
-        hidden_dtype=hidden_dtype if "hidden" in job.stores else None, svd_rank=job.svd_rank if "svd" in job.stores else None,
+        hidden_dtype=(job.hidden_dtype or hidden_dtype) if "hidden" in job.stores else None, svd_rank=job.svd_rank if "svd" in job.stores else None,
         topk_precision=job.topk_precision, topk_mass=job.topk_mass, samples_per_position=job.samples_per_position,
         svd_dtype="bfloat16" if "svd" in job.stores and job.svd_dtype == "bfloat16" else None,
     )
@@ -254,8 +268,9 @@ def run_score(job: ScoreJob) -> dict:
 
     def make_shard(index: int) -> list[dict]:
         rows = shards.read_table(base_paths[index], request_columns)
-        scores = backend.score(score_requests(rows, params.samples_per_position, job.sample_seed), top_k=params.top_k, hidden=want_hidden)
-        return teacher_records(rows["id"].to_pylist(), scores, params, proj, f"shard {index}")
+        scores = backend.score(score_requests(rows, params.samples_per_position, job.sample_seed), top_k=params.top_k, hidden=want_hidden,
+                               hidden_dtype=params.hidden_dtype)
+        return teacher_records(rows["id"].to_pylist(), scores, params, proj, f"shard {index}", backend.vocab_size)
 
     with closing(backend):
         written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"score-teacher {slug}", progress=job.progress, finalize=job.finalize,

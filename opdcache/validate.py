@@ -9,6 +9,7 @@ exactly that thing (tests/test_validate.py unless named):
 | manifest | present, JSON, format name and version, JSON schema | ``has no opdcache.json`` / ``format version N`` | test_missing_or_foreign_manifest |
 | manifest | JSON within limits (size, number length, depth, string length; opdcache/untrusted.py) | ``refused (...)`` / ``nested too deeply`` | tests/test_hostile2.py test_a_hostile_manifest_is_one_short_line |
 | manifest | an --exact table records what fixes its arithmetic | ``computed by the exact engine but its record lacks`` | tests/test_exact.py test_validate_requires_the_arithmetic_record |
+| manifest | a teacher table records its error against the full vocabulary (opdcache/fidelity.py), equal to its shards' footer sums (error); a table from before it was recorded is a warning | ``records no error against the full vocabulary`` / ``differs from what its shards' footers record`` | tests/test_fidelity.py test_validate_checks_the_fidelity_record |
 | manifest | stats.prompts and stats.prompt_tokens agree with the prompts of the shards' rows | ``prompt_tokens ... (edited by hand?)`` | tests/test_hostile2.py test_a_hand_edited_prompt_token_count_is_found |
 | manifest | each table's config hashes to its config_fingerprint (chained to the rollouts') | ``recorded config does not hash`` | test_token_counts_and_config_fingerprint_are_checked_against_the_manifest |
 | manifest | teacher tables have as many shards as the rollouts | ``teacher shards must align 1:1`` | test_teacher_shard_count_must_match |
@@ -120,6 +121,8 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
                                      f"{entry['config_fingerprint'][:12]}... (the manifest was edited by hand)")
         _check_side_files(root, name, entry, params, out)
         _check_arithmetic_record(name, entry, out)
+        if entry["kind"] == "teacher" and not quick:
+            _check_fidelity(root, name, entry, out)
         for index, info in enumerate(entry["shards"]):
             path = root / info["path"]
             if not _inside(root, path, info["path"], out) or not _check_file(path, info, entry, params, out):
@@ -179,6 +182,44 @@ def _check_arithmetic_record(name: str, entry: dict, out: _Collector) -> None:
     if missing:
         out.add(M.MANIFEST_NAME, f"table {name} was computed by the exact engine but its record lacks {', '.join(missing)}: "
                                  "audit could not re-create its arithmetic")
+
+
+def _check_fidelity(root, name: str, entry: dict, out: _Collector) -> None:
+    """A teacher table's ``fidelity`` record: present (a warning when absent: tables written before it was recorded),
+    and equal to the merge of its shards' footer sums (reads footers only)."""
+    import json
+
+    from opdcache import fidelity
+    from opdcache.untrusted import loads
+
+    record = entry.get("fidelity")
+    if record is None:
+        out.add(M.MANIFEST_NAME, f"table {name} records no error against the full vocabulary (written before opdcache recorded "
+                                 "it); re-score it with `opdcache score-teacher` to record it", warning=True)
+        return
+    sums, complete = [], True
+    for info in entry["shards"]:
+        path = root / info["path"]
+        try:
+            meta = shards.read_schema(path).metadata or {} if path.is_file() else None
+        except (SchemaError, pa.ArrowException, OSError):
+            meta = None
+        if meta is None:
+            return  # the shard's own checks report it
+        try:
+            sums.append(loads(meta[fidelity.META], f"{info['path']} footer") if fidelity.META in meta else {})
+        except ValueError as exc:
+            out.add(info["path"], str(exc))
+            return
+        complete &= fidelity.META in meta
+    try:
+        want = fidelity.summary(fidelity.merge(sums), None if complete else "a shard was written by an opdcache that did not record it")
+    except (TypeError, KeyError, AttributeError):
+        out.add(name, "a shard footer's record of the error against the full vocabulary is malformed; re-score the table")
+        return
+    if json.dumps(want, sort_keys=True) != json.dumps(record, sort_keys=True):
+        out.add(M.MANIFEST_NAME, f"table {name}: the recorded error against the full vocabulary differs from what its shards' "
+                                 "footers record (the manifest was edited by hand?); re-score the table to rewrite it")
 
 
 def _check_side_files(root: Path, name: str, entry: dict, params: S.StoreParams, out: _Collector) -> None:

@@ -280,8 +280,8 @@ def test_a_teacher_producing_nan_stops_the_shard_with_a_reason_and_writes_nothin
                              sft_teacher=weights / "teacher"))
     original = TransformersBackend.score
 
-    def poisoned(self, requests, top_k=None, hidden=False):
-        scores = original(self, requests, top_k, hidden)
+    def poisoned(self, requests, top_k=None, hidden=False, hidden_dtype=None):
+        scores = original(self, requests, top_k, hidden, hidden_dtype)
         scores[0].logsumexp = scores[0].logsumexp.copy()
         scores[0].logsumexp[2] = np.inf
         return scores

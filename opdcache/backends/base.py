@@ -93,13 +93,17 @@ class Scores:
     mc_logprobs: np.ndarray | None = None  # [T, m]
     sampled_ids: np.ndarray | None = None  # [T, D]: the draws for ScoreRequest.uniforms, in their order
     sampled_logprobs: np.ndarray | None = None  # [T, D]
-    hidden: object | None = None  # torch.Tensor [T, H] in the model's dtype
+    hidden: object | None = None  # torch.Tensor [T, H] in the model's dtype (or the dtype score() was asked to round to)
+    entropy: np.ndarray | None = None  # [T] float64: the full distribution's entropy (engines that stream the vocabulary)
+    variance: np.ndarray | None = None  # [T] float64: Var_p[log p]
+    rounding_kl: np.ndarray | None = None  # [T]: KL(p || p from the hidden states rounded to the stored dtype)
 
 
 def split_scores(cat: dict, lengths: Sequence[int], top_k: int | None, hidden_NH=None) -> list[Scores]:
     """Per-sequence Scores from an engine's flat per-position values (torch tensors over the N = sum(lengths) scored
     positions): "lp" [N], "lse" [N], and where present "kid"/"klp" [N, k], "rk" [N, k_ref], "mc" [N, m], "sid"/"slp"
-    [N, D]; ``hidden_NH`` [N, H] when the hidden store is wanted. Log-probs are clamped at 0 (rounding can leave +1e-7)."""
+    [N, D], "ent"/"var"/"rkl" [N] (opdcache/fidelity.py); ``hidden_NH`` [N, H] when the hidden store is wanted. Log-probs
+    are clamped at 0 (rounding can leave +1e-7)."""
     result, offset = [], 0
     for T in lengths:
         sl = slice(offset, offset + T)
@@ -113,6 +117,10 @@ def split_scores(cat: dict, lengths: Sequence[int], top_k: int | None, hidden_NH
             sc.mc_logprobs = cat["mc"][sl].clamp(max=0).numpy()
         if "sid" in cat:
             sc.sampled_ids, sc.sampled_logprobs = cat["sid"][sl].numpy(), cat["slp"][sl].clamp(max=0).numpy()
+        if "ent" in cat:
+            sc.entropy, sc.variance = cat["ent"][sl].double().numpy(), cat["var"][sl].double().numpy()
+        if "rkl" in cat:
+            sc.rounding_kl = cat["rkl"][sl].double().numpy()
         if hidden_NH is not None:
             sc.hidden = hidden_NH[sl].clone()
         result.append(sc)
@@ -147,7 +155,8 @@ class Backend(Protocol):
 
     def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingConfig) -> list[Generation]: ...
 
-    def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False) -> list[Scores]: ...
+    def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False,
+              hidden_dtype: str | None = None) -> list[Scores]: ...
 
     def model_info(self) -> dict: ...
 

@@ -214,7 +214,11 @@ class ExactBackend:
         return torch.cat(rows), [len(r.response_ids) for r in requests]
 
     @torch.no_grad()
-    def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False) -> list[Scores]:
+    def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False,
+              hidden_dtype: str | None = None) -> list[Scores]:
+        if hidden and hidden_dtype is not None and getattr(torch, hidden_dtype) != self.decoder.dtype:
+            raise ConfigError("--hidden-dtype with --exact: the exact engine stores hidden states in its compute dtype; "
+                              "pass --dtype bfloat16 to compute (and store) in bfloat16, or drop --hidden-dtype")
         out: list[Scores | None] = [None] * len(requests)
         for batch in self._batches(requests):
             reqs = [requests[i] for i in batch]
@@ -233,10 +237,13 @@ class ExactBackend:
                 names.append(name)
         widths = [c.shape[1] for c in cols]
         ids = torch.cat(cols, 1)
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "lse", "kid", "klp", "sid", "slp")}
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "lse", "kid", "klp", "sid", "slp", "ent", "var")}
         uniforms = None if reqs[0].uniforms is None else torch.cat([torch.as_tensor(r.uniforms, dtype=torch.float64) for r in reqs])
         for sl in H.row_blocks(h_NH.shape[0]):
-            lp, lse, top = H.picks_and_stats(h_NH[sl], self.W, self.b, self.decoder.dtype, ids[sl], top_k)
+            moments: list = []
+            lp, lse, top = H.picks_and_stats(h_NH[sl], self.W, self.b, self.decoder.dtype, ids[sl], top_k, moments)
+            parts["ent"].append(moments[0])
+            parts["var"].append(moments[1])
             parts["lp"].append(lp)
             parts["lse"].append(lse)
             if top is not None:

@@ -313,17 +313,21 @@ class TransformersBackend:
         return batches
 
     @torch.no_grad()
-    def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False) -> list[Scores]:
+    def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False,
+              hidden_dtype: str | None = None) -> list[Scores]:
         """Decoder forwards in small batches (bounded activation memory); their hidden rows are pooled into
         blocks of about POSITION_BLOCK positions for the streamed head pass (a large matmul runs at full rate).
-        In deterministic mode every sequence is its own batch and its own block."""
+        In deterministic mode every sequence is its own batch and its own block. Every position also gets the full
+        distribution's entropy and variance (opdcache/fidelity.py); with ``hidden_dtype`` narrower than the model's,
+        also the KL to the full distribution of the logits of the states rounded to it (the caller rounds what it stores)."""
         out: list[Scores | None] = [None] * len(requests)
         pending: list[tuple[int, torch.Tensor]] = []
         pooled = 0  # positions in `pending`
 
         def flush() -> None:
             idx = [i for i, _ in pending]
-            for i, sc in zip(idx, self._score_rows([requests[i] for i in idx], torch.cat([h for _, h in pending]), top_k, hidden)):
+            for i, sc in zip(idx, self._score_rows([requests[i] for i in idx], torch.cat([h for _, h in pending]), top_k, hidden,
+                                                        hidden_dtype)):
                 out[i] = sc
             pending.clear()
             advance(len(idx))
@@ -369,21 +373,26 @@ class TransformersBackend:
         rows = [h[b, len(r.prompt_ids) - 1: len(r.prompt_ids) - 1 + len(r.response_ids)] for b, r in enumerate(requests)]
         return torch.cat(rows), [len(r.response_ids) for r in requests]
 
-    def _score_rows(self, requests: Sequence[ScoreRequest], hidden_NH: torch.Tensor, top_k: int | None, want_hidden: bool) -> list[Scores]:
+    def _score_rows(self, requests: Sequence[ScoreRequest], hidden_NH: torch.Tensor, top_k: int | None, want_hidden: bool,
+                    hidden_dtype: str | None = None) -> list[Scores]:
         lengths = [len(r.response_ids) for r in requests]
         N = hidden_NH.shape[0]
         sampled = torch.cat([torch.as_tensor(np.asarray(r.response_ids, dtype=np.int64)) for r in requests]).to(self.device)
         ref_ids = torch.cat([torch.as_tensor(r.ref_topk_ids.astype(np.int64)) for r in requests]).to(self.device) if requests[0].ref_topk_ids is not None else None
         mc_ids = torch.cat([torch.as_tensor(r.mc_ids.astype(np.int64)) for r in requests]).to(self.device) if requests[0].mc_ids is not None else None
         uniforms = torch.cat([torch.as_tensor(r.uniforms, dtype=torch.float64) for r in requests]) if requests[0].uniforms is not None else None
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "lse", "kid", "klp", "rk", "mc", "sid", "slp")}
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "lse", "kid", "klp", "rk", "mc", "sid", "slp", "ent", "var", "rkl")}
+        rounded = None
+        if want_hidden and hidden_dtype is not None and getattr(torch, hidden_dtype) != hidden_NH.dtype:
+            rounded = hidden_NH.to(getattr(torch, hidden_dtype))  # what the store keeps; the KL is of its logits
         blocks = max(1, round(N / POSITION_BLOCK))  # equal blocks near POSITION_BLOCK: no small tail block re-reading the whole head
         bounds = [N * i // blocks for i in range(blocks + 1)]
         for start, end in zip(bounds, bounds[1:]):
             sl = slice(start, end)
             stats = streamed_logit_stats(self.model, hidden_NH[sl], sampled[sl], top_k,
                                          None if ref_ids is None else ref_ids[sl], None if mc_ids is None else mc_ids[sl],
-                                         None if uniforms is None else uniforms[sl])
+                                         None if uniforms is None else uniforms[sl], moments=True,
+                                         rounded_PH=None if rounded is None else rounded[sl].to(hidden_NH.dtype))
             for key, value in stats.items():
                 parts[key].append(value)
         cat = {k: torch.cat(v).cpu() for k, v in parts.items() if v}

@@ -76,7 +76,8 @@ def _merge_top_k(z: torch.Tensor, offset: int, top_vals: torch.Tensor, top_ids: 
 
 def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor, top_k: int | None,
                          ref_ids_PK: torch.Tensor | None = None, mc_ids_PM: torch.Tensor | None = None,
-                         uniforms_PD: torch.Tensor | None = None) -> dict:
+                         uniforms_PD: torch.Tensor | None = None, moments: bool = False,
+                         rounded_PH: torch.Tensor | None = None) -> dict:
     """Log-prob of the sampled token, logsumexp, top-k and log-probs at given ids, streaming over the vocabulary.
 
     Logits are computed for all P positions against one slice of the unembedding at a time
@@ -88,6 +89,12 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
 
     With ``uniforms_PD`` ([P, D] float64 in [0, 1)), also D draws per position from the temperature-1 distribution by
     inverse CDF over the vocabulary order (:func:`_draw_from_slices`): "sid" / "slp" = the drawn ids and their log-probs.
+
+    With ``moments``, also the full distribution's entropy "ent" = -E_p[log p] and variance "var" = Var_p[log p] per
+    position (opdcache/fidelity.py turns them into each store's error against the full vocabulary). They are running
+    sums about the running max, rescaled as it moves, kept in float64 per position. With ``rounded_PH`` (the hidden
+    states as a store rounds them), also "rkl" = KL(p || softmax of the rounded states' logits), from a second head
+    product per slice.
     """
     head = model.get_output_embeddings()
     W, b = head.weight, getattr(head, "bias", None)
@@ -103,6 +110,10 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     picks = {k: (ids, torch.empty(ids.shape, device=dev)) for k, ids in (("rk", ref_ids_PK), ("mc", mc_ids_PM)) if ids is not None}
     rows = torch.arange(P, device=dev)
     slice_mass = []  # draws: each slice's log-mass per position, [P] float32 each
+    mom = [torch.zeros(P, dtype=torch.float64, device=dev) for _ in range(2)] if moments or rounded_PH is not None else None
+    if rounded_PH is not None:  # the rounded logits' running log-sum-exp, and sum exp(z - m) (z - z_rounded)
+        m2, s2 = torch.full((P,), float("-inf"), device=dev), torch.zeros(P, device=dev)
+        cross = torch.zeros(P, dtype=torch.float64, device=dev)
     for a in range(0, V, C):
         z = hidden_PH @ W[a: a + C].T  # [P, C] in the model's dtype, as the model's own head computes it
         if b is not None:
@@ -116,9 +127,26 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
             inside = (ids >= a) & (ids < a + z.shape[1])
             r, c = inside.nonzero(as_tuple=True)
             out[r, c] = z[r, ids[r, c] - a]
+        if rounded_PH is not None:
+            z2 = rounded_PH @ W[a: a + C].T
+            if b is not None:
+                z2 = z2 + b[a: a + C]
+            z2 = transform(z2.float())
+            new_m2 = torch.maximum(m2, z2.amax(-1))
+            diff = z - z2  # before z is overwritten below
+            s2 = s2 * torch.exp(m2 - new_m2) + (z2 - new_m2[:, None]).clamp_(min=-80.0).exp_().sum(-1)
+            m2 = new_m2
         # exp(z - m) in place, after every read of z. Clamping at -80 changes no float32 sum (each such term is
         # below 2e-35 while the sum is at least 1) and avoids exp's slow path for underflowing inputs.
-        in_slice = z.sub_(new_m[:, None]).clamp_(min=-80.0).exp_().sum(-1)
+        if mom is not None:
+            d = z.sub_(new_m[:, None]).clamp_(min=-80.0)
+            e = d.exp()
+            in_slice = e.sum(-1)
+            _add_moments(mom, s, m - new_m, (e * d).sum(-1), (e * d * d).sum(-1))
+            if rounded_PH is not None:
+                cross.mul_(torch.exp((m - new_m).double()).nan_to_num_(0.0)).add_((e * diff).sum(-1).double())
+        else:
+            in_slice = z.sub_(new_m[:, None]).clamp_(min=-80.0).exp_().sum(-1)
         s = s * torch.exp(m - new_m) + in_slice
         if uniforms_PD is not None:
             slice_mass.append(new_m + torch.log(in_slice))
@@ -130,9 +158,29 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
         out["sid"], out["slp"] = _draw_from_slices(hidden_PH, W, b, transform, C, torch.stack(slice_mass, 1), out["lse"], uniforms_PD)
     if top_k:
         out["kid"], out["klp"] = top_ids, (top_vals - m[:, None]) - log_s[:, None]
+    if mom is not None:
+        s64, log_s64 = s.double(), log_s.double()
+        mean_d = mom[0] / s64  # E_p[z - m]; log p = (z - m) - log s
+        out["ent"] = log_s64 - mean_d
+        out["var"] = (mom[1] / s64 - mean_d * mean_d).clamp_(min=0.0)
+        if rounded_PH is not None:  # KL(p || p2) = E_p[z - z2] - lse + lse2
+            lse2_minus_lse = (m2.double() - m.double()) + (torch.log(s2.double()) - log_s64)
+            out["rkl"] = (cross / s64 + lse2_minus_lse).clamp_(min=0.0)
     for key, (_, vals) in picks.items():
         out[key] = (vals - m[:, None]) - log_s[:, None]
     return out
+
+
+def _add_moments(mom: list[torch.Tensor], s_old: torch.Tensor, shift: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
+    """Move the running sums B1 = sum e (z - m), B2 = sum e (z - m)^2 (e = exp(z - m)) from the old max m to the new
+    one m' (shift = m - m' <= 0: every old term scales by exp(shift) and its offset grows by shift), then add the
+    slice's own sums about m'. float64 per position."""
+    delta = shift.double().nan_to_num_(0.0, neginf=0.0)  # the first slice: no old terms (s_old = 0)
+    scale = torch.exp(shift.double()).nan_to_num_(0.0)
+    b1, b2, s0 = mom[0], mom[1], s_old.double()
+    new_b2 = scale * (b2 + 2 * delta * b1 + delta * delta * s0) + second.double()
+    mom[0] = scale * (b1 + delta * s0) + first.double()
+    mom[1] = new_b2
 
 
 def _draw_from_slices(hidden_PH, W, b, transform, C: int, slice_lm_PS: torch.Tensor, lse_P: torch.Tensor,

@@ -186,7 +186,8 @@ class VLLMBackend:
             result.append((clamp(lp), top_ids, None if top_lp is None else clamp(top_lp), dense))
         return result
 
-    def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False) -> list[Scores]:
+    def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False,
+              hidden_dtype: str | None = None) -> list[Scores]:
         if hidden:
             raise ConfigError("vLLM offers no final hidden state at this version; score the hidden store with --backend transformers")
         if requests and requests[0].uniforms is not None:

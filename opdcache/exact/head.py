@@ -56,8 +56,12 @@ def full_logits(hidden_PH, weight_VH, bias_V, dtype) -> torch.Tensor:
     return torch.cat([logits(hidden_PH, weight_VH, bias_V, a, dtype) for a in range(0, weight_VH.shape[0], VOCAB_BLOCK)], -1)
 
 
-def picks_and_stats(hidden_PH, weight_VH, bias_V, dtype, ids_PK: torch.Tensor, top_k: int | None = None):
-    """One pass over the vocabulary: (log-probs at ids_PK [P, K], lse [P], top-k (values, ids) or None), exact."""
+def picks_and_stats(hidden_PH, weight_VH, bias_V, dtype, ids_PK: torch.Tensor, top_k: int | None = None, moments: list | None = None):
+    """One pass over the vocabulary: (log-probs at ids_PK [P, K], lse [P], top-k (values, ids) or None), exact.
+
+    With ``moments`` (an empty list), also appends the full distribution's entropy and Var_p[log p] per position
+    ([P] float64 each). They are statistics for the recorded error against the full vocabulary (opdcache/fidelity.py),
+    summed in float64, not part of the exact arithmetic."""
     P, V = hidden_PH.shape[0], weight_VH.shape[0]
     picked = torch.zeros(ids_PK.shape, dtype=torch.float32)
     ms, ss = [], []
@@ -70,12 +74,28 @@ def picks_and_stats(hidden_PH, weight_VH, bias_V, dtype, ids_PK: torch.Tensor, t
         m, s = slice_stats(z)
         ms.append(m)
         ss.append(s)
+        if moments is not None:
+            d = (z.double() - torch.where(torch.isfinite(m), m, torch.zeros_like(m)).double()[:, None])
+            e = torch.exp(d)
+            d = torch.where(e > 0, d, torch.zeros_like(d))
+            moments.append(((e * d).sum(-1), (e * d * d).sum(-1)))
         if top_k:  # merge the slice into the running top-k, ties in the canonical order
             cv, ci = canonical_top_k(z, top_k)
             top_vals, top_ids = canonical_top_k(torch.cat([top_vals, cv], 1), top_k, torch.cat([top_ids, ci + a], 1))
     M, log_s = combine(torch.stack(ms, -1), torch.stack(ss, -1))
     lp = (picked - M[:, None]) - log_s[:, None]
     top = None if not top_k else ((top_vals - M[:, None]) - log_s[:, None], top_ids)
+    if moments is not None:  # move each slice's sums about m_b to sums about M, then E_p[z - M] and E_p[(z - M)^2]
+        delta = torch.stack(ms, -1).double() - M.double()[:, None]
+        delta = torch.where(torch.isfinite(delta), delta, torch.zeros_like(delta))
+        w = torch.exp(delta) * torch.stack(ss, -1).double()  # each slice's mass about M
+        b1 = torch.stack([b for b, _ in moments], -1)
+        b2 = torch.stack([b for _, b in moments], -1)
+        scale = torch.exp(delta)
+        total = w.sum(-1)
+        m1 = (scale * b1 + delta * w).sum(-1) / total
+        m2 = (scale * (b2 + 2 * delta * b1) + delta * delta * w).sum(-1) / total
+        moments[:] = [torch.log(total) - m1, (m2 - m1 * m1).clamp(min=0.0)]
     return lp, M + log_s, top
 
 
