@@ -26,6 +26,10 @@ def score_teacher(
         "ids and counts; an unbiased forward KL (train --loss sampled-fkl). Costs the head rows of the drawn slices "
         "again.", show_default=False)] = None,
     sample_seed: Annotated[int, typer.Option("--sample-seed", help="Seed of the sampled store's draws.")] = 0,
+    hidden_dtype: Annotated[Optional[str], typer.Option(
+        "--hidden-dtype", help="Precision of the hidden store: float32, bfloat16 or float16 (default: the teacher's compute "
+        "dtype). bfloat16 from a float32 teacher halves the bytes; the rounding's KL to the full distribution is recorded "
+        "(SmolLM2: see BENCHMARKS.md).", show_default=False)] = None,
     svd_rank: Annotated[Optional[int], typer.Option("--svd-rank", help="Rank of the svd store.", show_default=False)] = None,
     svd_method: Annotated[str, typer.Option("--svd-method", help="naive, importance or prob-weighted (papers/002; the default: on SmolLM2 it has 3-5x less KL than importance at equal rank, BENCHMARKS.md).")] = "prob-weighted",
     svd_dtype: Annotated[str, typer.Option("--svd-dtype", help="bfloat16 (format v3, half the bytes; its rounding is in the recorded distortion) or float32.")] = "bfloat16",
@@ -49,7 +53,7 @@ def score_teacher(
 
     job = ScoreJob(cache=cache, teacher=teacher, revision=revision, stores=tuple(s.strip() for s in store.split(",") if s.strip()), top_k=top_k,
                    topk_precision=topk_precision, topk_mass=topk_mass, samples_per_position=samples_per_position, sample_seed=sample_seed,
-                   svd_rank=svd_rank, svd_method=svd_method, svd_dtype=svd_dtype, slug=name, allow_inconsistent_teacher=allow_inconsistent_teacher,
+                   svd_rank=svd_rank, svd_method=svd_method, svd_dtype=svd_dtype, hidden_dtype=hidden_dtype, slug=name, allow_inconsistent_teacher=allow_inconsistent_teacher,
                    engine=EngineConfig(backend=backend, dtype=dtype, device=device, deterministic=deterministic, exact=exact,
                                        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
                                        max_batch_tokens=max_batch_tokens),
@@ -77,6 +81,11 @@ def score_teacher(
         typer.echo(f"compact top-k ({result['topk']['precision']}, mass {result['topk']['mass']}): {d['mean_entries']:.1f} entries a "
                    f"position; |log-prob error| max {d['max_abs_logprob_error']:.2e}; KL(exact top-k || compact) max "
                    f"{d['max_kl_exact_to_compact']:.2e}; mass moved into the tail max {d['max_moved_mass']:.2e}")
+    if result.get("fidelity"):
+        from opdcache.fidelity import describe
+
+        for line in describe(result["fidelity"]):
+            typer.echo(f"against the full vocabulary: {line}")
     state = "cache updated" if result["finished"] else "shards written; other workers still to finish (then run finalize)"
     typer.echo(f"teachers/{result['slug']}: wrote shards {result['written'] or 'none (all present)'}; {state}")
 

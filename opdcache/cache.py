@@ -241,8 +241,7 @@ class TableJob:
 
         metas = [shards.read_schema(self.shard_path(i)).metadata or {} for i in range(self.num_shards)]
         sums = [loads(m[fidelity.META], f"{self.table} shard footer", ManifestError) if fidelity.META in m else {} for m in metas]
-        reason = None if all(fidelity.META in m for m in metas) else "a shard was written by an opdcache that did not record it"
-        return fidelity.summary(fidelity.merge(sums), reason)
+        return fidelity.summary(fidelity.merge(sums))
 
     def finish(self) -> None:
         """Drop the job file (the manifest holds the finished table)."""

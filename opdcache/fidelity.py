@@ -71,9 +71,10 @@ def _stat(values: np.ndarray) -> dict:
 
 def row_sums(scores, enc: dict | None, params, vocab_size: int) -> dict:
     """One row's sums (``scores``: the engine's Scores with ``entropy``/``variance``; ``enc``: the compact top-k
-    encoding the row was written with, None for the exact store). {} when the engine measured no moments."""
+    encoding the row was written with, None for the exact store). ``{"unmeasured": why}`` when the engine streamed no
+    full distribution (vLLM returns the top log-probs only)."""
     if getattr(scores, "entropy", None) is None:
-        return {}
+        return {"unmeasured": "the engine returns no full distribution (vLLM: top log-probs only); score with --backend transformers to record it"}
     out = {"entropy": _stat(scores.entropy)}
     if params.top_k:
         k = scores.topk_logprobs
@@ -92,10 +93,14 @@ def row_sums(scores, enc: dict | None, params, vocab_size: int) -> dict:
 
 
 def merge(parts) -> dict:
-    """Merge :func:`row_sums` of rows or shards (a quantity missing from one part is missing from the result)."""
-    parts = [p for p in parts]
-    if not parts or any(not p for p in parts):
-        return {}
+    """Merge :func:`row_sums` of rows or shards: a quantity missing from one part is missing from the result, and one
+    unmeasured part (or none at all) makes the whole unmeasured, with its reason."""
+    parts = list(parts)
+    if not parts:
+        return {"unmeasured": "no rows"}
+    for p in parts:
+        if not p or "unmeasured" in p:
+            return {"unmeasured": (p or {}).get("unmeasured") or "a shard was written by an opdcache that did not record it"}
     out = {}
     for key in parts[0]:
         if all(key in p for p in parts):
@@ -108,11 +113,16 @@ def encode(sums: dict) -> bytes:
     return json.dumps(sums, sort_keys=True).encode()
 
 
-def summary(sums: dict, reason: str | None = None) -> dict:
-    """The manifest's ``fidelity`` record: per quantity its mean and max per position, what it means, and how many
-    positions it covers; or, where the engine returned no full distribution, ``measured: false`` and why."""
-    if not sums:
-        return {"measured": False, "reason": reason or "the engine returned no full distribution"}
+def unmeasured(reason: str) -> bytes:
+    """The footer of a shard written without the teacher's distribution (``opdcache upgrade`` re-encodes stored values)."""
+    return encode({"unmeasured": reason})
+
+
+def summary(sums: dict) -> dict:
+    """The manifest's ``fidelity`` record (``sums`` from :func:`merge`): per quantity its mean and max per position,
+    what it means, and how many positions it covers; or ``measured: false`` and why."""
+    if "unmeasured" in sums:
+        return {"measured": False, "reason": str(sums["unmeasured"])}
     out = {"measured": True}
     for key, s in sorted(sums.items()):
         out[key] = {"mean": s["sum"] / max(s["positions"], 1), "max": s["max"], "positions": s["positions"], "means": QUANTITIES.get(key, key)}

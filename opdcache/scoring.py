@@ -276,8 +276,9 @@ def run_score(job: ScoreJob) -> dict:
         written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"score-teacher {slug}", progress=job.progress, finalize=job.finalize,
                                 rows_of=lambda i: base_entry["shards"][i]["rows"])
     finished = table.all_done()
-    topk = Cache(job.cache).table(f"teachers/{slug}").get("topk") if finished and job.finalize and params.topk_compact else None
-    return {"slug": slug, "written": written, "finished": finished, "consistency": verdict, "svd": table.meta.get("svd"), "topk": topk}
+    entry = Cache(job.cache).table(f"teachers/{slug}") if finished and job.finalize else {}
+    return {"slug": slug, "written": written, "finished": finished, "consistency": verdict, "svd": table.meta.get("svd"),
+            "topk": entry.get("topk"), "fidelity": entry.get("fidelity")}
 
 
 def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):

@@ -48,6 +48,7 @@ def run_upgrade(cache_root, teacher: str | None, topk_precision: str | None, top
                    parent_fingerprint=cache.table(cache.base_table)["config_fingerprint"], meta=meta)
 
     def make_shard(index: int) -> shards.Records:
+        from opdcache import fidelity
         from opdcache.scoring import teacher_records
         from opdcache.backends.base import Scores
 
@@ -58,7 +59,10 @@ def run_upgrade(cache_root, teacher: str | None, topk_precision: str | None, top
                          ref_topk_logprobs=values["ref_topk_logprobs"][i] if "ref_topk_logprobs" in values else None,
                          mc_logprobs=values["mc_logprobs"][i] if "mc_logprobs" in values else None)
                   for i in range(table.num_rows)]
-        return teacher_records(table["id"].to_pylist(), scores, new_params, None, f"shard {index}")
+        records = teacher_records(table["id"].to_pylist(), scores, new_params, None, f"shard {index}")
+        records.meta[fidelity.META] = fidelity.unmeasured("re-encoded by opdcache upgrade without the teacher's full distribution; "
+                                                         "score-teacher --topk-mass records it")
+        return records
 
     written = run_table_job(job, make_shard, desc=f"upgrade {source} -> teachers/{slug}", progress=progress, finalize=True)
     return {"source": source, "table": f"teachers/{slug}", "written": written, "topk": Cache(cache.root).table(f"teachers/{slug}")["topk"]}

@@ -93,8 +93,9 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     With ``moments``, also the full distribution's entropy "ent" = -E_p[log p] and variance "var" = Var_p[log p] per
     position (opdcache/fidelity.py turns them into each store's error against the full vocabulary). They are running
     sums about the running max, rescaled as it moves, kept in float64 per position. With ``rounded_PH`` (the hidden
-    states as a store rounds them), also "rkl" = KL(p || softmax of the rounded states' logits), from a second head
-    product per slice.
+    states as a store rounds them), also "rkl" = KL(p || softmax of the rounded states' logits) = log E_p[exp(delta)] -
+    E_p[delta] with delta = z_rounded - z = (h_rounded - h) W^T: a second head product per slice, of the small
+    difference, so the KL is not lost to float32 cancellation between two log-partitions.
     """
     head = model.get_output_embeddings()
     W, b = head.weight, getattr(head, "bias", None)
@@ -111,9 +112,12 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     rows = torch.arange(P, device=dev)
     slice_mass = []  # draws: each slice's log-mass per position, [P] float32 each
     mom = [torch.zeros(P, dtype=torch.float64, device=dev) for _ in range(2)] if moments or rounded_PH is not None else None
-    if rounded_PH is not None:  # the rounded logits' running log-sum-exp, and sum exp(z - m) (z - z_rounded)
-        m2, s2 = torch.full((P,), float("-inf"), device=dev), torch.zeros(P, device=dev)
-        cross = torch.zeros(P, dtype=torch.float64, device=dev)
+    if rounded_PH is not None:  # sum e * delta and sum e * expm1(delta), delta = z_rounded - z, e = exp(z - m)
+        cross = [torch.zeros(P, dtype=torch.float64, device=dev) for _ in range(2)]
+        from opdcache.logprobs import head_transform_of
+
+        scale, cap = head_transform_of(model)
+        offset_PH = (rounded_PH - hidden_PH).to(W.dtype)
     for a in range(0, V, C):
         z = hidden_PH @ W[a: a + C].T  # [P, C] in the model's dtype, as the model's own head computes it
         if b is not None:
@@ -128,14 +132,11 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
             r, c = inside.nonzero(as_tuple=True)
             out[r, c] = z[r, ids[r, c] - a]
         if rounded_PH is not None:
-            z2 = rounded_PH @ W[a: a + C].T
-            if b is not None:
-                z2 = z2 + b[a: a + C]
-            z2 = transform(z2.float())
-            new_m2 = torch.maximum(m2, z2.amax(-1))
-            diff = z - z2  # before z is overwritten below
-            s2 = s2 * torch.exp(m2 - new_m2) + (z2 - new_m2[:, None]).clamp_(min=-80.0).exp_().sum(-1)
-            m2 = new_m2
+            if cap is None:  # the head is linear: delta = (h_rounded - h) W^T (x scale), without cancellation
+                delta = (offset_PH @ W[a: a + C].T).float() * (scale if scale is not None else 1.0)
+            else:  # soft-capped logits: recompute them (float32 cancellation, ~1e-6 of a logit)
+                z2 = rounded_PH.to(W.dtype) @ W[a: a + C].T
+                delta = transform((z2 + b[a: a + C] if b is not None else z2).float()) - z
         # exp(z - m) in place, after every read of z. Clamping at -80 changes no float32 sum (each such term is
         # below 2e-35 while the sum is at least 1) and avoids exp's slow path for underflowing inputs.
         if mom is not None:
@@ -144,7 +145,9 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
             in_slice = e.sum(-1)
             _add_moments(mom, s, m - new_m, (e * d).sum(-1), (e * d * d).sum(-1))
             if rounded_PH is not None:
-                cross.mul_(torch.exp((m - new_m).double()).nan_to_num_(0.0)).add_((e * diff).sum(-1).double())
+                rescale = torch.exp((m - new_m).double()).nan_to_num_(0.0)
+                cross[0].mul_(rescale).add_((e * delta).sum(-1).double())
+                cross[1].mul_(rescale).add_((e * torch.expm1(delta)).sum(-1).double())
         else:
             in_slice = z.sub_(new_m[:, None]).clamp_(min=-80.0).exp_().sum(-1)
         s = s * torch.exp(m - new_m) + in_slice
@@ -163,9 +166,8 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
         mean_d = mom[0] / s64  # E_p[z - m]; log p = (z - m) - log s
         out["ent"] = log_s64 - mean_d
         out["var"] = (mom[1] / s64 - mean_d * mean_d).clamp_(min=0.0)
-        if rounded_PH is not None:  # KL(p || p2) = E_p[z - z2] - lse + lse2
-            lse2_minus_lse = (m2.double() - m.double()) + (torch.log(s2.double()) - log_s64)
-            out["rkl"] = (cross / s64 + lse2_minus_lse).clamp_(min=0.0)
+        if rounded_PH is not None:  # KL(p || p2) = log E_p[exp(delta)] - E_p[delta], delta = z2 - z
+            out["rkl"] = (torch.log1p(cross[1] / s64) - cross[0] / s64).clamp_(min=0.0)
     for key, (_, vals) in picks.items():
         out[key] = (vals - m[:, None]) - log_s[:, None]
     return out

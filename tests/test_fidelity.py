@@ -1,0 +1,171 @@
+"""The error against the full vocabulary that every teacher table records (opdcache/fidelity.py, issue 29): the streamed
+moments and the closed forms against plain full-vocabulary references, the record through score-teacher, info, the
+card and validate, and --hidden-dtype."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from opdcache import fidelity
+
+
+def _full_kl_to_maxent(lp_V: np.ndarray, kept_ids: np.ndarray, stored_lp: np.ndarray, stored_tail: float) -> float:
+    """Plain reference: build q* over the whole vocabulary and sum p log(p / q*)."""
+    V = lp_V.shape[0]
+    q = np.zeros(V)
+    z = np.exp(stored_lp).sum() + stored_tail
+    q[kept_ids] = np.exp(stored_lp) / z
+    outside = np.ones(V, bool)
+    outside[kept_ids] = False
+    q[outside] = (stored_tail / z) / outside.sum()
+    p = np.exp(lp_V)
+    return float((p * (lp_V - np.log(q))).sum())
+
+
+@pytest.mark.parametrize("mass", [None, 1e-3])
+def test_kl_to_the_maxent_completion_equals_the_full_vocabulary_sum(mass):
+    from opdcache import compact
+
+    rng = np.random.default_rng(0)
+    T, V, k = 40, 3000, 32
+    prior = -3.0 * np.log(rng.permutation(V) + 1.0)  # Zipf-like: a few tokens carry most of the mass, as an LM's do
+    logits = prior + rng.normal(size=(T, V)) * rng.uniform(0.5, 3.0, size=(T, 1))
+    lp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    entropy = -(np.exp(lp) * lp).sum(1)
+    top = np.argsort(-lp, 1)[:, :k]
+    top_lp = np.take_along_axis(lp, top, 1).astype(np.float32)
+    if mass is None:  # the exact store: tail = 1 - kept mass
+        r, kl = fidelity.kl_maxent(entropy, top_lp, np.ones_like(top_lp, bool), top_lp, None, V)
+        for t in range(T):
+            tail = 1 - np.exp(top_lp[t].astype(np.float64)).sum()
+            assert kl[t] == pytest.approx(_full_kl_to_maxent(lp[t], top[t], top_lp[t].astype(np.float64), tail), abs=2e-6)
+            assert r[t] == pytest.approx(tail, abs=1e-6)
+    else:
+        enc = compact.compact_topk(top, top_lp, "float16", mass)
+        kept = enc["ids"] != -1
+        r, kl = fidelity.kl_maxent(entropy, enc["exact"], kept, enc["logprobs"], enc["tail"], V)
+        assert kept.sum(1).min() < k  # the mass threshold dropped entries somewhere
+        for t in range(T):
+            ids = enc["ids"][t][kept[t]]
+            want = _full_kl_to_maxent(lp[t], ids, enc["logprobs"][t][kept[t]].astype(np.float64), float(enc["tail"][t]))
+            assert kl[t] == pytest.approx(want, abs=2e-6)
+    assert (kl > 1e-4).any()  # the references are not all ~0: the test can fail
+
+
+def test_streamed_moments_and_rounding_kl_equal_a_plain_full_forward(weights):
+    from opdcache.backends.base import ScoreRequest
+    from opdcache.backends.hf import TransformersBackend
+    from opdcache.models import load_causal_lm
+
+    backend = TransformersBackend(weights / "teacher", dtype="float32")
+    reqs = [ScoreRequest([1, 5, 7, 9], [11, 4, 20, 3, 8]), ScoreRequest([2, 6], [30, 31, 1])]
+    got = backend.score(reqs, top_k=4, hidden=True, hidden_dtype="bfloat16")
+    model = load_causal_lm(weights / "teacher", torch.float32).eval()
+    head = model.get_output_embeddings()
+    for req, sc in zip(reqs, got):
+        ids = torch.tensor([list(req.prompt_ids) + list(req.response_ids)])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(req.prompt_ids) - 1: -1].double()
+        lp = torch.log_softmax(logits, -1)
+        p = lp.exp()
+        ent = -(p * lp).sum(-1)
+        var = (p * lp * lp).sum(-1) - ent ** 2
+        np.testing.assert_allclose(sc.entropy, ent.numpy(), atol=2e-6)
+        np.testing.assert_allclose(sc.variance, var.numpy(), atol=2e-5)
+        with torch.no_grad():
+            rounded = torch.log_softmax((sc.hidden.to(torch.bfloat16).float() @ head.weight.T).double(), -1)
+        kl = (p * (lp - rounded)).sum(-1).numpy()
+        assert kl.max() > 1e-8  # bfloat16 rounding changes something
+        np.testing.assert_allclose(sc.rounding_kl, kl, atol=2e-9, rtol=1e-3)
+
+
+def test_score_teacher_records_the_error_and_info_card_and_validate_show_it(hf_cache, tmp_path, capsys):
+    import shutil
+
+    from opdcache.cli.main import main
+    from opdcache.validate import validate
+
+    cache = tmp_path / "c"
+    shutil.copytree(hf_cache, cache)
+    manifest = json.loads((cache / "opdcache.json").read_text())
+    record = manifest["tables"]["teachers/teacher"]["fidelity"]
+    assert record["measured"] is True
+    for key in ("topk_kl_maxent", "topk_tail_mass", "sampled_stderr", "entropy"):
+        assert record[key]["positions"] == sum(s["tokens"] for s in manifest["tables"]["rollouts"]["shards"])
+        assert 0 <= record[key]["mean"] <= record[key]["max"]
+    assert record["topk_kl_maxent"]["max"] > 0
+    with pytest.raises(SystemExit) as exit_:
+        main(["info", str(cache)])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert "against the full vocabulary (measured while scoring): KL(teacher || stored" in " ".join(out.split())
+    assert "top-k with its tail spread evenly), nats: mean" in " ".join(out.split())
+    assert "Error of `teacher-teacher` against the teacher's full vocabulary" in (cache / "README.md").read_text()
+    assert not [p for p in validate(cache) if not p.warning]
+    # a hand-edited record is found; a missing one is a warning naming the fix
+    record["topk_kl_maxent"]["mean"] /= 10
+    (cache / "opdcache.json").write_text(json.dumps(manifest))
+    problems = [str(p) for p in validate(cache)]
+    assert any("recorded error against the full vocabulary differs from what its shards' footers record" in p for p in problems)
+    del manifest["tables"]["teachers/teacher"]["fidelity"]
+    (cache / "opdcache.json").write_text(json.dumps(manifest))
+    problems = validate(cache)
+    assert [p for p in problems if "records no error against the full vocabulary" in str(p) and "re-score it" in str(p)]
+    assert all(p.warning for p in problems if "full vocabulary" in str(p))
+
+
+def test_validate_checks_the_fidelity_record(hf_cache, tmp_path):
+    """A hostile footer record is one problem, not a crash."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from opdcache.validate import validate
+
+    cache = tmp_path / "c"
+    shutil.copytree(hf_cache, cache)
+    manifest = json.loads((cache / "opdcache.json").read_text())
+    info = manifest["tables"]["teachers/teacher"]["shards"][0]
+    path = cache / info["path"]
+    table = pq.read_table(path)
+    meta = dict(table.schema.metadata)
+    meta[fidelity.META] = json.dumps({"entropy": {"sum": "x", "max": [], "positions": None}}).encode()
+    pq.write_table(table.replace_schema_metadata(meta), path)
+    from opdcache.fingerprint import sha256_file
+
+    info["bytes"], info["sha256"] = path.stat().st_size, sha256_file(path)
+    (cache / "opdcache.json").write_text(json.dumps(manifest))
+    problems = [str(p) for p in validate(cache)]
+    assert any("malformed" in p or "differs from what its shards' footers record" in p for p in problems)
+
+
+def test_hidden_dtype_bfloat16_stores_rounded_states_and_records_their_kl(weights, tmp_path, opd_prompts):
+    from opdcache import shards
+    from opdcache.backends.base import SamplingConfig
+    from opdcache.cache import Cache
+    from opdcache.errors import ConfigError
+    from opdcache.prompts import PromptConfig
+    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.scoring import ScoreJob, run_score
+
+    out = tmp_path / "c"
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=4), out=out, num_shards=1,
+                             sampling=SamplingConfig(max_new_tokens=12), sft_teacher=weights / "teacher"))
+    run_score(ScoreJob(cache=out, teacher=weights / "teacher", stores=("logprob", "hidden"), hidden_dtype="bfloat16", slug="bf"))
+    run_score(ScoreJob(cache=out, teacher=weights / "teacher", stores=("logprob", "hidden"), slug="f32"))
+    cache = Cache(out)
+    assert cache.params("teachers/bf").hidden_dtype == "bfloat16" and cache.params("teachers/f32").hidden_dtype == "float32"
+    bf = shards.read_table(cache.shard_paths("teachers/bf")[0])
+    f32 = shards.read_table(cache.shard_paths("teachers/f32")[0])
+    h_bf = shards.hidden_to_torch(shards.token_values(bf["hidden"]), "bfloat16")
+    h_32 = shards.hidden_to_torch(shards.token_values(f32["hidden"]), "float32")
+    assert torch.equal(h_bf, h_32.to(torch.bfloat16))  # the float32 states, rounded once
+    rec = cache.table("teachers/bf")["fidelity"]["hidden_rounding_kl"]
+    assert 0 < rec["mean"] <= rec["max"] < 1e-3
+    assert "hidden_rounding_kl" not in cache.table("teachers/f32")["fidelity"]
+    with pytest.raises(ConfigError, match="--hidden-dtype sets the hidden store's precision: add --store hidden"):
+        ScoreJob(cache=out, teacher=weights / "teacher", hidden_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="--hidden-dtype must be one of float32, bfloat16, float16"):
+        ScoreJob(cache=out, teacher=weights / "teacher", stores=("hidden",), hidden_dtype="fp8")
