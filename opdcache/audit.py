@@ -79,19 +79,6 @@ def _compare(stored: list[np.ndarray], fresh: list[np.ndarray]) -> dict:
     return {"values": values, "exact": exact, "max_abs_delta": worst}
 
 
-def _sample(cache: Cache, table: str, rows: int, seed: int) -> dict[int, list[int]]:
-    """{shard index: sorted row indices in it}: ``rows`` rows drawn without replacement over the whole table."""
-    counts = [int(s["rows"]) for s in cache.table(table)["shards"]]
-    total = sum(counts)
-    picks = np.sort(np.random.default_rng(seed).choice(total, size=min(rows, total), replace=False))
-    starts = np.cumsum([0] + counts)
-    out: dict[int, list[int]] = {}
-    for g in picks.tolist():
-        shard = int(np.searchsorted(starts, g, side="right") - 1)
-        out.setdefault(shard, []).append(g - int(starts[shard]))
-    return out
-
-
 def _model_path(record: dict, override: Path | None, flag: str, table: str) -> Path:
     from opdcache.fingerprint import model_fingerprint
 
@@ -139,7 +126,7 @@ def _audit_base(cache: Cache, name: str, cfg: AuditConfig) -> dict:
     sampling = SamplingConfig(**entry["config"]["sampling"]) if exact else None
     stored: dict[str, list] = {c: [] for c in stored_cols}
     fresh: dict[str, list] = {c: [] for c in stored_cols}
-    picks = _sample(cache, name, cfg.rows, cfg.seed)
+    picks = cache.sample_rows(name, cfg.rows, cfg.seed)
     for shard, rows in picks.items():
         table = cache.read_shard(name, shard).take(rows)
         for c in stored_cols:
@@ -180,7 +167,7 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
         import dataclasses
 
         params_no_svd = dataclasses.replace(params, stores=tuple(s for s in params.stores if s != "svd"), svd_rank=None, svd_dtype=None)
-    picks = _sample(cache, name, cfg.rows, cfg.seed)
+    picks = cache.sample_rows(name, cfg.rows, cfg.seed)
     for shard, rows in picks.items():
         table = cache.read_shard(name, shard, names).take(rows)
         base_rows = cache.read_shard(base, shard, teacher_columns(params)).take(rows)

@@ -352,6 +352,19 @@ class Cache:
                               f"run `opdcache validate {self.root}`, then rescore the teacher or re-pull the cache")
         return path
 
+    def sample_rows(self, table: str, rows: int, seed: int) -> dict[int, list[int]]:
+        """{shard index: sorted row indices in it}: ``rows`` rows drawn without replacement over the whole table, a
+        function of the seed and the shards' row counts (audit, plan and the svd fit draw their samples here)."""
+        counts = [int(s["rows"]) for s in self.table(table)["shards"]]
+        total = sum(counts)
+        picks = np.sort(np.random.default_rng(seed).choice(total, size=min(rows, total), replace=False))
+        starts = np.cumsum([0] + counts)
+        out: dict[int, list[int]] = {}
+        for g in picks.tolist():
+            shard = int(np.searchsorted(starts, g, side="right") - 1)
+            out.setdefault(shard, []).append(g - int(starts[shard]))
+        return out
+
     def read_shard(self, table: str, index: int, columns=None, max_row_tokens: int | None = None):
         """Shard ``index`` of ``table`` (some columns), its footer checked against the manifest's rows and tokens before
         anything is decoded (opdcache/shards.py, check_footer): the reading layer every command goes through."""
