@@ -85,11 +85,11 @@ class Setting:
         return S.StoreParams(stores=("logprob", "svd"), svd_rank=self.rank, svd_dtype="bfloat16" if self.dtype == "bfloat16" else None)
 
 
-def default_settings(hidden_size: int) -> list[Setting]:
-    """What ``plan`` measures unless told otherwise: top-k widths and masses, sampled m, hidden in two precisions, svd
-    ranks up to the hidden size."""
-    out = [Setting("topk", k=k) for k in (20, 128, 512)]
-    out += [Setting("topk", k=128, precision="float16", mass=mass) for mass in (1e-4, 1e-3)]
+def default_settings(hidden_size: int, vocab_size: int) -> list[Setting]:
+    """What ``plan`` measures unless told otherwise: top-k widths and masses (below the vocabulary), sampled m, hidden
+    in two precisions, svd ranks below the hidden size."""
+    out = [Setting("topk", k=k) for k in (20, 128, 512) if k < vocab_size]
+    out += [Setting("topk", k=min(128, vocab_size - 1), precision="float16", mass=mass) for mass in (1e-4, 1e-3)]
     out += [Setting("sampled", m=m) for m in (4, 12, 32)]
     out += [Setting("hidden", dtype=d) for d in ("float32", "bfloat16")]
     out += [Setting("svd", rank=r, dtype="bfloat16") for r in (64, 256, 512) if r < hidden_size]
@@ -396,7 +396,7 @@ def run_plan(cfg: PlanConfig, settings: list[Setting] | None = None) -> dict:
         row_ids += table["id"].to_pylist()
     models = {name: Model(TransformersBackend(ref.path, dtype=cfg.dtype), name) for name, ref in refs.items()}
     teacher = models.pop("teacher")
-    settings = settings or default_settings(teacher.hidden_size)
+    settings = settings or default_settings(teacher.hidden_size, int(teacher.W.shape[0]))
     from opdcache.progress import bar
 
     with bar(len(requests) - (len(requests) // 2 if any(s.store == "svd" for s in settings) and len(requests) > 1 else 0),

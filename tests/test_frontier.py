@@ -1,0 +1,105 @@
+"""``opdcache plan`` and opdcache/frontier.py: each number against a plain full-vocabulary reference on the demo
+teacher, the choice, and the command's errors."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from opdcache.frontier import Model, Setting, choose, measure
+
+
+@pytest.fixture(scope="module")
+def demo_models(weights):
+    from opdcache.backends.hf import TransformersBackend
+
+    return Model(TransformersBackend(weights / "teacher", dtype="float32")), Model(TransformersBackend(weights / "student", dtype="float32"))
+
+
+def _requests(hf_cache, n):
+    from opdcache.cache import Cache
+    from opdcache.scoring import score_requests
+
+    table = Cache(hf_cache).read_shard("rollouts", 0, ["id", "prompt_ids", "response_ids"]).slice(0, n)
+    return score_requests(table), table["id"].to_pylist()
+
+
+def test_frontier_numbers_equal_plain_full_vocabulary_references(hf_cache, demo_models):
+    from opdcache import compact
+
+    teacher, student = demo_models
+    reqs, ids = _requests(hf_cache, 3)
+    settings = [Setting("topk", k=8), Setting("topk", k=8, precision="float16", mass=1e-2), Setting("hidden", dtype="bfloat16")]
+    report = measure(teacher, reqs, ids, settings, {"s": student})
+    kl = {s.label: [] for s in settings}
+    fkl = {s.label: [] for s in settings}
+    for req in reqs:  # plain: whole [T, V] distributions in float64, built per setting over the vocabulary
+        p_lp = teacher.log_probs(teacher.hidden(req)).double()
+        s_lp = student.log_probs(student.hidden(req)).double()
+        p, V = p_lp.exp(), p_lp.shape[1]
+        full = (p * (p_lp - s_lp)).sum(-1)
+        for s in settings[:2]:
+            top_lp, top_ids = p_lp.float().topk(8, -1)
+            if s.mass is None:
+                kept_ids, stored = [t.tolist() for t in top_ids], [t.double() for t in top_lp]
+                tails = [float(1 - p[t, top_ids[t]].sum()) for t in range(len(p))]
+            else:
+                enc = compact.compact_topk(top_ids.numpy(), top_lp.numpy(), "float16", 1e-2)
+                kept_ids = [row[row != -1].tolist() for row in enc["ids"]]
+                stored = [torch.as_tensor(enc["logprobs"][t][enc["ids"][t] != -1]).double() for t in range(len(p))]
+                tails = enc["tail"].astype(np.float64).tolist()
+            for t in range(len(p)):
+                z = float(stored[t].exp().sum()) + tails[t]
+                q = torch.full((V,), tails[t] / z / (V - len(kept_ids[t])), dtype=torch.float64)
+                q[kept_ids[t]] = stored[t].exp() / z
+                kl[s.label].append(float((p[t] * (p_lp[t] - q.log())).sum()))
+                out_mask = torch.ones(V, dtype=torch.bool)
+                out_mask[kept_ids[t]] = False
+                s_tail = float(s_lp[t].exp()[out_mask].sum())
+                est = float((q[kept_ids[t]] * (q[kept_ids[t]].log() - s_lp[t, kept_ids[t]])).sum())
+                r = tails[t] / z
+                est += r * (np.log(r) - np.log(s_tail)) if r > 0 else 0.0
+                fkl[s.label].append(abs(est - float(full[t])))
+        q_lp = teacher.log_probs(teacher.hidden(req).to(torch.bfloat16).float()).double()
+        kl[settings[2].label] += (p * (p_lp - q_lp)).sum(-1).tolist()
+        fkl[settings[2].label] += ((q_lp.exp() * (q_lp - s_lp)).sum(-1) - full).abs().tolist()
+    for s in settings:
+        got = report["settings"][s.label]
+        assert got["kl"]["mean"] == pytest.approx(np.mean(kl[s.label]), rel=1e-3, abs=1e-7)
+        assert got["kl"]["max"] == pytest.approx(np.max(kl[s.label]), rel=1e-3, abs=1e-7)
+        assert got["students"]["s"]["fkl_error"]["mean"] == pytest.approx(np.mean(fkl[s.label]), rel=1e-3, abs=1e-7)
+        assert got["bytes_per_token"] > 0
+    assert report["settings"]["top-8 exact"]["kl"]["max"] > 1e-4  # the references are not all ~0
+
+
+def test_choose_picks_the_cheapest_within_the_error_or_the_best_within_the_bytes():
+    frontier = {"settings": {
+        "a": {"store": "topk", "bytes_per_token": 100.0, "kl": {"max": 1e-2}, "flags": "--a", "students": {}},
+        "b": {"store": "topk", "bytes_per_token": 300.0, "kl": {"max": 1e-4}, "flags": "--b", "students": {}},
+        "c": {"store": "sampled", "bytes_per_token": 10.0, "kl": {"max": 1e-6}, "flags": "--c", "students": {}},
+    }}
+    assert choose(frontier, max_error=1e-3)["label"] == "b"  # the sampled store's spread is not an error bound: skipped
+    assert choose(frontier, max_error=1e-1)["label"] == "a"
+    assert choose(frontier, max_bytes=200)["label"] == "a"
+    assert choose(frontier, max_error=1e-9) is None
+
+
+def test_plan_command_prints_the_frontier_and_refuses_bad_options(hf_cache, weights, capsys):
+    from opdcache.cli.main import main
+
+    def cli(*args):
+        with pytest.raises(SystemExit) as e:
+            main([str(a) for a in args])
+        out = capsys.readouterr()
+        return e.value.code, out.out, out.err
+
+    code, out, err = cli("plan", hf_cache, "--teacher", weights / "teacher", "--rows", 4, "--max-error", 1e-2, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["rows"] == 2 and report["choice"]["flags"].startswith("--store")  # svd: half the rows fit it
+    assert {"top-20 exact", "sampled m=12", "hidden bfloat16", "svd r=64 bfloat16"} <= set(report["settings"])
+    code, out, err = cli("plan", hf_cache, "--teacher", weights / "teacher", "--max-error", 1e-2, "--max-bytes", 100)
+    assert code == 2 and "--max-error and --max-bytes each pick a setting; pass one of them" in err and "Traceback" not in err
+    code, out, err = cli("plan", hf_cache, "--teacher", weights / "teacher", "--rows", 0)
+    assert code == 2 and "--rows must be at least 1, got 0" in err
