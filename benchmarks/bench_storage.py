@@ -1,6 +1,16 @@
-"""Bytes per token of each store on a realistic shape, against the raw uncompressed size, in one run.
+"""Bytes per token of each teacher store beside its error against the teacher's full vocabulary.
 
-Shape: vocabulary 151,936 (Qwen3), hidden 4,096 (bf16), top-k 20 and 128, SVD rank 512.
+Headline (the default): a real teacher on its own rollouts. SmolLM2-135M-Instruct (the ``real`` group's model,
+vocabulary 49,152, hidden 576) scores its own chat-template math rollouts at temperature 1 (benchmarks/realdata.py:
+32 prompts, up to 128 tokens); the svd settings fit on the first 16 rows and every setting is measured on the other 16.
+Two real students on the same vocabulary: the same model with int8 weights and activations (w8a8, near) and with int4
+weight groups of 64 (w4a16:g64, far), emulated by opdcache's --quantize. The numbers come from opdcache/frontier.py (what
+``opdcache plan`` prints); results/storage_real.json keeps them. Run:
+
+    python benchmarks/bench_storage.py                 # real (about 3 minutes on 2 cores)
+    python benchmarks/bench_storage.py --synthetic     # the synthetic stress case below
+
+Stress case (``--synthetic``): shape vocabulary 151,936 (Qwen3), hidden 4,096 (bf16), top-k 20 and 128, SVD rank 512.
 Data is synthetic but shaped like a real LM's: logits = Zipf prior over the vocabulary (BPE vocabularies
 are roughly frequency-ordered) + a low-rank context term, scaled to a typical mean entropy; hidden states
 are bf16 with per-dimension log-normal scales (a few outlier dimensions, as post-norm states have).
@@ -283,11 +293,65 @@ def v3_stores(rows, n_tokens: int) -> None:
             print(f"{f'sampled (RS-KD), m={m}':<38} {per:>8.1f} {entries:>8.1f} {np.abs(err).max():>18.2e} {np.abs(err).mean():>9.2e} {err.mean():>10.2e}")
 
 
+def real(out_path: Path) -> None:
+    """The headline: the frontier on SmolLM2's own rollouts, with two real quantized students."""
+    import json
+    import sys
+    import time
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from realdata import real_rollouts
+
+    from opdcache.backends.hf import TransformersBackend
+    from opdcache.cache import Cache
+    from opdcache.frontier import Model, Setting, default_settings, measure, render
+    from opdcache.scoring import score_requests
+
+    cache_dir, model = real_rollouts()
+    cache = Cache(cache_dir)
+    reqs, ids = [], []
+    for i in range(len(cache.shard_paths("rollouts"))):
+        table = cache.read_shard("rollouts", i, ["id", "prompt_ids", "response_ids"])
+        reqs += score_requests(table)
+        ids += table["id"].to_pylist()
+    teacher = Model(TransformersBackend(model, dtype="float32"), "teacher")
+    students = {"w8a8": Model(TransformersBackend(model, dtype="float32", quantize="w8a8"), "w8a8"),
+                "w4a16:g64": Model(TransformersBackend(model, dtype="float32", quantize="w4a16:g64"), "w4a16:g64")}
+    settings = default_settings(teacher.hidden_size, int(teacher.W.shape[0]))
+    settings[3:3] = [Setting("topk", k=128, precision="float32", mass=1e-4), Setting("topk", k=128, precision="float16")]
+    settings += [Setting("svd", rank=512, dtype="float32")]
+    start = time.perf_counter()
+    report = measure(teacher, reqs, ids, settings, students)
+    report["seconds"] = time.perf_counter() - start
+    report["student_distance"] = _student_distance(teacher, students, reqs[len(reqs) // 2:])
+    print(render(report))
+    print("\nmean KL(teacher || student) per position: " + ", ".join(f"{k} {v:.3f} nats" for k, v in report["student_distance"].items()))
+    report["command"] = "python benchmarks/bench_storage.py"
+    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {out_path} ({report['seconds']:.0f} s)")
+
+
+def _student_distance(teacher, students, reqs) -> dict:
+    total, n = {k: 0.0 for k in students}, 0
+    for req in reqs:
+        p = teacher.log_probs(teacher.hidden(req)).double()
+        n += p.shape[0]
+        for name, st in students.items():
+            q = st.log_probs(st.hidden(req)).double()
+            total[name] += float((p.exp() * (p - q)).sum())
+    return {k: v / max(n, 1) for k, v in total.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--synthetic", action="store_true", help="the synthetic stress case instead of the real teacher")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "storage_real.json")
     args = parser.parse_args()
+    if not args.synthetic:
+        real(args.out)
+        return
     rows, entropy = synthetic_teacher(args.tokens, args.seq_len)
     n = args.tokens
     print(f"{n} tokens in rows of {args.seq_len}; vocabulary {V:,}, hidden {H}; mean teacher entropy {entropy:.2f} nats\n")

@@ -32,6 +32,10 @@ def score_teacher(
         "(SmolLM2: see BENCHMARKS.md).", show_default=False)] = None,
     svd_rank: Annotated[Optional[int], typer.Option("--svd-rank", help="Rank of the svd store.", show_default=False)] = None,
     svd_method: Annotated[str, typer.Option("--svd-method", help="naive, importance or prob-weighted (papers/002; the default: on SmolLM2 it has 3-5x less KL than importance at equal rank, BENCHMARKS.md).")] = "prob-weighted",
+    svd_min_positions: Annotated[Optional[int], typer.Option(
+        "--svd-min-positions", help="Refuse to fit the svd projection on fewer calibration positions than this (default: fit "
+        "on what there is, with a warning naming the count, when the rollouts hold fewer than max(4 x rank, 2,048); the "
+        "positions are drawn from all shards).", show_default=False)] = None,
     svd_dtype: Annotated[str, typer.Option("--svd-dtype", help="bfloat16 (format v3, half the bytes; its rounding is in the recorded distortion) or float32.")] = "bfloat16",
     name: Annotated[Optional[str], typer.Option("--name", help="Teacher table name (default: the teacher directory's name).", show_default=False)] = None,
     allow_inconsistent_teacher: Annotated[bool, typer.Option("--allow-inconsistent-teacher", help="Score even if this is not pi_ref's SFT teacher.")] = False,
@@ -53,7 +57,7 @@ def score_teacher(
 
     job = ScoreJob(cache=cache, teacher=teacher, revision=revision, stores=tuple(s.strip() for s in store.split(",") if s.strip()), top_k=top_k,
                    topk_precision=topk_precision, topk_mass=topk_mass, samples_per_position=samples_per_position, sample_seed=sample_seed,
-                   svd_rank=svd_rank, svd_method=svd_method, svd_dtype=svd_dtype, hidden_dtype=hidden_dtype, slug=name, allow_inconsistent_teacher=allow_inconsistent_teacher,
+                   svd_rank=svd_rank, svd_method=svd_method, svd_dtype=svd_dtype, svd_min_positions=svd_min_positions, hidden_dtype=hidden_dtype, slug=name, allow_inconsistent_teacher=allow_inconsistent_teacher,
                    engine=EngineConfig(backend=backend, dtype=dtype, device=device, deterministic=deterministic, exact=exact,
                                        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
                                        max_batch_tokens=max_batch_tokens),

@@ -166,12 +166,19 @@ def topk_terms(student_BTK: torch.Tensor, teacher_BTK: torch.Tensor, direction: 
 
 def sampled_fkl_terms(student_BTM: torch.Tensor, teacher_BTM: torch.Tensor, counts_BTM: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """RS-KD's forward KL from m teacher draws: (1/m) sum_v c_v (log p_v - log q_v) per position. student/teacher:
-    log-probs at the distinct drawn ids; counts 0 at padding (those slots contribute nothing)."""
+    log-probs at the distinct drawn ids; counts 0 at padding (those slots contribute nothing).
+
+    Also its standard error per position, "stderr" = sqrt(s^2 / m) with s^2 the unbiased variance of the m draws'
+    log p - log q (0 where m = 1): the spread of the estimate this store buys for its bytes, logged by train."""
     c = counts_BTM.to(student_BTM.dtype)
     m = c.sum(-1, keepdim=True).clamp(min=1)
     diff = torch.where(c > 0, teacher_BTM.detach() - student_BTM, torch.zeros_like(student_BTM))
     kl = (c / m * diff).sum(-1)
-    return kl, {"kl": kl.detach()}
+    with torch.no_grad():
+        dev = torch.where(c > 0, diff.detach() - kl.detach()[..., None], torch.zeros_like(diff))
+        var = (c * dev * dev).sum(-1) / (m[..., 0] - 1).clamp(min=1)
+        stderr = torch.sqrt(var / m[..., 0])
+    return kl, {"kl": kl.detach(), "stderr": stderr}
 
 
 @dataclass(frozen=True)

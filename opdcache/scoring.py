@@ -23,8 +23,9 @@ from opdcache.lineage import check_same_tokenizer, model_info
 from opdcache.models import load_tokenizer, resolve_model
 from opdcache.rollouts import EngineConfig, make_backend
 
-CALIBRATION_SEQUENCES = 64  # sequences for fitting the svd projection (the first rows of shard 0)
-HELDOUT_SEQUENCES = 64  # the next rows, for measuring its distortion
+CALIBRATION_PER_RANK = 4  # the svd projection is fitted on at least 4 x rank positions when the table has them
+CALIBRATION_MIN_POSITIONS = 2048  # ... and at least this many
+HELDOUT_POSITIONS = 1024  # further positions, for measuring its distortion
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ class ScoreJob:
     hidden_dtype: str | None = None
     """Precision of the stored hidden states: float32, bfloat16 or float16 (None: the teacher's compute dtype). Narrower
     than the compute dtype, the states are rounded and the rounding's KL to the full distribution is recorded."""
+    svd_min_positions: int | None = None
+    """Refuse to fit the svd projection on fewer calibration positions than this (default: fit, with a warning, on
+    what there is when the table has fewer than 4 x rank)."""
+    svd_seed: int = 0
+    """Seed of the svd calibration sample (rows drawn over all shards)."""
     svd_dtype: str = "bfloat16"
     """Precision of the stored svd states: bfloat16 (format v3; its rounding is inside the recorded distortion) or
     float32 (v1)."""
@@ -103,6 +109,8 @@ class ScoreJob:
             raise ConfigError(f"--svd-dtype must be bfloat16 or float32, got {self.svd_dtype!r}")
         if "svd" in stores and not (self.svd_rank and self.svd_rank >= 1):
             raise ConfigError(f"--svd-rank must be a positive integer with --store svd, got {self.svd_rank}")
+        if self.svd_min_positions is not None and ("svd" not in stores or self.svd_min_positions < 1):
+            raise ConfigError(f"--svd-min-positions sets the svd fit's minimum calibration size: a positive integer with --store svd, got {self.svd_min_positions}")
         from opdcache.svd import METHODS
 
         if self.svd_method not in METHODS:
@@ -221,6 +229,11 @@ def run_score(job: ScoreJob) -> dict:
     base_entry = cache.table(base)
     base_params = cache.params(base)
     num_workers, worker_index = worker_from_env(job.num_workers, job.worker_index)
+    if "svd" in job.stores and job.svd_min_positions:  # known from the manifest: refused before any model loads
+        available = sum(int(sh["tokens"]) for sh in base_entry["shards"])
+        if available < job.svd_min_positions:
+            raise ConfigError(f"--svd-min-positions {job.svd_min_positions}: the {base} table has only {available:,} response "
+                              "positions to fit the svd projection on; add rollouts or lower --svd-min-positions")
     ref = resolve_model(job.teacher, job.revision, "--teacher")
     check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], load_tokenizer(ref.path), f"teacher {ref.name}",
                          cache.tokenizer())
@@ -281,10 +294,27 @@ def run_score(job: ScoreJob) -> dict:
             "topk": entry.get("topk"), "fidelity": entry.get("fidelity")}
 
 
+def calibration_rows(cache: Cache, rank: int, seed: int) -> tuple[list[tuple[int, int]], int]:
+    """(rows, target positions) for the svd fit: rows (shard, index) drawn at random (seeded) over every shard of the
+    base table, in a seeded random order, enough (by the manifest's mean row length) for max(4 x rank, 2,048)
+    calibration positions and then 1,024 held-out ones."""
+    import numpy as np
+
+    base = cache.table(cache.base_table)
+    rows = sum(int(sh["rows"]) for sh in base["shards"])
+    tokens = sum(int(sh["tokens"]) for sh in base["shards"])
+    target = max(CALIBRATION_PER_RANK * rank, CALIBRATION_MIN_POSITIONS)
+    want = min(rows, int(np.ceil((target + HELDOUT_POSITIONS) / max(tokens / max(rows, 1), 1.0) * 1.25)) + 2)
+    picks = [(shard, i) for shard, idx in sorted(cache.sample_rows(cache.base_table, want, seed).items()) for i in idx]
+    order = np.random.default_rng(seed + 1).permutation(len(picks))
+    return [picks[i] for i in order], target
+
+
 def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):
-    """Fit (or reload) the chosen svd projection on the first rows of shard 0 and measure its distortion on the
-    next rows. Memory: the calibration and held-out hidden states ([positions, H], decoded in the engine's
-    token-budget batches), [H, H] float64 moments and [V, rank] decoder; never [positions, vocabulary]."""
+    """Fit (or reload) the chosen svd projection on positions drawn from all shards (:func:`calibration_rows`) and
+    measure its distortion on further held-out positions. Memory: the calibration and held-out hidden states
+    ([positions, H], decoded in the engine's token-budget batches), [H, H] float64 moments and [V, rank] decoder; never
+    [positions, vocabulary]."""
 
     import torch
 
@@ -298,17 +328,42 @@ def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):
         return svd.load(path), info
     if not isinstance(backend, (TransformersBackend, ExactBackend)):
         raise ConfigError("the svd store needs the transformers engine")
-    reqs = score_requests(shards.read_table(cache.shard_paths(cache.base_table)[0], ["prompt_ids", "response_ids"]))
-    n_cal = min(CALIBRATION_SEQUENCES, max(1, len(reqs) // 2))
+    picks, target = calibration_rows(cache, job.svd_rank, job.svd_seed)
+    by_shard: dict[int, list[int]] = {}
+    for shard, i in picks:
+        by_shard.setdefault(shard, []).append(i)
+    lengths = {}
+    requests = {}
+    for shard, idx in by_shard.items():
+        rows = cache.read_shard(cache.base_table, shard, ["prompt_ids", "response_ids"]).take(sorted(idx))
+        for i, req in zip(sorted(idx), score_requests(rows)):
+            requests[(shard, i)] = req
+            lengths[(shard, i)] = len(req.response_ids)
+    calib_rows, held_rows, n = [], [], 0
+    for key in picks:  # in the seeded random order: calibration until the target, then the held-out rows
+        if n < target or not calib_rows:
+            calib_rows.append(key)
+            n += lengths[key]
+        elif sum(lengths[k] for k in held_rows) < HELDOUT_POSITIONS:
+            held_rows.append(key)
+    if n < target:
+        if job.svd_min_positions and n < job.svd_min_positions:
+            raise ConfigError(f"--svd-min-positions {job.svd_min_positions}: only {n:,} calibration positions are available")
+        print(f"warning: the svd projection is fitted on {n:,} positions, fewer than {target:,} (4 x rank {job.svd_rank}, at "
+              f"least {CALIBRATION_MIN_POSITIONS:,}): its distortion on other rollouts may be higher than measured; add "
+              "rollouts or lower --svd-rank (--svd-min-positions refuses instead)")
     with torch.no_grad():
-        calib = backend.hidden_states(reqs[:n_cal]).float()
-        held = backend.hidden_states(reqs[n_cal: n_cal + HELDOUT_SEQUENCES] or reqs[:n_cal]).float()
+        calib = backend.hidden_states([requests[k] for k in calib_rows]).float()
+        held = backend.hidden_states([requests[k] for k in (held_rows or calib_rows)]).float()
     head = backend.model.get_output_embeddings()
     W, b = head.weight.detach(), None if getattr(head, "bias", None) is None else head.bias.detach().float()
     chosen = svd.fit(W, b, calib, job.svd_rank, job.svd_method)
     dtype = "bfloat16" if job.svd_dtype == "bfloat16" else None
     measured = {job.svd_method: svd.distortion(chosen, W, b, held, store_dtype=dtype) | {"rank": job.svd_rank}}
     info = {"method": job.svd_method, "rank": job.svd_rank, "dtype": job.svd_dtype, "calibration_positions": int(calib.shape[0]),
-            "heldout_positions": int(held.shape[0]), "distortion": measured}
+            "calibration_rows": len(calib_rows), "calibration_shards": len({s for s, _ in calib_rows}), "calibration_seed": job.svd_seed,
+            "calibration_target": target, "heldout_positions": int(held.shape[0]),
+            "heldout": "held-out rows" if held_rows else "the calibration rows (no other rows left: in-sample)",
+            "distortion": measured}
     svd.save(chosen, path, info)
     return chosen, info

@@ -17,7 +17,8 @@ wall-clock since this invocation started. With corrections (l = r_train - r_roll
 pi_ref, r_rollout the cached ``ref_logprobs``): ``tis_clip_fraction``, response tokens whose exp(l) exceeded the TIS cap;
 ``rejected_fraction``, sequences dropped by K1/K3 rejection; ``band_rejected_fraction``, sequences outside the trust band.
 With ``kl_coef > 0``: ``kl_penalty``, the chosen estimator's mean (opdcache/losses.py; the cached or the online form), added
-to the loss times ``kl_coef``. Token statistics are means over response tokens, averaged over micro-batches; sequence fractions are over the batch.
+to the loss times ``kl_coef``. With ``--loss sampled-fkl``: ``sampled_stderr``, the mean per-position standard error of the
+forward-KL estimate from the m teacher draws (what the sampled store's few bytes cost in noise). Token statistics are means over response tokens, averaged over micro-batches; sequence fractions are over the batch.
 
 Memory: the model, its gradients and AdamW's two moments in float32 (16 bytes per parameter; divided by the
 number of processes with ``--fsdp``), activations of one micro-batch [batch, length, hidden] per layer (one layer's
@@ -298,6 +299,8 @@ class Trainer:
             stats["is_weight_mean"], stats["is_weight_std"] = _masked_mean_std(log_ratio.exp(), mask)
             stats["k1"] = float(((-log_ratio) * mask).sum() / mask.sum())
             stats["k3"] = float(((log_ratio.exp() - 1 - log_ratio) * mask).sum() / mask.sum())
+        if "stderr" in st:  # the sampled store's per-position standard error of its forward-KL estimate, averaged
+            stats["sampled_stderr"] = float((st["stderr"] * mask).sum() / mask.sum().clamp_min(1))
         if "rho" in st:  # the old-to-current ratio pi_theta / pi_old = exp(s - b) on the sampled (or mc) tokens
             stats["rho_mean"], stats["rho_std"] = _masked_mean_std(st["rho"], mask)
             stats["rho_max"] = float(st["rho"][mask.bool()].max()) if mask.any() else 1.0

@@ -286,8 +286,13 @@ def test_sampled_fkl_is_the_forward_kl_in_expectation():
     draws = torch.multinomial(p.exp(), 4000 * m, replacement=True, generator=g).view(4000, m).numpy()
     uid, counts, lps = collapse(draws, p.numpy()[draws].astype(np.float32))
     qv = q.detach().numpy()[np.maximum(uid, 0)]
-    est, _ = L.sampled_fkl_terms(torch.tensor(qv)[None], torch.tensor(lps.astype(np.float64))[None], torch.tensor(counts)[None])
+    est, st = L.sampled_fkl_terms(torch.tensor(qv)[None], torch.tensor(lps.astype(np.float64))[None], torch.tensor(counts)[None])
     assert abs(float(est.mean()) - float(ref.detach())) < 4 * float(est.std()) / np.sqrt(4000)
+    # the recorded standard error is the draws' own: std(log p - log q over the m draws, ddof 1) / sqrt(m)
+    d = p.numpy()[draws] - q.detach().numpy()[draws]
+    np.testing.assert_allclose(st["stderr"][0].numpy(), d.std(1, ddof=1) / np.sqrt(m), rtol=1e-5)  # teacher lps float32
+    # and it predicts the spread of the estimates between positions (the same p and q everywhere)
+    assert float(st["stderr"].mean()) == pytest.approx(float(est.std()), rel=0.1)
 
 
 def test_upgrade_writes_the_same_compact_table_as_scoring_and_leaves_the_source(compact_cache):

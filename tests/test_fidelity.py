@@ -169,3 +169,40 @@ def test_hidden_dtype_bfloat16_stores_rounded_states_and_records_their_kl(weight
         ScoreJob(cache=out, teacher=weights / "teacher", hidden_dtype="bfloat16")
     with pytest.raises(ConfigError, match="--hidden-dtype must be one of float32, bfloat16, float16"):
         ScoreJob(cache=out, teacher=weights / "teacher", stores=("hidden",), hidden_dtype="fp8")
+
+
+def test_svd_calibration_is_drawn_from_all_shards_and_its_size_recorded(hf_cache, weights, tmp_path, capsys):
+    """The fit takes seeded rows over every shard (not the first rows of shard 0), records its calibration size, warns
+    with the count when the rollouts hold fewer than max(4 x rank, 2,048) positions, and --svd-min-positions refuses
+    before any model loads."""
+    import shutil
+
+    from opdcache.cache import Cache
+    from opdcache.errors import ConfigError
+    from opdcache.scoring import ScoreJob, calibration_rows, run_score
+
+    cache = Cache(hf_cache)
+    picks, target = calibration_rows(cache, 16, 0)
+    assert target == 2048 and len({s for s, _ in picks}) == len(cache.table("rollouts")["shards"]) > 1
+    assert calibration_rows(cache, 16, 0) == (picks, target) and calibration_rows(cache, 16, 1)[0] != picks  # seeded
+    info = cache.table("teachers/teacher")["svd"]
+    tokens = sum(s["tokens"] for s in cache.table("rollouts")["shards"])
+    assert info["calibration_shards"] == 3 and info["calibration_positions"] == tokens  # all of this small cache
+    assert info["calibration_target"] == 2048 and "in-sample" in info["heldout"]
+    out = tmp_path / "c"
+    shutil.copytree(hf_cache, out)
+    run_score(ScoreJob(cache=out, teacher=weights / "teacher", stores=("svd",), svd_rank=8, slug="svd8"))
+    assert f"warning: the svd projection is fitted on {tokens:,} positions, fewer than 2,048" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=rf"--svd-min-positions 5000: the rollouts table has only {tokens:,} response positions"):
+        run_score(ScoreJob(cache=out, teacher=tmp_path / "no-such-teacher", stores=("svd",), svd_rank=8, svd_min_positions=5000))
+
+
+def test_train_sampled_fkl_logs_the_estimates_standard_error(hf_cache, weights, tmp_path, capsys):
+    from opdcache.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--model", str(weights / "student"), "--cache", str(hf_cache), "--loss", "sampled-fkl", "--steps", "2",
+              "--batch-size", "4", "--out", str(tmp_path / "run")])
+    assert exit_.value.code == 0, capsys.readouterr().err
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2 and all(s["sampled_stderr"] > 0 for s in steps)
