@@ -15,8 +15,9 @@ def score_teacher(
     store: Annotated[str, typer.Option("--store", help="Comma-separated stores: logprob (always), topk, hidden, svd, sampled.")] = "logprob",
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Width of the teacher's top-k store.", show_default=False)] = None,
     topk_precision: Annotated[Optional[str], typer.Option(
-        "--topk-precision", help="Compact top-k (format v3): float32, or float16 (|error| <= |log-prob| x 2^-11). Not set "
-        "(and no --topk-mass): the exact v1 store.", show_default=False)] = None,
+        "--topk-precision", help="Compact top-k: float32, float16 (|error| <= |log-prob| x 2^-11; format v3), or prob14 "
+        "(probabilities as uint16 codes to within 2^-15, ids ascending: the smallest, format v4; SmolLM2 numbers in "
+        "BENCHMARKS.md). Not set (and no --topk-mass): the exact v1 store.", show_default=False)] = None,
     topk_mass: Annotated[Optional[float], typer.Option(
         "--topk-mass", help="Compact top-k (format v3): keep entries until the teacher mass left out is at most this (at "
         "most --top-k), the rest kept as one tail column. 1e-4 keeps the exact top-128's forward-KL fidelity at ~210 "

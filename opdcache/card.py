@@ -63,12 +63,15 @@ def render(manifest: dict) -> str:
             topk = entry.get("topk") or {}
             d = topk.get("distortion") or {}
             precision = params.get("topk_precision") or "float32"
-            lines += [f"### Decoding the compact top-k in `{config_name(name)}` (format v3: {precision}, residual mass "
+            lines += [f"### Decoding the compact top-k in `{config_name(name)}` (format v{4 if precision == 'prob14' else 3}: {precision}, residual mass "
                       f"{params.get('topk_mass')})", "",
                       "Each position keeps the teacher's most likely tokens until the probability left out is at most the "
                       "residual mass (at most `top_k`), most likely first; the remaining slots hold id `-1` (and log-prob "
                       "`-inf`). `topk_tail` is the probability outside the kept entries."
                       + (" The log-probs are IEEE float16 bit patterns in `uint16`." if precision == "float16" else "")
+                      + (" The values are probabilities as `uint16` codes c (probability c x 2^-14, to within 2^-15; entries "
+                         "below 2^-15 are in the tail), and the kept entries are in ascending id order, not most likely first."
+                         if precision == "prob14" else "")
                       + (f" Measured when written, against the exact top-k: |log-prob error| at most {d['max_abs_logprob_error']:.2e}, "
                          f"{d['mean_entries']:.1f} entries a position, at most {d['max_moved_mass']:.2e} of the probability moved into "
                          "the tail." if d else ""), "", "Decode a row like this:", "",
@@ -107,6 +110,8 @@ _TOPK_RECIPE = ("import numpy as np\n"
 TOPK_RECIPE = {
     "float16": _TOPK_RECIPE.format(decode="np.asarray(row['topk_logprobs'], dtype=np.uint16).view(np.float16).astype(np.float32)"),
     "float32": _TOPK_RECIPE.format(decode="np.asarray(row['topk_logprobs'], dtype=np.float32)"),
+    "prob14": _TOPK_RECIPE.format(decode="np.log(np.asarray(row['topk_logprobs'], dtype=np.float64) * 2.0 ** -14)  "
+                                         "# uint16 codes: probability c x 2^-14"),
 }
 """Decoding a compact top-k row into {token id: log-prob} per position (shown in the card, run by a test)."""
 

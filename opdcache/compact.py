@@ -154,23 +154,51 @@ DISTORTION_META = b"opdcache.topk_distortion"
 
 
 def compact_topk(ids_TK: np.ndarray, lps_TK: np.ndarray, precision: str, mass: float | None) -> dict:
-    """One row's exact top-k -> the v3 store's fixed-width form, vectorised: the kept support in rank order (most
-    likely first, as the exact store), the remaining slots id -1 / log-prob -inf, log-probs rounded to ``precision``,
-    and the tail (1 - kept probability, float64 from the float32 log-probs, so its error is ~1e-7 at most).
+    """One row's exact top-k -> the compact store's fixed-width form, vectorised: the kept support in rank order (most
+    likely first, as the exact store; ``prob14``: ascending id), the remaining slots id -1 / log-prob -inf, values
+    rounded to ``precision``, and the tail (1 - the kept entries' exact probability, float64 from the float32 log-probs,
+    so its error is ~1e-7 at most).
 
-    Returns ids [T, k] int32, logprobs [T, k] float32 (what a reader decodes), stored [T, k] (float32, or float16
-    bits as uint16: what the column holds), tail [T] float32, counts [T]. Memory O(T x k)."""
+    ``prob14`` (v4): probabilities as uint16 codes c = round(p x 2^14); an entry whose code would be 0 leaves the
+    support (its mass joins the tail), except the most likely one, which keeps at least code 1.
+
+    Returns ids [T, k] int32, logprobs [T, k] float32 (what a reader decodes), stored [T, k] (float32, or uint16: float16
+    bits or prob14 codes: what the column holds), tail [T] float32, counts [T], exact [T, k] (the exact log-prob of each
+    slot, aligned with ids). Memory O(T x k)."""
     ids_TK = np.asarray(ids_TK)
     lps_TK = np.asarray(lps_TK, dtype=np.float32)
     order, counts, tail = support(lps_TK, mass)
     lp = np.take_along_axis(lps_TK, order, 1)
     ids = np.take_along_axis(ids_TK, order, 1).astype(np.int32)
     kept = np.arange(lps_TK.shape[1])[None, :] < counts[:, None]
+    if precision == "prob14":
+        return _prob14(ids, lp, kept)
     rounded = lp.astype(np.float16).astype(np.float32) if precision == "float16" else lp
     decoded = np.where(kept, rounded, np.float32(-np.inf)).astype(np.float32)
     stored = decoded.astype(np.float16).view(np.uint16) if precision == "float16" else decoded
     return {"ids": np.where(kept, ids, PAD_ID).astype(np.int32), "logprobs": decoded, "stored": stored, "tail": tail,
             "counts": counts, "exact": lp}
+
+
+def _prob14(ids: np.ndarray, lp: np.ndarray, kept: np.ndarray) -> dict:
+    """The prob14 form of a residual-mass support in rank order (``kept`` a prefix of each row)."""
+    from opdcache.schema import PROB14_STEP
+
+    p = np.exp(lp.astype(np.float64))
+    code = np.rint(p / PROB14_STEP)
+    code[:, :1] = np.maximum(code[:, :1], 1)  # the most likely entry always stays
+    kept = kept & (code > 0)  # codes fall along the rank order: still a prefix
+    tail = np.clip(1.0 - np.where(kept, p, 0.0).sum(1), 0.0, 1.0).astype(np.float32)
+    asc = np.argsort(np.where(kept, ids.astype(np.int64), np.iinfo(np.int64).max), axis=1, kind="stable")
+    kept = np.take_along_axis(kept, asc, 1)
+    ids = np.take_along_axis(ids, asc, 1)
+    code = np.take_along_axis(code, asc, 1)
+    exact = np.take_along_axis(lp, asc, 1)
+    stored = np.where(kept, np.minimum(code, 65535), 0).astype(np.uint16)
+    with np.errstate(divide="ignore"):
+        decoded = np.where(kept, np.log(stored.astype(np.float64) * PROB14_STEP), -np.inf).astype(np.float32)
+    return {"ids": np.where(kept, ids, PAD_ID).astype(np.int32), "logprobs": decoded, "stored": stored, "tail": tail,
+            "counts": kept.sum(1).astype(np.int32), "exact": exact}
 
 
 def distortion_sums(enc: dict) -> dict:
@@ -229,6 +257,12 @@ def decode_logprobs(values: np.ndarray, field) -> np.ndarray:
     (field metadata opdcache.dtype = float16) are decoded, float32 is returned as is."""
     from opdcache.schema import FIELD_DTYPE
 
-    if field.metadata and field.metadata.get(FIELD_DTYPE) == b"float16":
+    dtype = field.metadata.get(FIELD_DTYPE) if field.metadata else None
+    if dtype == b"float16":
         return np.ascontiguousarray(values).view(np.float16).astype(np.float32)
+    if dtype == b"prob14":  # uint16 probability codes; 0 (padding) decodes to -inf
+        from opdcache.schema import PROB14_STEP
+
+        with np.errstate(divide="ignore"):
+            return np.log(np.asarray(values, np.float64) * PROB14_STEP).astype(np.float32)
     return values

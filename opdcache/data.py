@@ -110,6 +110,7 @@ class DecodedShard:
                 refuse(f"per-token column {name} is not as long as the responses")
         self.cols = {name: shards.token_values(r[name]) for name in rollout_cols}
         self.hidden_dtype = None
+        self.topk_layout = (1e-3, "logprobs")
         if teacher_path is not None:
             t = shards.read_table(teacher_path, ["id"] + teacher_cols, rows=rows, max_row_tokens=max_length, where=where, tokens=tokens)
             if t.num_rows != r.num_rows or t["id"].to_pylist() != r["id"].to_pylist():
@@ -123,6 +124,8 @@ class DecodedShard:
 
                     values = decode_logprobs(values, t.schema.field(name))
                 self.cols["teacher_" + name] = values
+                if name == "topk_logprobs":
+                    self.topk_layout = rowrules.topk_layout(t.schema.field(name), values.shape[1] if values.ndim == 2 else 1)
                 if name == "hidden":
                     self.hidden_dtype = shards.hidden_dtype_of(t.schema.field("hidden"))
         for column, bad, message in self._violations(vocab, samples):
@@ -137,7 +140,8 @@ class DecodedShard:
             if name in c:
                 out += rowrules.ids_in_vocabulary(name, c[name], vocab)
         if "teacher_topk_ids" in c:
-            out += rowrules.topk_rules("topk", c["teacher_topk_ids"], c["teacher_topk_logprobs"], vocab, c.get("teacher_topk_tail"))
+            tol, order = self.topk_layout
+            out += rowrules.topk_rules("topk", c["teacher_topk_ids"], c["teacher_topk_logprobs"], vocab, c.get("teacher_topk_tail"), tol, order)
         if "teacher_sampled_ids" in c:
             out += rowrules.sampled_rules(c["teacher_sampled_ids"], c["teacher_sampled_counts"], c["teacher_sampled_logprobs"],
                                           samples or 0, vocab)

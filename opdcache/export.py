@@ -134,13 +134,16 @@ def _lightning_opd_rows(rows: list[dict], tokenizer, ref_logprobs: bool) -> tupl
     return out, refused
 
 
-def _plain(trow: dict, half: list[str]) -> dict:
-    """A v3 teacher row's values as plain numbers: the ``half`` columns' float16 bits decoded, padding slots (id -1)
-    dropped, so each position lists only its entries (ragged). v1 rows pass through unchanged."""
+def _plain(trow: dict, coded: dict) -> dict:
+    """A v3/v4 teacher row's values as plain numbers: the ``coded`` columns (name -> field) decoded to float32 log-probs
+    (float16 bits, prob14 codes), padding slots (id -1) dropped, so each position lists only its entries (ragged). v1
+    rows pass through unchanged."""
     import numpy as np
 
-    for name in half:
-        trow[name] = [np.asarray(v, np.uint16).view(np.float16).astype(np.float32).tolist() for v in trow[name]]
+    from opdcache.compact import decode_logprobs
+
+    for name, field in coded.items():
+        trow[name] = [decode_logprobs(np.asarray(v, np.uint16), field).tolist() for v in trow[name]]
     for ids_name, partners in S.PADDED_BY.items():
         if ids_name not in trow or not any(i == S.PAD_ID for pos in trow[ids_name] for i in pos):
             continue
@@ -166,9 +169,9 @@ def _rows(cache, base: str, table: str | None, index: int, tokenizer) -> list[di
                 raise SchemaError(f"{where}: teacher column {name} is not as long as the responses (shifted or truncated rows); "
                                   "run `opdcache validate` and rebuild that shard")
         cols = [c for c in TEACHER_COLUMNS if c in t.column_names]
-        half = [c for c in cols if (t.schema.field(c).metadata or {}).get(S.FIELD_DTYPE) == b"float16"]
+        coded = {c: t.schema.field(c) for c in cols if (t.schema.field(c).metadata or {}).get(S.FIELD_DTYPE) in (b"float16", b"prob14")}
         for row, trow in zip(rows, t.select(cols).to_pylist()):
-            row.update({f"teacher_{k}": v for k, v in _plain(trow, half).items()})
+            row.update({f"teacher_{k}": v for k, v in _plain(trow, coded).items()})
     for row in rows:
         row["prompt_text"] = tokenizer.decode(row["prompt_ids"])
         row["response_text"] = tokenizer.decode(row["response_ids"])

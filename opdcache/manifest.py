@@ -90,7 +90,7 @@ _TOPK = {
     "description": "a compact top-k store (format v3): its precision and residual-mass support, and the distortion against the exact top-k measured when each shard was written (opdcache/compact.py)",
     "required": ["precision", "mass", "distortion"],
     "properties": {
-        "precision": {"enum": list(S.TOPK_PRECISIONS)}, "mass": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+        "precision": {"enum": ["float32", "float16"]}, "mass": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
         "distortion": {"type": "object", "required": ["positions", "mean_entries", "max_abs_logprob_error", "mean_abs_logprob_error",
                                                       "max_kl_exact_to_compact", "mean_kl_exact_to_compact", "max_moved_mass", "mean_moved_mass"]},
     },
@@ -103,6 +103,8 @@ def _table(version: int) -> dict:
     props = {**_TABLE["properties"], "async": _ASYNC}
     if version >= 3:
         props["topk"] = _TOPK
+    if version >= 4:  # the prob14 precision
+        props["topk"] = {**_TOPK, "properties": {**_TOPK["properties"], "precision": {"enum": [p for p in S.TOPK_PRECISIONS]}}}
     return {**_TABLE, "properties": props}
 
 

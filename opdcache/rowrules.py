@@ -33,11 +33,22 @@ def ids_in_vocabulary(column: str, ids: np.ndarray, vocab: int | None) -> list[V
     return [(column, bad, f"token id outside the vocabulary [0, {vocab})")] if bad.any() else []
 
 
+def topk_layout(field, width: int) -> tuple[float, str]:
+    """(tolerance on kept mass + tail, order) of a top-k log-prob column from its field metadata: float32 1e-3 and
+    float16 1e-2, both most likely first ("logprobs"); prob14 1e-3 + width x 2^-15 (each code rounds by at most
+    2^-15), ids ascending ("ids")."""
+    dtype = field.metadata.get(S.FIELD_DTYPE) if field.metadata else None
+    if dtype == b"prob14":
+        return 1e-3 + width * S.PROB14_STEP / 2, "ids"
+    return (1e-2 if dtype == b"float16" else 1e-3), "logprobs"
+
+
 def topk_rules(prefix: str, ids: np.ndarray, lps: np.ndarray, vocab: int | None, tail: np.ndarray | None = None,
-               tol: float = 1e-3) -> list[Violation]:
-    """A top-k store: ids in the vocabulary and distinct, log-probs finite, not above 0 and descending, probabilities
-    summing to at most 1; with ``tail`` (v3 compact), padding (id -1, log-prob -inf) only in trailing slots after at
-    least one entry, tail in [0, 1] and kept mass + tail = 1 within ``tol``."""
+               tol: float = 1e-3, order: str = "logprobs") -> list[Violation]:
+    """A top-k store: ids in the vocabulary and distinct, log-probs finite, not above 0 and descending (``order`` "ids":
+    the kept ids ascending instead, the prob14 layout), probabilities summing to at most 1; with ``tail`` (compact),
+    padding (id -1, log-prob -inf) only in trailing slots after at least one entry, tail in [0, 1] and kept mass + tail
+    = 1 within ``tol``."""
     col_ids, col_lps = f"{prefix}_ids", f"{prefix}_logprobs"
     pad = ids == S.PAD_ID if tail is not None else np.zeros(ids.shape, bool)
     out: list[Violation] = [(col_ids, _outside(ids, vocab, pad), f"token id outside the vocabulary [0, {vocab})")]
@@ -49,8 +60,12 @@ def topk_rules(prefix: str, ids: np.ndarray, lps: np.ndarray, vocab: int | None,
     finite = np.isfinite(kept).all(axis=1)
     out.append((col_lps, ~finite, "non-finite log-prob"))
     out.append((col_lps, (kept > 0).any(axis=1) & finite, "log-prob above 0"))
-    with np.errstate(invalid="ignore"):
-        out.append((col_lps, (np.diff(lps, axis=1) > 0).any(axis=1), "top-k log-probs not sorted descending"))
+    if order == "ids":
+        ascending = (np.diff(ids.astype(np.int64), axis=1) > 0) | pad[:, 1:]
+        out.append((col_ids, ~ascending.all(axis=1), "top-k ids of a prob14 row not ascending"))
+    else:
+        with np.errstate(invalid="ignore"):
+            out.append((col_lps, (np.diff(lps, axis=1) > 0).any(axis=1), "top-k log-probs not sorted descending"))
     with np.errstate(over="ignore"):
         mass = np.exp(lps.astype(np.float64)).sum(axis=1)
     out.append((col_lps, mass > 1 + tol, "top-k probabilities sum to more than 1"))

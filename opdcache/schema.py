@@ -25,22 +25,28 @@ import pyarrow as pa
 from opdcache.errors import ConfigError, SchemaError
 
 FORMAT_NAME = "opdcache"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """The newest format. A shard (and a manifest) declares the lowest version that holds every column it uses, so a cache
 that uses nothing newer than v1 is written exactly as v1 was (same bytes, same fingerprints) and older readers keep
 reading it. v2 = v1 + the rollouts' optional ``version`` store (``student_version``: async runs). v3 = v2 + the compact
 top-k store (``topk_precision`` / ``topk_mass``: a residual-mass support padded with id -1, log-probs in float16 bits,
-and the ``topk_tail`` column) and the teacher's ``sampled`` store (RS-KD)."""
-READABLE_VERSIONS = (1, 2, 3)
+and the ``topk_tail`` column) and the teacher's ``sampled`` store (RS-KD). v4 = v3 + the compact top-k precision
+``prob14`` (probabilities as uint16 codes on a 2^-14 grid, kept entries in ascending id order; issue 29)."""
+READABLE_VERSIONS = (1, 2, 3, 4)
 STORE_SINCE = {"version": 2, "sampled": 3}
 """Stores added after v1, with the format version that added them; ``schemas/format-v<N>.json`` freezes each version."""
 
 TABLE_KINDS = ("sft", "rollouts", "teacher")
 ROLLOUT_STORES = ("base", "ref_topk", "mc", "task", "version")
 TEACHER_STORES = ("logprob", "topk", "hidden", "svd", "sampled")
-TOPK_PRECISIONS = ("float32", "float16")
-"""Precisions of the compact top-k store's log-probs (opdcache/compact.py measures q8 too: on bench_storage.py's data, 44x
-float16's forward-KL error for 6 B/token less at mass 1e-3, so it is not offered)."""
+TOPK_PRECISIONS = ("float32", "float16", "prob14")
+"""Precisions of the compact top-k store's values: float32 or float16 log-probs (v3), or ``prob14`` (v4): each kept
+entry's probability as a uint16 code c = round(p x 2^14), decoded p = c x 2^-14 (|error| <= 2^-15), entries whose code
+would be 0 (p < 2^-15) moved into the tail, the kept entries in ascending id order (their ids then compress to half:
+bench_storage.py, BENCHMARKS.md). opdcache/compact.py measures q8 too: on bench_storage.py's data, 44x float16's
+forward-KL error for 6 B/token less at mass 1e-3, so it is not offered."""
+PROB14_STEP = 2.0 ** -14
+TOPK_PRECISION_SINCE = {"float32": 3, "float16": 3, "prob14": 4}
 PAD_ID = -1
 """Padding of a compact top-k or sampled entry that holds no token (its log-prob is -inf, its count 0)."""
 PADDED_BY = {"topk_ids": ("topk_logprobs",), "sampled_ids": ("sampled_counts", "sampled_logprobs")}
@@ -279,7 +285,7 @@ def arrow_field(kind: str, col: Column, params: StoreParams) -> pa.Field:
         elif col.dtype == "topk":  # v1: float32; v3 compact: float32, or float16 as its raw bits
             precision = params.topk_precision or "float32"
             elem = hidden_storage_type(precision)
-            metadata = {FIELD_DTYPE: b"float16"} if precision == "float16" else None
+            metadata = {FIELD_DTYPE: precision.encode()} if precision in ("float16", "prob14") else None
         else:
             elem = _scalar_type(col.dtype)
         typ = pa.list_(pa.list_(elem, width))
@@ -289,7 +295,8 @@ def arrow_field(kind: str, col: Column, params: StoreParams) -> pa.Field:
 def version_of(params: StoreParams) -> int:
     """The lowest format version holding every store of ``params``."""
     newer = params.topk_compact or ("svd" in params.stores and params.svd_dtype)
-    return max([1] + [STORE_SINCE.get(store, 1) for store in params.stores] + [3 if newer else 1])
+    since = TOPK_PRECISION_SINCE.get(params.topk_precision, 1) if params.topk_compact else 1
+    return max([1, since] + [STORE_SINCE.get(store, 1) for store in params.stores] + [3 if newer else 1])
 
 
 def arrow_schema(kind: str, params: StoreParams, config_fingerprint: str = "") -> pa.Schema:
@@ -317,7 +324,8 @@ def describe(version: int = FORMAT_VERSION) -> dict:
     def entry(c: Column) -> dict:
         d = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("requires", "since")} | {"requires": list(c.requires)}
         if c.dtype == "topk":  # written "float32" before v3 added the float16 form; the same column either way
-            d["dtype"] = "float32" if version < 3 else "float32, or float16 bits in uint16 (v3 compact, field metadata opdcache.dtype)"
+            d["dtype"] = ("float32" if version < 3 else "float32, or float16 bits in uint16 (v3 compact, field metadata opdcache.dtype)"
+                          if version < 4 else "float32, or uint16: float16 bits (v3) or prob14 codes (v4), named by field metadata opdcache.dtype")
         if c.dtype == "svd":
             d["dtype"] = "float32" if version < 3 else "float32, or bfloat16 bits in uint16 (v3 svd_dtype, field metadata opdcache.dtype)"
         return d
@@ -339,12 +347,17 @@ def describe(version: int = FORMAT_VERSION) -> dict:
             "when": "store parameters topk_precision or topk_mass set (score-teacher --topk-precision / --topk-mass)",
             "support": "per position, the teacher's most likely entries until the residual mass is at most topk_mass "
                        "(at least 1, at most top_k), most likely first; the remaining slots hold id -1 and log-prob -inf",
-            "precisions": list(TOPK_PRECISIONS),
+            "precisions": [p for p in TOPK_PRECISIONS if TOPK_PRECISION_SINCE[p] <= version],
             "float16": "topk_logprobs holds the IEEE float16 bit pattern in uint16 (field metadata opdcache.dtype = float16); "
                        "numpy: values.view(np.float16).astype(np.float32)",
             "tail": "topk_tail = 1 - sum of the kept entries' probabilities, from the float32 log-probs in float64",
             "distortion": "measured at write time against the exact top-k and recorded in the manifest table entry 'topk'",
         }
+    if version >= 4:
+        out["compact_topk"]["prob14"] = (
+            "topk_logprobs holds uint16 codes c (field metadata opdcache.dtype = prob14): probability c x 2^-14, log-prob "
+            "log(c) - 14 log 2, 0 at padding; entries with p < 2^-15 are moved into the tail; the kept entries are in "
+            "ascending id order (not most likely first); topk_tail = 1 - the kept entries' exact probabilities")
     return out
 
 

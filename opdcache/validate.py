@@ -365,20 +365,26 @@ def _report(file: str, offsets: np.ndarray, violations, out: _Collector) -> None
 
 
 def _check_topk(file: str, prefix: str, ids: np.ndarray, lps: np.ndarray, offsets: np.ndarray, vocab: int | None, out: _Collector,
-                tail: np.ndarray | None = None, tol: float = 1e-3) -> None:
+                tail: np.ndarray | None = None, tol: float = 1e-3, order: str = "logprobs") -> None:
     """ids, lps: [tokens, k]; the rules of opdcache/rowrules.py (the loader refuses the same rows)."""
-    _report(file, offsets, rowrules.topk_rules(prefix, ids, lps, vocab, tail, tol), out)
+    _report(file, offsets, rowrules.topk_rules(prefix, ids, lps, vocab, tail, tol, order), out)
 
 
 def _check_against_topk(file: str, column: str, sampled: np.ndarray, sampled_lp: np.ndarray, ids: np.ndarray,
-                        lps: np.ndarray, offsets: np.ndarray, out: _Collector, rel_tol: float = 0.0) -> None:
+                        lps: np.ndarray, offsets: np.ndarray, out: _Collector, rel_tol: float = 0.0, prob_tol: float | None = None) -> None:
     """The sampled token's log-prob must equal its top-k entry (within LOGPROB_TOL + rel_tol x |log-prob|: float16
-    storage), or lie below the last kept entry when outside top-k."""
+    storage; with ``prob_tol``, prob14 codes: the probabilities within prob_tol), or lie below the last kept entry when
+    outside top-k."""
     hit = ids == sampled[:, None]
     inside = hit.any(axis=1)
     at = np.where(inside, lps[np.arange(len(ids)), hit.argmax(axis=1)], np.nan)
     tol = LOGPROB_TOL + (rel_tol * np.abs(np.nan_to_num(sampled_lp)) if rel_tol else 0.0)
-    mismatch = inside & (np.abs(at - sampled_lp) > tol)
+    if prob_tol is not None:  # an entry's probability is stored to within prob_tol, its log-prob to no fixed bound
+        with np.errstate(invalid="ignore"):
+            mismatch = inside & (np.abs(np.exp(at.astype(np.float64)) - np.exp(sampled_lp.astype(np.float64))) > prob_tol)
+        tol = np.maximum(tol, np.log1p(prob_tol / np.maximum(np.exp(sampled_lp.astype(np.float64)), 1e-300)))
+    else:
+        mismatch = inside & (np.abs(at - sampled_lp) > tol)
     if mismatch.any():
         out.rows(file, column, _row_of(offsets, np.flatnonzero(mismatch)), "log-prob of the sampled token disagrees with its top-k entry")
     last = np.where(np.isfinite(lps), lps, np.inf).min(axis=1) if lps.shape[1] else np.full(len(ids), np.inf)
@@ -465,8 +471,10 @@ def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, par
         lps_k = decode_logprobs(shards.token_values(table["topk_logprobs"]), table.schema.field("topk_logprobs"))
         tail = shards.token_values(table["topk_tail"]) if "topk_tail" in table.column_names else None
         half = params.topk_precision == "float16"
-        _check_topk(file, "topk", ids_k, lps_k, offsets, vocab, out, tail, tol=1e-2 if half else 1e-3)
-        _check_against_topk(file, "logprobs", response, logprobs, ids_k, lps_k, offsets, out, rel_tol=2.0 ** -10 if half else 0.0)
+        tol, order = rowrules.topk_layout(table.schema.field("topk_logprobs"), ids_k.shape[1])
+        _check_topk(file, "topk", ids_k, lps_k, offsets, vocab, out, tail, tol=tol, order=order)
+        _check_against_topk(file, "logprobs", response, logprobs, ids_k, lps_k, offsets, out, rel_tol=2.0 ** -10 if half else 0.0,
+                            prob_tol=S.PROB14_STEP / 2 + 1e-6 if order == "ids" else None)
     if "sampled_ids" in table.column_names:
         _check_sampled(file, table, params, offsets, vocab, out)
     for name in ("ref_topk_logprobs", "mc_logprobs"):

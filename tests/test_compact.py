@@ -347,7 +347,7 @@ def test_info_shows_the_compact_store_and_its_distortion(compact_cache, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--store", "logprob,topk", "--top-k", "8", "--topk-precision", "q8"], "--topk-precision must be one of float32, float16, got 'q8'"),
+    (["--store", "logprob,topk", "--top-k", "8", "--topk-precision", "q8"], "--topk-precision must be one of float32, float16, prob14, got 'q8'"),
     (["--store", "logprob,topk", "--top-k", "8", "--topk-mass", "1.5"], r"--topk-mass must be in \[0, 1\), got 1.5"),
     (["--store", "logprob", "--topk-mass", "1e-3"], "--topk-precision and --topk-mass shape the topk store: add --store topk"),
     (["--store", "logprob,sampled"], "--samples-per-position must be between 1 and 255 with --store sampled, got None"),
@@ -363,3 +363,108 @@ def test_bad_v3_settings_are_one_line_before_any_model_loads(tmp_path, capsys, a
         main(["score-teacher", str(tmp_path / "nowhere"), "--teacher", str(tmp_path / "no-model"), *args])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and re.search(message, err) and len(err.strip().splitlines()) == 1, err
+
+
+# ------------------------------------------------------------------------------------------------ prob14 (format v4)
+
+def test_prob14_equals_a_plain_reference():
+    """Per position: the residual-mass prefix in rank order, minus entries whose code round(p x 2^14) is 0 (the most
+    likely always stays), in ascending id order, codes as uint16; tail = 1 - the kept entries' exact mass."""
+    ids, lps = adversarial_rows(8)
+    rng = np.random.default_rng(1)  # and a wide row in no id order, with codes near 0 and 0.5
+    logits = rng.normal(size=(3, 400)) * 3
+    lp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    top = np.argsort(-lp, 1)[:, :8]
+    ids = np.concatenate([ids, rng.permutation(400)[top].astype(np.int32)])
+    lps = np.concatenate([lps, np.take_along_axis(lp, top, 1).astype(np.float32)])
+    enc = compact.compact_topk(ids, lps, "prob14", 1e-3)
+    for t in range(len(ids)):
+        order = sorted(range(ids.shape[1]), key=lambda j: -float(lps[t, j]))  # stable, like the store's argsort
+        kept, left = [], 1.0
+        for j in order:
+            if left <= 1e-3 and kept:
+                break
+            kept.append(j)
+            left -= float(np.exp(np.float64(lps[t, j])))
+        codes = {int(ids[t, j]): int(np.rint(np.exp(np.float64(lps[t, j])) * 2 ** 14)) for j in kept}
+        codes[int(ids[t, order[0]])] = max(codes[int(ids[t, order[0]])], 1)
+        want = sorted((i, c) for i, c in codes.items() if c > 0)
+        n = len(want)
+        assert enc["ids"][t, :n].tolist() == [i for i, _ in want] and (enc["ids"][t, n:] == -1).all()
+        assert enc["stored"][t, :n].tolist() == [c for _, c in want] and (enc["stored"][t, n:] == 0).all()
+        kept_mass = sum(float(np.exp(np.float64(lps[t, j]))) for j in kept if codes.get(int(ids[t, j]), 0) > 0)
+        assert enc["tail"][t] == pytest.approx(max(0.0, 1 - kept_mass), abs=1e-6)
+        np.testing.assert_allclose(np.exp(enc["logprobs"][t, :n].astype(np.float64)), np.array([c for _, c in want]) * 2.0 ** -14, rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def prob14_cache(compact_cache, weights):
+    from opdcache.scoring import ScoreJob, run_score
+
+    root, _ = compact_cache
+    result = run_score(ScoreJob(cache=root, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=16, slug="prob16",
+                                topk_precision="prob14", topk_mass=1e-3))
+    return root, result
+
+
+def test_a_prob14_table_is_v4_validates_and_reads_back_everywhere_as_the_same_numbers(prob14_cache, tmp_path):
+    import datasets
+
+    from opdcache.cache import Cache
+    from opdcache.data import DecodedShard
+    from opdcache.export import export
+    from opdcache.validate import validate
+
+    root, result = prob14_cache
+    cache = Cache(root)
+    assert cache.manifest["format_version"] == 4 and S.params_from_schema(shards.read_schema(cache.shard_paths("teachers/prob16")[0]))[2] == 4
+    assert not [p for p in validate(root) if not p.warning]
+    exact = shards.read_table(cache.shard_paths("teachers/exact16")[0])
+    ds = datasets.load_dataset(str(root), "teacher-prob16", split="train", cache_dir=str(tmp_path / "hf"))
+    code = _card_code(root, "### Decoding the compact top-k in `teacher-prob16` (format v4: prob14")
+    scope = {"row": ds[0]}
+    exec(code, scope)
+    e_ids, e_lps = exact["topk_ids"][0].as_py(), exact["topk_logprobs"][0].as_py()
+    for t, entries in enumerate(scope["entries"]):
+        assert list(entries) == sorted(entries)  # ascending ids
+        truth = dict(zip(e_ids[t], e_lps[t]))
+        for i, lp in entries.items():  # each probability to within 2^-15 of the exact top-k's
+            assert abs(np.exp(lp) - np.exp(truth[i])) <= 2 ** -15 + 1e-7
+    rpath, tpath = cache.shard_paths("rollouts")[0], cache.shard_paths("teachers/prob16")[0]
+    decoded = DecodedShard(rpath, tpath, ["prompt_ids", "response_ids"], ["topk_ids", "topk_logprobs", "topk_tail"], vocab=64)
+    T = len(scope["entries"])
+    ids_k, lps_k = decoded.cols["teacher_topk_ids"][:T], decoded.cols["teacher_topk_logprobs"][:T]
+    _same_entries([dict(zip(i[i != -1].tolist(), lp[i != -1].tolist())) for i, lp in zip(ids_k, lps_k)], scope["entries"])
+    export(root, "jsonl", tmp_path / "j", teacher="prob16")
+    row = json.loads((tmp_path / "j" / "rollouts.jsonl").read_text().splitlines()[0])
+    _same_entries([dict(zip(i, lp)) for i, lp in zip(row["teacher_topk_ids"], row["teacher_topk_logprobs"])], scope["entries"])
+
+
+def _same_entries(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want) and [list(g) for g in got] == [list(w) for w in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(list(g.values()), list(w.values()), rtol=1e-6)
+
+
+def test_prob14_is_smaller_and_trains(prob14_cache, weights, tmp_path, capsys):
+    from opdcache.cache import Cache
+    from opdcache.cli.main import main
+    from opdcache.info import store_bytes
+
+    root, _ = prob14_cache
+    cache = Cache(root)
+    assert store_bytes(cache, "teachers/prob16")["topk"] < store_bytes(cache, "teachers/compact16")["topk"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--model", str(weights / "student"), "--cache", str(root), "--teacher", "prob16", "--loss", "topk-fkl",
+              "--topk-tail", "--steps", "1", "--batch-size", "4", "--out", str(tmp_path / "run")])
+    assert exit_.value.code == 0, capsys.readouterr().err
+
+
+def test_validate_and_the_loader_refuse_a_prob14_row_out_of_id_order():
+    from opdcache import rowrules
+
+    ids = np.array([[3, 9, 12, -1], [9, 3, 12, -1]])
+    lps = np.log(np.array([[0.5, 0.3, 0.1, 0.0], [0.3, 0.5, 0.1, 0.0]]))
+    tail = np.full(2, 0.1)
+    out = rowrules.topk_rules("topk", ids, lps, 100, tail, tol=1e-3, order="ids")
+    assert [(c, bad.tolist(), m) for c, bad, m in out] == [("topk_ids", [False, True], "top-k ids of a prob14 row not ascending")]
