@@ -2,7 +2,7 @@
 
 Headline (the default): a real teacher on its own rollouts. SmolLM2-135M-Instruct (the ``real`` group's model,
 vocabulary 49,152, hidden 576) scores its own chat-template math rollouts at temperature 1 (benchmarks/realdata.py:
-32 prompts, up to 128 tokens); the svd settings fit on the first 16 rows and every setting is measured on the other 16.
+64 prompts, up to 128 tokens); the svd settings fit on the first 32 rows and every setting is measured on the other 32.
 Two real students on the same vocabulary: the same model with int8 weights and activations (w8a8, near) and with int4
 weight groups of 64 (w4a16:g64, far), emulated by opdcache's --quantize. The numbers come from opdcache/frontier.py (what
 ``opdcache plan`` prints); results/storage_real.json keeps them. Run:
@@ -319,12 +319,18 @@ def real(out_path: Path) -> None:
                 "w4a16:g64": Model(TransformersBackend(model, dtype="float32", quantize="w4a16:g64"), "w4a16:g64")}
     settings = default_settings(teacher.hidden_size, int(teacher.W.shape[0]))
     settings[3:3] = [Setting("topk", k=128, precision="float32", mass=1e-4), Setting("topk", k=128, precision="float16")]
+    settings[7:7] = [Setting("topk", k=128, precision="prob14", mass=1e-4), Setting("topk", k=128, precision="prob14", mass=1e-3)]
     settings += [Setting("svd", rank=512, dtype="float32")]
     start = time.perf_counter()
     report = measure(teacher, reqs, ids, settings, students)
     report["seconds"] = time.perf_counter() - start
     report["student_distance"] = _student_distance(teacher, students, reqs[len(reqs) // 2:])
     print(render(report))
+    print("\ncompact top-128 against the exact top-128, |FKL_compact - FKL_exact| a position (max, mean):")
+    for label, r in report["settings"].items():
+        if "mean_entries" in r:
+            print(f"  {label:<28} {r['mean_entries']:6.1f} entries  " + "  ".join(
+                f"{n} {st['vs_exact_topk']['max']:.2e} {st['vs_exact_topk']['mean']:.2e}" for n, st in r["students"].items() if "vs_exact_topk" in st))
     print("\nmean KL(teacher || student) per position: " + ", ".join(f"{k} {v:.3f} nats" for k, v in report["student_distance"].items()))
     report["command"] = "python benchmarks/bench_storage.py"
     out_path.write_text(json.dumps(report, indent=2) + "\n")

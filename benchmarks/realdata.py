@@ -10,18 +10,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-PROMPTS, MAX_NEW_TOKENS, SHARDS = 32, 128, 4
+PROMPTS, MAX_NEW_TOKENS, SHARDS = 64, 128, 4
 
 
 def real_rollouts() -> tuple[Path, Path]:
-    """(cache, model): the rollouts cache (32 prompts, 1 sample each, up to 128 tokens, 4 shards) and the model."""
+    """(cache, model): the rollouts cache (64 prompts, 1 sample each, up to 128 tokens, 4 shards) and the model."""
     from opdcache.backends.base import SamplingConfig
     from opdcache.demo import real
     from opdcache.prompts import PromptConfig
     from opdcache.rollouts import GenerateJob, run_generate
 
     model = real.smollm2()
-    root = Path(os.environ.get("OPDCACHE_BENCH_DATA", Path.home() / ".cache" / "opdcache" / "bench")) / "smollm2-math"
+    root = Path(os.environ.get("OPDCACHE_BENCH_DATA", Path.home() / ".cache" / "opdcache" / "bench")) / f"smollm2-math-{PROMPTS}x{MAX_NEW_TOKENS}"
     cache = root / "cache"
     if not (cache / "manifest.json").is_file():
         root.mkdir(parents=True, exist_ok=True)

@@ -138,6 +138,7 @@ class _Acc:
     kl: list = field(default_factory=list)
     fkl_err: dict = field(default_factory=dict)  # student -> list
     grad_err: dict = field(default_factory=dict)
+    est: dict = field(default_factory=dict)  # student -> list of the estimates themselves
     records: list = field(default_factory=list)
 
 
@@ -147,8 +148,8 @@ def _stat(values: list) -> dict:
 
 
 def _student_errors(p_lp: torch.Tensor, q_star_lp: torch.Tensor | None, s_lp: torch.Tensor, kept: torch.Tensor | None = None,
-                    tail: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """|FKL_store - FKL_full| and ||g_store - g_full||_1 per position ([B, V] blocks, float64 sums)."""
+                    tail: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """|FKL_store - FKL_full|, ||g_store - g_full||_1 and FKL_store itself per position ([B, V] blocks, float64 sums)."""
     p = p_lp.double().exp()
     s_lp64 = s_lp.double()
     full = (p * (p_lp.double() - s_lp64)).sum(-1)
@@ -169,7 +170,7 @@ def _student_errors(p_lp: torch.Tensor, q_star_lp: torch.Tensor | None, s_lp: to
             on = torch.where(kept & (q > 0), q * (q_star_lp.double() - s_lp64), torch.zeros_like(q)).sum(-1)
             est = on + torch.where(q_tail > 0, q_tail * (torch.log(q_tail.clamp_min(1e-300)) - torch.log(s_tail)), torch.zeros_like(q_tail))
         target = torch.where(kept, q, (q_tail / s_tail)[:, None] * s)
-    return (est - full).abs().numpy(), (target - p).abs().sum(-1).numpy()
+    return (est - full).abs().numpy(), (target - p).abs().sum(-1).numpy(), est.numpy()
 
 
 def measure(teacher: Model, requests: list, row_ids: list[str], settings: list[Setting], students: dict[str, Model] | None = None,
@@ -230,9 +231,10 @@ def measure(teacher: Model, requests: list, row_ids: list[str], settings: list[S
             acc = accs[s]
             for kl, st in per_block[s]:
                 acc.kl.append(kl)
-                for name, (f, g) in st.items():
+                for name, (f, g, e) in st.items():
                     acc.fkl_err.setdefault(name, []).append(f)
                     acc.grad_err.setdefault(name, []).append(g)
+                    acc.est.setdefault(name, []).append(e)
             sc = Scores(logprobs=scores.logprobs, logsumexp=scores.logsumexp)
             if s.store == "topk":
                 sc.topk_ids = torch.cat(row["top_ids"])[:, : s.k].numpy().astype(np.int32)
@@ -259,6 +261,10 @@ def measure(teacher: Model, requests: list, row_ids: list[str], settings: list[S
             }
             if s.store == "topk" and (s.precision or s.mass is not None):
                 out["settings"][s.label]["mean_entries"] = float(np.mean([(r["topk_ids"] != -1).sum(1).mean() for r in acc.records]))
+                exact = accs.get(Setting("topk", k=s.k))
+                for name in acc.est if exact is not None else ():  # the compact store against the exact top-k it encodes
+                    diff = [np.abs(a - b) for a, b in zip(acc.est[name], exact.est[name])]
+                    out["settings"][s.label]["students"][name]["vs_exact_topk"] = _stat(diff)
     return out
 
 

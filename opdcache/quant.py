@@ -11,8 +11,8 @@ A scheme says how every linear layer but the kept ones (by default the unembeddi
   channel (scale = max|w| / 448) and e4m3 activations with one scale per token. Per token, not per tensor as
   vLLM's dynamic fp8 does: a per-tensor activation scale depends on which other rows share the batch, so no learner
   could reproduce a row's numbers; per token, a row's numbers are its own.
-* ``:keep=a,b``: module names (or name suffixes) left in full precision; default ``lm_head``, so a stored log-prob
-  keeps its meaning.
+* ``:keep=a,b``: module names (or name suffixes) left in full precision, besides ``lm_head``, which is always kept so a
+  stored log-prob keeps its meaning (``:head`` quantizes it too). A name that matches no layer is refused.
 * ``int8``: torch's dynamic int8 (fbgemm kernels, CPU only), the scheme before these; not emulated here, so a learner
   cannot be aligned to it (use ``w8a8``, its emulated equivalent).
 
@@ -43,7 +43,8 @@ from opdcache.errors import ConfigError
 METHODS = ("int8", "w4a16", "w8a8", "fp8")
 FP8_MAX = 448.0  # largest finite float8 e4m3fn value
 SPEC_HELP = ("w4a16[:g<N>][:sym|:asym], w8a8, fp8[:per-tensor|:per-channel] (emulated: quantize, dequantize, compute in "
-             "float32), each with [:keep=lm_head,...]; or int8 (torch dynamic, CPU)")
+             "float32), each with [:keep=NAME,...] (layers kept exact besides lm_head) and [:head] (quantize lm_head too); "
+             "or int8 (torch dynamic, CPU)")
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,9 @@ class QuantScheme:
         fields: dict = {"method": method}
         for opt in opts:
             if opt.startswith("keep="):
-                fields["keep"] = tuple(k for k in opt[5:].split(",") if k)
+                fields["keep"] = tuple(dict.fromkeys(fields.get("keep", ("lm_head",)) + tuple(k for k in opt[5:].split(",") if k)))
+            elif opt == "head" and method != "int8":
+                fields["quantize_head"] = True
             elif method == "w4a16" and re.fullmatch(r"g\d+", opt):
                 fields["group_size"] = int(opt[1:])
             elif method == "w4a16" and opt in ("sym", "asym"):
@@ -85,6 +88,8 @@ class QuantScheme:
             fields.setdefault("granularity", "per-tensor")
         if method == "int8" and "keep" in fields and fields["keep"] != ("lm_head",):
             raise ConfigError(f"--quantize {spec!r}: int8 (torch dynamic) always keeps exactly lm_head in full precision")
+        if fields.pop("quantize_head", False):
+            fields["keep"] = tuple(k for k in fields.get("keep", ("lm_head",)) if k != "lm_head")
         return cls(**fields)
 
     def spec(self) -> str:
@@ -96,6 +101,8 @@ class QuantScheme:
             parts += [f"g{self.group_size}", "sym" if self.symmetric else "asym"]
         if self.method == "fp8":
             parts.append(self.granularity)
+        if "lm_head" not in self.keep:
+            return ":".join(parts + ([f"keep={','.join(self.keep)}"] if self.keep else []) + ["head"])
         return ":".join(parts + [f"keep={','.join(self.keep)}"])
 
     @property
@@ -243,6 +250,15 @@ def apply_scheme(model: torch.nn.Module, scheme: QuantScheme, mode: str) -> list
         raise ConfigError(f"--quantize {scheme.spec()} runs torch's int8 kernels, which opdcache does not emulate; a learner cannot be "
                           "aligned to it (sample with --quantize w8a8, its emulated equivalent)")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    unknown = [k for k in scheme.keep if k != "lm_head" and not any(n == k or n.endswith("." + k) for n in names)]
+    if unknown:
+        raise ConfigError(f"--quantize {scheme.spec()}: keep={','.join(unknown)} matches no linear layer of the model (its layer "
+                          f"names end in {', '.join(sorted({n.rsplit('.', 1)[-1] for n in names}))})")
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if "lm_head" not in scheme.keep and head is not None and emb is not None and head.weight is emb.weight:
+        raise ConfigError(f"--quantize {scheme.spec()}: the model ties lm_head to its input embeddings, so quantizing the head would "
+                          "quantize the embeddings too; drop :head")
     done = []
     for name, module in model.named_modules():
         if type(module) is not torch.nn.Linear or scheme.keeps(name) or module is head and "lm_head" in scheme.keep:

@@ -178,3 +178,25 @@ def test_straight_through_gradient_is_the_full_precision_gradient_at_the_dequant
 def test_int8_is_not_alignable():
     with pytest.raises(ConfigError, match="sample with --quantize w8a8"):
         apply_scheme(tiny_model(), QuantScheme.parse("int8"), "train")
+
+
+def test_keep_adds_to_lm_head_head_quantizes_it_and_unknown_names_are_refused(weights):
+    from opdcache.models import load_causal_lm
+    from opdcache.quant import QuantScheme, apply_scheme
+
+    s = QuantScheme.parse("w4a16:g32:keep=down_proj")
+    assert s.keep == ("lm_head", "down_proj") and s.spec() == "w4a16:g32:sym:keep=lm_head,down_proj"
+    assert QuantScheme.parse(s.spec()) == s
+    h = QuantScheme.parse("w4a16:g32:head")
+    assert "lm_head" not in h.keep and h.spec() == "w4a16:g32:sym:head" and QuantScheme.parse(h.spec()) == h
+    model = load_causal_lm(weights / "student", torch.float32)
+    done = apply_scheme(model, QuantScheme.parse("w8a8:keep=down_proj"), "inference")
+    assert not any(n.endswith("down_proj") for n in done) and not any("lm_head" in n for n in done)
+    model = load_causal_lm(weights / "student", torch.float32)
+    assert "lm_head" in apply_scheme(model, QuantScheme.parse("w8a8:head"), "inference")  # untied: the head is quantized
+    model = load_causal_lm(weights / "student", torch.float32)
+    model.get_output_embeddings().weight = model.get_input_embeddings().weight  # as a tied model (SmolLM2, Qwen small) has it
+    with pytest.raises(ConfigError, match="ties lm_head to its input embeddings, so quantizing the head would quantize the embeddings too"):
+        apply_scheme(model, QuantScheme.parse("w8a8:head"), "inference")
+    with pytest.raises(ConfigError, match=r"keep=donw_proj matches no linear layer of the model \(its layer names end in .*down_proj"):
+        apply_scheme(load_causal_lm(weights / "student", torch.float32), QuantScheme.parse("w8a8:keep=donw_proj"), "inference")
