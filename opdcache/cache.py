@@ -270,7 +270,7 @@ def run_table_job(
     from opdcache.progress import bar
 
     job.begin()
-    written = []
+    written, tokens = [], 0
     pending = job.pending(num_workers, worker_index)
     by_rows = rows_of is not None
     total = sum(rows_of(i) for i in pending) if by_rows else len(pending)
@@ -278,9 +278,10 @@ def run_table_job(
         for index in pending:
             info = job.write_shard(index, make_shard(index))
             written.append(index)
+            tokens += info.tokens
+            pbar.set_postfix(shards=f"{len(written)}/{len(pending)}", tokens=f"{tokens:,}")  # response tokens written so far
             if not by_rows:
                 pbar.update(1)
-            pbar.set_postfix(shards=f"{len(written)}/{len(pending)}", tokens=info.tokens)
     if finalize and job.all_done():
         finalize_table(job)
     return written

@@ -66,10 +66,12 @@ class _Lines:
     def _print(self) -> None:
         done = f"{self.n}/{self.total}" if self.total is not None else f"{self.n}"
         extra = f" ({self.postfix})" if self.postfix else ""
+        self.printed = (self.n, self.postfix)
         print(f"{self.desc}: {done} {self.unit}{extra}, {time.monotonic() - self.start:.0f} s", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        self._print()
+        if getattr(self, "printed", None) != (self.n, self.postfix):  # the final state, once
+            self._print()
 
 
 @contextmanager

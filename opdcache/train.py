@@ -383,8 +383,8 @@ class Trainer:
                     if writer:
                         for k, v in last.items():
                             writer.add_scalar(k, v, self.step)
+                pbar.set_postfix(loss=f"{agg['loss']:.4f}")  # before update: a line printed by update shows this step's loss
                 pbar.update(1)
-                pbar.set_postfix(loss=f"{agg['loss']:.4f}")
                 saved = bool(cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0)
                 if saved:
                     self.save_checkpoint()

@@ -168,6 +168,10 @@ def test_progress_is_reported_per_sequence_as_plain_lines_when_not_on_a_terminal
     counts = [l.split(":")[1].split()[0] for l in lines]
     assert counts[:4] == ["2/6", "3/6", "5/6", "6/6"], lines  # per generation batch (3 rows a shard: 2 + 1), not per shard
     assert "shards=2/2" in lines[-1] and "seq" in lines[-1]
+    from opdcache.cache import Cache
+
+    total = sum(s["tokens"] for s in Cache(tmp_path / "c").table("rollouts")["shards"])
+    assert f"tokens={total:,}" in lines[-1]  # the tokens written so far, not the last shard's
     run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=6), out=tmp_path / "d", num_shards=2,
                              sampling=FAST, progress=False))
     assert "build-rollouts:" not in capsys.readouterr().err
@@ -181,3 +185,20 @@ def test_a_url_whose_filesystem_is_not_installed_is_one_line_exit_2(capsys):
     code, out = _cli(["info", "gs://bucket/cache"], capsys)
     assert code == 2 and "Traceback" not in out
     assert "gs://bucket/cache" in out and "pip install 'opdcache[gcs]'" in out
+
+
+def test_the_last_progress_line_of_a_train_run_is_printed_once_with_its_loss(tmp_path, weights, hf_cache, capsys, monkeypatch):
+    """issue 30: the final line came twice, the first with the previous step's loss."""
+    import json
+
+    from opdcache.cli.main import main
+
+    monkeypatch.setenv("OPDCACHE_PROGRESS_INTERVAL", "0")
+    with pytest.raises(SystemExit):
+        main(["train", "--model", str(weights / "student"), "--cache", str(hf_cache), "--steps", "2", "--batch-size", "4",
+              "--out", str(tmp_path / "run"), "--progress"])
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("train lightning:")]
+    losses = [json.loads(l)["loss"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    counts = [l.split(":")[1].split()[0] for l in lines]
+    assert counts[-2:] == ["1/2", "2/2"] and len(counts) == len(set(counts)), lines  # each state once
+    assert f"loss={losses[-1]:.4f}" in lines[-1] and f"loss={losses[0]:.4f}" in lines[-2]
