@@ -9,14 +9,13 @@ teacher top-k ids and log-probs) for one full epoch with batch size 32 and no wo
   lengths checked once per process; decoded shards kept across epochs up to ``keep_decoded_bytes``, 1 GiB);
 * baseline: ``datasets.load_dataset(<cache>, "rollouts")`` and ``(<cache>, "teacher-t")`` joined column-wise,
   ``.with_format("torch")``, a ``torch.utils.data.DataLoader`` and an equivalent padding collate;
-* hand-written Arrow: the fair baseline, yielding the same 11 tensors as opdcache's loader (prompt + response ids and
-  masks, logit positions, sampling and ref log-probs, the teacher's log-probs, logsumexp and top-k) -- what a careful
-  user writes with pyarrow alone: each shard pair read with
-  ``pq.read_table``, list columns flattened to numpy once per shard (values + offsets), rows sliced and padded with
-  numpy per batch. It checks nothing (no sha256, no id alignment, no lengths), which opdcache's loader does once per
-  shard and process.
+* hand-written Arrow (the baseline): the 11 tensors opdcache's loader yields, from what a careful user writes with
+  pyarrow alone, keeping its decoded arrays across epochs as opdcache's loader keeps its shards (:class:`HandLoader`).
 
-    python benchmarks/bench_loader.py [--rows 4000]
+Measured with benchmarks/harness.py, cold (the loader built inside the timed epoch) and warm (after one untimed
+epoch), interleaved rounds, each run its own process:
+
+    python benchmarks/bench_loader.py [--rows 4000 --rounds 3]
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -92,114 +90,147 @@ def pad_collate(rows: list[dict]) -> dict:
     return out
 
 
-def run_opdcache(root: Path, bs: int, epochs: int = 2) -> list[tuple[int, float]]:
-    """Epochs of one CacheLoader (a training run iterates the same loader): (tokens, seconds) per epoch."""
-    from opdcache.data import CacheLoader, CacheLoaderConfig
+class HandLoader:
+    """The competent baseline: what a careful user writes with pyarrow alone, keeping what it decoded. Each shard
+    pair read with ``pq.read_table`` once, its list columns flattened to numpy (values + offsets) and kept for later
+    epochs; rows shuffled per shard, sliced and padded with numpy per batch into the same 11 tensors as opdcache's
+    loader. It checks nothing (no sha256, no id alignment, no lengths), which opdcache's loader does once per shard."""
 
-    loader = CacheLoader(CacheLoaderConfig(cache=root, teacher="t", stores=("logprob", "topk"), batch_size=bs))
-    out = []
-    for _ in range(epochs):
-        t0, tokens = time.perf_counter(), 0
-        for b in loader:
-            tokens += int(b["response_mask"].sum())
-        out.append((tokens, time.perf_counter() - t0))
-    return out
+    def __init__(self, root: Path, bs: int):
+        import json
 
+        manifest = json.loads((root / "opdcache.json").read_text())
+        self.pairs = list(zip([root / s["path"] for s in manifest["tables"]["rollouts"]["shards"]],
+                              [root / s["path"] for s in manifest["tables"]["teachers/t"]["shards"]]))
+        self.bs, self.kept, self.rng = bs, {}, np.random.default_rng(0)
 
-def run_datasets(root: Path, bs: int) -> tuple[int, float]:
-    import datasets
-
-    t0 = time.perf_counter()
-    r = datasets.load_dataset(str(root), "rollouts", split="train").select_columns(["prompt_ids", "response_ids"])
-    t = datasets.load_dataset(str(root), "teacher-t", split="train").select_columns(["logprobs", "topk_ids", "topk_logprobs"])
-    ds = datasets.concatenate_datasets([r, t], axis=1).with_format("torch")
-    loader = torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, collate_fn=pad_collate,
-                                         generator=torch.Generator().manual_seed(0))
-    tokens = 0
-    for b in loader:
-        tokens += int(b["response_mask"].sum())
-    return tokens, time.perf_counter() - t0
-
-
-def run_arrow(root: Path, bs: int) -> tuple[int, float]:
-    """The hand-written pyarrow loader: same shards, same per-shard shuffling, same padded tensors."""
-    import json
-
-    import pyarrow.parquet as pq
-
-    manifest = json.loads((root / "opdcache.json").read_text())
-    r_paths = [root / s["path"] for s in manifest["tables"]["rollouts"]["shards"]]
-    t_paths = [root / s["path"] for s in manifest["tables"]["teachers/t"]["shards"]]
-
-    def flat(col, depth: int):
-        """(values, offsets) of a list column (depth 2: the inner lists are flattened into the values too)."""
+    @staticmethod
+    def _flat(col, depth: int):
         arr = col.combine_chunks()
-        offsets = arr.offsets.to_numpy()
         values = arr.flatten()
         if depth == 2:
             values = values.flatten()
-        return values.to_numpy(zero_copy_only=False), offsets
+        return values.to_numpy(zero_copy_only=False), arr.offsets.to_numpy()
 
-    t0, tokens = time.perf_counter(), 0
-    rng = np.random.default_rng(0)
-    for rp, tp in zip(r_paths, t_paths):
-        r = pq.read_table(rp, columns=["prompt_ids", "response_ids", "sampling_logprobs", "ref_logprobs"])
-        t = pq.read_table(tp, columns=["logprobs", "logsumexp", "topk_ids", "topk_logprobs"])
-        (pv, po), (rv, ro) = flat(r["prompt_ids"], 1), flat(r["response_ids"], 1)
-        (sv, _), (refv, _) = flat(r["sampling_logprobs"], 1), flat(r["ref_logprobs"], 1)
-        (lv, _), (lsev, _) = flat(t["logprobs"], 1), flat(t["logsumexp"], 1)
-        (kv, _), (klv, _) = flat(t["topk_ids"], 2), flat(t["topk_logprobs"], 2)
-        order = rng.permutation(r.num_rows)
-        for a in range(0, len(order), bs):
-            idx = order[a: a + bs]
-            B = len(idx)
-            lens_p, lens_r = po[idx + 1] - po[idx], ro[idx + 1] - ro[idx]
-            T, L = int(lens_r.max()), int((lens_p + lens_r).max())
-            ids, att = np.zeros((B, L), np.int64), np.zeros((B, L), np.int64)
-            resp, rmask, pos = np.zeros((B, T), np.int64), np.zeros((B, T), np.float32), np.zeros((B, T), np.int64)
-            samp, ref, tl, lse = (np.zeros((B, T), np.float32) for _ in range(4))
-            tk, tkl = np.zeros((B, T, K), np.int64), np.zeros((B, T, K), np.float32)
-            for i, j in enumerate(idx):
-                p, a, b = pv[po[j]: po[j + 1]], ro[j], ro[j + 1]
-                n = b - a
-                ids[i, : len(p)], ids[i, len(p): len(p) + n], att[i, : len(p) + n] = p, rv[a:b], 1
-                resp[i, :n], rmask[i, :n], pos[i, :n] = rv[a:b], 1, len(p) - 1 + np.arange(n)
-                samp[i, :n], ref[i, :n], tl[i, :n], lse[i, :n] = sv[a:b], refv[a:b], lv[a:b], lsev[a:b]
-                tk[i, :n] = kv[a * K: b * K].reshape(n, K)
-                tkl[i, :n] = klv[a * K: b * K].reshape(n, K)
-            batch = {k: torch.from_numpy(v) for k, v in dict(
-                input_ids=ids, attention_mask=att, response_ids=resp, response_mask=rmask, logit_positions=pos, sampling_logprobs=samp,
-                ref_logprobs=ref, teacher_logprobs=tl, teacher_logsumexp=lse, teacher_topk_ids=tk, teacher_topk_logprobs=tkl).items()}
-            tokens += int(batch["response_mask"].sum())
-    return tokens, time.perf_counter() - t0
+    def _shard(self, i: int) -> dict:
+        import pyarrow.parquet as pq
+
+        if i not in self.kept:
+            rp, tp = self.pairs[i]
+            r = pq.read_table(rp, columns=["prompt_ids", "response_ids", "sampling_logprobs", "ref_logprobs"])
+            t = pq.read_table(tp, columns=["logprobs", "logsumexp", "topk_ids", "topk_logprobs"])
+            self.kept[i] = {"p": self._flat(r["prompt_ids"], 1), "r": self._flat(r["response_ids"], 1),
+                            "s": self._flat(r["sampling_logprobs"], 1)[0], "ref": self._flat(r["ref_logprobs"], 1)[0],
+                            "l": self._flat(t["logprobs"], 1)[0], "lse": self._flat(t["logsumexp"], 1)[0],
+                            "k": self._flat(t["topk_ids"], 2)[0], "kl": self._flat(t["topk_logprobs"], 2)[0], "rows": r.num_rows}
+        return self.kept[i]
+
+    def __iter__(self):
+        for i in range(len(self.pairs)):
+            d = self._shard(i)
+            (pv, po), (rv, ro) = d["p"], d["r"]
+            order = self.rng.permutation(d["rows"])
+            for a0 in range(0, len(order), self.bs):
+                idx = order[a0: a0 + self.bs]
+                B = len(idx)
+                lens_p, lens_r = po[idx + 1] - po[idx], ro[idx + 1] - ro[idx]
+                T, L = int(lens_r.max()), int((lens_p + lens_r).max())
+                ids, att = np.zeros((B, L), np.int64), np.zeros((B, L), np.int64)
+                resp, rmask, pos = np.zeros((B, T), np.int64), np.zeros((B, T), np.float32), np.zeros((B, T), np.int64)
+                samp, ref, tl, lse = (np.zeros((B, T), np.float32) for _ in range(4))
+                tk, tkl = np.zeros((B, T, K), np.int64), np.zeros((B, T, K), np.float32)
+                for j_, j in enumerate(idx):
+                    p, a, b = pv[po[j]: po[j + 1]], ro[j], ro[j + 1]
+                    n = b - a
+                    ids[j_, : len(p)], ids[j_, len(p): len(p) + n], att[j_, : len(p) + n] = p, rv[a:b], 1
+                    resp[j_, :n], rmask[j_, :n], pos[j_, :n] = rv[a:b], 1, len(p) - 1 + np.arange(n)
+                    samp[j_, :n], ref[j_, :n], tl[j_, :n], lse[j_, :n] = d["s"][a:b], d["ref"][a:b], d["l"][a:b], d["lse"][a:b]
+                    tk[j_, :n] = d["k"][a * K: b * K].reshape(n, K)
+                    tkl[j_, :n] = d["kl"][a * K: b * K].reshape(n, K)
+                yield {k: torch.from_numpy(v) for k, v in dict(
+                    input_ids=ids, attention_mask=att, response_ids=resp, response_mask=rmask, logit_positions=pos,
+                    sampling_logprobs=samp, ref_logprobs=ref, teacher_logprobs=tl, teacher_logsumexp=lse, teacher_topk_ids=tk,
+                    teacher_topk_logprobs=tkl).items()}
+
+
+class DatasetsLoader:
+    """``datasets.load_dataset`` of the rollouts and the teacher config joined column-wise, ``.with_format("torch")``,
+    a DataLoader and a padding collate."""
+
+    def __init__(self, root: Path, bs: int):
+        import datasets
+
+        r = datasets.load_dataset(str(root), "rollouts", split="train").select_columns(["prompt_ids", "response_ids"])
+        t = datasets.load_dataset(str(root), "teacher-t", split="train").select_columns(["logprobs", "topk_ids", "topk_logprobs"])
+        ds = datasets.concatenate_datasets([r, t], axis=1).with_format("torch")
+        self.loader = torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, collate_fn=pad_collate,
+                                                  generator=torch.Generator().manual_seed(0))
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+def make(root: str, bs: int, side: str):
+    from opdcache.data import CacheLoader, CacheLoaderConfig
+
+    if side == "opdcache":
+        return CacheLoader(CacheLoaderConfig(cache=root, teacher="t", stores=("logprob", "topk"), batch_size=bs))
+    return HandLoader(Path(root), bs) if side == "hand" else DatasetsLoader(Path(root), bs)
+
+
+def setup(root: str, bs: int, side: str, warm: bool) -> dict:
+    """Cold: nothing (the loader is built inside the timed epoch, as a run starts). Warm: built, one epoch untimed."""
+    torch.set_num_threads(2)
+    if side == "datasets":
+        os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="bench-hf-")  # cold conversion on a cold run
+    st = {"root": root, "bs": bs, "side": side}
+    if warm:
+        st["loader"] = make(root, bs, side)
+        sum(1 for _ in st["loader"])
+    return st
+
+
+def run_epoch(st: dict) -> dict:
+    loader = st.get("loader") or make(st["root"], st["bs"], st["side"])
+    tokens = 0
+    for b in loader:
+        tokens += int(b["response_mask"].sum())
+    return {"tokens": tokens}
 
 
 def main() -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from harness import Side, compare, report
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4000)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "loader.json")
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as hf_cache:
-        os.environ["HF_DATASETS_CACHE"] = hf_cache  # a cold datasets cache, as a first epoch has
+    with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "cache"
         build(root, args.rows)
-        (a_tokens, a_s), (a2_tokens, a2_s) = run_opdcache(root, args.batch_size)
-        b_tokens, b_s = run_datasets(root, args.batch_size)
-        assert a_tokens == b_tokens, (a_tokens, b_tokens)
-        b2_tokens, b2_s = run_datasets(root, args.batch_size)
-        c_tokens, c_s = run_arrow(root, args.batch_size)
-        c2_tokens, c2_s = run_arrow(root, args.batch_size)
-        assert c_tokens == a_tokens == a2_tokens == c2_tokens, (c_tokens, a_tokens, a2_tokens, c2_tokens)
-    print(f"{args.rows} rows, {a_tokens:,} response tokens, batch {args.batch_size}, top-k {K}, one epoch\n")
-    print(f"{'loader':<28} {'epoch 1 tok/s':>14} {'epoch 2 tok/s':>14}")
-    print(f"{'opdcache CacheLoader':<28} {a_tokens / a_s:>14,.0f} {a2_tokens / a2_s:>14,.0f}")
-    print(f"{'datasets + DataLoader':<28} {b_tokens / b_s:>14,.0f} {b2_tokens / b2_s:>14,.0f}")
-    print(f"{'hand-written pyarrow':<28} {c_tokens / c_s:>14,.0f} {c2_tokens / c2_s:>14,.0f}")
-    print(f"{'ratio vs datasets':<28} {(a_tokens / a_s) / (b_tokens / b_s):>13.1f}x {(a2_tokens / a2_s) / (b2_tokens / b2_s):>13.1f}x")
-    print(f"{'ratio vs hand-written':<28} {(a_tokens / a_s) / (c_tokens / c_s):>13.2f}x {(a2_tokens / a2_s) / (c2_tokens / c2_s):>13.2f}x")
-    print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print("(epoch 1 of the baseline includes datasets' one-time conversion into its cache; epoch 2 does not)")
+        out = {}
+        for temp in ("cold", "warm"):
+            common = {"root": str(root), "bs": args.batch_size, "warm": temp == "warm"}
+            sides = [Side("opdcache CacheLoader", "run_epoch", "setup", common | {"side": "opdcache"},
+                          note="checks each shard (sha256, id alignment, lengths, row rules) once, keeps decoded shards"),
+                     Side("hand-written pyarrow (competent)", "run_epoch", "setup", common | {"side": "hand"}, baseline=True,
+                          note="pq.read_table, numpy values + offsets kept across epochs, numpy padding; checks nothing"),
+                     Side("datasets + DataLoader", "run_epoch", "setup", common | {"side": "datasets"},
+                          note="load_dataset of both configs, with_format('torch'), DataLoader, padding collate")]
+            result = compare(f"one {temp} epoch, {args.rows} rows, batch {args.batch_size}, top-k {K}"
+                             + (" (loader built inside the timer)" if temp == "cold" else " (after one untimed epoch)"),
+                             sides, __file__, rounds=args.rounds, meta={"command": "python benchmarks/bench_loader.py"})
+            report(result)
+            out[temp] = result
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        import json
+
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":
