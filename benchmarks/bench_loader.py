@@ -58,9 +58,11 @@ def build(root: Path, rows: int) -> None:
         out = []
         for row in data[i]:
             T = len(row["response_ids"])
-            lp = -np.sort(rng.random((T, K)).astype(np.float32) * 10, axis=1)
+            x = rng.random((T, K + 1)) * 10  # a valid top-k: K log-probs of a distribution with one more bin, descending
+            lp = -np.sort(-(x - np.log(np.exp(x).sum(1, keepdims=True))), axis=1)[:, :K].astype(np.float32)
             out.append(dict(id=row["id"], logprobs=-rng.random(T).astype(np.float32), logsumexp=rng.random(T).astype(np.float32),
-                            topk_ids=rng.integers(0, V, (T, K)).astype(np.int32), topk_logprobs=lp))
+                            topk_ids=((rng.integers(0, V, (T, 1)) + np.arange(K) * 7919) % V).astype(np.int32),  # distinct
+                            topk_logprobs=lp))
         return out
 
     run_table_job(tjob, teacher)

@@ -69,6 +69,15 @@ def setup(model: str, n: int, prompt: int, response: int, top_k: int, side: str)
     if side == "sampled":  # the sampled store's 12 draws a position on top (their extra head rows)
         reqs = [ScoreRequest(r.prompt_ids, r.response_ids, uniforms=np.random.default_rng(i).random((len(r.response_ids), 12)))
                 for i, r in enumerate(reqs)]
+    if side == "no-moments":  # the same engine with the fidelity record's per-position moments switched off
+        from opdcache.backends import hf
+
+        original = hf.streamed_logit_stats
+
+        def without_moments(*args, **kwargs):
+            return original(*args, **(kwargs | {"moments": False}))
+
+        hf.streamed_logit_stats = without_moments
     st["engine"], st["reqs"] = TransformersBackend(model, dtype="float32"), reqs
     st["engine"].score(reqs[:1], top_k=top_k)
     return st
@@ -145,6 +154,8 @@ def main() -> None:
                  note="left-padded length-sorted batches, logits_to_keep, one logsumexp, gather and top-k on the logits"),
             Side("opdcache + sampled m=12", "run_opdcache", "setup", common | {"side": "sampled"},
                  note="the same plus the sampled store's 12 draws a position"),
+            Side("opdcache, no fidelity moments", "run_opdcache", "setup", common | {"side": "no-moments"},
+                 note="opdcache score without the entropy/variance sums the fidelity record needs (their cost)"),
         ]
         result = compare(f"score-teacher, {args.sequences} sequences x (prompt {args.prompt} + response <= {args.response}), "
                          f"vocabulary {V:,}, hidden 512, 4 layers, top-k {args.top_k}", sides, __file__, rounds=args.rounds,

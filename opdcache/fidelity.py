@@ -132,7 +132,7 @@ def summary(sums: dict) -> dict:
 def describe(record: dict) -> list[str]:
     """Lines for ``info`` and the card."""
     if not record:
-        return ["error against the full vocabulary: not recorded (written before opdcache 0.x recorded it; re-score to record it)"]
+        return ["error against the full vocabulary: not recorded (written before opdcache recorded it; re-score to record it)"]
     if not record.get("measured"):
         return [f"error against the full vocabulary: not measured ({record.get('reason')})"]
     lines = []

@@ -4,7 +4,8 @@ The teacher table ``teachers/<slug>/`` is row-aligned 1:1 with the rollout shard
 checks that the teacher shares the cache's tokenizer and, from lineage, that it is the teacher pi_ref was
 fine-tuned on (papers/000 teacher consistency); a mismatch is refused unless allowed, and the decision is
 recorded in the manifest. The hidden store saves the unembedding as ``head.safetensors``; the svd store
-fits its projection on calibration positions first and records its measured distortion.
+fits its projection on calibration positions drawn from every shard first and records its measured distortion. Every
+table records its stores' error against the teacher's full vocabulary, measured while scoring (opdcache/fidelity.py).
 """
 
 from __future__ import annotations
