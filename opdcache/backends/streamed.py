@@ -139,15 +139,16 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
                 delta = transform((z2 + b[a: a + C] if b is not None else z2).float()) - z
         # exp(z - m) in place, after every read of z. Clamping at -80 changes no float32 sum (each such term is
         # below 2e-35 while the sum is at least 1) and avoids exp's slow path for underflowing inputs.
-        if mom is not None:
+        if mom is not None:  # one more [P, C] block (e), reused in place: exp, e * d, then a row-wise dot with d
             d = z.sub_(new_m[:, None]).clamp_(min=-80.0)
             e = d.exp()
             in_slice = e.sum(-1)
-            _add_moments(mom, s, m - new_m, (e * d).sum(-1), (e * d * d).sum(-1))
-            if rounded_PH is not None:
+            if rounded_PH is not None:  # before e is overwritten
                 rescale = torch.exp((m - new_m).double()).nan_to_num_(0.0)
-                cross[0].mul_(rescale).add_((e * delta).sum(-1).double())
-                cross[1].mul_(rescale).add_((e * torch.expm1(delta)).sum(-1).double())
+                cross[0].mul_(rescale).add_(torch.bmm(e[:, None, :], delta[:, :, None]).view(-1).double())
+                cross[1].mul_(rescale).add_(torch.bmm(e[:, None, :], torch.expm1(delta)[:, :, None]).view(-1).double())
+            ed = e.mul_(d)
+            _add_moments(mom, s, m - new_m, ed.sum(-1), torch.bmm(ed[:, None, :], d[:, :, None]).view(-1))
         else:
             in_slice = z.sub_(new_m[:, None]).clamp_(min=-80.0).exp_().sum(-1)
         s = s * torch.exp(m - new_m) + in_slice
