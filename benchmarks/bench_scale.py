@@ -106,7 +106,7 @@ def child_train(student: str, cache: str, loss: str, path: str, out: str) -> Non
     torch.manual_seed(0)
     trainer = Trainer(TrainConfig(model=Path(student), cache=Path(cache), out=Path(out), loss=loss, batch_size=TRAIN_BATCH, lr=1e-5))
     batch = trainer.source.next_batch()
-    from bench_scoring import PeakRSS
+    from harness import PeakAnon as PeakRSS  # anonymous RSS: not the model file's page cache
 
     peak = PeakRSS().__enter__()  # the step's own memory: peak RSS during it, minus the RSS just before it
     t0 = time.perf_counter()

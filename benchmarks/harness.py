@@ -62,7 +62,10 @@ def _anon_kib() -> int:
     return 0
 
 
-class _PeakAnon:
+class PeakAnon:
+    """Peak anonymous RSS (KiB) while the block runs, sampled every millisecond by a thread; ``delta`` is the peak above
+    the level at entry, in bytes. The sampler needs the GIL: work that holds it in one long C call is sampled around it."""
+
     def __enter__(self):
         self.base = self.peak = _anon_kib()
         self._stop = False
@@ -80,6 +83,10 @@ class _PeakAnon:
         self._thread.join()
         self.peak = max(self.peak, _anon_kib())
 
+    @property
+    def delta(self) -> int:
+        return (self.peak - self.base) * 1024
+
 
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -94,7 +101,7 @@ def _child(spec: dict) -> dict:
     module = importlib.util.module_from_spec(loaded)
     loaded.loader.exec_module(module)
     state = getattr(module, spec["setup"])(**spec["args"]) if spec["setup"] else spec["args"]
-    with _PeakAnon() as mem:
+    with PeakAnon() as mem:
         cpu0, t0 = _cpu(), time.perf_counter()
         figures = getattr(module, spec["run"])(state) or {}
         wall, cpu = time.perf_counter() - t0, _cpu() - cpu0
