@@ -18,6 +18,7 @@ quarter of one float32 vocabulary row (151,936 x 4 / 4 = 152 KB), and the fused 
 below the full-logits path's at R = 1,024, at no more than 1.3x its time. Run:
 
     python benchmarks/bench_scale.py [--lengths 256 1024] [--json out.json]
+    python benchmarks/bench_scale.py --train-memory --hidden 1024 --lengths 128 512 2048   # issue 31: train memory vs length
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ PLAIN_MAX = 1024  # longest response the full-logits train step is run at ([4, R
 ROW_BUDGET = V * 4 / 4  # a quarter of one float32 vocabulary row, in bytes
 
 
-def build_models(root: Path) -> tuple[Path, Path]:
+def build_models(root: Path, hidden: int | None = None) -> tuple[Path, Path]:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -51,8 +52,9 @@ def build_models(root: Path) -> tuple[Path, Path]:
     paths = []
     for role, seed in (("student", 0), ("teacher", 1)):
         torch.manual_seed(seed)
-        cfg = Qwen3Config(vocab_size=V, hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=False,
+        h = hidden or HIDDEN
+        cfg = Qwen3Config(vocab_size=V, hidden_size=h, intermediate_size=2 * h, num_hidden_layers=2, num_attention_heads=max(4, h // 64),
+                          num_key_value_heads=max(2, h // 128), head_dim=64, max_position_embeddings=8192, tie_word_embeddings=False,
                           eos_token_id=1, pad_token_id=0, bos_token_id=None)
         model = Qwen3ForCausalLM(cfg)
         model.generation_config.eos_token_id = 1
@@ -96,21 +98,23 @@ def full_logits_loss(trainer, batch: dict, loss: str):
     return L.reduce(terms, b["response_mask"])
 
 
-def child_train(student: str, cache: str, loss: str, path: str, out: str) -> None:
-    """One train step in this process (nothing before it but loading): print JSON {seconds, step_peak (bytes above
-    the RSS before the step), tokens, loss}."""
+def child_train(student: str, cache: str, loss: str, path: str, out: str, batch: str = str(TRAIN_BATCH)) -> None:
+    """One train step in this process (nothing before it but loading): print JSON {seconds, step_peak (bytes of
+    anonymous memory above the level before the step), tokens, loss}. ``path``: fused, fused+ckpt (activation
+    checkpointing) or plain."""
     import torch
 
     from opdcache.train import TrainConfig, Trainer
 
     torch.manual_seed(0)
-    trainer = Trainer(TrainConfig(model=Path(student), cache=Path(cache), out=Path(out), loss=loss, batch_size=TRAIN_BATCH, lr=1e-5))
+    trainer = Trainer(TrainConfig(model=Path(student), cache=Path(cache), out=Path(out), loss=loss, batch_size=int(batch), lr=1e-5,
+                                  gradient_checkpointing=path.endswith("+ckpt")))
     batch = trainer.source.next_batch()
     from harness import PeakAnon as PeakRSS  # anonymous RSS: not the model file's page cache
 
     peak = PeakRSS().__enter__()  # the step's own memory: peak RSS during it, minus the RSS just before it
     t0 = time.perf_counter()
-    if path == "fused":
+    if path.startswith("fused"):
         loss_value, _ = trainer.loss_and_stats(batch)
     else:  # the plain full-logits step
         loss_value = full_logits_loss(trainer, batch, loss)
@@ -121,12 +125,61 @@ def child_train(student: str, cache: str, loss: str, path: str, out: str) -> Non
     print(json.dumps({"seconds": seconds, "step_peak": peak.delta, "tokens": int(batch["response_mask"].sum()), "loss": float(loss_value)}))
 
 
+def train_memory(args) -> None:
+    """issue 31, item 4: the train step's own peak (anonymous memory) at hidden ``--hidden`` against response length,
+    with and without activation checkpointing, for lightning and full-fkl; the per-token slope between each pair of
+    lengths (a quadratic term shows as a slope that grows with length)."""
+    global HIDDEN
+    HIDDEN = args.hidden
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="bench-train-memory-"))
+    root.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, __file__, "_build", str(root), str(args.hidden)], check=True, capture_output=True)
+    student, teacher = root / "student", root / "teacher"
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (13 * i + 7 * j) % 5000}" for j in range(PROMPT_TOKENS))}) + "\n"
+                               for i in range(args.batch)))
+    env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
+    cli = [sys.executable, "-m", "opdcache.cli.main"]
+    rows = {}
+    for R in args.lengths:
+        cache = root / f"cache-{R}"
+        if not (cache / "opdcache.json").is_file() or "teachers/teacher" not in (cache / "opdcache.json").read_text():
+            run_measured(cli + ["build-rollouts", "--model", str(student), "--prompts", str(prompts), "--out", str(cache), "--max-new-tokens",
+                                str(R), "--temperature", "1.0", "--no-chat-template", "--num-shards", "1", "--batch-size", str(args.batch),
+                                "--no-progress"], env)
+            run_measured(cli + ["score-teacher", str(cache), "--teacher", str(teacher), "--store", "logprob,hidden", "--no-progress"], env)
+        for loss in ("lightning", "full-fkl"):
+            for path in ("fused", "fused+ckpt"):
+                m = run_measured([sys.executable, __file__, "_train", str(student), str(cache), loss, path, str(root / f"run-{R}-{loss}-{path}"),
+                                  str(args.batch)], env)
+                m.update(json.loads(m.pop("stdout").strip().splitlines()[-1]))
+                rows.setdefault(f"{loss} {path}", {})[R] = m
+                print(f"R={R} {loss} {path}: step peak {m['step_peak'] / 2**20:.0f} MiB, {m['tokens']} tokens, {m['seconds']:.1f} s", flush=True)
+    Rs = sorted(args.lengths)
+    print(f"\nthe train step's own peak (anonymous MiB) at hidden {args.hidden}, vocabulary {V:,}, batch {args.batch}, and its slope per "
+          "response token (KiB) between lengths")
+    print(f"{'step':<22}" + "".join(f"{f'R={R}':>9}" for R in Rs) + "".join(f"{f'{a}->{b}':>12}" for a, b in zip(Rs, Rs[1:])))
+    summary = {}
+    for name, by_r in rows.items():
+        slopes = [(by_r[b]["step_peak"] - by_r[a]["step_peak"]) / (by_r[b]["tokens"] - by_r[a]["tokens"]) for a, b in zip(Rs, Rs[1:])]
+        summary[name] = {"peak_mib": {R: by_r[R]["step_peak"] / 2**20 for R in Rs}, "slope_kib_per_token": [x / 1024 for x in slopes]}
+        print(f"{name:<22}" + "".join(f"{by_r[R]['step_peak'] / 2**20:>9.0f}" for R in Rs) + "".join(f"{x / 1024:>12.1f}" for x in slopes))
+    if args.json:
+        args.json.write_text(json.dumps({"hidden": args.hidden, "batch": args.batch, "rows": rows, "summary": summary}, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--train-memory", action="store_true", help="only the train step's memory against length (issue 31)")
+    ap.add_argument("--hidden", type=int, default=1024, help="--train-memory: the models' hidden size")
+    ap.add_argument("--batch", type=int, default=2, help="--train-memory: sequences per train step")
     args = ap.parse_args()
+    if args.train_memory:
+        train_memory(args)
+        return
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench-scale-"))
     root.mkdir(parents=True, exist_ok=True)
     # in a child process: the parent stays small (a forked child's ru_maxrss counts the parent's pages it started with)
@@ -183,8 +236,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_train":
-        child_train(*sys.argv[2:7])
+        child_train(*sys.argv[2:8])
     elif len(sys.argv) > 1 and sys.argv[1] == "_build":
-        build_models(Path(sys.argv[2]))
+        build_models(Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)
     else:
         main()
