@@ -304,7 +304,8 @@ def real(out_path: Path) -> None:
 
     from opdcache.backends.hf import TransformersBackend
     from opdcache.cache import Cache
-    from opdcache.frontier import Model, Setting, default_settings, measure, render
+    from opdcache.frontier import Model, Setting, default_settings, measure
+    from opdcache.plan import render
     from opdcache.scoring import score_requests
 
     cache_dir, model = real_rollouts()

@@ -29,7 +29,7 @@ def plan(
     log-probs per model, and the sampled rows' stored values for each setting (rows x tokens x width); never the sample's
     tokens x vocabulary."""
     O.announce_threads()
-    from opdcache.frontier import PlanConfig, render, run_plan
+    from opdcache.plan import PlanConfig, render, run_plan
 
     report = run_plan(PlanConfig(cache=cache, teacher=teacher, rows=rows, seed=seed, students=tuple(student or ()), dtype=dtype,
                                  max_error=max_error, max_bytes=max_bytes))

@@ -1,0 +1,101 @@
+"""``opdcache plan``: the storage frontier (opdcache/frontier.py) of one teacher on a seeded sample of a cache's own
+rollouts, the setting that meets ``--max-error`` or ``--max-bytes``, and the table it prints. Memory: the teacher (and
+students) and one [128 positions, vocabulary] block per model (frontier.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from opdcache.frontier import Model, Setting, choose, default_settings, measure
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """``opdcache plan``: the frontier of one teacher on a sample of the cache's own rollouts."""
+
+    cache: Path | str
+    teacher: Path | str
+    rows: int = 16
+    """Rollout rows sampled (seeded, over all shards); the svd settings fit on the first half and are measured on the rest."""
+    seed: int = 0
+    students: tuple = ()
+    """Models on the same vocabulary to measure the forward-KL estimate's and gradient's errors against (e.g. pi_ref)."""
+    dtype: str = "float32"
+    """The teacher's (and students') compute dtype."""
+    max_error: float | None = None
+    max_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        from opdcache.errors import ConfigError
+
+        if self.rows < 1:
+            raise ConfigError(f"--rows must be at least 1, got {self.rows}")
+        if self.max_error is not None and self.max_bytes is not None:
+            raise ConfigError("--max-error and --max-bytes each pick a setting; pass one of them")
+        if self.max_error is not None and not self.max_error > 0:
+            raise ConfigError(f"--max-error must be positive, got {self.max_error}")
+        if self.max_bytes is not None and not self.max_bytes > 0:
+            raise ConfigError(f"--max-bytes must be positive, got {self.max_bytes}")
+
+
+def run_plan(cfg: PlanConfig, settings: list[Setting] | None = None) -> dict:
+    """Load the teacher (and students), sample the rows, measure; the frontier plus the pick for --max-error/--max-bytes."""
+    from opdcache.backends.hf import TransformersBackend
+    from opdcache.cache import Cache
+    from opdcache.lineage import check_same_tokenizer
+    from opdcache.models import load_tokenizer, resolve_model
+    from opdcache.scoring import score_requests
+
+    cache = Cache(cfg.cache)
+    base = cache.base_table
+    refs = {"teacher": resolve_model(cfg.teacher, None, "--teacher")}
+    refs.update({f"student {i}" if len(cfg.students) > 1 else "student": resolve_model(p, None, "--student") for i, p in enumerate(cfg.students)})
+    for name, ref in refs.items():  # every model must read the cache's token ids as the cache's tokenizer wrote them
+        check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], load_tokenizer(ref.path), f"{name} {ref.name}", cache.tokenizer())
+    picks = cache.sample_rows(base, cfg.rows, cfg.seed)
+    requests, row_ids = [], []
+    for shard, idx in sorted(picks.items()):
+        table = cache.read_shard(base, shard, ["id", "prompt_ids", "response_ids"]).take(idx)
+        requests += score_requests(table)
+        row_ids += table["id"].to_pylist()
+    models = {name: Model(TransformersBackend(ref.path, dtype=cfg.dtype), name) for name, ref in refs.items()}
+    teacher = models.pop("teacher")
+    settings = settings or default_settings(teacher.hidden_size, int(teacher.W.shape[0]))
+    from opdcache.progress import bar
+
+    with bar(len(requests) - (len(requests) // 2 if any(s.store == "svd" for s in settings) and len(requests) > 1 else 0),
+             desc="plan", unit="row") as progress:
+        report = measure(teacher, requests, row_ids, settings, models, cfg.seed, progress.update)
+    report["teacher"] = str(cfg.teacher)
+    if cfg.max_error is not None or cfg.max_bytes is not None:
+        report["choice"] = choose(report, cfg.max_error, cfg.max_bytes)
+        report["choice_against"] = "KL(teacher || what the store implies)"
+    return report
+
+
+def render(report: dict) -> str:
+    """The frontier as a table: B/token beside the errors against the full vocabulary."""
+    students = sorted({n for r in report["settings"].values() for n in r["students"]})
+    lines = [f"{report['rows']} rows, {report['tokens']:,} response tokens; vocabulary {report['vocab_size']:,}, hidden "
+             f"{report['hidden_size']:,}; teacher entropy {report['teacher_entropy']:.3f} nats a position", "",
+             "kl: KL(teacher || the full distribution the store implies), nats a position (sampled: the standard error of",
+             "its forward-KL estimate's teacher term)."]
+    for n in students:
+        lines.append(f"{n}: |forward-KL estimate - exact| and ||gradient - exact||_1 on the student's logits, a position.")
+    header = f"{'setting':<26} {'B/token':>9} {'kl max':>9} {'kl mean':>9}"
+    for n in students:
+        header += f" {(n + ' fkl max')[:16]:>16} {'mean':>9} {'grad max':>9} {'mean':>9}"
+    lines += ["", header, "-" * len(header)]
+    for label, r in report["settings"].items():
+        line = f"{label:<26} {r['bytes_per_token']:>9.1f} {r['kl']['max']:>9.2e} {r['kl']['mean']:>9.2e}"
+        for n in students:
+            st = r["students"][n]
+            line += f" {st['fkl_error']['max']:>16.2e} {st['fkl_error']['mean']:>9.2e} {st['grad_l1_error']['max']:>9.2e} {st['grad_l1_error']['mean']:>9.2e}"
+        lines.append(line)
+    if "choice" in report:
+        c = report["choice"]
+        lines.append("")
+        lines.append("no setting qualifies" if c is None else
+                     f"choice: {c['label']} ({c['bytes_per_token']:.1f} B/token, max kl {c['max_error']:.2e}): score-teacher {c['flags']}")
+    return "\n".join(lines)
