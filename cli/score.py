@@ -47,8 +47,9 @@ def score_teacher(
 ) -> None:
     """Score a rollouts cache with a teacher, once, into teachers/<name>/ (row-aligned).
 
-    Memory: the teacher, decoder activations of --max-batch-tokens padded tokens, one float32 logit block of ~2,048
-    positions x a vocabulary slice (8 MiB on a CPU, 1 GiB on a GPU) and the running top-k, and one shard's stored values; the svd fit adds [hidden, hidden] float64
+    Memory: the teacher, decoder activations of --max-batch-tokens padded tokens, two float32 logit blocks of ~2,048
+    positions x a vocabulary slice (8 MiB each on a CPU, 1 GiB on a GPU; the second for the error record's moments) and
+    the running top-k, and one shard's stored values; the svd fit adds [hidden, hidden] float64
     moments and the calibration states; the sampled store adds [positions, slices] float64 slice masses and one
     [positions drawing into a slice, slice] block at a time. Never tokens x vocabulary. To an object store, each finished shard is
     spooled to a local temporary file (one shard on disk) and uploaded whole."""
