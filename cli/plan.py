@@ -25,9 +25,9 @@ def plan(
     from the teacher's full vocabulary; print the frontier (top-k widths and masses, sampled m, hidden float32 /
     bfloat16, svd ranks) and the setting that meets --max-error or --max-bytes.
 
-    Memory: the teacher (and students), one row's hidden states, one [128 positions, vocabulary] float32 block of
-    log-probs per model, and the sampled rows' stored values for each setting (rows x tokens x width); never the sample's
-    tokens x vocabulary."""
+    Memory: the teacher (and students), one row's hidden states, [128 positions, vocabulary] blocks (one float32 per
+    model, a few float64 while errors are summed: about 1 GiB at a 151,936 vocabulary), and the sampled rows' stored
+    values for each setting (rows x tokens x width); never the sample's tokens x vocabulary."""
     O.announce_threads()
     from opdcache.plan import PlanConfig, render, run_plan
 

@@ -16,9 +16,9 @@ vocabulary), per student: the forward-KL estimate's error |FKL_store - KL(p || s
 the student's logits, || g_store - g_full ||_1 with g = s - target (target: q* on the support, the tail bin's mass
 spread over the rest in proportion to s, as the tail-bin estimator does; c/m for the sampled store), max and mean.
 
-Memory: the teacher (and students), one row's hidden states [T, H], and one [BLOCK_POSITIONS, V] float32 block of
-log-probs per model at a time; the stored values of the sampled rows for each setting (rows x T x width). Never the
-sample's tokens x vocabulary.
+Memory: the teacher (and students), one row's hidden states [T, H], one [BLOCK_POSITIONS, V] float32 block of
+log-probs per model and a few float64 ones while a setting's errors are summed (about 1 GiB at V = 151,936); the stored
+values of the sampled rows for each setting (rows x T x width). Never the sample's tokens x vocabulary.
 """
 
 from __future__ import annotations
