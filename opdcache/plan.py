@@ -1,6 +1,6 @@
 """``opdcache plan``: the storage frontier (opdcache/frontier.py) of one teacher on a seeded sample of a cache's own
-rollouts, the setting that meets ``--max-error`` or ``--max-bytes``, and the table it prints. Memory: the teacher (and
-students) and one [128 positions, vocabulary] block per model (frontier.py)."""
+rollouts, the setting that meets ``--max-error`` or ``--max-bytes``, and the table it prints. Memory: as
+frontier.py states it (the models, [128 positions, vocabulary] blocks, the sampled rows' stored values)."""
 
 from __future__ import annotations
 
