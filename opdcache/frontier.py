@@ -306,10 +306,11 @@ def _block_errors(s: Setting, teacher: Model, p_lp: torch.Tensor, h_BH: torch.Te
     B, V = p_lp.shape
     stored64 = torch.where(kept_k, stored.double(), torch.full_like(stored.double(), -math.inf))
     z = stored64.exp().sum(-1) + tail
-    kept = torch.zeros((B, V), dtype=torch.bool).scatter_(1, ids, kept_k)
+    r, c = kept_k.nonzero(as_tuple=True)  # only kept slots: a padding slot's id (clamped to 0) must not touch token 0
+    kept = torch.zeros((B, V), dtype=torch.bool)
+    kept[r, ids[r, c]] = True
     q_star = torch.log((tail / z) / (V - kept_k.sum(-1)).clamp_min(1).double())[:, None].expand(B, V).clone()
-    vals = stored64 - torch.log(z)[:, None]
-    q_star.scatter_(1, ids, torch.where(kept_k, vals, q_star.gather(1, ids)))
+    q_star[r, ids[r, c]] = (stored64 - torch.log(z)[:, None])[r, c]
     p = p_lp64.exp()
     kl = (p * (p_lp64 - q_star)).sum(-1).clamp_min(0).numpy()
     return kl, {n: _student_errors(p_lp, q_star.float(), q, kept=kept, tail=tail / z) for n, q in s_lps.items()}

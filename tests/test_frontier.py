@@ -103,3 +103,28 @@ def test_plan_command_prints_the_frontier_and_refuses_bad_options(hf_cache, weig
     assert code == 2 and "--max-error and --max-bytes each pick a setting; pass one of them" in err and "Traceback" not in err
     code, out, err = cli("plan", hf_cache, "--teacher", weights / "teacher", "--rows", 0)
     assert code == 2 and "--rows must be at least 1, got 0" in err
+
+
+def test_a_padding_slot_never_touches_token_0():
+    """A compact row whose support holds token 0 and ends in padding (id -1, clamped to 0 for indexing): q* at token 0
+    must be its stored value, so KL(p || q*) equals the plain sum. (The first version scattered the padding slots too,
+    and token 0's entry could lose to one of them.)"""
+    from opdcache import compact
+    from opdcache.frontier import _block_errors
+
+    V = 50
+    logits = torch.full((1, V), -6.0)
+    logits[0, 0], logits[0, 7], logits[0, 3] = 4.0, 3.0, 1.0  # token 0 the most likely; a peaked row keeps few entries
+    p_lp = torch.log_softmax(logits, -1)
+    tv, ti = p_lp.topk(8, -1)
+    s = Setting("topk", k=8, precision="float32", mass=0.1)
+    kl, _ = _block_errors(s, None, p_lp, None, {}, {"top_ids": [ti], "top_lp": [tv]}, None, None)
+    enc = compact.compact_topk(ti.numpy(), tv.numpy(), "float32", 0.1)
+    kept = enc["ids"][0][enc["ids"][0] != -1]
+    assert 0 in kept.tolist() and (enc["ids"][0] == -1).any()  # the case: token 0 kept, padding present
+    stored = torch.as_tensor(enc["logprobs"][0][enc["ids"][0] != -1]).double()
+    z = float(stored.exp().sum()) + float(enc["tail"][0])
+    q = torch.full((V,), float(enc["tail"][0]) / z / (V - len(kept)), dtype=torch.float64)
+    q[torch.as_tensor(kept).long()] = stored.exp() / z
+    want = float((p_lp[0].double().exp() * (p_lp[0].double() - q.log())).sum())
+    assert kl[0] == pytest.approx(want, rel=1e-6, abs=1e-9)
