@@ -240,8 +240,7 @@ class TableJob:
         from opdcache import fidelity
 
         metas = [shards.read_schema(self.shard_path(i)).metadata or {} for i in range(self.num_shards)]
-        sums = [loads(m[fidelity.META], f"{self.table} shard footer", ManifestError) if fidelity.META in m else {} for m in metas]
-        return fidelity.summary(fidelity.merge(sums))
+        return fidelity.record_from_footers(metas, f"{self.table} shard footer", ManifestError)
 
     def finish(self) -> None:
         """Drop the job file (the manifest holds the finished table)."""

@@ -33,12 +33,12 @@ import numpy as np
 META = b"opdcache.fidelity"
 """Parquet key-value metadata of a teacher shard: the sums of :func:`row_sums`, merged by finalize."""
 
-QUANTITIES = {
+QUANTITIES = {  # every one per response position (the next-token distribution there), at temperature 1
     "topk_tail_mass": "teacher mass outside the stored top-k support",
     "topk_kl_maxent": "KL(teacher || stored top-k with its tail spread evenly), nats",
     "sampled_stderr": "standard error of the sampled forward-KL estimate's teacher term, nats",
     "hidden_rounding_kl": "KL(teacher || teacher rebuilt from the stored hidden states), nats",
-    "entropy": "teacher entropy, nats",
+    "entropy": "teacher entropy at temperature 1, nats",
 }
 
 
@@ -141,3 +141,45 @@ def describe(record: dict) -> list[str]:
             r = record[key]
             lines.append(f"{r['means']}: mean {r['mean']:.3g}, max {r['max']:.3g} over {r['positions']:,} positions")
     return lines
+
+
+def record_from_footers(metas: list[dict], where: str, error=ValueError) -> dict:
+    """The manifest's ``fidelity`` record from the shards' footer metadata (each a dict of Parquet key-value metadata;
+    a shard without the key counts as unmeasured). JSON read within the untrusted-input limits; ``error`` on a bad one."""
+    from opdcache.untrusted import loads
+
+    sums = [loads(m[META], where, error) if META in m else {} for m in metas]
+    return summary(merge(sums))
+
+
+def check_record(root, name: str, entry: dict) -> list[tuple[str, str, bool]]:
+    """``validate``: (file, message, warning) for a teacher table's ``fidelity`` record: absent is a warning (tables
+    written before it was recorded); it must equal what its shards' footers merge to. Reads footers only; a shard that
+    cannot be read is left to the shard checks."""
+    import pyarrow as pa
+
+    from opdcache import shards
+    from opdcache.errors import SchemaError
+    from opdcache.manifest import MANIFEST_NAME
+
+    record = entry.get("fidelity")
+    if record is None:
+        return [(MANIFEST_NAME, f"table {name} records no error against the full vocabulary (written before opdcache recorded "
+                                "it); re-score it with `opdcache score-teacher` to record it", True)]
+    metas = []
+    for info in entry["shards"]:
+        path = root / info["path"]
+        try:
+            metas.append(shards.read_schema(path).metadata or {})
+        except (SchemaError, pa.ArrowException, OSError):
+            return []
+    try:
+        want = record_from_footers(metas, f"{name} shard footer")
+    except ValueError as exc:
+        return [(name, str(exc), False)]
+    except (TypeError, KeyError, AttributeError):
+        return [(name, "a shard footer's record of the error against the full vocabulary is malformed; re-score the table", False)]
+    if json.dumps(want, sort_keys=True) != json.dumps(record, sort_keys=True):
+        return [(MANIFEST_NAME, f"table {name}: the recorded error against the full vocabulary differs from what its shards' "
+                                "footers record (the manifest was edited by hand?); re-score the table to rewrite it", False)]
+    return []

@@ -166,9 +166,8 @@ def _student_errors(p_lp: torch.Tensor, q_star_lp: torch.Tensor | None, s_lp: to
         q_tail = tail.double()
         s = s_lp64.exp()
         s_tail = torch.where(kept, torch.zeros_like(s), s).sum(-1).clamp_min(1e-300)
-        with np.errstate(divide="ignore"):
-            on = torch.where(kept & (q > 0), q * (q_star_lp.double() - s_lp64), torch.zeros_like(q)).sum(-1)
-            est = on + torch.where(q_tail > 0, q_tail * (torch.log(q_tail.clamp_min(1e-300)) - torch.log(s_tail)), torch.zeros_like(q_tail))
+        on = torch.where(kept & (q > 0), q * (q_star_lp.double() - s_lp64), torch.zeros_like(q)).sum(-1)
+        est = on + torch.where(q_tail > 0, q_tail * (torch.log(q_tail.clamp_min(1e-300)) - torch.log(s_tail)), torch.zeros_like(q_tail))
         target = torch.where(kept, q, (q_tail / s_tail)[:, None] * s)
     return (est - full).abs().numpy(), (target - p).abs().sum(-1).numpy(), est.numpy()
 

@@ -46,6 +46,7 @@ import pyarrow as pa
 
 from opdcache import manifest as M
 from opdcache import rowrules, shards, storage
+from opdcache.fidelity import check_record
 from opdcache.sidefiles import SIDE_FILE_TENSORS, safetensors_problem
 from opdcache import schema as S
 from opdcache.errors import ManifestError, SchemaError
@@ -122,7 +123,8 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
         _check_side_files(root, name, entry, params, out)
         _check_arithmetic_record(name, entry, out)
         if entry["kind"] == "teacher" and not quick:
-            _check_fidelity(root, name, entry, out)
+            for where, message, warning in check_record(root, name, entry):
+                out.add(where, message, warning=warning)
         for index, info in enumerate(entry["shards"]):
             path = root / info["path"]
             if not _inside(root, path, info["path"], out) or not _check_file(path, info, entry, params, out):
@@ -182,43 +184,6 @@ def _check_arithmetic_record(name: str, entry: dict, out: _Collector) -> None:
     if missing:
         out.add(M.MANIFEST_NAME, f"table {name} was computed by the exact engine but its record lacks {', '.join(missing)}: "
                                  "audit could not re-create its arithmetic")
-
-
-def _check_fidelity(root, name: str, entry: dict, out: _Collector) -> None:
-    """A teacher table's ``fidelity`` record: present (a warning when absent: tables written before it was recorded),
-    and equal to the merge of its shards' footer sums (reads footers only)."""
-    import json
-
-    from opdcache import fidelity
-    from opdcache.untrusted import loads
-
-    record = entry.get("fidelity")
-    if record is None:
-        out.add(M.MANIFEST_NAME, f"table {name} records no error against the full vocabulary (written before opdcache recorded "
-                                 "it); re-score it with `opdcache score-teacher` to record it", warning=True)
-        return
-    sums = []
-    for info in entry["shards"]:
-        path = root / info["path"]
-        try:
-            meta = shards.read_schema(path).metadata or {} if path.is_file() else None
-        except (SchemaError, pa.ArrowException, OSError):
-            meta = None
-        if meta is None:
-            return  # the shard's own checks report it
-        try:
-            sums.append(loads(meta[fidelity.META], f"{info['path']} footer") if fidelity.META in meta else {})
-        except ValueError as exc:
-            out.add(info["path"], str(exc))
-            return
-    try:
-        want = fidelity.summary(fidelity.merge(sums))
-    except (TypeError, KeyError, AttributeError):
-        out.add(name, "a shard footer's record of the error against the full vocabulary is malformed; re-score the table")
-        return
-    if json.dumps(want, sort_keys=True) != json.dumps(record, sort_keys=True):
-        out.add(M.MANIFEST_NAME, f"table {name}: the recorded error against the full vocabulary differs from what its shards' "
-                                 "footers record (the manifest was edited by hand?); re-score the table to rewrite it")
 
 
 def _check_side_files(root: Path, name: str, entry: dict, params: S.StoreParams, out: _Collector) -> None:
