@@ -95,7 +95,9 @@ def _model_path(record: dict, override: Path | None, flag: str, table: str) -> P
 def _engine(record: dict, path: Path):
     """The engine in the arithmetic the table records: the exact engine for exact tables, else float32 transformers
     (in the recorded emulated low-bit scheme, if any)."""
-    quant = record.get("quantization")
+    from opdcache.quant import recorded_spec
+
+    quant = recorded_spec(record.get("quantization"))
     if record.get("exact"):
         from opdcache.backends.exact import ARITHMETIC, ExactBackend
 

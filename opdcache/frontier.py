@@ -16,8 +16,11 @@ vocabulary), per student: the forward-KL estimate's error |FKL_store - KL(p || s
 the student's logits, || g_store - g_full ||_1 with g = s - target (target: q* on the support, the tail bin's mass
 spread over the rest in proportion to s, as the tail-bin estimator does; c/m for the sampled store), max and mean.
 
-Memory: the teacher (and students), one row's hidden states [T, H], one [BLOCK_POSITIONS, V] float32 block of
-log-probs per model and a few float64 ones while a setting's errors are summed (about 1 GiB at V = 151,936); the stored
+The reference is exact (BENCHMARKING.md): logits as the model computes them, their log-softmax in float64, and every
+error summed in float64; stored values are rounded to float32 as the scorer stores them.
+
+Memory: the teacher (and students), one row's hidden states [T, H], one [BLOCK_POSITIONS, V] float64 block of
+log-probs per model and a few more while a setting's errors are summed (about 1.5 GiB at V = 151,936); the stored
 values of the sampled rows for each setting (rows x T x width). Never the sample's tokens x vocabulary.
 """
 
@@ -34,7 +37,7 @@ import torch
 from opdcache import schema as S
 from opdcache import shards
 
-BLOCK_POSITIONS = 128  # positions per full-vocabulary block (151,936 columns: 78 MiB of float32 log-probs)
+BLOCK_POSITIONS = 128  # positions per full-vocabulary block (151,936 columns: 156 MiB of float64 log-probs)
 
 
 @dataclass(frozen=True)
@@ -121,14 +124,15 @@ class Model:
             return self.backend.final_hidden([request])[0]
 
     def log_probs(self, hidden_BH: torch.Tensor, W=None, b=None) -> torch.Tensor:
-        """[B, V] float32 log-probs from hidden states (the model's own head, or ``W``/``b``: an svd decoder)."""
+        """[B, V] float64 log-probs from hidden states (the model's own head, or ``W``/``b``: an svd decoder): the logits
+        as the model computes them, their log-softmax in float64 (the exact reference)."""
         W = self.W if W is None else W
         with torch.no_grad():
             z = hidden_BH.to(W.dtype) @ W.T
             if (self.b if W is self.W else b) is not None:
                 z = z + (self.b if W is self.W else b)
             z = self.transform(z.float()) if W is self.W else z.float()
-            return torch.log_softmax(z / self.temperature if self.temperature != 1.0 else z, -1)
+            return torch.log_softmax((z / self.temperature if self.temperature != 1.0 else z).double(), -1)
 
 
 @dataclass
@@ -213,16 +217,16 @@ def measure(teacher: Model, requests: list, row_ids: list[str], settings: list[S
             s_lps = {name: students[name].log_probs(x[blk]) for name, x in sh.items()}
             p64 = p_lp.double().exp()
             entropy.append((-(p64 * p_lp.double()).sum(-1)).numpy())
-            row["lp"].append(p_lp.gather(1, resp[blk, None])[:, 0])
+            row["lp"].append(p_lp.gather(1, resp[blk, None])[:, 0].float())
             if max_k:
                 tv, ti = p_lp.topk(max_k, -1)
                 row["top_ids"].append(ti)
-                row["top_lp"].append(tv)
+                row["top_lp"].append(tv.float())
             if max_m:  # inverse CDF over the vocabulary order, as the scorer draws
                 cdf = p64.cumsum(-1)
                 ids = torch.searchsorted(cdf, (u[blk] * cdf[:, -1:]).contiguous(), right=True).clamp_(max=V - 1)
                 row["draw_ids"].append(ids)
-                row["draw_lp"].append(p_lp.gather(1, ids))
+                row["draw_lp"].append(p_lp.gather(1, ids).float())
             for s in settings:
                 per_block[s].append(_block_errors(s, teacher, p_lp, h[blk], s_lps, row, projections.get(s), u[blk] if u is not None else None))
         scores = Scores(logprobs=torch.cat(row["lp"]).numpy(), logsumexp=np.zeros(T, np.float32))
@@ -312,7 +316,7 @@ def _block_errors(s: Setting, teacher: Model, p_lp: torch.Tensor, h_BH: torch.Te
     q_star[r, ids[r, c]] = (stored64 - torch.log(z)[:, None])[r, c]
     p = p_lp64.exp()
     kl = (p * (p_lp64 - q_star)).sum(-1).clamp_min(0).numpy()
-    return kl, {n: _student_errors(p_lp, q_star.float(), q, kept=kept, tail=tail / z) for n, q in s_lps.items()}
+    return kl, {n: _student_errors(p_lp, q_star, q, kept=kept, tail=tail / z) for n, q in s_lps.items()}
 
 
 def store_bytes(params: S.StoreParams, records: list, store: str, tmp: Path) -> int:

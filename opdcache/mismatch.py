@@ -31,6 +31,7 @@ from opdcache.cache import Cache
 from opdcache.errors import ConfigError
 from opdcache.errortokens import RULE, error_token_mask, is_error_sequence
 from opdcache.progress import bar
+from opdcache.quant import recorded_spec
 
 QUANTILES = (0.5, 0.9, 0.99, 0.999)
 DEFINITIONS = {
@@ -154,16 +155,13 @@ def rollout_section(cache: Cache, model: str | Path | None = None, device: str =
     deltas, flips, ids, responses, stored_all = [], [] if params.ref_top_k else None, [], [], []
     scheme = None
     if aligned:
-        from opdcache.quant import QuantScheme
+        from opdcache.quant import aligned_scheme
 
-        if not recorded.get("quantization") or recorded.get("engine") == "vllm":
-            raise ConfigError("--rollout-aligned: the rollouts record no emulated low-bit scheme (full precision, or vLLM's own kernels); "
-                              "nothing to align the recompute to")
-        scheme = QuantScheme.parse(recorded["quantization"]).spec()
+        scheme = aligned_scheme(recorded, f"{cache.root}'s rollouts").spec()
     if exact:
         from opdcache.backends.exact import ExactBackend
 
-        backend = ExactBackend(path, dtype=recorded.get("dtype") or "float32", quantize=recorded.get("quantization")
+        backend = ExactBackend(path, dtype=recorded.get("dtype") or "float32", quantize=recorded_spec(recorded.get("quantization"))
                                if recorded.get("engine") == "exact" else None)
     else:
         backend = TransformersBackend(path, dtype="float32", device=device, quantize=scheme)
@@ -248,7 +246,7 @@ def exact_teacher_section(cache: Cache, slug: str, teacher: str | Path | None = 
     if not (path / "config.json").is_file():
         raise ConfigError(f"the teacher of {table} is not at {str(path)!r} (the path the cache recorded); pass --teacher-model PATH")
     backend = ExactBackend(path, dtype=recorded.get("dtype") or "float32",
-                           quantize=recorded.get("quantization") if recorded.get("engine") == "exact" else None)
+                           quantize=recorded_spec(recorded.get("quantization")) if recorded.get("engine") == "exact" else None)
     deltas, ids, responses = [], [], []
     for index in range(len(cache.shard_paths(table))):
         rows = cache.read_shard(cache.base_table, index, ["id", "prompt_ids", "response_ids"])

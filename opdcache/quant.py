@@ -2,11 +2,18 @@
 
 A scheme says how every linear layer but the kept ones (by default the unembedding, ``lm_head``) computes:
 
-* ``w4a16[:g<N>][:sym|:asym]``: int4 weights in groups of N input columns (default 128), symmetric
-  (q in [-8, 7], scale = max|w| / 7) or asymmetric (q in [0, 15], scale = (max - min) / 15, zero point
-  round(-min / scale) clamped to [0, 15], a 4-bit zero point as AWQ stores it); activations stay in the model's precision.
-* ``w8a8``: int8 weights per output channel (q in [-127, 127], scale = max|w| / 127) and int8 activations per token
-  (the same rule over each token's input row, computed at run time).
+* ``w4a16[:g<N>][:sym|:asym]``: int4 weights in groups of N input columns (default 128), symmetric or asymmetric;
+  activations stay in the model's precision.
+* ``w8a8``: int8 weights per output channel and int8 activations per token (the same rule over each token's input
+  row, computed at run time).
+* The integer grid's convention, ``:compressed-tensors`` (the default) or ``:absmax``. compressed-tensors is the
+  format vLLM loads (llm-compressor writes it; GPTQ and torchao use the same grid): the range [min(x, 0), max(x, 0)]
+  spans the whole signed grid, so a symmetric scale is max|x| / 7.5 (int4) or / 127.5 (int8) with q in [-8, 7] or
+  [-128, 127], and an asymmetric one (max - min) / 15 with a zero point round(-8 - min / scale); arithmetic in the
+  tensor's own dtype, in that library's order, so the values are bit-identical to its ``fake_quantize`` (tested
+  against it). ``absmax`` is opdcache's earlier grid: scale max|x| / 7 or / 127 (q in [-8, 7], [-127, 127]),
+  asymmetric (max - min) / 15 with an unsigned zero point round(-min / scale), as AWQ stores it; computed in float32.
+  A cache's recorded spec names its convention; one recorded before the option existed (none named) is ``absmax``.
 * ``fp8[:per-tensor|:per-channel]``: float8 e4m3 (largest finite 448) weights with one scale per tensor or per output
   channel (scale = max|w| / 448) and e4m3 activations with one scale per token. Per token, not per tensor as
   vLLM's dynamic fp8 does: a per-tensor activation scale depends on which other rows share the batch, so no learner
@@ -42,9 +49,11 @@ from opdcache.errors import ConfigError
 
 METHODS = ("int8", "w4a16", "w8a8", "fp8")
 FP8_MAX = 448.0  # largest finite float8 e4m3fn value
-SPEC_HELP = ("w4a16[:g<N>][:sym|:asym], w8a8, fp8[:per-tensor|:per-channel] (emulated: quantize, dequantize, compute in "
-             "float32), each with [:keep=NAME,...] (layers kept exact besides lm_head) and [:head] (quantize lm_head too); "
-             "or int8 (torch dynamic, CPU)")
+CONVENTIONS = ("compressed-tensors", "absmax")
+"""The integer grid's convention (w4a16, w8a8); the first is the default of a spec that names none."""
+SPEC_HELP = ("w4a16[:g<N>][:sym|:asym], w8a8 (each [:compressed-tensors|:absmax]), fp8[:per-tensor|:per-channel] "
+             "(emulated: quantize, dequantize, compute), each with [:keep=NAME,...] (layers kept exact besides lm_head) and "
+             "[:head] (quantize lm_head too); or int8 (torch dynamic, CPU)")
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,18 @@ class QuantScheme:
     """fp8: weight scales per-tensor or per-channel (w8a8: always per-channel)."""
     keep: tuple[str, ...] = ("lm_head",)
     """Module names (or suffixes) kept in full precision."""
+    convention: str | None = None
+    """w4a16, w8a8: the integer grid, one of CONVENTIONS."""
+
+    @classmethod
+    def recorded(cls, spec: str) -> "QuantScheme":
+        """The scheme a cache's manifest records. A w4a16/w8a8 spec written before the convention was recorded names
+        none, and meant ``absmax``."""
+        scheme = cls.parse(spec)
+        named = any(p.strip() in CONVENTIONS for p in str(spec).split(":"))
+        if scheme.convention is not None and not named:
+            return cls(**{**scheme.__dict__, "convention": "absmax"})
+        return scheme
 
     @classmethod
     def parse(cls, spec: str) -> "QuantScheme":
@@ -78,6 +99,8 @@ class QuantScheme:
                 fields["symmetric"] = opt == "sym"
             elif method == "fp8" and opt in ("per-tensor", "per-channel"):
                 fields["granularity"] = opt
+            elif method in ("w4a16", "w8a8") and opt in CONVENTIONS:
+                fields["convention"] = opt
             else:
                 raise ConfigError(f"--quantize {spec!r}: {opt!r} is not an option of {method}; schemes: {SPEC_HELP}")
         if method == "w4a16":
@@ -86,6 +109,8 @@ class QuantScheme:
                 raise ConfigError(f"--quantize {spec!r}: the group size must be at least 1")
         if method == "fp8":
             fields.setdefault("granularity", "per-tensor")
+        if method in ("w4a16", "w8a8"):
+            fields.setdefault("convention", CONVENTIONS[0])
         if method == "int8" and "keep" in fields and fields["keep"] != ("lm_head",):
             raise ConfigError(f"--quantize {spec!r}: int8 (torch dynamic) always keeps exactly lm_head in full precision")
         if fields.pop("quantize_head", False):
@@ -99,6 +124,8 @@ class QuantScheme:
         parts = [self.method]
         if self.method == "w4a16":
             parts += [f"g{self.group_size}", "sym" if self.symmetric else "asym"]
+        if self.convention is not None:
+            parts.append(self.convention)
         if self.method == "fp8":
             parts.append(self.granularity)
         if "lm_head" not in self.keep:
@@ -117,12 +144,13 @@ class QuantScheme:
         return any(name == k or name.endswith("." + k) for k in self.keep)
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
-        """The dequantized weight [out, in], computed in float32, returned in w's dtype."""
-        x = w.detach().float()
+        """The dequantized weight [out, in], returned in w's dtype (computed in float32, or in w's dtype under the
+        compressed-tensors convention, as that library computes)."""
+        x = w.detach() if self.convention == "compressed-tensors" else w.detach().float()
         if self.method == "w4a16":
-            q = int4_groups(x, self.group_size, self.symmetric)
+            q = int4_groups(x, self.group_size, self.symmetric, self.convention)
         elif self.method == "w8a8":
-            q = int8_rows(x)
+            q = int8_rows(x, self.convention)
         elif self.method == "fp8":
             q = fp8_rows(x) if self.granularity == "per-channel" else fp8_tensor(x)
         else:
@@ -132,7 +160,8 @@ class QuantScheme:
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """The dequantized activations [..., in] (per token), in x's dtype; unchanged when the scheme keeps them."""
         if self.method == "w8a8":
-            return int8_rows(x.detach().float()).to(x.dtype)
+            ct = self.convention == "compressed-tensors"
+            return int8_rows(x.detach() if ct else x.detach().float(), self.convention).to(x.dtype)
         if self.method == "fp8":
             return fp8_rows(x.detach().float()).to(x.dtype)
         return x
@@ -142,19 +171,45 @@ def parse_quantize(spec: str | None) -> QuantScheme | None:
     return None if spec is None else QuantScheme.parse(spec)
 
 
+def recorded_spec(spec: str | None) -> str | None:
+    """The canonical spec of a manifest's recorded ``quantization`` (a spec from before the convention was recorded
+    keeps its meaning: :meth:`QuantScheme.recorded`)."""
+    return QuantScheme.recorded(spec).spec() if spec else None
+
+
+def aligned_scheme(record: dict, where: str) -> QuantScheme:
+    """The emulated scheme a table's recorded engine computed in, for ``--rollout-aligned`` (train and mismatch-report
+    alike); a refusal naming the fix when no learner can compute in it."""
+    spec = record.get("quantization")
+    if not spec:
+        raise ConfigError(f"--rollout-aligned: {where} records no quantization (sampled in full precision): there is nothing "
+                          "to align to; run without --rollout-aligned")
+    if record.get("engine") == "vllm":
+        raise ConfigError(f"--rollout-aligned: {where} ran vLLM's {spec!r} kernels, which opdcache does not emulate (vLLM's dynamic "
+                          "fp8 scales activations per tensor over the whole batch, so no learner reproduces a row's numbers); "
+                          "sample with --engine transformers --quantize (w4a16, w8a8 or fp8) to align")
+    scheme = QuantScheme.recorded(spec)
+    if not scheme.emulated:
+        raise ConfigError(f"--rollout-aligned: {where} ran torch's int8 kernels, which opdcache does not emulate; sample with "
+                          "--quantize w8a8, its emulated equivalent")
+    return scheme
+
+
 # ------------------------------------------------------------------------------------------------ kernels
 def _safe(scale: torch.Tensor) -> torch.Tensor:
     """A zero scale (an all-zero group or row) divides as 1: its values quantize to 0 and dequantize to 0."""
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
-def int4_groups(w: torch.Tensor, group: int, symmetric: bool) -> torch.Tensor:
-    """Dequantized int4 groups of ``group`` consecutive input columns of each row of w [out, in] (float32)."""
+def int4_groups(w: torch.Tensor, group: int, symmetric: bool, convention: str = "compressed-tensors") -> torch.Tensor:
+    """Dequantized int4 groups of ``group`` consecutive input columns of each row of w [out, in] (absmax: float32)."""
     out, cols = w.shape
     if cols % group:
         raise ConfigError(f"w4a16: the group size {group} does not divide the layer's {cols} input columns; "
                           f"pick one that does (e.g. w4a16:g{_divisor(cols, group)})")
     g = w.reshape(out, cols // group, group)
+    if convention == "compressed-tensors":
+        return _signed_grid(g, 4, symmetric).reshape(out, cols)
     if symmetric:
         scale = _safe(g.abs().amax(-1, keepdim=True) / 7)
         q = torch.round(g / scale).clamp_(-8, 7)
@@ -166,6 +221,31 @@ def int4_groups(w: torch.Tensor, group: int, symmetric: bool) -> torch.Tensor:
     return ((q - zero) * scale).reshape(out, cols)
 
 
+def _signed_grid(x: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
+    """compressed-tensors' integer quantize-dequantize over the last dimension of x, in x's dtype and that library's
+    order (calculate_qparams, then _quantize_dequantize): the range [min(x, 0), max(x, 0)] over the signed grid
+    [-2^(b-1), 2^(b-1) - 1]; a zero scale becomes the dtype's eps."""
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    span = torch.tensor(qmax - qmin, dtype=x.dtype)
+    lo = torch.minimum(x.amin(-1, keepdim=True), torch.zeros((), dtype=x.dtype))
+    hi = torch.maximum(x.amax(-1, keepdim=True), torch.zeros((), dtype=x.dtype))
+    if symmetric:
+        scale = torch.maximum(lo.abs(), hi) / (span / 2)
+        zero = None
+    else:
+        scale = (hi - lo) / span
+        with torch.no_grad():  # an all-zero row: 0 / 0; its values quantize to 0 whatever the zero point
+            zero = torch.nan_to_num(torch.clamp(qmin - lo / scale, qmin, qmax), nan=0.0).round_().to(torch.int8)
+    scale = torch.where(scale == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype), scale)
+    scaled = x / scale
+    if zero is not None:
+        scaled += zero.to(x.dtype)
+    q = torch.round(torch.clamp(scaled, qmin, qmax))
+    if zero is not None:
+        q = q - zero.to(x.dtype)
+    return q * scale
+
+
 def _divisor(cols: int, group: int) -> int:
     """The largest power of two below ``group`` that divides ``cols`` (a suggestion for the error message)."""
     d = 1
@@ -174,9 +254,11 @@ def _divisor(cols: int, group: int) -> int:
     return d
 
 
-def int8_rows(x: torch.Tensor) -> torch.Tensor:
+def int8_rows(x: torch.Tensor, convention: str = "compressed-tensors") -> torch.Tensor:
     """Dequantized symmetric int8 with one scale per row of the last dimension (weights: per output channel;
-    activations: per token), float32."""
+    activations: per token); absmax: float32."""
+    if convention == "compressed-tensors":
+        return _signed_grid(x, 8, True)
     scale = _safe(x.abs().amax(-1, keepdim=True) / 127)
     return torch.round(x / scale).clamp_(-127, 127) * scale
 

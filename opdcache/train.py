@@ -175,20 +175,9 @@ class Trainer:
     def _rollout_scheme(self):
         """The low-bit scheme the cache's rollouts were computed in (``--rollout-aligned``), from the manifest."""
         from opdcache.cache import Cache
-        from opdcache.errors import ConfigError
-        from opdcache.quant import QuantScheme
+        from opdcache.quant import aligned_scheme
 
-        model = Cache(self.cfg.cache).table("rollouts").get("model") or {}
-        spec = model.get("quantization")
-        if not spec:
-            raise ConfigError(f"--rollout-aligned: {self.cfg.cache}'s rollouts record no quantization (sampled in full precision): "
-                              "there is nothing to align to; train without it")
-        if model.get("engine") == "vllm":
-            if spec != "fp8":
-                raise ConfigError(f"--rollout-aligned: the rollouts ran vLLM's {spec!r} kernels, which opdcache does not emulate; "
-                                  "sample with the transformers engine's --quantize w4a16 (or fp8) to align")
-            spec = "fp8:per-tensor"  # vLLM's dynamic fp8 weights; its per-tensor activation scale is emulated per token
-        return QuantScheme.parse(spec)
+        return aligned_scheme(Cache(self.cfg.cache).table("rollouts").get("model") or {}, f"{self.cfg.cache}'s rollouts")
 
     def _check_rollout_model(self, cache) -> None:
         """Lightning OPD trains pi_ref on pi_ref's own rollouts: refuse another --model unless told (the importance

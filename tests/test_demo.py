@@ -49,7 +49,7 @@ def test_ablations_run_and_report_what_they_measure(tmp_path):
     manifest = json.loads((cfg.workdir / "caches" / "rollouts_int8" / "opdcache.json").read_text())
     assert manifest["tables"]["rollouts"]["model"]["quantization"] == "int8"
     manifest = json.loads((cfg.workdir / "caches" / "rollouts_w4a16" / "opdcache.json").read_text())
-    assert manifest["tables"]["rollouts"]["model"]["quantization"] == "w4a16:g32:sym:keep=lm_head"
+    assert manifest["tables"]["rollouts"]["model"]["quantization"] == "w4a16:g32:sym:compressed-tensors:keep=lm_head"
     logged = {name: json.loads((cfg.workdir / "runs" / f"int8-{name}-{run_name(cfg)}" / "metrics.jsonl").read_text().splitlines()[-1]) for name in QUANTIZED_RUNS}
     assert "tis_clip_fraction" in logged["tis"] and "rejected_fraction" in logged["reject-k3"]
     assert "band_rejected_fraction" in logged["trust-band"] and "tis_clip_fraction" not in logged["none"]

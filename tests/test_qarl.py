@@ -53,9 +53,28 @@ def _student_logprobs(cache, weights, tmp_path, aligned: bool):
 
 def test_the_manifest_records_the_whole_scheme(w4_cache, capsys):
     model = Cache(w4_cache).table("rollouts")["model"]
-    assert model["quantization"] == "w4a16:g32:sym:keep=lm_head"
+    assert model["quantization"] == "w4a16:g32:sym:compressed-tensors:keep=lm_head"
     assert run(["info", str(w4_cache)]) == 0
-    assert "computed by transformers/float32/w4a16:g32:sym:keep=lm_head" in capsys.readouterr().out
+    assert "computed by transformers/float32/w4a16:g32:sym:compressed-tensors:keep=lm_head" in " ".join(capsys.readouterr().out.split())
+
+
+def test_vllm_fp8_rollouts_are_refused_alike_by_train_and_mismatch_report(hf_cache, weights, tmp_path, capsys):
+    """vLLM's dynamic fp8 scales activations per tensor over the batch: no learner reproduces it, so neither the trainer
+    nor the measurement claims an alignment (a copy of the cache whose manifest records vLLM's fp8)."""
+    import json
+    import shutil
+
+    cache = tmp_path / "vllm-fp8"
+    shutil.copytree(hf_cache, cache)
+    manifest = json.loads((cache / "opdcache.json").read_text())
+    manifest["tables"]["rollouts"]["model"] |= {"engine": "vllm", "quantization": "fp8"}
+    (cache / "opdcache.json").write_text(json.dumps(manifest))
+    want = "ran vLLM's 'fp8' kernels, which opdcache does not emulate"
+    with pytest.raises(ConfigError, match=want):
+        Trainer(TrainConfig(model=weights / "student", cache=cache, out=tmp_path / "t", rollout_aligned=True))
+    assert run(["mismatch-report", str(cache), "--rollout-aligned", "--out", str(tmp_path / "m"), "--no-png"]) == 2
+    err = capsys.readouterr().err
+    assert want in err and "--engine transformers --quantize" in err and len(err.strip().splitlines()) == 1
 
 
 def test_the_aligned_learner_reproduces_the_rollout_engine(w4_cache, weights, tmp_path):
@@ -72,7 +91,7 @@ def test_mismatch_report_measures_both(w4_cache, tmp_path, capsys):
     rep, _ = MM.report(w4_cache, aligned=True)
     plain, aligned = rep["sections"]["rollouts"], rep["sections"]["rollouts, aligned"]
     assert aligned["max_abs_delta"] <= 1e-5 and plain["mean_abs_delta"] >= 1e-2
-    assert "w4a16:g32:sym:keep=lm_head" in aligned["description"]
+    assert "w4a16:g32:sym:compressed-tensors:keep=lm_head" in aligned["description"]
     e = plain["error_tokens"]
     assert e["rule"].startswith("error token: p_learner < 0.001") and 0 <= e["token_share"] <= 1
     assert aligned["error_tokens"]["tokens"] == 0  # an exact learner sees no token the engine made likelier than it would
@@ -105,10 +124,10 @@ def test_aligned_training_runs_and_logs_error_tokens(w4_cache, weights, tmp_path
 
 
 def test_alignment_refusals(hf_cache, weights, tmp_path, capsys):
-    with pytest.raises(ConfigError, match="record no quantization .*nothing to align to"):
+    with pytest.raises(ConfigError, match="records no quantization .*nothing to align to"):
         Trainer(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path / "a", rollout_aligned=True))
     assert run(["mismatch-report", str(hf_cache), "--rollout-aligned", "--out", str(tmp_path / "m"), "--no-png"]) == 2
-    assert "nothing to align the recompute to" in capsys.readouterr().err
+    assert "nothing to align to; run without --rollout-aligned" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--online samples the student in full precision"):
         TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path / "b", rollout_aligned=True, online=True,
                     teacher_model=weights / "teacher")

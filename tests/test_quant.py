@@ -80,32 +80,103 @@ def tensors(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("group", [4, 8, 16])
 def test_int4_groups_match_the_hand_reference(group, symmetric):
     w = tensors(5, 16)
-    got = int4_groups(w, group, symmetric)
+    got = int4_groups(w, group, symmetric, "absmax")
     want = torch.tensor([ref_int4_row(r, group, symmetric) for r in w.tolist()])
     assert torch.equal(got, want)
     assert torch.equal(got[0, :8], torch.zeros(8))  # the all-zero group dequantizes to zeros
     # group boundaries: each group's values depend on that group alone
     w2 = w.clone()
     w2[:, group:] *= 3
-    assert torch.equal(int4_groups(w2, group, symmetric)[:, :group], got[:, :group])
+    assert torch.equal(int4_groups(w2, group, symmetric, "absmax")[:, :group], got[:, :group])
+    ct = int4_groups(w, group, symmetric)
+    assert torch.equal(ct, torch.tensor([ref_ct_row(r, 4, group, symmetric) for r in w.tolist()]))
+    assert torch.equal(int4_groups(w2, group, symmetric)[:, :group], ct[:, :group])
+
+
+def ref_ct_row(row: list[float], bits: int, group: int, symmetric: bool) -> list[float]:
+    """compressed-tensors' grid by hand: the range [min(x, 0), max(x, 0)] over [-2^(b-1), 2^(b-1) - 1]."""
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    out = []
+    for g in range(0, len(row), group):
+        vals = row[g: g + group]
+        lo, hi = min(min(vals), 0.0), max(max(vals), 0.0)
+        if symmetric:
+            scale, zero = div32(max(-lo, hi), (qmax - qmin) / 2), 0
+        else:
+            scale = div32(f32(hi - lo), qmax - qmin)
+            zero = round(min(qmax, max(qmin, f32(qmin - div32(lo, scale))))) if scale else 0
+        scale = scale or float(np.finfo(np.float32).eps)
+        out += [f32((round(min(qmax, max(qmin, f32(div32(v, scale) + zero)))) - zero) * scale) for v in vals]
+    return out
 
 
 def test_int4_levels_and_extremes():
     w = torch.tensor([[7.0, -8.0, 3.5, 2.5, -3.5, 0.4, 0.5, -7.0]])  # scale 8/7: ties and the clamp at -8
-    got = int4_groups(w, 8, True)
+    got = int4_groups(w, 8, True, "absmax")
     q = torch.round(got / (8 / 7))
     assert q.min() >= -8 and q.max() <= 7
     assert torch.equal(got, torch.tensor([ref_int4_row(w[0].tolist(), 8, True)]))
-    asym = int4_groups(w, 8, False)
+    asym = int4_groups(w, 8, False, "absmax")
     assert len(set(asym[0].tolist())) <= 16
+    # compressed-tensors at scale 7.5 / 7.5 = 1: 7.5 clamps to 7, -7.5 rounds half to even onto the grid's -8
+    ct = int4_groups(torch.tensor([[7.5, -7.5, 2.5, 3.5, -0.5, 0.4, 1.5, -6.6]]), 8, True)
+    assert torch.equal(ct, torch.tensor([[7.0, -8.0, 2.0, 4.0, -0.0, 0.0, 2.0, -7.0]]))
 
 
 def test_int8_rows_match_the_hand_reference():
     x = tensors(6, 24, seed=1)
-    assert torch.equal(int8_rows(x), torch.tensor([ref_int8_row(r) for r in x.tolist()]))
-    assert torch.equal(int8_rows(torch.zeros(2, 5)), torch.zeros(2, 5))
-    x3 = torch.randn(2, 3, 24, generator=torch.Generator().manual_seed(2))  # activations [batch, tokens, features]: per token
-    assert torch.equal(int8_rows(x3)[1, 2], int8_rows(x3[1, 2:3])[0])
+    assert torch.equal(int8_rows(x, "absmax"), torch.tensor([ref_int8_row(r) for r in x.tolist()]))
+    assert torch.equal(int8_rows(x), torch.tensor([ref_ct_row(r, 8, 24, True) for r in x.tolist()]))
+    for convention in ("absmax", "compressed-tensors"):
+        assert torch.equal(int8_rows(torch.zeros(2, 5), convention), torch.zeros(2, 5))
+        x3 = torch.randn(2, 3, 24, generator=torch.Generator().manual_seed(2))  # activations [batch, tokens, features]: per token
+        assert torch.equal(int8_rows(x3, convention)[1, 2], int8_rows(x3[1, 2:3], convention)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compressed_tensors_convention_is_bit_identical_to_that_library(dtype):
+    """The default grid against compressed-tensors' own calculate_qparams + fake_quantize (the library llm-compressor
+    writes checkpoints with and vLLM loads): int4 groups symmetric and asymmetric, int8 channels, fp8 both
+    granularities, in float32 and bfloat16 (the library computes in the tensor's dtype)."""
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    w = tensors(8, 256, seed=4).to(dtype)
+    w[3, 128:] = 0.0  # an all-zero group
+
+    def lib(x, args, reduce):
+        lo, hi = reduce(x, "amin"), reduce(x, "amax")
+        scale, zero = calculate_qparams(lo, hi, args)
+        return fake_quantize(x, scale, zero, args)
+
+    groups = lambda x, f: getattr(x.reshape(x.shape[0], -1, 64), f)(-1)  # noqa: E731
+    rows = lambda x, f: getattr(x, f)(-1, keepdim=True)  # noqa: E731
+    whole = lambda x, f: getattr(x, f)().reshape(1)  # noqa: E731
+    for symmetric in (True, False):
+        args = ct.QuantizationArgs(num_bits=4, symmetric=symmetric, strategy="group", group_size=64)
+        scheme = QuantScheme.parse(f"w4a16:g64:{'sym' if symmetric else 'asym'}")
+        assert torch.equal(scheme.weight(w), lib(w, args, groups)), symmetric
+    w8 = QuantScheme.parse("w8a8")
+    assert torch.equal(w8.weight(w), lib(w, ct.QuantizationArgs(num_bits=8, symmetric=True, strategy="channel"), rows))
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(5)).to(dtype)  # activations: per token, as the library's dynamic token strategy
+    assert torch.equal(w8.activation(x), lib(x, ct.QuantizationArgs(num_bits=8, symmetric=True, strategy="token", dynamic=True), rows))
+    wf = w.float()  # fp8 is computed in float32
+    fp8 = dict(num_bits=8, type="float", symmetric=True)
+    assert torch.equal(fp8_rows(wf), lib(wf, ct.QuantizationArgs(**fp8, strategy="channel"), rows))
+    assert torch.equal(fp8_tensor(wf), lib(wf, ct.QuantizationArgs(**fp8, strategy="tensor"), whole))
+
+
+def test_recorded_specs_keep_their_convention():
+    assert QuantScheme.parse("w4a16").spec() == "w4a16:g128:sym:compressed-tensors:keep=lm_head"
+    assert QuantScheme.parse("w8a8:absmax").convention == "absmax"
+    # a cache written before the convention was recorded: its spec names none, and meant absmax
+    assert QuantScheme.recorded("w4a16:g128:sym:keep=lm_head").convention == "absmax"
+    assert QuantScheme.recorded("w8a8:keep=lm_head").spec() == "w8a8:absmax:keep=lm_head"
+    assert QuantScheme.recorded("w8a8:compressed-tensors:keep=lm_head").convention == "compressed-tensors"
+    assert QuantScheme.recorded("fp8:per-tensor:keep=lm_head").convention is None
+    with pytest.raises(ConfigError, match="'absmax' is not an option of fp8"):
+        QuantScheme.parse("fp8:absmax")
 
 
 def test_fp8_matches_the_hand_reference_including_ties_and_subnormals():
@@ -122,10 +193,9 @@ def test_fp8_matches_the_hand_reference_including_ties_and_subnormals():
 
 
 def test_spec_round_trips_and_errors_name_the_fix():
-    for spec in ("w4a16", "w4a16:g32:asym", "w8a8", "fp8:per-channel", "fp8:keep=lm_head,o_proj", "int8"):
+    for spec in ("w4a16", "w4a16:g32:asym", "w4a16:absmax", "w8a8", "fp8:per-channel", "fp8:keep=lm_head,o_proj", "int8"):
         s = QuantScheme.parse(spec)
-        assert QuantScheme.parse(s.spec()) == s
-    assert QuantScheme.parse("w4a16").spec() == "w4a16:g128:sym:keep=lm_head"
+        assert QuantScheme.parse(s.spec()) == s == QuantScheme.recorded(s.spec())
     with pytest.raises(ConfigError, match="unknown scheme 'w3a16'"):
         QuantScheme.parse("w3a16")
     with pytest.raises(ConfigError, match="'g32' is not an option of fp8"):
@@ -185,10 +255,10 @@ def test_keep_adds_to_lm_head_head_quantizes_it_and_unknown_names_are_refused(we
     from opdcache.quant import QuantScheme, apply_scheme
 
     s = QuantScheme.parse("w4a16:g32:keep=down_proj")
-    assert s.keep == ("lm_head", "down_proj") and s.spec() == "w4a16:g32:sym:keep=lm_head,down_proj"
+    assert s.keep == ("lm_head", "down_proj") and s.spec() == "w4a16:g32:sym:compressed-tensors:keep=lm_head,down_proj"
     assert QuantScheme.parse(s.spec()) == s
     h = QuantScheme.parse("w4a16:g32:head")
-    assert "lm_head" not in h.keep and h.spec() == "w4a16:g32:sym:head" and QuantScheme.parse(h.spec()) == h
+    assert "lm_head" not in h.keep and h.spec() == "w4a16:g32:sym:compressed-tensors:head" and QuantScheme.parse(h.spec()) == h
     model = load_causal_lm(weights / "student", torch.float32)
     done = apply_scheme(model, QuantScheme.parse("w8a8:keep=down_proj"), "inference")
     assert not any(n.endswith("down_proj") for n in done) and not any("lm_head" in n for n in done)
@@ -200,3 +270,22 @@ def test_keep_adds_to_lm_head_head_quantizes_it_and_unknown_names_are_refused(we
         apply_scheme(model, QuantScheme.parse("w8a8:head"), "inference")
     with pytest.raises(ConfigError, match=r"keep=donw_proj matches no linear layer of the model \(its layer names end in .*down_proj"):
         apply_scheme(load_causal_lm(weights / "student", torch.float32), QuantScheme.parse("w8a8:keep=donw_proj"), "inference")
+
+
+def test_vllm_records_what_it_computes_in_from_the_checkpoint_config():
+    """vLLM's record (opdcache/backends/vllm.py, no vLLM needed): a pre-quantized checkpoint by its
+    quantization_config as AWQ, GPTQ and llm-compressor write it; an on-the-fly method by what vLLM does with it."""
+    from opdcache.backends.vllm import recorded_quantization
+
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+          "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}}}}
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    assert recorded_quantization({"quantization_config": awq}, None) == "awq:w4:g128:asym"
+    assert recorded_quantization({"quantization_config": gptq}, None) == "gptq:w4:g128:sym"
+    assert recorded_quantization({"quantization_config": ct}, None) == "compressed-tensors:group_0=w4inta16/group/g128/sym:ignore=lm_head"
+    assert recorded_quantization({"quantization_config": fp8}, "fp8") == "fp8:activations=dynamic"
+    assert recorded_quantization({}, "fp8") == "vllm-fp8:weights=per-tensor:activations=dynamic-per-tensor"
+    assert recorded_quantization({}, None) is None

@@ -42,6 +42,39 @@ def _import_vllm():
     return vllm
 
 
+def recorded_quantization(cfg: dict, quantize: str | None) -> str | None:
+    """What vLLM computes in, as the manifest records it: a pre-quantized checkpoint by its ``quantization_config``
+    (method, bits, group size, symmetry, the layers left out), else vLLM's on-the-fly ``--quantize`` method (fp8: weights
+    per tensor, activations scaled per tensor over each batch, dynamically), else None. A description, not an opdcache
+    scheme: no learner is aligned to vLLM's kernels."""
+    qc = cfg.get("quantization_config")
+    if not isinstance(qc, dict):
+        if quantize == "fp8":
+            return "vllm-fp8:weights=per-tensor:activations=dynamic-per-tensor"
+        return quantize
+    method = str(qc.get("quant_method", "unknown"))
+    parts = [method]
+    if method == "compressed-tensors":
+        for name, group in sorted((qc.get("config_groups") or {}).items()):
+            w, a = (group or {}).get("weights") or {}, (group or {}).get("input_activations") or {}
+            desc = f"{name}=w{w.get('num_bits', '?')}{w.get('type', '')}" + (f"a{a.get('num_bits')}{a.get('type', '')}" if a else "a16")
+            desc += f"/{w.get('strategy', '?')}" + (f"/g{w['group_size']}" if w.get("group_size") else "")
+            desc += "/sym" if w.get("symmetric", True) else "/asym"
+            parts.append(desc)
+        if qc.get("ignore"):
+            parts.append("ignore=" + ",".join(map(str, qc["ignore"])))
+        return ":".join(parts)
+    if qc.get("bits") is not None:
+        parts.append(f"w{qc['bits']}")
+    if qc.get("group_size") is not None:
+        parts.append(f"g{qc['group_size']}")
+    if "sym" in qc or "zero_point" in qc:
+        parts.append("sym" if qc.get("sym", not qc.get("zero_point", False)) else "asym")
+    if qc.get("activation_scheme"):
+        parts.append(f"activations={qc['activation_scheme']}")
+    return ":".join(parts)
+
+
 def _lp(entry, token: int) -> float:
     return float(entry[token].logprob)
 
@@ -67,6 +100,7 @@ class VLLMBackend:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self.dtype = "float32" if dtype == "auto" and self.on_cpu else ("bfloat16" if dtype == "auto" else dtype)
         self.quantize = quantize
+        self.recorded_quantization = recorded_quantization(cfg, quantize)
         self.engine_args = dict(
             model=self.path, dtype=self.dtype, tensor_parallel_size=tensor_parallel_size, quantization=quantize, seed=0,
             max_model_len=self.max_length, enable_prefix_caching=True, enforce_eager=self.on_cpu,
@@ -79,7 +113,7 @@ class VLLMBackend:
         self._engines: dict[str, object] = {}
 
     def model_info(self) -> dict:
-        return {"engine": self.name, "engine_version": self.version, "dtype": self.dtype, "quantization": self.quantize,
+        return {"engine": self.name, "engine_version": self.version, "dtype": self.dtype, "quantization": self.recorded_quantization,
                 "logprobs_mode": "processed_logprobs (generation), raw_logprobs + raw_logits (scoring)"}
 
     def close(self) -> None:
