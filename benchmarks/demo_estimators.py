@@ -23,7 +23,7 @@ import json
 import statistics
 from pathlib import Path
 
-from opdcache.demo.pipeline import DemoConfig, DemoReport, _prepare, _train, evaluate, run_name
+from opdcache.demo.pipeline import DemoConfig, DemoReport, evaluate, prepare, run_name, train_run
 from opdcache.losses import ESTIMATORS
 
 
@@ -53,13 +53,13 @@ def main() -> None:
     for seed in args.seeds:
         report = DemoReport()
         cfg = DemoConfig(workdir=args.root / f"seed{seed}", seed=seed, opd_lr=args.lr, opd_steps=args.steps, sft_steps=args.sft_steps)
-        p = _prepare(cfg, report)
+        p = prepare(cfg, report)
         rows["pi_ref"].append(report.figures["pi_ref"] | {"k1": 0.0, "is_weight": []})
         for variant in args.variants:
             loss, kl_coef, online_fields = variant_settings(variant, args.kl_coef, p["teacher"])
             run_cfg = dataclasses.replace(cfg, loss=loss, kl_coef=kl_coef, tau=args.tau)
             run = cfg.workdir / "runs" / f"{variant}-{run_name(run_cfg)}"
-            model = _train(run_cfg, report, p["pi_ref"], p["rollouts"], run, teacher="teacher", **online_fields)
+            model = train_run(run_cfg, report, p["pi_ref"], p["rollouts"], run, teacher="teacher", **online_fields)
             fig = evaluate(variant, model, p["teacher_model"], cfg, report)
             metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             rows[variant].append(fig | {"k1": metrics[-1].get("k1", float("nan")),

@@ -40,70 +40,18 @@ import torch
 
 from opdcache import checkpoint
 from opdcache import losses as L
-from opdcache.errors import OpdcacheError, SchemaError
-from opdcache.errortokens import error_token_mask
+from opdcache import objective as O
+from opdcache.errors import OpdcacheError
 from opdcache.models import load_causal_lm, load_tokenizer, resolve_model
 from opdcache.progress import bar
 from opdcache.quant import apply_scheme
-from opdcache.schema import PAD_ID
-from opdcache.shards import PADDED
+from opdcache.sources import open_source
 from opdcache.student import StudentForward, autocast_dtype, enable_activation_checkpointing, full_tensor, init_distributed, shard_fsdp
 from opdcache.trainconfig import LR_SCHEDULES, TrainConfig, learning_rate, stores_for  # noqa: F401 (the public names live here too)
 
 
 class TrainingDiverged(OpdcacheError, FloatingPointError):
     """The optimisation produced non-finite numbers from finite inputs."""
-
-
-PADDED_TEACHER = {"teacher_" + lp: "teacher_" + ids for lp, ids in PADDED.items()}
-
-
-def _zero_outside_responses(batch: dict) -> dict:
-    """Every float [B, T, ...] column set to 0 outside the response mask: what a padded position holds (even a NaN
-    from a damaged row's padding) never reaches a loss term or its gradient."""
-    keep = batch["response_mask"].bool()
-    out = dict(batch)
-    for name, v in batch.items():
-        if name != "response_mask" and v.is_floating_point() and v.shape[:2] == keep.shape:
-            out[name] = torch.where(keep.view(*keep.shape, *[1] * (v.dim() - 2)), v, torch.zeros((), dtype=v.dtype, device=v.device))
-    return out
-
-
-def _masked_mean_std(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    n = mask.sum().clamp_min(1)
-    mean = (x * mask).sum() / n
-    var = (((x - mean) ** 2) * mask).sum() / n
-    return float(mean), float(var.sqrt())
-
-
-class CacheSource:
-    """The offline learner's batches: a CacheLoader over a finished cache, epoch after epoch.
-
-    Every batch source of the Trainer has ``next_batch()``, ``state_dict()`` and ``load_state_dict()``; it may also have
-    ``after_step(trainer, record)`` (called once a step is checkpointed: the async learner's ledger and snapshots) and
-    ``after_resume(trainer)``.
-    """
-
-    def __init__(self, config):
-        from opdcache.data import CacheLoader
-
-        self.loader = CacheLoader(config)
-        self._iter = None
-
-    def next_batch(self) -> dict:
-        if self._iter is None:
-            self._iter = iter(self.loader)
-        try:
-            return next(self._iter)
-        except StopIteration:
-            self._iter = iter(self.loader)
-            return next(self._iter)
-
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
 
 
 class Trainer:
@@ -141,33 +89,8 @@ class Trainer:
             self.forward = torch.nn.parallel.DistributedDataParallel(self.forward)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
         self.step = 0
-        head = None  # the teacher's unembedding, for the full-vocabulary losses
-        if source is not None:  # the async learner's queue (opdcache/asyncopd), or any object with the BatchSource methods
-            self.source = source
-        elif cfg.online:
-            from opdcache.online import OnlineSource
-
-            self.source = OnlineSource(cfg, self.model, self.device)
-            if self.source.want_hidden:
-                from opdcache.heads import head_of
-
-                head = head_of(self.source.teacher.model)
-        else:
-            from opdcache.cache import Cache
-            from opdcache.data import CacheLoaderConfig
-
-            cache = Cache(cfg.cache)
-            self._check_rollout_model(cache)
-            table = cache.teacher_table(cfg.teacher)  # the only teacher when not named
-            stores, rstores = stores_for(cfg.loss, cfg.topk_support)
-            self.source = CacheSource(CacheLoaderConfig(cache=cfg.cache, teacher=table.split("/", 1)[1], stores=stores, rollout_stores=rstores,
-                                                        batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers,
-                                                        max_length=getattr(self.model.config, "max_position_embeddings", None),
-                                                        vocab_size=int(self.model.get_output_embeddings().weight.shape[0])))
-            if "hidden" in stores:
-                from opdcache.heads import load_head
-
-                head = load_head(cache.side_file(table, "head.safetensors"))  # hash-checked first, like every shard
+        # the batches, and the teacher's unembedding for the full-vocabulary losses
+        self.source, head = (source, None) if source is not None else open_source(cfg, self.model, self.model_path, self.device)
         # moved to the device in float32 once, not at every step
         self.teacher_w = None if head is None else head.weight.to(self.device, torch.float32)
         self.teacher_b = None if head is None or head.bias is None else head.bias.to(self.device, torch.float32)
@@ -179,61 +102,17 @@ class Trainer:
 
         return aligned_scheme(Cache(self.cfg.cache).table("rollouts").get("model") or {}, f"{self.cfg.cache}'s rollouts")
 
-    def _check_rollout_model(self, cache) -> None:
-        """Lightning OPD trains pi_ref on pi_ref's own rollouts: refuse another --model unless told (the importance
-        weights, the KL penalty and the cached ref_logprobs would all describe a different policy)."""
-        from opdcache.fingerprint import model_fingerprint
-
-        sampler = (cache.table(cache.base_table).get("model") or {}) if cache.base_table == "rollouts" else {}
-        if not sampler.get("fingerprint") or self.cfg.allow_other_model:
-            return
-        mine = model_fingerprint(self.model_path)
-        if mine != sampler["fingerprint"]:
-            from opdcache.errors import ConfigError
-
-            raise ConfigError(f"--model {self.cfg.model} (fingerprint {mine[:12]}) is not the model that sampled the cache's rollouts, "
-                              f"{sampler.get('name_or_path')} ({sampler['fingerprint'][:12]}); train that model, or pass "
-                              "--allow-other-model to train this one on them anyway")
-
-    # ------------------------------------------------------------ one step
-
-    def _support(self, batch: dict, sel: torch.Tensor) -> torch.Tensor | None:
-        """[N, K] ids besides the sampled token at which the estimator needs the student's log-probs (mc, topk-*)."""
-        cfg = self.cfg
-        if cfg.loss == "mc":
-            return batch["mc_ids"][sel]
-        if cfg.loss.startswith("topk"):
-            return (batch["teacher_topk_ids"] if cfg.topk_support == "teacher" else batch["ref_topk_ids"])[sel]
-        if cfg.loss == "sampled-fkl":
-            return batch["teacher_sampled_ids"][sel]
-        return None
-
-    def _check_finite(self, batch: dict) -> None:
-        """Refuse a batch whose cached values are NaN or infinite at response positions (a damaged cache), before
-        they reach the loss: no estimator may train through them."""
-        mask = batch["response_mask"].bool()
-        names = [n for n, v in batch.items() if v.is_floating_point() and n != "response_mask"]
-        counts = torch.stack([(~torch.isfinite(batch[n][mask] if batch[n].shape[:2] == mask.shape else batch[n])).sum() for n in names])
-        for name, bad in zip(names, counts.tolist()):  # one device sync per batch, not one per column
-            if bad:
-                raise SchemaError(f"the cache holds {bad} non-finite values in {name} at response positions of this batch; "
-                                  f"run `opdcache validate {self.cfg.cache}` to find the rows, then rebuild those shards")
+    # ------------------------------------------------------------ one step (the objective: opdcache/objective.py)
 
     def loss_and_stats(self, batch: dict) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
-        batch = {k: v.to(self.device) for k, v in batch.items()}
-        for lp_name, id_name in PADDED_TEACHER.items():  # v3 padding slots (id -1, log-prob -inf): finite, and no mass
-            if lp_name in batch:
-                batch[lp_name] = batch[lp_name].masked_fill(batch[id_name] == PAD_ID, L.PAD_LOGPROB)
-        self._check_finite(batch)
-        batch = _zero_outside_responses(batch)
+        batch = O.prepare_batch(batch, self.device, cfg.cache)
         mask = batch["response_mask"]
         sel = mask.bool()
         B, T = mask.shape
-        support = self._support(batch, sel)
+        support = O.support_ids(cfg, batch, sel)
         ids_NK = batch["response_ids"][sel][:, None]  # column 0: the sampled token
         if support is not None:
-            valid = support != PAD_ID  # [N, K]: False at v3 padding slots
             ids_NK = torch.cat([ids_NK, support.long().clamp(min=0)], 1)
         full = cfg.loss.replace("full-", "") if cfg.loss in L.FULL_VOCABULARY else None
         inputs = (batch["input_ids"], batch["attention_mask"], batch["logit_positions"], sel)
@@ -242,33 +121,8 @@ class Trainer:
         lp_NK = lp_NK.float()
         s = lp_NK.new_zeros(B, T)
         s[sel] = lp_NK[:, 0]  # the student's log-prob of each sampled token, [B, T]
+        terms, st, stats = O.estimator_terms(cfg, batch, s, lp_NK, sel, support, div_N)
         teacher = batch.get("teacher_logprobs")
-        stats: dict = {}
-        if cfg.loss == "lightning":
-            terms, st = L.lightning_terms(s, teacher, cfg.tau)
-            stats["clip_fraction"] = float((st["clipped"] * mask).sum() / mask.sum())
-        elif cfg.loss == "is":
-            terms, st = L.is_terms(s, batch["sampling_logprobs"], teacher, cfg.importance_weights)
-        elif cfg.loss == "ppo":
-            terms, st = L.ppo_terms(s, batch["sampling_logprobs"], teacher, batch["ref_logprobs"], cfg.ppo_clip)
-            stats["clip_fraction"] = float((st["clipped"] * mask).sum() / mask.sum())
-        elif support is not None:
-            s_K = lp_NK.new_zeros(B, T, support.shape[1])
-            s_K[sel] = lp_NK[:, 1:]  # [B, T, K] at the support ids
-            if cfg.loss == "mc":
-                terms, st = L.mc_terms(s_K, batch["mc_sampling_logprobs"], batch["teacher_mc_logprobs"], cfg.importance_weights)
-            elif cfg.loss == "sampled-fkl":
-                terms, st = L.sampled_fkl_terms(s_K, batch["teacher_sampled_logprobs"], batch["teacher_sampled_counts"])
-            else:
-                t_lp = batch["teacher_topk_logprobs"] if cfg.topk_support == "teacher" else batch["teacher_ref_topk_logprobs"]
-                valid_K = torch.ones_like(s_K, dtype=torch.bool)
-                valid_K[sel] = valid
-                tail = batch.get("teacher_topk_tail") if cfg.topk_support == "teacher" else None
-                terms, st = L.topk_terms(s_K, t_lp, cfg.loss.split("-")[1], cfg.tail, valid_K, tail)
-        else:
-            terms = s.new_zeros(B, T)
-            terms[sel] = div_N.float()
-            st = {"kl": div_N.detach()}
         advantage = (teacher - s).detach() if teacher is not None else torch.zeros_like(s)
         weights = None
         if cfg.corrections.active:
@@ -283,24 +137,7 @@ class Trainer:
                                                   cfg.kl_cap), mask)
             stats["kl_penalty"] = float(penalty.detach())
             loss = loss + cfg.kl_coef * penalty
-        if "ref_logprobs" in batch:
-            log_ratio = (s - batch["ref_logprobs"]).detach()
-            stats["is_weight_mean"], stats["is_weight_std"] = _masked_mean_std(log_ratio.exp(), mask)
-            stats["k1"] = float(((-log_ratio) * mask).sum() / mask.sum())
-            stats["k3"] = float(((log_ratio.exp() - 1 - log_ratio) * mask).sum() / mask.sum())
-        if "stderr" in st:  # the sampled store's per-position standard error of its forward-KL estimate, averaged
-            stats["sampled_stderr"] = float((st["stderr"] * mask).sum() / mask.sum().clamp_min(1))
-        if "rho" in st:  # the old-to-current ratio pi_theta / pi_old = exp(s - b) on the sampled (or mc) tokens
-            stats["rho_mean"], stats["rho_std"] = _masked_mean_std(st["rho"], mask)
-            stats["rho_max"] = float(st["rho"][mask.bool()].max()) if mask.any() else 1.0
-        if teacher is not None:
-            stats["advantage_mean"], stats["advantage_std"] = _masked_mean_std(advantage, mask)
-        # papers/004's error tokens, by opdcache/errortokens.py's rule, on the learner's forward: both sides at temperature
-        # 1 (the engine's ref_logprobs, as mismatch-report compares them; an sft table has only its sampling log-probs)
-        rollout_lp = batch.get("ref_logprobs", batch.get("sampling_logprobs"))
-        if rollout_lp is not None:
-            stats["error_token_share"] = float((error_token_mask(s.detach(), rollout_lp) & sel).sum() / mask.sum().clamp_min(1))
-        stats["tokens"] = int(mask.sum())
+        stats.update(O.step_stats(batch, s, st, advantage, sel))
         if self.ddp:  # normalise by every rank's tokens: the gradient average over ranks is then the whole batch's gradient
             tokens = mask.sum().float()
             total = tokens.clone()

@@ -1,0 +1,133 @@
+"""One training step's objective: from a batch and the student's log-probs to the loss and what the step logs.
+
+The trainer (opdcache/train.py) runs the forward passes; this module prepares the batch (padding slots, a damaged cache
+refused, nothing outside the responses), names the ids at which the student's log-probs are needed, dispatches to the
+chosen estimator (opdcache/losses.py) and computes the logged diagnostics (importance weights, K1/K3, advantage,
+error tokens, the sampled store's standard error). Memory: [batch, length] and [batch, length, K] tensors of the
+batch; nothing here grows with the vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opdcache import losses as L
+from opdcache.errors import SchemaError
+from opdcache.errortokens import error_token_mask
+from opdcache.schema import PAD_ID
+from opdcache.shards import PADDED
+
+PADDED_TEACHER = {"teacher_" + lp: "teacher_" + ids for lp, ids in PADDED.items()}
+
+
+def zero_outside_responses(batch: dict) -> dict:
+    """Every float [B, T, ...] column set to 0 outside the response mask: what a padded position holds (even a NaN
+    from a damaged row's padding) never reaches a loss term or its gradient."""
+    keep = batch["response_mask"].bool()
+    out = dict(batch)
+    for name, v in batch.items():
+        if name != "response_mask" and v.is_floating_point() and v.shape[:2] == keep.shape:
+            out[name] = torch.where(keep.view(*keep.shape, *[1] * (v.dim() - 2)), v, torch.zeros((), dtype=v.dtype, device=v.device))
+    return out
+
+
+def masked_mean_std(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    n = mask.sum().clamp_min(1)
+    mean = (x * mask).sum() / n
+    var = (((x - mean) ** 2) * mask).sum() / n
+    return float(mean), float(var.sqrt())
+
+
+def check_finite(batch: dict, cache) -> None:
+    """Refuse a batch whose cached values are NaN or infinite at response positions (a damaged cache), before
+    they reach the loss: no estimator may train through them."""
+    mask = batch["response_mask"].bool()
+    names = [n for n, v in batch.items() if v.is_floating_point() and n != "response_mask"]
+    counts = torch.stack([(~torch.isfinite(batch[n][mask] if batch[n].shape[:2] == mask.shape else batch[n])).sum() for n in names])
+    for name, bad in zip(names, counts.tolist()):  # one device sync per batch, not one per column
+        if bad:
+            raise SchemaError(f"the cache holds {bad} non-finite values in {name} at response positions of this batch; "
+                              f"run `opdcache validate {cache}` to find the rows, then rebuild those shards")
+
+
+def prepare_batch(batch: dict, device, cache) -> dict:
+    """The batch on the device, v3 padding slots finite with no mass, checked finite, zero outside the responses."""
+    batch = {k: v.to(device) for k, v in batch.items()}
+    for lp_name, id_name in PADDED_TEACHER.items():  # v3 padding slots (id -1, log-prob -inf): finite, and no mass
+        if lp_name in batch:
+            batch[lp_name] = batch[lp_name].masked_fill(batch[id_name] == PAD_ID, L.PAD_LOGPROB)
+    check_finite(batch, cache)
+    return zero_outside_responses(batch)
+
+
+def support_ids(cfg, batch: dict, sel: torch.Tensor) -> torch.Tensor | None:
+    """[N, K] ids besides the sampled token at which the estimator needs the student's log-probs (mc, topk-*, sampled)."""
+    if cfg.loss == "mc":
+        return batch["mc_ids"][sel]
+    if cfg.loss.startswith("topk"):
+        return (batch["teacher_topk_ids"] if cfg.topk_support == "teacher" else batch["ref_topk_ids"])[sel]
+    if cfg.loss == "sampled-fkl":
+        return batch["teacher_sampled_ids"][sel]
+    return None
+
+
+def estimator_terms(cfg, batch: dict, s: torch.Tensor, lp_NK: torch.Tensor, sel: torch.Tensor, support: torch.Tensor | None,
+                    div_N: torch.Tensor | None) -> tuple[torch.Tensor, dict, dict]:
+    """(per-token loss terms [B, T], the estimator's own tensors, logged numbers) of ``cfg.loss``. ``s`` [B, T] is the
+    student's log-prob of each sampled token, ``lp_NK`` [N, 1 + K] its log-probs at the sampled token and the support,
+    ``div_N`` the per-token divergence of a full-vocabulary loss."""
+    mask = batch["response_mask"]
+    teacher = batch.get("teacher_logprobs")
+    stats: dict = {}
+    if cfg.loss == "lightning":
+        terms, st = L.lightning_terms(s, teacher, cfg.tau)
+        stats["clip_fraction"] = float((st["clipped"] * mask).sum() / mask.sum())
+    elif cfg.loss == "is":
+        terms, st = L.is_terms(s, batch["sampling_logprobs"], teacher, cfg.importance_weights)
+    elif cfg.loss == "ppo":
+        terms, st = L.ppo_terms(s, batch["sampling_logprobs"], teacher, batch["ref_logprobs"], cfg.ppo_clip)
+        stats["clip_fraction"] = float((st["clipped"] * mask).sum() / mask.sum())
+    elif support is not None:
+        B, T = mask.shape
+        s_K = lp_NK.new_zeros(B, T, support.shape[1])
+        s_K[sel] = lp_NK[:, 1:]  # [B, T, K] at the support ids
+        if cfg.loss == "mc":
+            terms, st = L.mc_terms(s_K, batch["mc_sampling_logprobs"], batch["teacher_mc_logprobs"], cfg.importance_weights)
+        elif cfg.loss == "sampled-fkl":
+            terms, st = L.sampled_fkl_terms(s_K, batch["teacher_sampled_logprobs"], batch["teacher_sampled_counts"])
+        else:
+            t_lp = batch["teacher_topk_logprobs"] if cfg.topk_support == "teacher" else batch["teacher_ref_topk_logprobs"]
+            valid_K = torch.ones_like(s_K, dtype=torch.bool)
+            valid_K[sel] = support != PAD_ID  # False at v3 padding slots
+            tail = batch.get("teacher_topk_tail") if cfg.topk_support == "teacher" else None
+            terms, st = L.topk_terms(s_K, t_lp, cfg.loss.split("-")[1], cfg.tail, valid_K, tail)
+    else:
+        terms = s.new_zeros(mask.shape)
+        terms[sel] = div_N.float()
+        st = {"kl": div_N.detach()}
+    return terms, st, stats
+
+
+def step_stats(batch: dict, s: torch.Tensor, st: dict, advantage: torch.Tensor, sel: torch.Tensor) -> dict:
+    """What a step logs besides its loss and corrections (the module docstring of opdcache/train.py says what each is)."""
+    mask = batch["response_mask"]
+    stats: dict = {}
+    if "ref_logprobs" in batch:
+        log_ratio = (s - batch["ref_logprobs"]).detach()
+        stats["is_weight_mean"], stats["is_weight_std"] = masked_mean_std(log_ratio.exp(), mask)
+        stats["k1"] = float(((-log_ratio) * mask).sum() / mask.sum())
+        stats["k3"] = float(((log_ratio.exp() - 1 - log_ratio) * mask).sum() / mask.sum())
+    if "stderr" in st:  # the sampled store's per-position standard error of its forward-KL estimate, averaged
+        stats["sampled_stderr"] = float((st["stderr"] * mask).sum() / mask.sum().clamp_min(1))
+    if "rho" in st:  # the old-to-current ratio pi_theta / pi_old = exp(s - b) on the sampled (or mc) tokens
+        stats["rho_mean"], stats["rho_std"] = masked_mean_std(st["rho"], mask)
+        stats["rho_max"] = float(st["rho"][mask.bool()].max()) if mask.any() else 1.0
+    if batch.get("teacher_logprobs") is not None:
+        stats["advantage_mean"], stats["advantage_std"] = masked_mean_std(advantage, mask)
+    # papers/004's error tokens, by opdcache/errortokens.py's rule, on the learner's forward: both sides at temperature
+    # 1 (the engine's ref_logprobs, as mismatch-report compares them; an sft table has only its sampling log-probs)
+    rollout_lp = batch.get("ref_logprobs", batch.get("sampling_logprobs"))
+    if rollout_lp is not None:
+        stats["error_token_share"] = float((error_token_mask(s.detach(), rollout_lp) & sel).sum() / mask.sum().clamp_min(1))
+    stats["tokens"] = int(mask.sum())
+    return stats

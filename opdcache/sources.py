@@ -1,0 +1,84 @@
+"""Where the trainer's batches come from: a finished cache (``CacheSource``), fresh online rollouts
+(opdcache/online.py), or the async learner's queue (opdcache/asyncopd), and the teacher head the full-vocabulary
+losses need beside them.
+
+Every batch source has ``next_batch()``, ``state_dict()`` and ``load_state_dict()``; it may also have
+``after_step(trainer, record, saved)`` (called once a step is checkpointed: the async learner's ledger and snapshots),
+``after_resume(trainer)`` and ``step_stats()``. Memory: the loader's (opdcache/data.py) and, for hidden-state losses,
+the teacher's unembedding [vocabulary, hidden].
+"""
+
+from __future__ import annotations
+
+from opdcache.errors import ConfigError
+from opdcache.trainconfig import stores_for
+
+
+class CacheSource:
+    """The offline learner's batches: a CacheLoader over a finished cache, epoch after epoch."""
+
+    def __init__(self, config):
+        from opdcache.data import CacheLoader
+
+        self.loader = CacheLoader(config)
+        self._iter = None
+
+    def next_batch(self) -> dict:
+        if self._iter is None:
+            self._iter = iter(self.loader)
+        try:
+            return next(self._iter)
+        except StopIteration:
+            self._iter = iter(self.loader)
+            return next(self._iter)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+
+def check_rollout_model(cfg, cache, model_path) -> None:
+    """Lightning OPD trains pi_ref on pi_ref's own rollouts: refuse another --model unless told (the importance
+    weights, the KL penalty and the cached ref_logprobs would all describe a different policy)."""
+    from opdcache.fingerprint import model_fingerprint
+
+    sampler = (cache.table(cache.base_table).get("model") or {}) if cache.base_table == "rollouts" else {}
+    if not sampler.get("fingerprint") or cfg.allow_other_model:
+        return
+    mine = model_fingerprint(model_path)
+    if mine != sampler["fingerprint"]:
+        raise ConfigError(f"--model {cfg.model} (fingerprint {mine[:12]}) is not the model that sampled the cache's rollouts, "
+                          f"{sampler.get('name_or_path')} ({sampler['fingerprint'][:12]}); train that model, or pass "
+                          "--allow-other-model to train this one on them anyway")
+
+
+def open_source(cfg, model, model_path, device):
+    """(the batch source of ``cfg``, the teacher head for the full-vocabulary losses or None): live rollouts with
+    ``cfg.online``, else the cache's loader (after checking the cache's rollouts were sampled by ``model_path``)."""
+    if cfg.online:
+        from opdcache.online import OnlineSource
+
+        source = OnlineSource(cfg, model, device)
+        if source.want_hidden:
+            from opdcache.heads import head_of
+
+            return source, head_of(source.teacher.model)
+        return source, None
+    from opdcache.cache import Cache
+    from opdcache.data import CacheLoaderConfig
+
+    cache = Cache(cfg.cache)
+    check_rollout_model(cfg, cache, model_path)
+    table = cache.teacher_table(cfg.teacher)  # the only teacher when not named
+    stores, rstores = stores_for(cfg.loss, cfg.topk_support)
+    source = CacheSource(CacheLoaderConfig(cache=cfg.cache, teacher=table.split("/", 1)[1], stores=stores, rollout_stores=rstores,
+                                           batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers,
+                                           max_length=getattr(model.config, "max_position_embeddings", None),
+                                           vocab_size=int(model.get_output_embeddings().weight.shape[0])))
+    if "hidden" not in stores:
+        return source, None
+    from opdcache.heads import load_head
+
+    return source, load_head(cache.side_file(table, "head.safetensors"))  # hash-checked first, like every shard
