@@ -83,10 +83,17 @@ def async_(
         return
     fig = result["figures"]
     k = "no refresh" if cfg.staleness is None else f"K={cfg.staleness}"
+    attempt = f" (this attempt, the {_ordinal(fig['attempt'])}: {fig['updates_this_attempt']} updates)" if fig.get("attempt", 1) > 1 else ""
     rate = f", {fig['throughput_tokens_per_s']:.0f} response tokens/s after 5 warm-up updates" if "throughput_tokens_per_s" in fig else ""
-    overlap = f", overlap {fig['overlap']:.2f}" if "overlap" in fig else ""
-    typer.echo(f"{out}: {fig['updates']} updates of {cfg.loss} at {k}{rate}{overlap}; cache {result['cache']} "
+    overlap = (f", overlap {fig['overlap']:.2f} (stage-busy seconds per wall second: 1 is one stage at a time, 3 all three "
+               "always busy)") if "overlap" in fig else ""
+    timed = f"{rate}{overlap}{attempt}" if rate or overlap else ""
+    typer.echo(f"{out}: {fig['updates']} updates of {cfg.loss} at {k}{timed}; cache {result['cache']} "
                f"(`opdcache info` shows each shard's sampling snapshot and staleness); model in {out / 'learner' / 'model'}")
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def register(app: typer.Typer) -> None:

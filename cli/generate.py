@@ -49,7 +49,8 @@ def _run(kind: str, model: str, o: dict) -> None:
     if o["executor"] == "ray":
         from opdcache.executors import RayConfig, run_on_ray
 
-        results = run_on_ray(run_generate, job, RayConfig(workers=o["workers"], address=o["ray_address"], gpus_per_worker=o["gpus_per_worker"]), kind)
+        results = run_on_ray(run_generate, job, RayConfig(workers=o["workers"], address=o["ray_address"], gpus_per_worker=o["gpus_per_worker"],
+                                                                     cpus_per_worker=o["cpus_per_worker"]), kind)
         written = sorted(i for r in results for i in r.written)
         typer.echo(f"{job.out}: {len(results)} Ray workers wrote shards {written or 'none (all present)'}; cache complete. {results[0].prompts.summary()}")
         return
@@ -73,7 +74,7 @@ def build_sft(
     seed: O.Seed = 0, backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", exact: O.Exact = False,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
-    executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0,
+    executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0, cpus_per_worker: O.CpusPerWorker = 1,
 ) -> None:
     """Sample teacher trajectories for SFT (papers/000 eq. 5); the teacher's fingerprint is the lineage.
 
@@ -96,7 +97,7 @@ def build_rollouts(
     backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", quantize: O.Quantize = None, exact: O.Exact = False, inject_mismatch: O.InjectMismatch = None,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
-    executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0,
+    executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0, cpus_per_worker: O.CpusPerWorker = 1,
 ) -> None:
     """Sample pi_ref rollouts with their log-probs (papers/000 eq. 7).
 

@@ -19,6 +19,7 @@ Executor = Annotated[str, typer.Option("--executor", help="local (this process; 
 RayAddress = Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster).", show_default=False)]
 RayWorkers = Annotated[int, typer.Option("--workers", help="--executor ray: tasks, each with its own engine and whole shards.")]
 GpusPerWorker = Annotated[float, typer.Option("--gpus-per-worker", help="--executor ray: GPUs each task reserves.")]
+CpusPerWorker = Annotated[float, typer.Option("--cpus-per-worker", help="--executor ray: CPUs each task reserves; it runs that many torch threads.")]
 
 # ---- models and engines
 ModelPath = Annotated[str, typer.Option("--model", help="Model: a local Hugging Face directory or a Hub id org/name[@revision] (offline from the Hub cache with HF_HUB_OFFLINE=1).", show_default=False)]

@@ -43,7 +43,7 @@ def score_teacher(
     backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", deterministic: O.Deterministic = False, exact: O.Exact = False,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, max_batch_tokens: O.ScoreBatchTokens = None,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
-    executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0,
+    executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0, cpus_per_worker: O.CpusPerWorker = 1,
 ) -> None:
     """Score a rollouts cache with a teacher, once, into teachers/<name>/ (row-aligned).
 
@@ -67,7 +67,7 @@ def score_teacher(
     if executor == "ray":
         from opdcache.executors import RayConfig, run_on_ray
 
-        results = run_on_ray(run_score, job, RayConfig(workers=workers, address=ray_address, gpus_per_worker=gpus_per_worker),
+        results = run_on_ray(run_score, job, RayConfig(workers=workers, address=ray_address, gpus_per_worker=gpus_per_worker, cpus_per_worker=cpus_per_worker),
                              f"teachers/{job.table_slug}")
         result = {**results[0], "written": sorted(i for r in results for i in r["written"]), "finished": True}
     elif executor == "local":

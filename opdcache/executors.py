@@ -44,8 +44,13 @@ class RayConfig:
             raise ConfigError(f"--gpus-per-worker must be >= 0 and CPUs per worker > 0, got {self.gpus_per_worker}, {self.cpus_per_worker}")
 
 
-def _worker(stage: Callable, job, workers: int, index: int):
-    """One Ray task: the stage on worker partition ``index`` of ``workers``, without writing the manifest."""
+def _worker(stage: Callable, job, workers: int, index: int, cpus: float = 1):
+    """One Ray task: the stage on worker partition ``index`` of ``workers``, without writing the manifest, with as many
+    torch threads as CPUs the task reserved (Ray schedules by that reservation: more threads would oversubscribe
+    the node)."""
+    import torch
+
+    torch.set_num_threads(max(1, int(cpus)))
     return stage(dataclasses.replace(job, num_workers=workers, worker_index=index, progress=False, finalize=False))
 
 
@@ -61,8 +66,8 @@ def run_on_ray(stage: Callable, job, ray_config: RayConfig, table: str) -> list:
         ray.init(address=ray_config.address, ignore_reinit_error=True, log_to_driver=False)
     task = ray.remote(num_cpus=ray_config.cpus_per_worker, num_gpus=ray_config.gpus_per_worker, max_retries=ray_config.max_retries)(_worker)
     if hasattr(job, "prepare_only"):  # score-teacher: the head and the svd projection are written once, before the workers
-        ray.get(task.remote(stage, dataclasses.replace(job, prepare_only=True), 1, 0))
-    refs = [task.remote(stage, job, ray_config.workers, i) for i in range(ray_config.workers)]
+        ray.get(task.remote(stage, dataclasses.replace(job, prepare_only=True), 1, 0, ray_config.cpus_per_worker))
+    refs = [task.remote(stage, job, ray_config.workers, i, ray_config.cpus_per_worker) for i in range(ray_config.workers)]
     try:
         results = ray.get(refs)
     except ray.exceptions.RayError as exc:

@@ -152,6 +152,7 @@ def test_a_killed_stage_resumes_to_the_uninterrupted_run(tmp_path, weights, opd_
     stdout, err = again.communicate(timeout=600)
     assert again.returncode == 0, err
     assert [e["batch"] for e in Q.read_jsonl(ledger)] == list(range(6))  # none consumed twice, none skipped
+    assert stdout.startswith(f"{out}: 6 updates of") and "(this attempt, the 2nd: " in stdout  # every update counted, the timing this attempt's
     assert _hashes(out / "cache") == _hashes(Path(ref_cfg.cache_root))
     for x, y in zip(_metrics(out), _metrics(ref_cfg.out), strict=True):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6)
@@ -179,6 +180,27 @@ def test_a_stage_that_cannot_start_stops_the_run_in_one_line(tmp_path, weights, 
         main(["async", *[a if a != str(opd_prompts) else str(bad) for a in args], "--out", str(tmp_path / "r2")])
     err = capsys.readouterr().err
     assert e.value.code == 1 and "the rollout stage stopped (exit 2): no usable prompt" in err and len(err.strip().splitlines()) == 1
+
+
+def test_figures_count_every_update_and_time_the_last_attempt_alone(tmp_path):
+    """A resumed run: its earlier attempt's busy intervals and the pause between attempts are not its speed, and a
+    ledger line recovered without a time is still an update."""
+    from opdcache.asyncopd.run import ATTEMPTS, figures
+
+    cfg = AsyncConfig(model=Path("m"), teacher=Path("t"), prompts=PromptConfig(Path("p.jsonl")), out=tmp_path)
+    lines = lambda rows: "".join(json.dumps(r) + "\n" for r in rows)  # noqa: E731
+    (tmp_path / ATTEMPTS).write_text(lines([{"attempt": 1, "start": 0.0}, {"attempt": 2, "start": 1000.0}]))
+    ledger = [{"batch": 0, "time": None, "tokens": None, "recovered": True}]
+    ledger += [{"batch": b, "time": 1000.0 + 10 * b, "tokens": 100} for b in range(1, 8)]
+    (tmp_path / Q.LEDGER).write_text(lines(ledger))
+    (tmp_path / "stages").mkdir()
+    for stage, ivs in {"rollout": [(5, 900), (1000, 1040)], "teacher": [(1020, 1060)], "learner": [(1010, 1070)]}.items():
+        (tmp_path / "stages" / f"{stage}.busy.jsonl").write_text(lines([{"batch": 0, "start": a, "end": b} for a, b in ivs]))
+    fig = figures(cfg)
+    assert fig["updates"] == 8 and fig["attempt"] == 2 and fig["updates_this_attempt"] == 7
+    assert fig["throughput_tokens_per_s"] == pytest.approx(200 / 20)  # updates 6 and 7 after update 5 at t = 1050
+    assert fig["wall_s"] == 70 and fig["busy_s"] == {"rollout": 40, "teacher": 40, "learner": 60}
+    assert fig["overlap"] == pytest.approx(140 / 70)
 
 
 def test_settings_that_cannot_work_asynchronously_are_refused():

@@ -69,6 +69,11 @@ def test_ray_workers_write_the_same_bytes_as_one_local_process(ray_cluster, weig
         assert validate(out) == []
         # the driver's manifest is the local one (the svd fit's record included, read back from svd.safetensors)
         assert M.content_view(M.load(out)) == M.content_view(M.load(tmp_path / "local")), workers
+    # a task runs as many torch threads as CPUs it reserves (--cpus-per-worker), and the cache records it
+    gen, _ = _jobs(weights, opd_prompts, tmp_path / "two-cpus")
+    run_on_ray(run_generate, gen, RayConfig(workers=1, cpus_per_worker=2), "rollouts")
+    assert M.load(tmp_path / "two-cpus")["tables"]["rollouts"]["compute"]["torch_threads"] == 2
+    assert M.load(tmp_path / "ray1")["tables"]["rollouts"]["compute"]["torch_threads"] == 1
 
 
 def test_a_killed_worker_leaves_no_partial_shard_and_the_job_completes(ray_cluster, weights, opd_prompts, tmp_path):

@@ -25,6 +25,7 @@ from opdcache.cache import JOB_FILE, TableJob, config_diff, finalize_table
 from opdcache.errors import ConfigError, OpdcacheError, ResumeError
 
 WARMUP_UPDATES = 5  # papers/001 App. G: throughput discards the first five learner updates
+ATTEMPTS = "attempts.jsonl"  # one line per invocation that ran stages: {"attempt", "start"}
 
 
 class StageFailed(OpdcacheError, RuntimeError):
@@ -132,7 +133,14 @@ def _run_ray(cfg: AsyncConfig) -> None:
 
     if not ray.is_initialized():
         ray.init(address=cfg.ray_address or os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
-    threads = stage_threads(cfg)
+    # all three must run at once (each waits on the others' files): each reserves the CPUs its torch threads use, or
+    # its third of a cluster too small for that (then the threads share CPUs: said, not refused)
+    cluster = float(ray.cluster_resources().get("CPU", 3))
+    threads = cfg.threads or max(1, int(cluster // len(STAGES)))
+    cpus = min(float(threads), cluster / len(STAGES))
+    if cpus < threads:
+        print(f"warning: the Ray cluster has {cluster:g} CPUs: each stage reserves {cpus:.2g} for its {threads} torch threads "
+              "(lower --threads or add CPUs to give each stage its own)", file=sys.stderr)
 
     def stage(name: str, cfg: AsyncConfig):
         import torch
@@ -145,8 +153,6 @@ def _run_ray(cfg: AsyncConfig) -> None:
         return None
 
     task = ray.remote(max_retries=0)(stage)
-    # all three must run at once (each waits on the others' files): reserve at most a third of the cluster's CPUs each
-    cpus = min(1.0, float(ray.cluster_resources().get("CPU", 3)) / len(STAGES))
     refs = {name: task.options(num_gpus=gpus, num_cpus=cpus).remote(name, cfg) for name, gpus in zip(STAGES, cfg.gpus_per_stage)}
     pending = dict(refs)
     try:
@@ -189,15 +195,22 @@ def finalize(cfg: AsyncConfig) -> dict:
 
 def figures(cfg: AsyncConfig) -> dict:
     """papers/001's throughput (response tokens per second of learner time after 5 warm-up updates, App. G) and overlap
-    (sum over stages of merged busy time / wall time, rollout averaged over its workers), with each stage's busy time."""
-    ledger = [e for e in Q.read_jsonl(cfg.out / Q.LEDGER) if e.get("time") is not None]
-    out: dict = {"updates": len(ledger)}
-    if len(ledger) > WARMUP_UPDATES:  # J >= 6: updates 6..J after t_5
-        t5 = ledger[WARMUP_UPDATES - 1]["time"]
-        tokens = sum(e["tokens"] for e in ledger[WARMUP_UPDATES:])
-        out["throughput_tokens_per_s"] = tokens / max(1e-9, ledger[-1]["time"] - t5)
+    (the stages' busy seconds per wall second: sum over stages of merged busy time / wall time, so 1 is one stage at a
+    time and 3 all three always busy), with each stage's busy time. ``updates`` counts every consumed batch; the timed
+    figures cover the last attempt alone (a resumed run's earlier attempts and the pause between them are not its
+    speed), from that attempt's ledger lines and busy intervals; ``attempt`` says which."""
+    ledger = Q.read_jsonl(cfg.out / Q.LEDGER)
+    attempts = Q.read_jsonl(cfg.out / ATTEMPTS)
+    since = attempts[-1]["start"] if attempts else float("-inf")
+    out: dict = {"updates": len(ledger), "attempt": len(attempts) or 1}
+    timed = [e for e in ledger if e.get("time") is not None and e["time"] >= since]
+    out["updates_this_attempt"] = len(timed)
+    if len(timed) > WARMUP_UPDATES:  # J >= 6: updates 6..J after t_5
+        t5 = timed[WARMUP_UPDATES - 1]["time"]
+        tokens = sum(e["tokens"] for e in timed[WARMUP_UPDATES:])
+        out["throughput_tokens_per_s"] = tokens / max(1e-9, timed[-1]["time"] - t5)
     busy = {}
-    intervals = {s: Q.read_jsonl(cfg.out / "stages" / f"{s}.busy.jsonl") for s in STAGES}
+    intervals = {s: [iv for iv in Q.read_jsonl(cfg.out / "stages" / f"{s}.busy.jsonl") if iv["start"] >= since] for s in STAGES}
     everything = [iv for ivs in intervals.values() for iv in ivs]
     if everything:
         start, end = min(iv["start"] for iv in everything), max(iv["end"] for iv in everything)
@@ -270,6 +283,9 @@ def _run_owned(cfg: AsyncConfig) -> dict:
     _check_regenerable(cfg)
     done = len(Q.read_jsonl(cfg.out / Q.LEDGER)) >= cfg.steps and (cfg.out / "learner" / "model").is_dir()
     if not done:
+        attempts = Q.read_jsonl(cfg.out / ATTEMPTS)
+        with open(cfg.out / ATTEMPTS, "a") as f:  # this attempt's start: its figures count only what happened after it
+            f.write(json.dumps({"attempt": len(attempts) + 1, "start": time.time()}) + "\n")
         (_run_ray if cfg.executor == "ray" else _run_local)(cfg)
     manifest = finalize(cfg)
     return {"out": str(cfg.out), "cache": cfg.cache_root, "async": manifest["tables"]["rollouts"].get("async"),
