@@ -4,7 +4,9 @@
 (``--progress``) also reports when stderr is a file or a pipe, as one line every ``OPDCACHE_PROGRESS_INTERVAL``
 seconds (default 30) and a last one at the end; ``enabled=False`` is silent. Long stages count sequences, not
 shards: the bar that :func:`bar` opens with ``track=True`` is advanced by :func:`advance`, which the engines call
-after each batch, so a bar moves within a shard.
+after each batch, so a bar moves within a shard; inside a batch, :func:`detail` says where the engine is (the decode
+step of the batch), so the first line comes within the first batch's first step, whatever its size. Plain lines
+print the first report at once, then at most one per interval.
 """
 
 from __future__ import annotations
@@ -31,6 +33,24 @@ def advance(n: int = 1) -> None:
         current.update(n)
 
 
+DETAIL_EVERY = 1.0  # seconds between two refreshes of a terminal bar's detail
+
+
+def detail(text: str) -> None:
+    """Say where the running stage is inside one unit of its count (e.g. "batch 1/4: token 37/128"), shown beside the
+    count: on a terminal at most once a second, as plain lines at the reporter's interval (a no-op when none is open)."""
+    current = _current.get()
+    if current is None:
+        return
+    if isinstance(current, (_Lines, _Null)):
+        current.detail(text)
+        return
+    now = time.monotonic()
+    if now - getattr(current, "_opd_detail_at", 0.0) >= DETAIL_EVERY:
+        current._opd_detail_at = now
+        current.set_postfix_str(text)
+
+
 class _Null:
     def update(self, n: int = 1) -> None:
         pass
@@ -41,19 +61,30 @@ class _Null:
     def set_postfix_str(self, s: str) -> None:
         pass
 
+    def detail(self, text: str) -> None:
+        pass
+
 
 class _Lines:
     """Progress as plain lines on stderr, at most one per ``interval`` seconds, and one at the end."""
 
     def __init__(self, total: int | None, desc: str, unit: str, interval: float):
         self.total, self.desc, self.unit, self.interval = total, desc, unit, interval
-        self.n, self.postfix, self.start = 0, "", time.monotonic()
+        self.n, self.postfix, self.where, self.start = 0, "", "", time.monotonic()
         self.last = self.start
 
     def update(self, n: int = 1) -> None:
         self.n += n
+        self.where = ""  # a finished unit: the detail was about the one inside it
+        self._maybe_print()
+
+    def detail(self, text: str) -> None:
+        self.where = text
+        self._maybe_print()
+
+    def _maybe_print(self) -> None:
         now = time.monotonic()
-        if now - self.last >= self.interval:
+        if not hasattr(self, "printed") or now - self.last >= self.interval:  # the first report at once
             self.last = now
             self._print()
 
@@ -65,7 +96,7 @@ class _Lines:
 
     def _print(self) -> None:
         done = f"{self.n}/{self.total}" if self.total is not None else f"{self.n}"
-        extra = f" ({self.postfix})" if self.postfix else ""
+        extra = f" ({', '.join(x for x in (self.where, self.postfix) if x)})" if self.where or self.postfix else ""
         self.printed = (self.n, self.postfix)
         print(f"{self.desc}: {done} {self.unit}{extra}, {time.monotonic() - self.start:.0f} s", file=sys.stderr, flush=True)
 

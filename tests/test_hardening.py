@@ -164,7 +164,9 @@ def test_progress_is_reported_per_sequence_as_plain_lines_when_not_on_a_terminal
     monkeypatch.setenv("OPDCACHE_PROGRESS_INTERVAL", "0")
     run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=6), out=tmp_path / "c", num_shards=2,
                              sampling=FAST, engine=EngineConfig(generate_batch_size=2), progress=True))
-    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("build-rollouts:")]
+    every = [l for l in capsys.readouterr().err.splitlines() if l.startswith("build-rollouts:")]
+    assert "(decoding 2 sequences: token 1/" in every[0]  # inside a batch: its decode step
+    lines = [l for l in every if ": token " not in l]
     counts = [l.split(":")[1].split()[0] for l in lines]
     assert counts[:4] == ["2/6", "3/6", "5/6", "6/6"], lines  # per generation batch (3 rows a shard: 2 + 1), not per shard
     assert "shards=2/2" in lines[-1] and "seq" in lines[-1]
@@ -175,6 +177,17 @@ def test_progress_is_reported_per_sequence_as_plain_lines_when_not_on_a_terminal
     run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=6), out=tmp_path / "d", num_shards=2,
                              sampling=FAST, progress=False))
     assert "build-rollouts:" not in capsys.readouterr().err
+
+
+def test_the_first_progress_line_comes_within_the_first_batch(tmp_path, weights, opd_prompts, capsys, monkeypatch):
+    """At the default interval (30 s), the first report is printed at once, from inside the first batch (its first
+    decode step), however large the batch: a long first batch on a real model no longer means minutes of silence."""
+    monkeypatch.delenv("OPDCACHE_PROGRESS_INTERVAL", raising=False)
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=6), out=tmp_path / "c", num_shards=1,
+                             sampling=FAST, progress=True))
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("build-rollouts:")]
+    assert lines[0].startswith("build-rollouts: 0/6 seq (decoding 6 sequences: token 1/"), lines
+    assert lines[-1].startswith("build-rollouts: 6/6 seq") and len(lines) <= 3  # then one per 30 s, and the final state
 
 
 def test_a_url_whose_filesystem_is_not_installed_is_one_line_exit_2(capsys):

@@ -25,7 +25,7 @@ import torch
 from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations, split_scores
 from opdcache.backends.streamed import head_transform, streamed_logit_stats
 from opdcache.errors import ConfigError
-from opdcache.progress import advance
+from opdcache.progress import advance, detail
 
 POSITION_BLOCK = 2048  # positions scored together: enough rows that the head matmul runs at full rate
 NOISE_BLOCK_BYTES = 64 << 20  # generation: uniforms drawn ahead per batch ([rows, steps, vocabulary] float32)
@@ -208,12 +208,13 @@ class TransformersBackend:
         out: list[Generation | None] = [None] * len(requests)
         for start in range(0, len(order), self.generate_batch_size):
             idx = order[start: start + self.generate_batch_size]
-            for i, gen in zip(idx, self._generate_batch([requests[i] for i in idx], sampling)):
+            where = f"decoding {len(idx)} sequences"
+            for i, gen in zip(idx, self._generate_batch([requests[i] for i in idx], sampling, where)):
                 out[i] = gen
             advance(len(idx))
         return out  # type: ignore[return-value]
 
-    def _generate_batch(self, requests: Sequence[GenerateRequest], s: SamplingConfig) -> list[Generation]:
+    def _generate_batch(self, requests: Sequence[GenerateRequest], s: SamplingConfig, where: str = "") -> list[Generation]:
         B = len(requests)
         lengths = [len(r.prompt_ids) for r in requests]
         L = max(lengths)
@@ -246,6 +247,7 @@ class TransformersBackend:
         noise, noise_at = None, 0
         noise_steps = 1 if s.mc_samples else max(1, min(s.max_new_tokens, NOISE_BLOCK_BYTES // (4 * B * self.vocab_size)))
         for t in range(s.max_new_tokens):
+            detail(f"{where}: token {t + 1}/{s.max_new_tokens}")
             log_softmax_into(logits, ref_logp, scratch)  # [B, V], temperature 1
             if s.temperature == 0:
                 tok = ref_logp.argmax(-1)
