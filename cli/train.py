@@ -129,6 +129,21 @@ def train(
     loss = f"final loss {last['loss']:.4f}" if "loss" in last else "no step run"
     typer.echo(f"{cfg.out}: {result['steps']} steps of {cfg.loss} ({how}) in {result['seconds']:.1f} s, {loss}; "
                f"model in {cfg.out / 'model'}, metrics in {cfg.out / 'metrics.jsonl'}")
+    sizes = {name: _bytes(cfg.out / name) for name in ("model", "checkpoint")}
+    typer.echo(f"{cfg.out}: {_human(sum(sizes.values()))} on disk: the model {_human(sizes['model'])}, the checkpoint "
+               f"{_human(sizes['checkpoint'])} (float32 weights and AdamW's two moments, to resume or add steps; delete "
+               f"{cfg.out / 'checkpoint'} once the run is final)")
+
+
+def _bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
 
 
 def register(app: typer.Typer) -> None:

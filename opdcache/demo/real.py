@@ -72,3 +72,52 @@ def write_math_prompts(path: str | os.PathLike, n: int, seed: int = 0) -> Path:
     path = Path(path)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+BOXED_SYSTEM = "Solve the problem step by step. Put the final answer, a single number, in \\boxed{}."
+
+
+def write_boxed_prompts(path: str | os.PathLike, n: int, seed: int = 0) -> Path:
+    """``n`` chat-format one-number word problems (messages + a numeric answer) for ``--reward math``, deterministic in
+    ``seed`` (README, "Your first real model")."""
+    import random
+
+    rng = random.Random(seed)
+    names = ["Ava", "Ben", "Chloe", "Dev", "Ema", "Farid", "Gus", "Hana"]
+    things = ["apples", "marbles", "stickers", "books", "coins", "pencils"]
+    rows = []
+    for _ in range(n):
+        a, b, c = rng.randint(3, 60), rng.randint(2, 40), rng.randint(2, 9)
+        who, what = rng.choice(names), rng.choice(things)
+        if rng.random() < 0.5:
+            text, answer = f"{who} has {a} {what} and buys {b} more. How many {what} does {who} have now?", a + b
+        else:
+            text, answer = f"{who} buys {c} bags with {b} {what} in each. How many {what} does {who} buy?", b * c
+        rows.append({"messages": [{"role": "system", "content": BOXED_SYSTEM}, {"role": "user", "content": text}], "answer": str(answer)})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m opdcache.demo.real PROMPTS [--n N]``: convert SmolLM2-135M-Instruct (once), write N one-number word
+    problems to PROMPTS, print the model directory."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m opdcache.demo.real", description=main.__doc__.splitlines()[0])
+    parser.add_argument("prompts", type=Path, help="where to write the prompts (JSON lines: messages, answer)")
+    parser.add_argument("--n", type=int, default=32, help="how many prompts (default 32)")
+    args = parser.parse_args(argv)
+    try:
+        model = smollm2()
+    except MissingDependencyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    write_boxed_prompts(args.prompts, args.n)
+    print(model)
+
+
+if __name__ == "__main__":
+    main()
