@@ -16,8 +16,8 @@ def audit(
     table: Annotated[Optional[str], typer.Option("--table", help="One table: rollouts, sft, or a teacher table's name (default: every table).", show_default=False)] = None,
     rows: Annotated[int, typer.Option("--rows", help="Rows re-computed per table, drawn at random (seeded) over all its shards.")] = 16,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the row sample.")] = 0,
-    model: Annotated[Optional[Path], typer.Option("--model", help="pi_ref (the rollout table's model) when it is not at the path the manifest records.", show_default=False)] = None,
-    teacher: Annotated[Optional[Path], typer.Option("--teacher", help="The teacher of the teacher tables when it is not at the recorded path.", show_default=False)] = None,
+    model: Annotated[Optional[Path], typer.Option("--model", help="pi_ref (the rollout table's model) when it is not at the path the manifest records. Default: the recorded path.", show_default=False)] = None,
+    teacher: Annotated[Optional[Path], typer.Option("--teacher", help="The teacher of the teacher tables when it is not at the recorded path. Default: the recorded path.", show_default=False)] = None,
     tolerance: Annotated[float, typer.Option("--tolerance", help="Tables not computed with --exact: the largest max |delta| (nats) that passes.")] = 1e-4,
     as_json: O.JsonOut = False,
 ) -> None:

@@ -13,7 +13,7 @@ from opdcache.cli.options import CachePath, JsonOut
 def check_consistency(
     cache: CachePath,
     teacher: Annotated[Optional[list[str]], typer.Option("--teacher", help="Teacher tables to compare (default: all).", show_default=False)] = None,
-    train_teacher: Annotated[Optional[str], typer.Option("--train-teacher", help="The teacher you will train with; exit 1 if pi_ref is not consistent with it.", show_default=False)] = None,
+    train_teacher: Annotated[Optional[str], typer.Option("--train-teacher", help="The teacher you will train with; exit 1 if pi_ref is not consistent with it. Default: none (report only).", show_default=False)] = None,
     max_gap_vs_uniform: Annotated[float, typer.Option("--max-gap-vs-uniform", help="One teacher, no lineage: exit 1 when its gap exceeds this fraction of a uniform teacher's.")] = 0.25,
     as_json: JsonOut = False,
 ) -> None:

@@ -20,7 +20,7 @@ def demo(
     opd_lr: Annotated[float, typer.Option("--opd-lr", help="OPD learning rate.")] = DemoConfig.opd_lr,
     tau: Annotated[float, typer.Option("--tau", help="lightning: advantage clip.")] = DemoConfig.tau,
     kl_coef: Annotated[float, typer.Option("--kl-coef", help="Weight of the KL penalty to pi_ref (0: none).")] = DemoConfig.kl_coef,
-    ablation: Annotated[Optional[str], typer.Option("--ablation", help="consistency (teacher 1 vs teacher 2, papers/000 Table 4), quantized (int8, w4a16 and fp8 rollouts: corrections, --rollout-aligned, trust band; papers/003-004) staleness (opdcache async at K in 0, 1, 4, 16, no refresh; papers/001 Findings 1-3: 30 runs, about 25 minutes on 2 cores) storage (exact vs compact top-k, the sampled store and full-vocabulary fKL: bytes/token beside accuracy) or mismatch (papers/003: an online learner on exact rollouts vs injected logit noise, bypass vs recompute, TIS and K1/K3 rejection; 12 runs a seed).", show_default=False)] = None,
+    ablation: Annotated[Optional[str], typer.Option("--ablation", help="consistency (teacher 1 vs teacher 2, papers/000 Table 4), quantized (int8, w4a16 and fp8 rollouts: corrections, --rollout-aligned, trust band; papers/003-004) staleness (opdcache async at K in 0, 1, 4, 16, no refresh; papers/001 Findings 1-3: 30 runs, about 25 minutes on 2 cores) storage (exact vs compact top-k, the sampled store and full-vocabulary fKL: bytes/token beside accuracy) or mismatch (papers/003: an online learner on exact rollouts vs injected logit noise, bypass vs recompute, TIS and K1/K3 rejection; 12 runs a seed). Default: none (the demo alone).", show_default=False)] = None,
 ) -> None:
     """Run the whole pipeline on the embedded task, on CPU, with tiny local models (no network).
 

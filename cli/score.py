@@ -13,25 +13,25 @@ def score_teacher(
     cache: O.CachePath,
     teacher: O.TeacherModel, revision: O.ModelRevision = None,
     store: Annotated[str, typer.Option("--store", help="Comma-separated stores: logprob (always), topk, hidden, svd, sampled.")] = "logprob",
-    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Width of the teacher's top-k store.", show_default=False)] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Width of the teacher's top-k store. Default: none (required with --store topk).", show_default=False)] = None,
     topk_precision: Annotated[Optional[str], typer.Option(
         "--topk-precision", help="Compact top-k: float32, float16 (|error| <= |log-prob| x 2^-11; format v3), or prob14 "
         "(probabilities as uint16 codes to within 2^-15, ids ascending: the smallest, format v4; SmolLM2 numbers in "
-        "BENCHMARKS.md). Not set (and no --topk-mass): the exact v1 store.", show_default=False)] = None,
+        "BENCHMARKS.md). Default: none (and no --topk-mass): the exact v1 store.", show_default=False)] = None,
     topk_mass: Annotated[Optional[float], typer.Option(
         "--topk-mass", help="Compact top-k (format v3): keep entries until the teacher mass left out is at most this (at "
         "most --top-k), the rest kept as one tail column. 1e-4 keeps the exact top-128's forward-KL fidelity at ~210 "
-        "B/token; 1e-3 is the fast path (~110 B/token); float16 log-probs, bench_storage.py's data, BENCHMARKS.md.", show_default=False)] = None,
+        "B/token; 1e-3 is the fast path (~110 B/token); float16 log-probs, bench_storage.py's data, BENCHMARKS.md. Default: none (every entry of --top-k).", show_default=False)] = None,
     samples_per_position: Annotated[Optional[int], typer.Option(
         "--samples-per-position", help="The sampled store (RS-KD): teacher draws per position (1-255), kept as distinct "
         "ids and counts; an unbiased forward KL (train --loss sampled-fkl). Costs the head rows of the drawn slices "
-        "again.", show_default=False)] = None,
+        "again. Default: none (no sampled store).", show_default=False)] = None,
     sample_seed: Annotated[int, typer.Option("--sample-seed", help="Seed of the sampled store's draws.")] = 0,
     hidden_dtype: Annotated[Optional[str], typer.Option(
         "--hidden-dtype", help="Precision of the hidden store: float32, bfloat16 or float16 (default: the teacher's compute "
         "dtype). bfloat16 from a float32 teacher halves the bytes; the rounding's KL to the full distribution is recorded "
         "(SmolLM2: see BENCHMARKS.md).", show_default=False)] = None,
-    svd_rank: Annotated[Optional[int], typer.Option("--svd-rank", help="Rank of the svd store.", show_default=False)] = None,
+    svd_rank: Annotated[Optional[int], typer.Option("--svd-rank", help="Rank of the svd store. Default: none (required with --store svd).", show_default=False)] = None,
     svd_method: Annotated[str, typer.Option("--svd-method", help="naive, importance or prob-weighted (papers/002; the default: on SmolLM2 it has 3-5x less KL than importance at equal rank, BENCHMARKS.md).")] = "prob-weighted",
     svd_min_positions: Annotated[Optional[int], typer.Option(
         "--svd-min-positions", help="Refuse to fit the svd projection on fewer calibration positions than this (default: fit "
