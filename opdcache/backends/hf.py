@@ -209,92 +209,10 @@ class TransformersBackend:
         for start in range(0, len(order), self.generate_batch_size):
             idx = order[start: start + self.generate_batch_size]
             where = f"decoding {len(idx)} sequences"
-            for i, gen in zip(idx, self._generate_batch([requests[i] for i in idx], sampling, where)):
+            for i, gen in zip(idx, decode_batch(self.model, [requests[i] for i in idx], sampling, self.eos_ids, where)):
                 out[i] = gen
             advance(len(idx))
         return out  # type: ignore[return-value]
-
-    def _generate_batch(self, requests: Sequence[GenerateRequest], s: SamplingConfig, where: str = "") -> list[Generation]:
-        B = len(requests)
-        lengths = [len(r.prompt_ids) for r in requests]
-        L = max(lengths)
-        input_ids = torch.zeros((B, L), dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for b, r in enumerate(requests):  # left padding: every row's next token goes at the same column
-            input_ids[b, L - lengths[b]:] = torch.as_tensor(r.prompt_ids)
-            mask[b, L - lengths[b]:] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        position = (mask.cumsum(-1) - 1).clamp(min=0)
-        gens = [torch.Generator().manual_seed(r.seed) for r in requests]
-        # the decoder, then the head at the last position only ([B, V], never [B, L, V]), into buffers reused by every
-        # step: a fresh [B, V] logits tensor per step (the model's own forward) fragments the CPU heap and RSS creeps
-        head = _LastPositionHead(self.model, B)
-        out = _base(self.model)(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True)
-        past = out.past_key_values
-        V = head.vocab_size
-        logits = torch.empty((B, V))
-        ref_logp = torch.empty((B, V))
-        scratch = torch.empty((B, V))
-        samp_buf = torch.empty((B, V)) if s.temperature not in (0, 1) or s.top_p < 1 else None
-        logits.copy_(head(out.last_hidden_state))
-        next_pos = position[:, -1:] + 1
-        done = torch.zeros(B, dtype=torch.bool)  # stopped at an end-of-sequence token (else cut at max_new_tokens)
-        n_tokens = torch.zeros(B, dtype=torch.long)
-        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
-        steps: dict[str, list[torch.Tensor]] = {k: [] for k in ("tok", "slp", "rlp", "kid", "klp", "mid", "mlp")}
-        # uniforms for the Gumbel-max draw, several steps per row at a time; MC samples draw from the same streams
-        # between steps, so with them the uniforms are drawn step by step to keep each stream's order
-        noise, noise_at = None, 0
-        noise_steps = 1 if s.mc_samples else max(1, min(s.max_new_tokens, NOISE_BLOCK_BYTES // (4 * B * self.vocab_size)))
-        for t in range(s.max_new_tokens):
-            detail(f"{where}: token {t + 1}/{s.max_new_tokens}")
-            log_softmax_into(logits, ref_logp, scratch)  # [B, V], temperature 1
-            if s.temperature == 0:
-                tok = ref_logp.argmax(-1)
-                samp_logp = torch.full_like(ref_logp, float("-inf")).scatter(-1, tok[:, None], 0.0)
-            else:
-                if samp_buf is None:
-                    samp_logp = ref_logp  # temperature 1, no nucleus: the sampling distribution is pi_ref's
-                elif s.top_p < 1:
-                    samp_logp = sampling_logprobs(logits, s.temperature, s.top_p)
-                else:
-                    samp_logp = log_softmax_into(torch.div(logits, s.temperature, out=samp_buf), samp_buf, scratch)
-                if noise is None or t - noise_at == noise.shape[1]:
-                    noise = None  # let the old block go before drawing the next
-                    noise_at, noise = t, self._draw_noise(gens, min(noise_steps, s.max_new_tokens - t), V)
-                # Gumbel-max, in place on this step's uniforms (each is used once): -log(-log u) + log q
-                gumbel = noise[:, t - noise_at].clamp_min_(1e-20).log_().neg_().log_().neg_()
-                tok = gumbel.add_(samp_logp).argmax(-1)
-            steps["tok"].append(tok)
-            steps["slp"].append(samp_logp.gather(-1, tok[:, None]).squeeze(-1))
-            steps["rlp"].append(ref_logp.gather(-1, tok[:, None]).squeeze(-1))
-            if s.ref_top_k:
-                klp, kid = ref_logp.topk(s.ref_top_k, -1)
-                steps["kid"].append(kid)
-                steps["klp"].append(klp)
-            if s.mc_samples:
-                probs = samp_logp.exp()
-                mid = torch.stack([torch.multinomial(probs[b], s.mc_samples, replacement=True, generator=gens[b]) for b in range(B)])
-                steps["mid"].append(mid)
-                steps["mlp"].append(samp_logp.gather(-1, mid))
-            n_tokens += ~done
-            done |= torch.isin(tok, eos)
-            if bool(done.all()) or t == s.max_new_tokens - 1:
-                break
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1)
-            out = _base(self.model)(input_ids=tok[:, None].to(self.device), attention_mask=mask, position_ids=next_pos,
-                                    past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logits.copy_(head(out.last_hidden_state))
-            next_pos = next_pos + 1
-            if t % TRIM_EVERY == TRIM_EVERY - 1:
-                release_free_heap()
-        return split_generations({k: torch.stack(v, 1).numpy() for k, v in steps.items() if v}, n_tokens, done, s)  # [B, steps, ...]
-
-    @staticmethod
-    def _draw_noise(gens: list[torch.Generator], steps: int, V: int) -> torch.Tensor:
-        """[B, steps, V] uniforms, row b from its own stream: the same numbers as ``steps`` draws of [V] in turn."""
-        return torch.stack([torch.rand(steps, V, generator=g) for g in gens])
 
     # ------------------------------------------------------------ scoring
 
@@ -399,3 +317,92 @@ class TransformersBackend:
                 parts[key].append(value)
         cat = {k: torch.cat(v).cpu() for k, v in parts.items() if v}
         return split_scores(cat, lengths, top_k, hidden_NH.detach().cpu() if want_hidden else None)
+
+
+@torch.no_grad()
+def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, eos_ids: set, where: str = "") -> list[Generation]:
+    """Sample one batch: left-padded prompts, then ``s.max_new_tokens`` decode steps with per-row seeded Gumbel-max
+    draws, pi_ref's temperature-1 log-probs (and top-k, MC samples) at each step. ``where``: the progress detail's
+    prefix. Memory: the KV cache and a few [batch, vocabulary] float32 buffers reused by every step."""
+    device = next(model.parameters()).device
+    vocab_size = int(model.get_output_embeddings().weight.shape[0])
+    B = len(requests)
+    lengths = [len(r.prompt_ids) for r in requests]
+    L = max(lengths)
+    input_ids = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    for b, r in enumerate(requests):  # left padding: every row's next token goes at the same column
+        input_ids[b, L - lengths[b]:] = torch.as_tensor(r.prompt_ids)
+        mask[b, L - lengths[b]:] = 1
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    gens = [torch.Generator().manual_seed(r.seed) for r in requests]
+    # the decoder, then the head at the last position only ([B, V], never [B, L, V]), into buffers reused by every
+    # step: a fresh [B, V] logits tensor per step (the model's own forward) fragments the CPU heap and RSS creeps
+    head = _LastPositionHead(model, B)
+    out = _base(model)(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True)
+    past = out.past_key_values
+    V = head.vocab_size
+    logits = torch.empty((B, V))
+    ref_logp = torch.empty((B, V))
+    scratch = torch.empty((B, V))
+    samp_buf = torch.empty((B, V)) if s.temperature not in (0, 1) or s.top_p < 1 else None
+    logits.copy_(head(out.last_hidden_state))
+    next_pos = position[:, -1:] + 1
+    done = torch.zeros(B, dtype=torch.bool)  # stopped at an end-of-sequence token (else cut at max_new_tokens)
+    n_tokens = torch.zeros(B, dtype=torch.long)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
+    steps: dict[str, list[torch.Tensor]] = {k: [] for k in ("tok", "slp", "rlp", "kid", "klp", "mid", "mlp")}
+    # uniforms for the Gumbel-max draw, several steps per row at a time; MC samples draw from the same streams
+    # between steps, so with them the uniforms are drawn step by step to keep each stream's order
+    noise, noise_at = None, 0
+    noise_steps = 1 if s.mc_samples else max(1, min(s.max_new_tokens, NOISE_BLOCK_BYTES // (4 * B * vocab_size)))
+    for t in range(s.max_new_tokens):
+        detail(f"{where}: token {t + 1}/{s.max_new_tokens}")
+        log_softmax_into(logits, ref_logp, scratch)  # [B, V], temperature 1
+        if s.temperature == 0:
+            tok = ref_logp.argmax(-1)
+            samp_logp = torch.full_like(ref_logp, float("-inf")).scatter(-1, tok[:, None], 0.0)
+        else:
+            if samp_buf is None:
+                samp_logp = ref_logp  # temperature 1, no nucleus: the sampling distribution is pi_ref's
+            elif s.top_p < 1:
+                samp_logp = sampling_logprobs(logits, s.temperature, s.top_p)
+            else:
+                samp_logp = log_softmax_into(torch.div(logits, s.temperature, out=samp_buf), samp_buf, scratch)
+            if noise is None or t - noise_at == noise.shape[1]:
+                noise = None  # let the old block go before drawing the next
+                noise_at, noise = t, draw_noise(gens, min(noise_steps, s.max_new_tokens - t), V)
+            # Gumbel-max, in place on this step's uniforms (each is used once): -log(-log u) + log q
+            gumbel = noise[:, t - noise_at].clamp_min_(1e-20).log_().neg_().log_().neg_()
+            tok = gumbel.add_(samp_logp).argmax(-1)
+        steps["tok"].append(tok)
+        steps["slp"].append(samp_logp.gather(-1, tok[:, None]).squeeze(-1))
+        steps["rlp"].append(ref_logp.gather(-1, tok[:, None]).squeeze(-1))
+        if s.ref_top_k:
+            klp, kid = ref_logp.topk(s.ref_top_k, -1)
+            steps["kid"].append(kid)
+            steps["klp"].append(klp)
+        if s.mc_samples:
+            probs = samp_logp.exp()
+            mid = torch.stack([torch.multinomial(probs[b], s.mc_samples, replacement=True, generator=gens[b]) for b in range(B)])
+            steps["mid"].append(mid)
+            steps["mlp"].append(samp_logp.gather(-1, mid))
+        n_tokens += ~done
+        done |= torch.isin(tok, eos)
+        if bool(done.all()) or t == s.max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
+        out = _base(model)(input_ids=tok[:, None].to(device), attention_mask=mask, position_ids=next_pos,
+                           past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits.copy_(head(out.last_hidden_state))
+        next_pos = next_pos + 1
+        if t % TRIM_EVERY == TRIM_EVERY - 1:
+            release_free_heap()
+    return split_generations({k: torch.stack(v, 1).numpy() for k, v in steps.items() if v}, n_tokens, done, s)  # [B, steps, ...]
+
+
+def draw_noise(gens: list[torch.Generator], steps: int, V: int) -> torch.Tensor:
+    """[B, steps, V] uniforms, row b from its own stream: the same numbers as ``steps`` draws of [V] in turn."""
+    return torch.stack([torch.rand(steps, V, generator=g) for g in gens])
