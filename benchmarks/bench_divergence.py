@@ -1,14 +1,17 @@
-"""Chunked full-vocabulary KL against a naive implementation that materialises the logits, in one run.
+"""Chunked full-vocabulary KL (opdcache.divergence) against what a competent user writes, on the harness.
 
 Shape (the issue's): vocabulary 151,936, hidden 1,024 (student and teacher), 2,048 tokens, float32, CPU.
-Work: forward + backward of the mean per-token forward KL(p_teacher || q_student) with respect to the
+Work: one forward + backward of the mean per-token forward KL(p_teacher || q_student) with respect to the
 student's hidden states and head, and again with respect to the hidden states only (the head's [V, H] gradient
-reported apart). Variants: naive (both sides' full log_softmax with autograd), kl_div (the fair plain baseline: the
-teacher under no_grad, torch's kl_div), chunked (opdcache.divergence). Each variant runs in its own process; peak memory is the largest
-resident-set size sampled every 2 ms during the work minus the size just before it (inputs allocated).
-On a CUDA machine the same script also reports bf16 figures there and the fraction of matmul peak.
+reported apart). Sides: ``kl_div`` is the baseline (the teacher's log-probs under no_grad, the student's
+log_softmax, torch's kl_div: what a competent user writes), ``chunked`` is opdcache, ``naive`` (both sides'
+log_softmax under autograd) is there for reference. benchmarks/harness.py runs them interleaved over rounds, each
+run a fresh process, and reports wall and CPU seconds and peak anonymous RSS above the inputs. Each run is one cold
+step (no warm-up step inside the process: a freed block the allocator keeps would hide the next step's peak).
 
-    python benchmarks/bench_divergence.py [--tokens 2048 --vocab 151936 --hidden 1024 --kind fkl]
+    python benchmarks/bench_divergence.py [--tokens 2048 --vocab 151936 --hidden 1024 --kind fkl --rounds 3]
+
+On a CUDA machine, ``--devices cuda`` reports bf16 figures there, each variant in its own process.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import PeakAnon as PeakRSS  # noqa: E402  (anonymous RSS: not the model file's page cache)
@@ -48,9 +53,24 @@ def kl_div_baseline(kind, hs, Ws, ht, Wt):
     return naive(kind, hs, Ws, ht, Wt)
 
 
-def run(variant: str, N: int, V: int, H: int, kind: str, device: str, dtype: str, repeats: int, head_grad: bool = True) -> dict:
+def setup(variant: str, N: int, V: int, H: int, kind: str, head_grad: bool) -> dict:
+    """The inputs of one run (untimed): student states and head with gradients, the teacher's without."""
+    g = torch.Generator().manual_seed(0)
+    return {"variant": variant, "kind": kind, "hs": torch.randn(N, H, generator=g).requires_grad_(),
+            "Ws": (torch.randn(V, H, generator=g) * 0.02).requires_grad_(head_grad),
+            "ht": torch.randn(N, H, generator=g), "Wt": torch.randn(V, H, generator=g) * 0.02}
+
+
+def step(st: dict) -> None:
+    """One forward + backward of the mean per-token divergence, the side's way."""
     from opdcache.divergence import chunked_divergence
 
+    fn = {"naive": naive, "kl_div": kl_div_baseline, "chunked": chunked_divergence}[st["variant"]]
+    fn(st["kind"], st["hs"], st["Ws"], st["ht"], st["Wt"]).float().mean().backward()
+    torch.cuda.synchronize() if st["hs"].is_cuda else None
+
+
+def run(variant: str, N: int, V: int, H: int, kind: str, device: str, dtype: str, repeats: int, head_grad: bool = True) -> dict:
     dt = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
     hs = torch.randn(N, H, generator=g).to(device, dt).requires_grad_()
@@ -58,12 +78,9 @@ def run(variant: str, N: int, V: int, H: int, kind: str, device: str, dtype: str
     ht = torch.randn(N, H, generator=g).to(device, dt)
     Wt = (torch.randn(V, H, generator=g) * 0.02).to(device, dt)
 
-    def step():
-        d = {"naive": naive, "kl_div": kl_div_baseline}[variant](kind, hs, Ws, ht, Wt) if variant != "chunked" else chunked_divergence(kind, hs, Ws, ht, Wt)
-        d.float().mean().backward()
+    def one():
+        step({"variant": variant, "kind": kind, "hs": hs, "Ws": Ws, "ht": ht, "Wt": Wt})
         hs.grad = Ws.grad = None
-        if device == "cuda":
-            torch.cuda.synchronize()
 
     times = []
     if device == "cuda":
@@ -72,7 +89,7 @@ def run(variant: str, N: int, V: int, H: int, kind: str, device: str, dtype: str
     with PeakRSS() as mem:
         for _ in range(repeats):
             t0 = time.perf_counter()
-            step()
+            one()
             times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() - base) if device == "cuda" else mem.delta
     seconds = sorted(times)[len(times) // 2]
@@ -86,44 +103,50 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--kind", default="fkl")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="--devices cuda: steps per process (median)")
+    parser.add_argument("--rounds", type=int, default=3, help="CPU: interleaved rounds on the harness")
     parser.add_argument("--variant")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--no-head-grad", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--devices", nargs="+", default=["cpu", "cuda"], help="where to run (cuda only where available): cpu float32, cuda bfloat16")
+    parser.add_argument("--devices", nargs="+", default=["cpu"], help="where to run: cpu (float32, on the harness), cuda (bfloat16, where available)")
     args = parser.parse_args()
     if args.variant:
         print(json.dumps(run(args.variant, args.tokens, args.vocab, args.hidden, args.kind, args.device, args.dtype, args.repeats,
                              not args.no_head_grad)))
         return
-    configs = [("cpu", "float32")] if "cpu" in args.devices else []
-    if torch.cuda.is_available() and "cuda" in args.devices:
-        configs.append(("cuda", "bfloat16"))
-    print(f"{args.kind}: {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}; forward + backward\n")
-    header = f"{'device':<6} {'dtype':<9} {'gradients':<12} {'variant':<8} {'seconds':>8} {'vs naive':>9} {'vs kl_div':>10} {'peak MiB':>9} {'mem vs naive':>13} {'mem vs kl_div':>14}"
-    print(header)
-    print("-" * len(header))
-    for device, dtype in configs:
+    if "cpu" in args.devices:
+        from harness import Side, compare, report
+
         for head_grad in (True, False):  # the head's gradient ([V, H]) is most of the work and memory: reported apart
+            common = {"N": args.tokens, "V": args.vocab, "H": args.hidden, "kind": args.kind, "head_grad": head_grad}
+            sides = [Side("chunked (opdcache)", "step", "setup", common | {"variant": "chunked"}, note="opdcache.divergence.chunked_divergence"),
+                     Side("kl_div, teacher no_grad", "step", "setup", common | {"variant": "kl_div"}, baseline=True,
+                          note="the competent baseline: teacher log_softmax under no_grad, student log_softmax, torch kl_div"),
+                     Side("naive", "step", "setup", common | {"variant": "naive"}, note="both log_softmax under autograd (reference)")]
+            grads = "hidden+head" if head_grad else "hidden only"
+            result = compare(f"{args.kind} forward+backward ({grads}), {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}, "
+                             "float32 CPU", sides, __file__, rounds=args.rounds,
+                             meta={"command": "python benchmarks/bench_divergence.py", "gradients": grads})
+            report(result, Path(__file__).parent / "results" / f"divergence_{args.kind}_{'head' if head_grad else 'hidden'}.json")
+            print()
+    if torch.cuda.is_available() and "cuda" in args.devices:
+        print(f"{args.kind}: {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}; forward + backward, cuda bfloat16\n")
+        for head_grad in (True, False):
             res = {}
             for v in ("naive", "kl_div", "chunked"):
                 out = subprocess.run([sys.executable, __file__, "--variant", v, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
-                                      "--hidden", str(args.hidden), "--kind", args.kind, "--device", device, "--dtype", dtype,
+                                      "--hidden", str(args.hidden), "--kind", args.kind, "--device", "cuda", "--dtype", "bfloat16",
                                       "--repeats", str(args.repeats)] + ([] if head_grad else ["--no-head-grad"]), capture_output=True, text=True)
                 if out.returncode != 0:
                     print(f"{v} failed: {out.stderr[-1500:]}")
                     continue
                 res[v] = json.loads(out.stdout.strip().splitlines()[-1])
             for v, r in res.items():
-                print(f"{device:<6} {dtype:<9} {'hidden+head' if head_grad else 'hidden only':<12} {v:<8} {r['seconds']:>8.2f} "
-                      f"{r['seconds'] / res['naive']['seconds']:>8.2f}x {r['seconds'] / res['kl_div']['seconds']:>9.2f}x "
-                      f"{r['peak_bytes'] / 2**20:>9.0f} {r['peak_bytes'] / res['naive']['peak_bytes']:>12.3f}x "
-                      f"{r['peak_bytes'] / res['kl_div']['peak_bytes']:>13.3f}x"
-                      + (f"  ({r['tflops_naive_equiv']:.0f} TFLOP/s naive-equivalent)" if device == "cuda" else ""))
+                print(f"cuda bf16 {'hidden+head' if head_grad else 'hidden only':<12} {v:<8} {r['seconds']:>8.3f} s "
+                      f"{r['seconds'] / res['kl_div']['seconds']:>6.2f}x kl_div, peak {r['peak_bytes'] / 2**20:>7.0f} MiB "
+                      f"({r['peak_bytes'] / res['kl_div']['peak_bytes']:.3f}x kl_div), {r['tflops_naive_equiv']:.0f} TFLOP/s naive-equivalent")
 
 
 if __name__ == "__main__":
-    import torch
-
     main()
