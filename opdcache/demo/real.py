@@ -56,22 +56,33 @@ def smollm2(root: str | os.PathLike | None = None) -> Path:
 MATH_SYSTEM = "You are a careful math tutor. Solve the problem step by step, then give the answer."
 
 
-def write_math_prompts(path: str | os.PathLike, n: int, seed: int = 0) -> Path:
-    """``n`` chat-format arithmetic word problems (messages + answer), deterministic in ``seed``."""
+def _word_problems(n: int, seed: int):
+    """``n`` (rng, who, what, a, b, c) draws of the word problems below, deterministic in ``seed`` (the rng is yielded so
+    a writer may draw more from the same stream)."""
     import random
 
     rng = random.Random(seed)
     names = ["Ava", "Ben", "Chloe", "Dev", "Ema", "Farid", "Gus", "Hana"]
     things = ["apples", "marbles", "stickers", "books", "coins", "pencils"]
-    rows = []
     for _ in range(n):
         a, b, c = rng.randint(3, 60), rng.randint(2, 40), rng.randint(2, 9)
-        who, what = rng.choice(names), rng.choice(things)
-        text = f"{who} has {a} {what} and buys {b} more. {who} shares them equally among {c} friends and keeps the rest. How many does each friend get, and how many are left?"
-        rows.append({"messages": [{"role": "user", "content": text}], "answer": f"{(a + b) // c} each, {(a + b) % c} left"})
+        yield rng, rng.choice(names), rng.choice(things), a, b, c
+
+
+def _write_jsonl(path: str | os.PathLike, rows: list[dict]) -> Path:
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def write_math_prompts(path: str | os.PathLike, n: int, seed: int = 0) -> Path:
+    """``n`` chat-format arithmetic word problems (messages + answer), deterministic in ``seed``."""
+    rows = []
+    for _, who, what, a, b, c in _word_problems(n, seed):
+        text = f"{who} has {a} {what} and buys {b} more. {who} shares them equally among {c} friends and keeps the rest. How many does each friend get, and how many are left?"
+        rows.append({"messages": [{"role": "user", "content": text}], "answer": f"{(a + b) // c} each, {(a + b) % c} left"})
+    return _write_jsonl(path, rows)
 
 
 BOXED_SYSTEM = "Solve the problem step by step. Put the final answer, a single number, in \\boxed{}."
@@ -80,24 +91,14 @@ BOXED_SYSTEM = "Solve the problem step by step. Put the final answer, a single n
 def write_boxed_prompts(path: str | os.PathLike, n: int, seed: int = 0) -> Path:
     """``n`` chat-format one-number word problems (messages + a numeric answer) for ``--reward math``, deterministic in
     ``seed`` (README, "Your first real model")."""
-    import random
-
-    rng = random.Random(seed)
-    names = ["Ava", "Ben", "Chloe", "Dev", "Ema", "Farid", "Gus", "Hana"]
-    things = ["apples", "marbles", "stickers", "books", "coins", "pencils"]
     rows = []
-    for _ in range(n):
-        a, b, c = rng.randint(3, 60), rng.randint(2, 40), rng.randint(2, 9)
-        who, what = rng.choice(names), rng.choice(things)
+    for rng, who, what, a, b, c in _word_problems(n, seed):
         if rng.random() < 0.5:
             text, answer = f"{who} has {a} {what} and buys {b} more. How many {what} does {who} have now?", a + b
         else:
             text, answer = f"{who} buys {c} bags with {b} {what} in each. How many {what} does {who} buy?", b * c
         rows.append({"messages": [{"role": "system", "content": BOXED_SYSTEM}, {"role": "user", "content": text}], "answer": str(answer)})
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return _write_jsonl(path, rows)
 
 
 def main(argv: list[str] | None = None) -> None:
