@@ -84,6 +84,12 @@ def _flatten(obj, prefix: str = "") -> dict:
     return {prefix: obj}
 
 
+def settings_summary(diff: list[str], shown: int = 4) -> str:
+    """The first ``shown`` 'name: old -> new' differences on one line, and how many more there are."""
+    more = f"; and {len(diff) - shown} more" if len(diff) > shown else ""
+    return "; ".join(diff[:shown]) + more
+
+
 def config_diff(old: dict, new: dict) -> list[str]:
     """Readable lines naming each setting that differs: 'sampling.temperature: 0.8 -> 1.0'."""
     a, b = _flatten(old), _flatten(new)
@@ -169,11 +175,8 @@ class TableJob:
             fix = ("score under another --name" if what == "the finished cache" else f"delete {self.dir}") + " to start over"
         else:
             fix = f"write to a new --out directory (or delete {self.root})"
-        raise ResumeError(
-            f"{self.dir} holds {what} with different settings; refusing to mix them:\n  "
-            + "\n  ".join(diff)
-            + f"\nRerun with the original settings to resume, or {fix}."
-        )
+        raise ResumeError(f"{self.dir} holds {what} with different settings ({settings_summary(diff)}); refusing to mix them. "
+                          f"Rerun with the original settings to resume, or {fix}")
 
     def is_done(self, index: int) -> bool:
         return self.shard_path(index).is_file()

@@ -164,6 +164,7 @@ def test_resume_with_other_settings_is_refused_with_the_difference(reference, we
                            "--lr", "3e-4"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "holds an async run with other settings" in proc.stderr and "lr: 0.0001 -> 0.0003" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1  # one line: the difference and the fix
 
 
 def test_a_stage_that_cannot_start_stops_the_run_in_one_line(tmp_path, weights, opd_prompts, capsys):

@@ -84,7 +84,7 @@ def test_resume_with_changed_setting_is_refused_with_the_difference(tmp_path):
     with pytest.raises(ResumeError) as err:
         run_table_job(job(tmp_path, N_SHARDS, temperature=1.0), lambda i: rollout_rows(i, 3))
     assert "sampling.temperature: 0.8 -> 1.0" in str(err.value)
-    assert "Rerun with the original settings" in str(err.value)
+    assert "Rerun with the original settings" in str(err.value) and "\n" not in str(err.value)  # one line
 
 
 def test_changed_setting_after_finish_is_refused_too(tmp_path):

@@ -21,7 +21,7 @@ from opdcache import storage
 from opdcache.asyncopd import queue as Q
 from opdcache.asyncopd.config import AsyncConfig
 from opdcache.asyncopd.stages import STAGES, table_paths
-from opdcache.cache import JOB_FILE, TableJob, config_diff, finalize_table
+from opdcache.cache import JOB_FILE, TableJob, config_diff, finalize_table, settings_summary
 from opdcache.errors import ConfigError, OpdcacheError, ResumeError
 
 WARMUP_UPDATES = 5  # papers/001 App. G: throughput discards the first five learner updates
@@ -57,8 +57,8 @@ def _begin(cfg: AsyncConfig) -> None:
             raise ResumeError(f"{path} is not an opdcache async run record (no identity); use a new --out or delete {cfg.out}")
         diff = config_diff(old["identity"], record["identity"])
         if diff:
-            raise ResumeError(f"{cfg.out} holds an async run with other settings:\n  " + "\n  ".join(diff)
-                              + f"\nRerun with the original settings to resume, or use a new --out (or delete {cfg.out}).")
+            raise ResumeError(f"{cfg.out} holds an async run with other settings ({settings_summary(diff)}); rerun with the original "
+                              f"settings to resume, or use a new --out (or delete {cfg.out})")
     storage.write_text_atomic(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
