@@ -179,12 +179,14 @@ def test_progress_is_reported_per_sequence_as_plain_lines_when_not_on_a_terminal
     assert "build-rollouts:" not in capsys.readouterr().err
 
 
-def test_the_first_progress_line_comes_within_the_first_batch(tmp_path, weights, opd_prompts, capsys, monkeypatch):
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_first_progress_line_comes_within_the_first_batch(tmp_path, weights, opd_prompts, capsys, monkeypatch, exact):
     """At the default interval (30 s), the first report is printed at once, from inside the first batch (its first
-    decode step), however large the batch: a long first batch on a real model no longer means minutes of silence."""
+    decode step), however large the batch: a long first batch on a real model no longer means minutes of silence.
+    Both engines that decode in opdcache (transformers, exact)."""
     monkeypatch.delenv("OPDCACHE_PROGRESS_INTERVAL", raising=False)
     run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=6), out=tmp_path / "c", num_shards=1,
-                             sampling=FAST, progress=True))
+                             sampling=FAST, progress=True, engine=EngineConfig(exact=exact)))
     lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("build-rollouts:")]
     assert lines[0].startswith("build-rollouts: 0/6 seq (decoding 6 sequences: token 1/"), lines
     assert lines[-1].startswith("build-rollouts: 6/6 seq") and len(lines) <= 3  # then one per 30 s, and the final state

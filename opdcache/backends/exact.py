@@ -23,7 +23,7 @@ from opdcache.backends.hf import load_model
 from opdcache.errors import ConfigError
 from opdcache.exact import head as H
 from opdcache.exact.decoder import ExactDecoder
-from opdcache.progress import advance
+from opdcache.progress import advance, detail
 
 ARITHMETIC = "opdcache-exact-1"  # the definition of the arithmetic (arith.py, decoder.py, head.py): bump on any change
 INJECT_HELP = "logit-noise:SIGMA (Gaussian noise of scale SIGMA nats on every logit) or bf16-activations (each layer's output rounded to bfloat16)"
@@ -161,6 +161,7 @@ class ExactBackend:
         eos = torch.tensor(self.eos_ids, dtype=torch.long)
         steps: dict[str, list[torch.Tensor]] = {k: [] for k in ("tok", "slp", "rlp", "kid", "klp", "mid", "mlp")}
         for t in range(s.max_new_tokens):
+            detail(f"decoding {B} sequences: token {t + 1}/{s.max_new_tokens}")
             ref, samp = self._step_logprobs(h, s, gens)
             if s.temperature == 0:
                 tok = ref.argmax(-1)
