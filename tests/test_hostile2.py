@@ -297,10 +297,18 @@ def test_a_verifier_that_calls_sys_exit_marks_its_rows_and_the_job_finishes(tmp_
 
 
 def test_a_verifier_raising_keyboardinterrupt_itself_marks_the_row():
+    import signal
+
     from opdcache.verifiers import score
 
     def rude(response, task):
         raise KeyboardInterrupt
 
-    verdict = score(rude, "x", {})
+    # Python's own SIGINT handler, whatever the runner inherited (a background job starts with SIGINT ignored, and then
+    # every KeyboardInterrupt counts as a real Ctrl-C by design)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        verdict = score(rude, "x", {})
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert verdict.score is None and "KeyboardInterrupt" in verdict.reason
