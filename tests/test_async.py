@@ -204,6 +204,28 @@ def test_figures_count_every_update_and_time_the_last_attempt_alone(tmp_path):
     assert fig["overlap"] == pytest.approx(140 / 70)
 
 
+def test_the_supervisor_reports_progress_at_once_and_from_the_stages_files(tmp_path, capsys, monkeypatch):
+    """issue 30: the README's async printed one line, after 497 s. With --progress the supervisor reports at once, then
+    the learner's updates (ledger) and the batches the other stages finished (their busy intervals)."""
+    from opdcache.asyncopd.run import _Watch
+    from opdcache.progress import bar
+
+    monkeypatch.setenv("OPDCACHE_PROGRESS_INTERVAL", "0")
+    cfg = AsyncConfig(model=Path("m"), teacher=Path("t"), prompts=PromptConfig(Path("p.jsonl")), out=tmp_path, steps=4)
+    (tmp_path / "stages").mkdir()
+    with bar(total=4, desc="async", unit="update", enabled=True, track=True) as pbar:
+        watch = _Watch(cfg, pbar)
+        first = capsys.readouterr().err
+        for stage, n in (("rollout", 3), ("teacher", 2)):
+            (tmp_path / "stages" / f"{stage}.busy.jsonl").write_text("".join(json.dumps({"batch": b, "start": 0, "end": 1}) + "\n" for b in range(n)))
+        (tmp_path / Q.LEDGER).write_text(json.dumps({"batch": 0, "time": 1.0, "tokens": 5}) + "\n")
+        watch.at = 0.0  # a second has passed
+        watch.poll()
+    assert first.startswith("async: 0/4 update (starting the rollout, teacher and learner stages), 0 s"), first
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1].startswith("async: 1/4 update (batches sampled 3, scored 2)"), lines
+
+
 def test_settings_that_cannot_work_asynchronously_are_refused():
     from opdcache.errors import ConfigError
 

@@ -23,6 +23,7 @@ from opdcache.asyncopd.config import AsyncConfig
 from opdcache.asyncopd.stages import STAGES, table_paths
 from opdcache.cache import JOB_FILE, TableJob, config_diff, finalize_table, settings_summary
 from opdcache.errors import ConfigError, OpdcacheError, ResumeError
+from opdcache.progress import bar, detail
 
 WARMUP_UPDATES = 5  # papers/001 App. G: throughput discards the first five learner updates
 ATTEMPTS = "attempts.jsonl"  # one line per invocation that ran stages: {"attempt", "start"}
@@ -81,7 +82,32 @@ def _last_line(path: Path) -> str:
     return (errors or lines or ["(no output)"])[-1].removeprefix("error: ")
 
 
-def _run_local(cfg: AsyncConfig) -> None:
+class _Watch:
+    """The supervisor's progress: learner updates from the ledger, the rollout and teacher stages' finished batches from
+    their busy intervals (all files in the local run directory, read at most once a second). The first report comes at
+    once; the stages' own output goes to their logs."""
+
+    def __init__(self, cfg: AsyncConfig, pbar):
+        self.cfg, self.pbar, self.at = cfg, pbar, time.monotonic()
+        self.updates = len({e["batch"] for e in Q.read_jsonl(cfg.out / Q.LEDGER)})  # a resume starts where it was
+        detail("starting the rollout, teacher and learner stages")
+        if self.updates:
+            self.pbar.update(self.updates)
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        if now - self.at < 1.0:
+            return
+        self.at = now
+        done = {s: len({iv["batch"] for iv in Q.read_jsonl(self.cfg.out / "stages" / f"{s}.busy.jsonl")}) for s in ("rollout", "teacher")}
+        updates = len({e["batch"] for e in Q.read_jsonl(self.cfg.out / Q.LEDGER)})
+        if updates > self.updates:
+            self.pbar.update(updates - self.updates)
+            self.updates = updates
+        detail(f"batches sampled {done['rollout']}, scored {done['teacher']}")
+
+
+def _run_local(cfg: AsyncConfig, watch: _Watch) -> None:
     logs = cfg.out / "stages"
     logs.mkdir(parents=True, exist_ok=True)
     threads = stage_threads(cfg)
@@ -106,6 +132,7 @@ def _run_local(cfg: AsyncConfig) -> None:
                                   f"(log: {logs / f'{name}.log'})")
             if codes["learner"] == 0 and all(c is not None for c in codes.values()):
                 return
+            watch.poll()
             time.sleep(0.1)
     finally:
         for p in procs.values():
@@ -120,7 +147,7 @@ def _run_local(cfg: AsyncConfig) -> None:
             log.close()
 
 
-def _run_ray(cfg: AsyncConfig) -> None:
+def _run_ray(cfg: AsyncConfig, watch: _Watch) -> None:
     """Each stage as one Ray task with its own engine and GPUs; they share only the cache (and the run directory,
     which must be on a filesystem every node sees: the learner writes it, the stages log their busy intervals there)."""
     try:
@@ -157,7 +184,10 @@ def _run_ray(cfg: AsyncConfig) -> None:
     pending = dict(refs)
     try:
         while pending:
-            done, _ = ray.wait(list(pending.values()), num_returns=1)
+            done, _ = ray.wait(list(pending.values()), num_returns=1, timeout=1.0)
+            watch.poll()
+            if not done:
+                continue
             name = next(n for n, r in pending.items() if r == done[0])
             del pending[name]
             try:
@@ -286,7 +316,8 @@ def _run_owned(cfg: AsyncConfig) -> dict:
         attempts = Q.read_jsonl(cfg.out / ATTEMPTS)
         with open(cfg.out / ATTEMPTS, "a") as f:  # this attempt's start: its figures count only what happened after it
             f.write(json.dumps({"attempt": len(attempts) + 1, "start": time.time()}) + "\n")
-        (_run_ray if cfg.executor == "ray" else _run_local)(cfg)
+        with bar(total=cfg.steps, desc="async", unit="update", enabled=cfg.progress, track=True) as pbar:
+            (_run_ray if cfg.executor == "ray" else _run_local)(cfg, _Watch(cfg, pbar))
     manifest = finalize(cfg)
     return {"out": str(cfg.out), "cache": cfg.cache_root, "async": manifest["tables"]["rollouts"].get("async"),
             "figures": figures(cfg), "resumed_finished": done}
