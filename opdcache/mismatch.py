@@ -299,31 +299,48 @@ def crossed(rep: dict, t: Thresholds) -> list[str]:
     return out
 
 
+WIDTH = 80  # the report's columns: a terminal's, whatever the number of comparisons
+
+
 def render(rep: dict) -> str:
+    """The report as text within WIDTH columns: one column per comparison (up to three a block), one row per figure;
+    then per comparison its description, worst sequences and error tokens, wrapped."""
+    import textwrap
+
     qs = [str(q) for q in QUANTILES]
-    head = f"{'comparison':<34} {'tokens':>9} {'mean|d|':>9} {'max|d|':>9} " + " ".join(f"{'p' + format(float(q) * 100, 'g'):>9}" for q in qs) + \
-        f" {'flips':>8} {'K1':>10} {'K3':>9}"
-    lines = [head]
+    rows = [("tokens", lambda f: f"{f['tokens']:,}"), ("mean |delta|", lambda f: f"{f['mean_abs_delta']:.2e}"),
+            ("max |delta|", lambda f: f"{f['max_abs_delta']:.2e}")]
+    rows += [(f"p{format(float(q) * 100, 'g')} |delta|", lambda f, q=q: f"{f['abs_delta_quantiles'][q]:.2e}") for q in qs]
+    rows += [("argmax flips", lambda f: "n/a" if f["argmax_flip_fraction"] is None else f"{f['argmax_flip_fraction']:.2%}"),
+             ("K1", lambda f: f"{f['k1']:.2e}"), ("K3", lambda f: f"{f['k3']:.2e}")]
+    names = list(rep["sections"])
+    lines = []
+    for start in range(0, len(names), 3):
+        block = names[start: start + 3]
+        lines.append(f"{'':<17}" + "".join(f"{n[:20]:>21}" for n in block))
+        for label, cell in rows:
+            lines.append(f"{label:<17}" + "".join(f"{cell(rep['sections'][n]):>21}" for n in block))
+        lines.append("")
+    wrap = lambda text, indent: textwrap.fill(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ")  # noqa: E731
     for name, f in rep["sections"].items():
-        flips = "n/a" if f["argmax_flip_fraction"] is None else f"{f['argmax_flip_fraction']:.2%}"
-        lines.append(f"{name[:34]:<34} {f['tokens']:>9,} {f['mean_abs_delta']:>9.2e} {f['max_abs_delta']:>9.2e} "
-                     + " ".join(f"{f['abs_delta_quantiles'][q]:>9.2e}" for q in qs) + f" {flips:>8} {f['k1']:>10.2e} {f['k3']:>9.2e}")
-    for name, f in rep["sections"].items():
-        lines.append(f"\n{name}: {f['description']}")
+        lines.append(wrap(f"{name}: {f['description']}", ""))
         if f["argmax_flip_fraction"] is None:
-            lines.append("  argmax flips: n/a (needs the rollout engine's --ref-top-k, or both teachers' top-k stores)")
+            lines.append(wrap("argmax flips: n/a (needs the rollout engine's --ref-top-k, or both teachers' top-k stores)", "  "))
         lines.append("  worst sequences (largest |delta|; the token is in [[ ]]):")
         for w in f["worst_sequences"]:
             text = w.get("text", "").replace("\n", "\\n")
-            lines.append(f"    {w['id']}  |d| {w['max_abs_delta']:.3e} at token {w['position']} (id {w['token_id']})  {text[:120]}")
+            lines.append(f"    {w['id']}  |d| {w['max_abs_delta']:.3e} at token {w['position']} (id {w['token_id']})")
+            lines.append(f"      {text[:WIDTH - 6]}")
         if "error_tokens" in f:
             e = f["error_tokens"]
-            lines.append(f"  error tokens (papers/004): {e['tokens']:,} tokens ({e['token_share']:.3%}), {e['sequences']:,} error sequences "
-                         f"({e['sequence_share']:.1%}); rule: {e['rule']}")
+            lines.append(wrap(f"error tokens (papers/004): {e['tokens']:,} tokens ({e['token_share']:.3%}), {e['sequences']:,} error "
+                              f"sequences ({e['sequence_share']:.1%}); rule: {e['rule']}", "  "))
             for w in e["worst"]:
                 text = w.get("text", "").replace("\n", "\\n")
-                lines.append(f"    {w['id']}  {w['error_tokens']} error tokens of {w['tokens']}  {text[:160]}")
-    return "\n".join(lines)
+                lines.append(f"    {w['id']}  {w['error_tokens']} error tokens of {w['tokens']}")
+                lines.append(f"      {text[:WIDTH - 6]}")
+        lines.append("")
+    return "\n".join(lines).rstrip()
 
 
 def histogram_png(sections: list[Section], path: str | Path) -> Path:
