@@ -37,7 +37,7 @@ DETAIL_EVERY = 1.0  # seconds between two refreshes of a terminal bar's detail
 
 
 def detail(text: str) -> None:
-    """Say where the running stage is inside one unit of its count (e.g. "batch 1/4: token 37/128"), shown beside the
+    """Say where the running stage is inside one unit of its count (the engines say "decoding 64 sequences: token 37/128"), shown beside the
     count: on a terminal at most once a second, as plain lines at the reporter's interval (a no-op when none is open)."""
     current = _current.get()
     if current is None:
@@ -71,7 +71,7 @@ class _Lines:
     def __init__(self, total: int | None, desc: str, unit: str, interval: float):
         self.total, self.desc, self.unit, self.interval = total, desc, unit, interval
         self.n, self.postfix, self.where, self.start = 0, "", "", time.monotonic()
-        self.last = self.start
+        self.last, self.printed = self.start, None  # printed: the (count, postfix) of the last line, None before the first
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -84,7 +84,7 @@ class _Lines:
 
     def _maybe_print(self) -> None:
         now = time.monotonic()
-        if not hasattr(self, "printed") or now - self.last >= self.interval:  # the first report at once
+        if self.printed is None or now - self.last >= self.interval:  # the first report at once
             self.last = now
             self._print()
 
@@ -101,7 +101,7 @@ class _Lines:
         print(f"{self.desc}: {done} {self.unit}{extra}, {time.monotonic() - self.start:.0f} s", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if getattr(self, "printed", None) != (self.n, self.postfix):  # the final state, once
+        if self.printed != (self.n, self.postfix):  # the final state, once
             self._print()
 
 
