@@ -4,8 +4,10 @@ Shape (the issue's): vocabulary 151,936, hidden 1,024 (student and teacher), 2,0
 Work: one forward + backward of the mean per-token forward KL(p_teacher || q_student) with respect to the
 student's hidden states and head, and again with respect to the hidden states only (the head's [V, H] gradient
 reported apart). Sides: ``kl_div`` is the baseline (the teacher's log-probs under no_grad, the student's
-log_softmax, torch's kl_div: what a competent user writes), ``chunked`` is opdcache, ``naive`` (both sides'
-log_softmax under autograd) is there for reference. benchmarks/harness.py runs them interleaved over rounds, each
+log_softmax, torch's kl_div: what a competent user writes); ``uniform`` is opdcache as the trainer calls it (a
+mean over tokens, so the gradient is computed in the forward: 4 head matmuls); ``chunked`` is opdcache's
+per-position path (any reduction; the backward recomputes the logits: 6 head matmuls); ``naive`` (both sides'
+log_softmax under autograd) is there for reference with ``--naive``. benchmarks/harness.py runs them interleaved over rounds, each
 run a fresh process, and reports wall and CPU seconds and peak anonymous RSS above the inputs. Each run is one cold
 step (no warm-up step inside the process: a freed block the allocator keeps would hide the next step's peak).
 
@@ -65,7 +67,8 @@ def step(st: dict) -> None:
     """One forward + backward of the mean per-token divergence, the side's way."""
     from opdcache.divergence import chunked_divergence
 
-    fn = {"naive": naive, "kl_div": kl_div_baseline, "chunked": chunked_divergence}[st["variant"]]
+    fn = {"naive": naive, "kl_div": kl_div_baseline, "chunked": chunked_divergence,
+          "uniform": lambda *a: chunked_divergence(*a, uniform=True)}[st["variant"]]
     fn(st["kind"], st["hs"], st["Ws"], st["ht"], st["Wt"]).float().mean().backward()
     torch.cuda.synchronize() if st["hs"].is_cuda else None
 
@@ -109,6 +112,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--no-head-grad", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--naive", action="store_true", help="also run the naive reference side (slow, and far from the others)")
     parser.add_argument("--devices", nargs="+", default=["cpu"], help="where to run: cpu (float32, on the harness), cuda (bfloat16, where available)")
     args = parser.parse_args()
     if args.variant:
@@ -120,10 +124,14 @@ def main() -> None:
 
         for head_grad in (True, False):  # the head's gradient ([V, H]) is most of the work and memory: reported apart
             common = {"N": args.tokens, "V": args.vocab, "H": args.hidden, "kind": args.kind, "head_grad": head_grad}
-            sides = [Side("chunked (opdcache)", "step", "setup", common | {"variant": "chunked"}, note="opdcache.divergence.chunked_divergence"),
+            sides = [Side("opdcache, uniform (trainer)", "step", "setup", common | {"variant": "uniform"},
+                          note="chunked_divergence(uniform=True): the trainer's mean over tokens, gradient computed in the forward"),
                      Side("kl_div, teacher no_grad", "step", "setup", common | {"variant": "kl_div"}, baseline=True,
                           note="the competent baseline: teacher log_softmax under no_grad, student log_softmax, torch kl_div"),
-                     Side("naive", "step", "setup", common | {"variant": "naive"}, note="both log_softmax under autograd (reference)")]
+                     Side("opdcache, per position", "step", "setup", common | {"variant": "chunked"},
+                          note="chunked_divergence: any reduction, the backward recomputes each vocabulary slice")]
+            if args.naive:
+                sides.append(Side("naive", "step", "setup", common | {"variant": "naive"}, note="both log_softmax under autograd (reference)"))
             grads = "hidden+head" if head_grad else "hidden only"
             result = compare(f"{args.kind} forward+backward ({grads}), {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}, "
                              "float32 CPU", sides, __file__, rounds=args.rounds,
@@ -134,7 +142,7 @@ def main() -> None:
         print(f"{args.kind}: {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}; forward + backward, cuda bfloat16\n")
         for head_grad in (True, False):
             res = {}
-            for v in ("naive", "kl_div", "chunked"):
+            for v in ("naive", "kl_div", "chunked", "uniform"):
                 out = subprocess.run([sys.executable, __file__, "--variant", v, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
                                       "--hidden", str(args.hidden), "--kind", args.kind, "--device", "cuda", "--dtype", "bfloat16",
                                       "--repeats", str(args.repeats)] + ([] if head_grad else ["--no-head-grad"]), capture_output=True, text=True)

@@ -11,8 +11,18 @@ With q = softmax(z_s) (student), p = softmax(z_t) (teacher), m = (p + q) / 2, pe
 * ``rkl``: KL(q || p) = sum_v q_v (log q_v - log p_v);     d/dz_s = q * (log q - log p - KL(q || p))
 * ``jsd``: (KL(p || m) + KL(q || m)) / 2;                   d/dz_s = q * (g - sum_u q_u g_u), g = log(q / m) / 2
 
-Forward: FKL and RKL in one online pass (running maxima, rescaled accumulators); JSD in two (log-partitions
-first, then the mixture terms, which need them). Backward: one pass recomputing each slice. Values and gradients match :func:`divergence_reference` (naive float64) -- see the parity tests.
+Two ways through the head, the same values and gradients (:func:`divergence_reference`, naive float64, in the
+parity tests):
+
+* **per position** (the default): the forward streams vocabulary slices of width ``chunk`` -- FKL and RKL in one
+  online pass (running maxima, rescaled accumulators), JSD in two (log-partitions first, then the mixture terms) --
+  and the backward recomputes each slice: 6 head matmuls for both sides, whatever weights the caller's reduction
+  gives each position.
+* **uniform** (``uniform=True``, the trainer's mean over tokens): the caller promises one weight for every position,
+  so the gradient is known up to that scalar at forward time (Liger's fused-linear trick). Position blocks of
+  ``rows = BLOCK_BYTES // (4 V)`` hold whole vocabulary rows, so one pass gives the log-partitions, the value and
+  dz; grad h and grad W are accumulated then, and the backward only scales them: 4 head matmuls. A backward whose
+  weights are not uniform after all still gets the exact gradient, recomputed the same way.
 """
 
 from __future__ import annotations
@@ -152,14 +162,148 @@ class _ChunkedDivergence(torch.autograd.Function):
                 None if grad_b is None else grad_b.to(Ws.dtype), None, None, None, None, None)
 
 
+def _row_block_rows(V: int) -> int:
+    """Positions per whole-vocabulary block: one [rows, V] float32 slice stays under BLOCK_BYTES."""
+    from opdcache.logprobs import BLOCK_BYTES
+
+    return max(1, BLOCK_BYTES // (4 * V))
+
+
+INNER_CHUNK = 2048  # vocabulary columns per matmul inside a whole-row block: a [rows, V] matmul in one call packs all of
+# W and ran at 58-87 GFLOP/s on 2 CPU cores where 2,048-column pieces ran at 102-144 (110 rows, hidden 1,024)
+
+
+def _row_logits_(out: torch.Tensor, h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """[R, V] logits of whole vocabulary rows into ``out``, the matmul in pieces of INNER_CHUNK columns."""
+    for a in range(0, W.shape[0], INNER_CHUNK):
+        c = slice(a, a + INNER_CHUNK)
+        if out.dtype == h.dtype:
+            torch.mm(h, W[c].T.to(h.dtype), out=out[:, c])
+        else:
+            out[:, c] = h @ W[c].T.to(h.dtype)
+    if b is not None:
+        out += b.to(out.dtype)
+    return out
+
+
+def _log_softmax_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """log softmax over whole vocabulary rows, in place (``tmp``: a scratch block of z's shape)."""
+    z.sub_(z.amax(-1, keepdim=True))
+    return z.sub_(torch.exp(z, out=tmp).sum(-1, keepdim=True).log_())
+
+
+def _value_and_dz_(kind: str, lq: torch.Tensor, lp: torch.Tensor, tmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(divergence [R], d divergence / d z_s [R, V]) of whole rows of log q and log p; all three blocks are
+    overwritten and dz is one of them (no block is allocated for fkl and rkl)."""
+    if kind == "fkl":  # sum p (log p - log q); dz = q - p
+        p = torch.exp(lp, out=tmp)
+        div = lp.sub_(lq).mul_(p).sum(-1)
+        return div, lq.exp_().sub_(p)
+    q = torch.exp(lq, out=tmp)
+    if kind == "rkl":  # sum q (log q - log p); dz = q (log q - log p - KL)
+        d = lq.sub_(lp)
+        div = torch.mul(d, q, out=lp).sum(-1)
+        return div, d.sub_(div[:, None]).mul_(q)
+    p = lp.exp()
+    lm = _mixture_log(lq, lp)  # jsd: g = log(q / m) / 2; dz = q (g - E_q g)
+    div = 0.5 * ((p * (lp - lm)).sum(-1) + (q * (lq - lm)).sum(-1))
+    g = lq.sub_(lm).mul_(0.5)
+    return div, g.sub_((q * g).sum(-1, keepdim=True)).mul_(q)
+
+
+def _row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[bool, bool, bool]):
+    """(divergence [N], grad h, grad W, grad b) from whole-vocabulary position blocks, each position's dz scaled by
+    ``weights_N`` (None: 1). The logit matmuls in the model's matmul dtype, everything after them in float32 at
+    least; the gradient matmuls in the matmul dtype, accumulated in float32 (as the per-position backward does).
+    Three [R, V] blocks are allocated once and reused: a fresh 64 MiB block per step costs its page faults again."""
+    dtype = torch.float64 if hs.dtype == torch.float64 else torch.float32
+    mm = matmul_dtype(hs)
+    hs_, ht_ = hs.to(mm), ht.to(mm)
+    N, V = hs.shape[0], Ws.shape[0]
+    R = min(_row_block_rows(V), max(N, 1))
+    div = torch.zeros(N, dtype=dtype, device=hs.device)
+    # grad h and grad W are written by their first piece (beta = 0), not zero-filled first
+    grad_h = torch.empty(hs.shape, dtype=dtype, device=hs.device) if needs[0] else None
+    grad_W = torch.empty(Ws.shape, dtype=dtype, device=Ws.device) if needs[1] else None
+    grad_b = torch.zeros(V, dtype=dtype, device=Ws.device) if needs[2] and bs is not None else None
+    Ws_mm = Ws.to(mm) if grad_h is not None else None
+    zs, zt, tmp = (torch.empty(R, V, dtype=dtype, device=hs.device) for _ in range(3))
+    for a in range(0, N, R):
+        r = slice(a, min(a + R, N))
+        n = r.stop - r.start
+        lq = _log_softmax_(_row_logits_(zs[:n], hs_[r], Ws, bs), tmp[:n])  # [n, V]
+        lp = _log_softmax_(_row_logits_(zt[:n], ht_[r], Wt, bt), tmp[:n])
+        div[r], dz = _value_and_dz_(kind, lq, lp, tmp[:n])
+        if weights_N is not None:
+            dz.mul_(weights_N[r, None].to(dtype))
+        if grad_b is not None:
+            grad_b += dz.sum(0)
+        dzm = dz.to(mm)
+        for c0 in range(0, V, INNER_CHUNK):  # the gradient matmuls in pieces too (same measurement)
+            c = slice(c0, c0 + INNER_CHUNK)
+            if grad_h is not None:
+                _accumulate(grad_h[r], dzm[:, c], Ws_mm[c], first=c0 == 0)
+            if grad_W is not None:
+                _accumulate(grad_W[c], dzm[:, c].T, hs_[r], first=a == 0)
+    if N == 0:  # no block wrote them
+        grad_h, grad_W = (None if t is None else t.zero_() for t in (grad_h, grad_W))
+    return div, grad_h, grad_W, grad_b
+
+
+def _accumulate(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, first: bool) -> None:
+    """out (+)= x @ y, in place where the dtypes allow; ``first`` overwrites (out may hold garbage then)."""
+    if out.dtype == x.dtype:
+        out.addmm_(x, y, beta=0 if first else 1)
+    elif first:
+        out.copy_(x @ y)
+    else:
+        out += x @ y
+
+
+class _UniformDivergence(torch.autograd.Function):
+    """Per-position divergences whose gradient is computed in the forward for a uniform reduction (see the module
+    docstring); the backward scales it, or recomputes it when the weights it receives are not uniform."""
+
+    @staticmethod
+    def forward(ctx, hs, Ws, bs, ht, Wt, bt, kind: str, grad_enabled: bool):
+        needs = tuple(ctx.needs_input_grad[:3]) if grad_enabled else (False, False, False)
+        div, grad_h, grad_W, grad_b = _row_pass(kind, hs, Ws, bs, ht, Wt, bt, None, needs)
+        empty = torch.empty(0)
+        ctx.save_for_backward(*(empty if t is None else t for t in (hs, Ws, bs, ht, Wt, bt, grad_h, grad_W, grad_b)))
+        ctx.kind, ctx.present = kind, [t is not None for t in (hs, Ws, bs, ht, Wt, bt, grad_h, grad_W, grad_b)]
+        return div.to(hs.dtype)
+
+    @staticmethod
+    def backward(ctx, g_N):
+        hs, Ws, bs, ht, Wt, bt, grad_h, grad_W, grad_b = (t if ok else None for t, ok in zip(ctx.saved_tensors, ctx.present))
+        if g_N.numel() and bool((g_N == g_N[0]).all()):
+            scale = g_N[0]
+        else:  # the reduction was not uniform after all: the exact gradient for these weights, recomputed
+            scale = None
+            _, grad_h, grad_W, grad_b = _row_pass(ctx.kind, hs, Ws, bs, ht, Wt, bt, g_N, tuple(ctx.needs_input_grad[:3]))
+
+        def out(grad, like):
+            if grad is None:
+                return None
+            grad = grad if scale is None else grad.mul_(scale.to(grad.dtype))
+            return grad.to(like.dtype)
+
+        return out(grad_h, hs), out(grad_W, Ws), out(grad_b, Ws), None, None, None, None, None
+
+
 def chunked_divergence(kind: str, student_hidden_NH: torch.Tensor, student_weight_VH: torch.Tensor, teacher_hidden_NK: torch.Tensor,
                        teacher_weight_VK: torch.Tensor, student_bias_V: torch.Tensor | None = None,
-                       teacher_bias_V: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+                       teacher_bias_V: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK, uniform: bool = False) -> torch.Tensor:
     """Per-position divergence [N] between student and teacher distributions over the full vocabulary.
 
     Differentiable with respect to the student hidden states, head weight and bias; the teacher is fixed.
     ``chunk`` is the vocabulary slice width; positions go in blocks of opdcache.logprobs.row_blocks, so transient
     memory is a few [rows, chunk] blocks whatever N and V.
+
+    ``uniform=True``: the caller reduces the result with one weight for every position (a mean or a sum over
+    tokens), so the gradient is computed in the forward, 4 head matmuls instead of 6 (module docstring). Memory: a
+    few [BLOCK_BYTES // (4 V), V] float32 blocks (about 64 MiB each), and the gradients grad h [N, H] and grad W
+    [V, H], which the backward would allocate anyway, held from the forward on. ``chunk`` is not used then.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -171,6 +315,9 @@ def chunked_divergence(kind: str, student_hidden_NH: torch.Tensor, student_weigh
 
     check_chunk(chunk)
     tb = None if teacher_bias_V is None else teacher_bias_V.detach()
+    if uniform:
+        return _UniformDivergence.apply(student_hidden_NH, student_weight_VH, student_bias_V, teacher_hidden_NK.detach(),
+                                        teacher_weight_VK.detach(), tb, kind, torch.is_grad_enabled())
     parts = [_ChunkedDivergence.apply(student_hidden_NH[r], student_weight_VH, student_bias_V, teacher_hidden_NK[r].detach(),
                                       teacher_weight_VK.detach(), tb, kind, chunk) for r in row_blocks(student_hidden_NH.shape[0], chunk)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)

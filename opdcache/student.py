@@ -46,8 +46,9 @@ class StudentForward(torch.nn.Module):
             self.exact = ExactDecoder(model, exact_dtype)
 
     def forward(self, input_ids_BL, attention_mask_BL, logit_positions_BT, select_BT, ids_NK, divergence: str | None = None,
-                teacher_hidden_NK=None, teacher_weight=None, teacher_bias=None):
-        """(log-probs [N, K] at ``ids_NK``, log-partition [N], divergence [N] or None) for the N selected tokens."""
+                teacher_hidden_NK=None, teacher_weight=None, teacher_bias=None, uniform: bool = False):
+        """(log-probs [N, K] at ``ids_NK``, log-partition [N], divergence [N] or None) for the N selected tokens.
+        ``uniform``: the caller reduces the divergence with one weight per token (opdcache.divergence's fast path)."""
         base = getattr(self.model, self.model.base_model_prefix)
         if self.exact is not None:  # right-padded rows (opdcache/data.py): the exact forward needs no mask
             with torch.autocast(input_ids_BL.device.type, enabled=False):
@@ -78,7 +79,8 @@ class StudentForward(torch.nn.Module):
                 raise ConfigError("the full-vocabulary losses do not support models with logit scaling or soft-capping yet; use lightning")
             from opdcache.divergence import chunked_divergence
 
-            div_N = chunked_divergence(divergence, h_NH, head.weight, teacher_hidden_NK, teacher_weight, bias, teacher_bias, chunk=self.chunk)
+            div_N = chunked_divergence(divergence, h_NH, head.weight, teacher_hidden_NK, teacher_weight, bias, teacher_bias, chunk=self.chunk,
+                                       uniform=uniform)
         return lp_NK, lse_N, div_N
 
 

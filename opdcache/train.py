@@ -117,7 +117,10 @@ class Trainer:
         full = cfg.loss.replace("full-", "") if cfg.loss in L.FULL_VOCABULARY else None
         inputs = (batch["input_ids"], batch["attention_mask"], batch["logit_positions"], sel)
         with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
-            lp_NK, _, div_N = self.forward(*inputs, ids_NK, full, batch["teacher_hidden"][sel] if full else None, self.teacher_w, self.teacher_b)
+            # without corrections every token's divergence has the same weight in the loss (L.reduce's mean), so the
+            # divergence's gradient is computed in its forward (4 head matmuls, not 6; opdcache/divergence.py)
+            lp_NK, _, div_N = self.forward(*inputs, ids_NK, full, batch["teacher_hidden"][sel] if full else None, self.teacher_w, self.teacher_b,
+                                           uniform=not cfg.corrections.active)
         lp_NK = lp_NK.float()
         s = lp_NK.new_zeros(B, T)
         s[sel] = lp_NK[:, 0]  # the student's log-prob of each sampled token, [B, T]

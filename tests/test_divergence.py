@@ -96,3 +96,70 @@ def test_under_autocast_gradients_match_the_full_logits_path(kind):
     ref.backward()
     for g, r in zip(got, (hs.grad, Ws.grad)):
         assert float((g - r).norm() / r.norm()) < 3e-2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+def test_uniform_path_matches_the_reference_and_the_per_position_path(kind, dtype, tol, monkeypatch):
+    """uniform=True (gradients computed in the forward) gives the reference's values and, for a mean over positions,
+    its gradients; blocks of 5 rows (BLOCK_BYTES shrunk) do not divide the 13 positions."""
+    import opdcache.logprobs as lpm
+
+    monkeypatch.setattr(lpm, "BLOCK_BYTES", 4 * 1003 * 5)
+    N, V, H, K = 13, 1003, 16, 12
+    hs, Ws, bs, ht, Wt = _inputs(N, V, H, K, dtype=dtype)
+    got = chunked_divergence(kind, hs, Ws, ht, Wt, bs, uniform=True)
+    (got.mean() * 3).backward()
+    grads = [t.grad.clone() for t in (hs, Ws, bs)]
+    for t in (hs, Ws, bs):
+        t.grad = None
+    ref = divergence_reference(kind, hs, Ws, ht, Wt, bs)
+    (ref.mean() * 3).backward()
+    torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
+    for a, t in zip(grads, (hs, Ws, bs)):
+        torch.testing.assert_close(a.double(), t.grad.double(), atol=tol * 10, rtol=tol * 10)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_uniform_path_recomputes_an_exact_gradient_for_weights_that_are_not_uniform(kind):
+    N, V, H, K = 7, 301, 8, 5
+    hs, Ws, bs, ht, Wt = _inputs(N, V, H, K)
+    weights = torch.rand(N, dtype=torch.float64)
+    weights[2] = 0.0
+    (chunked_divergence(kind, hs, Ws, ht, Wt, bs, uniform=True) * weights).sum().backward()
+    grads = [t.grad.clone() for t in (hs, Ws, bs)]
+    for t in (hs, Ws, bs):
+        t.grad = None
+    (divergence_reference(kind, hs, Ws, ht, Wt, bs) * weights).sum().backward()
+    for a, t in zip(grads, (hs, Ws, bs)):
+        torch.testing.assert_close(a, t.grad, atol=1e-10, rtol=1e-10)
+    assert grads[0][2].abs().max() == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_uniform_path_gradcheck(kind):
+    """gradcheck's one-hot output weights take the recomputing branch; a sum takes the scaled one (the test above)."""
+    hs, Ws, bs, ht, Wt = _inputs(5, 37, 4, 6)
+    f = lambda hs, Ws, bs: chunked_divergence(kind, hs, Ws, ht, Wt, bs, uniform=True)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (hs, Ws, bs), eps=1e-6, atol=1e-6)
+
+
+def test_uniform_path_memory_stays_per_row_block(monkeypatch):
+    """No logit block holds more than BLOCK_BYTES // (4 V) positions, and the blocks are reused; without gradients
+    none are computed; no positions give zero gradients."""
+    import opdcache.divergence as dv
+    import opdcache.logprobs as lpm
+
+    monkeypatch.setattr(lpm, "BLOCK_BYTES", 4 * 1000 * 3)
+    seen = []
+    original = dv._row_logits_
+    monkeypatch.setattr(dv, "_row_logits_", lambda out, *args: seen.append((out.shape, out.data_ptr())) or original(out, *args))
+    hs, Ws, bs, ht, Wt = _inputs(10, 1000, 8, 8)
+    chunked_divergence("fkl", hs, Ws, ht, Wt, bs, uniform=True).sum().backward()
+    assert max(shape[0] for shape, _ in seen) == 3 and len(seen) == 2 * 4  # 4 blocks of <= 3 rows, both sides, no recompute
+    assert len({ptr for _, ptr in seen}) == 2  # one block per side, reused
+    with torch.no_grad():
+        assert chunked_divergence("fkl", hs, Ws, ht, Wt, bs, uniform=True).requires_grad is False
+    Ws.grad = None
+    chunked_divergence("fkl", hs[:0], Ws, ht[:0], Wt, bs, uniform=True).sum().backward()
+    assert Ws.grad.abs().max() == 0

@@ -19,9 +19,10 @@ def _batch(trainer):
     return trainer.source.next_batch()
 
 
-@pytest.mark.parametrize("loss", ["lightning", "mc", "topk-rkl", "full-rkl"])
+@pytest.mark.parametrize("loss", ["lightning", "mc", "topk-rkl", "full-rkl", "full-fkl", "jsd"])
 def test_fused_step_equals_the_full_logits_step(hf_cache, weights, tmp_path, loss):
-    """Loss and every parameter gradient of a step equal those of a plain log_softmax over [B, T, V] logits."""
+    """Loss and every parameter gradient of a step equal those of a plain log_softmax over [B, T, V] logits (the
+    full-vocabulary losses through the divergence's uniform path, its gradient computed in the forward)."""
     trainer = Trainer(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss=loss, batch_size=6, chunk=7))
     batch = _batch(trainer)
     fused, _ = trainer.loss_and_stats(batch)
@@ -44,7 +45,10 @@ def test_fused_step_equals_the_full_logits_step(hf_cache, weights, tmp_path, los
     else:
         head = trainer.teacher_w
         t_logp = torch.log_softmax(batch["teacher_hidden"].float() @ head.T, -1)
-        terms = (logp.exp() * (logp - t_logp)).sum(-1)
+        q, p = logp.exp(), t_logp.exp()
+        lm = torch.log(0.5 * (p + q))
+        terms = {"full-rkl": q * (logp - t_logp), "full-fkl": p * (t_logp - logp),
+                 "jsd": 0.5 * (p * (t_logp - lm) + q * (logp - lm))}[loss].sum(-1)
     plain = L.reduce(terms, mask)
     plain.backward()
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
