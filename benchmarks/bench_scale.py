@@ -18,7 +18,7 @@ quarter of one float32 vocabulary row (151,936 x 4 / 4 = 152 KB), and the fused 
 below the full-logits path's at R = 1,024, at no more than 1.3x its time. Run:
 
     python benchmarks/bench_scale.py [--lengths 256 1024] [--json out.json]
-    python benchmarks/bench_scale.py --train-memory --hidden 1024 --lengths 128 512 2048   # issue 31: train memory vs length
+    python benchmarks/bench_scale.py --train-memory --hidden 1024 --layers 8 --lengths 128 512 2048   # issue 31: train memory vs length
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ PLAIN_MAX = 1024  # longest response the full-logits train step is run at ([4, R
 ROW_BUDGET = V * 4 / 4  # a quarter of one float32 vocabulary row, in bytes
 
 
-def build_models(root: Path, hidden: int | None = None) -> tuple[Path, Path]:
+def build_models(root: Path, hidden: int | None = None, layers: int = 2) -> tuple[Path, Path]:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -53,7 +53,7 @@ def build_models(root: Path, hidden: int | None = None) -> tuple[Path, Path]:
     for role, seed in (("student", 0), ("teacher", 1)):
         torch.manual_seed(seed)
         h = hidden or HIDDEN
-        cfg = Qwen3Config(vocab_size=V, hidden_size=h, intermediate_size=2 * h, num_hidden_layers=2, num_attention_heads=max(4, h // 64),
+        cfg = Qwen3Config(vocab_size=V, hidden_size=h, intermediate_size=2 * h, num_hidden_layers=layers, num_attention_heads=max(4, h // 64),
                           num_key_value_heads=max(2, h // 128), head_dim=64, max_position_embeddings=8192, tie_word_embeddings=False,
                           eos_token_id=1, pad_token_id=0, bos_token_id=None)
         model = Qwen3ForCausalLM(cfg)
@@ -112,17 +112,24 @@ def child_train(student: str, cache: str, loss: str, path: str, out: str, batch:
     batch = trainer.source.next_batch()
     from harness import PeakAnon as PeakRSS  # anonymous RSS: not the model file's page cache
 
-    peak = PeakRSS().__enter__()  # the step's own memory: peak RSS during it, minus the RSS just before it
+    # the step's own memory: peak RSS during it, minus the RSS just before it; and the forward + backward's apart
+    # (what grows with length: activations, gradients), since AdamW's first step allocates both moments, a fixed 2x
+    # the parameters that can hide the activations at short lengths
+    whole = PeakRSS().__enter__()
+    fb = PeakRSS().__enter__()
     t0 = time.perf_counter()
     if path.startswith("fused"):
         loss_value, _ = trainer.loss_and_stats(batch)
     else:  # the plain full-logits step
         loss_value = full_logits_loss(trainer, batch, loss)
     loss_value.backward()
+    fb_seconds = time.perf_counter() - t0
+    fb.__exit__(None, None, None)
     trainer.opt.step()
     seconds = time.perf_counter() - t0
-    peak.__exit__(None, None, None)
-    print(json.dumps({"seconds": seconds, "step_peak": peak.delta, "tokens": int(batch["response_mask"].sum()), "loss": float(loss_value)}))
+    whole.__exit__(None, None, None)
+    print(json.dumps({"seconds": seconds, "fb_seconds": fb_seconds, "step_peak": whole.delta, "fb_peak": fb.delta,
+                      "tokens": int(batch["response_mask"].sum()), "loss": float(loss_value)}))
 
 
 def train_memory(args) -> None:
@@ -133,7 +140,7 @@ def train_memory(args) -> None:
     HIDDEN = args.hidden
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench-train-memory-"))
     root.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, __file__, "_build", str(root), str(args.hidden)], check=True, capture_output=True)
+    subprocess.run([sys.executable, __file__, "_build", str(root), str(args.hidden), str(args.layers)], check=True, capture_output=True)
     student, teacher = root / "student", root / "teacher"
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (13 * i + 7 * j) % 5000}" for j in range(PROMPT_TOKENS))}) + "\n"
@@ -154,18 +161,25 @@ def train_memory(args) -> None:
                                   str(args.batch)], env)
                 m.update(json.loads(m.pop("stdout").strip().splitlines()[-1]))
                 rows.setdefault(f"{loss} {path}", {})[R] = m
-                print(f"R={R} {loss} {path}: step peak {m['step_peak'] / 2**20:.0f} MiB, {m['tokens']} tokens, {m['seconds']:.1f} s", flush=True)
+                print(f"R={R} {loss} {path}: forward+backward peak {m['fb_peak'] / 2**20:.0f} MiB, step peak {m['step_peak'] / 2**20:.0f} MiB, "
+                      f"{m['tokens']} tokens, {m['seconds']:.1f} s", flush=True)
     Rs = sorted(args.lengths)
-    print(f"\nthe train step's own peak (anonymous MiB) at hidden {args.hidden}, vocabulary {V:,}, batch {args.batch}, and its slope per "
+    print(f"\nthe forward + backward's own peak (anonymous MiB; AdamW's step apart) at hidden {args.hidden}, {args.layers} layers, vocabulary {V:,}, batch {args.batch}, "
+          "and its slope per "
           "response token (KiB) between lengths")
     print(f"{'step':<22}" + "".join(f"{f'R={R}':>9}" for R in Rs) + "".join(f"{f'{a}->{b}':>12}" for a, b in zip(Rs, Rs[1:])))
     summary = {}
     for name, by_r in rows.items():
-        slopes = [(by_r[b]["step_peak"] - by_r[a]["step_peak"]) / (by_r[b]["tokens"] - by_r[a]["tokens"]) for a, b in zip(Rs, Rs[1:])]
-        summary[name] = {"peak_mib": {R: by_r[R]["step_peak"] / 2**20 for R in Rs}, "slope_kib_per_token": [x / 1024 for x in slopes]}
-        print(f"{name:<22}" + "".join(f"{by_r[R]['step_peak'] / 2**20:>9.0f}" for R in Rs) + "".join(f"{x / 1024:>12.1f}" for x in slopes))
+        slopes = [(by_r[b]["fb_peak"] - by_r[a]["fb_peak"]) / (by_r[b]["tokens"] - by_r[a]["tokens"]) for a, b in zip(Rs, Rs[1:])]
+        summary[name] = {"peak_mib": {R: by_r[R]["fb_peak"] / 2**20 for R in Rs}, "step_peak_mib": {R: by_r[R]["step_peak"] / 2**20 for R in Rs},
+                         "slope_kib_per_token": [x / 1024 for x in slopes]}
+        print(f"{name:<22}" + "".join(f"{by_r[R]['fb_peak'] / 2**20:>9.0f}" for R in Rs) + "".join(f"{x / 1024:>12.1f}" for x in slopes))
     if args.json:
-        args.json.write_text(json.dumps({"hidden": args.hidden, "batch": args.batch, "rows": rows, "summary": summary}, indent=2))
+        ratio = {loss: [a / b if b > 0 else None for a, b in zip(summary[f"{loss} fused"]["slope_kib_per_token"],
+                                                                   summary[f"{loss} fused+ckpt"]["slope_kib_per_token"])]
+                 for loss in ("lightning", "full-fkl")}
+        args.json.write_text(json.dumps({"hidden": args.hidden, "layers": args.layers, "batch": args.batch, "rows": rows, "summary": summary,
+                                         "checkpointing_slope_cut": ratio}, indent=2))
 
 
 def main() -> None:
@@ -176,6 +190,7 @@ def main() -> None:
     ap.add_argument("--train-memory", action="store_true", help="only the train step's memory against length (issue 31)")
     ap.add_argument("--hidden", type=int, default=1024, help="--train-memory: the models' hidden size")
     ap.add_argument("--batch", type=int, default=2, help="--train-memory: sequences per train step")
+    ap.add_argument("--layers", type=int, default=2, help="--train-memory: decoder layers (activation checkpointing saves per layer)")
     args = ap.parse_args()
     if args.train_memory:
         train_memory(args)
@@ -238,6 +253,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_train":
         child_train(*sys.argv[2:8])
     elif len(sys.argv) > 1 and sys.argv[1] == "_build":
-        build_models(Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)
+        build_models(Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None, int(sys.argv[4]) if len(sys.argv) > 4 else 2)
     else:
         main()

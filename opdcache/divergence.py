@@ -20,8 +20,8 @@ parity tests):
   gives each position.
 * **uniform** (``uniform=True``, the trainer's mean over tokens): the caller promises one weight for every position,
   so the gradient is known up to that scalar at forward time (Liger's fused-linear trick). Position blocks of
-  ``rows = BLOCK_BYTES // (4 V)`` hold whole vocabulary rows, so one pass gives the log-partitions, the value and
-  dz; grad h and grad W are accumulated then, and the backward only scales them: 4 head matmuls. A backward whose
+  ``rows = UNIFORM_BLOCK_BYTES // (4 V)`` hold whole vocabulary rows, so one block gives the log-partitions, the
+  value and dz; grad h and grad W are accumulated then, and the backward only scales them: 4 head matmuls. A backward whose
   weights are not uniform after all still gets the exact gradient, recomputed the same way.
 """
 
@@ -162,89 +162,106 @@ class _ChunkedDivergence(torch.autograd.Function):
                 None if grad_b is None else grad_b.to(Ws.dtype), None, None, None, None, None)
 
 
-def _row_block_rows(V: int) -> int:
-    """Positions per whole-vocabulary block: one [rows, V] float32 slice stays under BLOCK_BYTES."""
-    from opdcache.logprobs import BLOCK_BYTES
-
-    return max(1, BLOCK_BYTES // (4 * V))
+UNIFORM_BLOCK_BYTES = 128 << 20  # one [rows, V] float32 block of the uniform path (two are held: student and teacher)
+INNER_CHUNK = 2048  # vocabulary columns per matmul and per elementwise piece inside a block
 
 
-INNER_CHUNK = 2048  # vocabulary columns per matmul inside a whole-row block: a [rows, V] matmul in one call packs all of
-# W and ran at 58-87 GFLOP/s on 2 CPU cores where 2,048-column pieces ran at 102-144 (110 rows, hidden 1,024)
+def _uniform_rows(V: int) -> int:
+    """Positions per whole-vocabulary block of the uniform path (220 at V = 151,936). Each block streams both heads
+    (and reads and writes grad W) once, so fewer, larger blocks move less memory: on 2 CPU cores at hidden 1,024 and
+    2,048 positions, blocks of 64 MiB took 31-41 s where 128 MiB took 29 s (kl_div: 33-36 s)."""
+    return max(1, UNIFORM_BLOCK_BYTES // (4 * V))
 
 
-def _row_logits_(out: torch.Tensor, h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """[R, V] logits of whole vocabulary rows into ``out``, the matmul in pieces of INNER_CHUNK columns."""
+def _logits_online_(out: torch.Tensor, h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out[:, c] = h W[c]^T (+ b[c]) piece by piece, each piece's online log-sum-exp taken while it is in cache;
+    returns (running max m [R], log s [R]) with lse = m + log s. A [rows, V] matmul in one call packs all of W and
+    ran at 58-87 GFLOP/s on 2 CPU cores where 2,048-column pieces ran at 100-144."""
+    m = torch.full((h.shape[0],), float("-inf"), dtype=out.dtype, device=out.device)
+    s = torch.zeros(h.shape[0], dtype=out.dtype, device=out.device)
     for a in range(0, W.shape[0], INNER_CHUNK):
         c = slice(a, a + INNER_CHUNK)
+        z = out[:, c]
         if out.dtype == h.dtype:
-            torch.mm(h, W[c].T.to(h.dtype), out=out[:, c])
+            torch.mm(h, W[c].T.to(h.dtype), out=z)
         else:
-            out[:, c] = h @ W[c].T.to(h.dtype)
-    if b is not None:
-        out += b.to(out.dtype)
-    return out
+            z.copy_(h @ W[c].T.to(h.dtype))
+        if b is not None:
+            z += b[c].to(out.dtype)
+        new = torch.maximum(m, z.amax(-1))
+        s = s * torch.exp(m - new) + torch.exp(z - new[:, None]).sum(-1)
+        m = new
+    return m, s.log()
 
 
-def _log_softmax_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """log softmax over whole vocabulary rows, in place (``tmp``: a scratch block of z's shape)."""
-    z.sub_(z.amax(-1, keepdim=True))
-    return z.sub_(torch.exp(z, out=tmp).sum(-1, keepdim=True).log_())
+def _piece_totals(kind: str, lq: torch.Tensor, lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One piece's share of the row totals: (divergence, for jsd also E_q g with g = log(q / m) / 2)."""
+    if kind == "fkl":
+        return (lp.exp() * (lp - lq)).sum(-1), None
+    q = lq.exp()
+    if kind == "rkl":
+        return (q * (lq - lp)).sum(-1), None
+    lm = _mixture_log(lq, lp)
+    kl_qm = (q * (lq - lm)).sum(-1)
+    return 0.5 * ((lp.exp() * (lp - lm)).sum(-1) + kl_qm), 0.5 * kl_qm
 
 
-def _value_and_dz_(kind: str, lq: torch.Tensor, lp: torch.Tensor, tmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(divergence [R], d divergence / d z_s [R, V]) of whole rows of log q and log p; all three blocks are
-    overwritten and dz is one of them (no block is allocated for fkl and rkl)."""
-    if kind == "fkl":  # sum p (log p - log q); dz = q - p
-        p = torch.exp(lp, out=tmp)
-        div = lp.sub_(lq).mul_(p).sum(-1)
-        return div, lq.exp_().sub_(p)
-    q = torch.exp(lq, out=tmp)
-    if kind == "rkl":  # sum q (log q - log p); dz = q (log q - log p - KL)
-        d = lq.sub_(lp)
-        div = torch.mul(d, q, out=lp).sum(-1)
-        return div, d.sub_(div[:, None]).mul_(q)
-    p = lp.exp()
-    lm = _mixture_log(lq, lp)  # jsd: g = log(q / m) / 2; dz = q (g - E_q g)
-    div = 0.5 * ((p * (lp - lm)).sum(-1) + (q * (lq - lm)).sum(-1))
-    g = lq.sub_(lm).mul_(0.5)
-    return div, g.sub_((q * g).sum(-1, keepdim=True)).mul_(q)
+def _piece_dz(kind: str, lq: torch.Tensor, lp: torch.Tensor, div: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+    """d divergence / d z_s on one piece (the module docstring's formulas), given its rows' totals."""
+    if kind == "fkl":
+        return lq.exp() - lp.exp()
+    q = lq.exp()
+    if kind == "rkl":
+        return q * (lq - lp - div[:, None])
+    return q * (0.5 * (lq - _mixture_log(lq, lp)) - aux[:, None])
 
 
 def _row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[bool, bool, bool]):
     """(divergence [N], grad h, grad W, grad b) from whole-vocabulary position blocks, each position's dz scaled by
-    ``weights_N`` (None: 1). The logit matmuls in the model's matmul dtype, everything after them in float32 at
-    least; the gradient matmuls in the matmul dtype, accumulated in float32 (as the per-position backward does).
-    Three [R, V] blocks are allocated once and reused: a fresh 64 MiB block per step costs its page faults again."""
+    ``weights_N`` (None: 1). Per block, three sweeps over INNER_CHUNK-column pieces: the logits with their online
+    log-sum-exp; the log-probs (in place) with the row totals; dz with the gradient matmuls. The logit matmuls in
+    the model's matmul dtype, everything after them in float32 at least; the gradient matmuls in the matmul dtype,
+    accumulated in float32 (as the per-position backward does). The two [R, V] blocks are allocated once."""
     dtype = torch.float64 if hs.dtype == torch.float64 else torch.float32
     mm = matmul_dtype(hs)
     hs_, ht_ = hs.to(mm), ht.to(mm)
     N, V = hs.shape[0], Ws.shape[0]
-    R = min(_row_block_rows(V), max(N, 1))
+    R = min(_uniform_rows(V), max(N, 1))
     div = torch.zeros(N, dtype=dtype, device=hs.device)
     # grad h and grad W are written by their first piece (beta = 0), not zero-filled first
     grad_h = torch.empty(hs.shape, dtype=dtype, device=hs.device) if needs[0] else None
     grad_W = torch.empty(Ws.shape, dtype=dtype, device=Ws.device) if needs[1] else None
     grad_b = torch.zeros(V, dtype=dtype, device=Ws.device) if needs[2] and bs is not None else None
     Ws_mm = Ws.to(mm) if grad_h is not None else None
-    zs, zt, tmp = (torch.empty(R, V, dtype=dtype, device=hs.device) for _ in range(3))
+    zs, zt = (torch.empty(R, V, dtype=dtype, device=hs.device) for _ in range(2))
+    pieces = [slice(a, a + INNER_CHUNK) for a in range(0, V, INNER_CHUNK)]
     for a in range(0, N, R):
         r = slice(a, min(a + R, N))
         n = r.stop - r.start
-        lq = _log_softmax_(_row_logits_(zs[:n], hs_[r], Ws, bs), tmp[:n])  # [n, V]
-        lp = _log_softmax_(_row_logits_(zt[:n], ht_[r], Wt, bt), tmp[:n])
-        div[r], dz = _value_and_dz_(kind, lq, lp, tmp[:n])
-        if weights_N is not None:
-            dz.mul_(weights_N[r, None].to(dtype))
-        if grad_b is not None:
-            grad_b += dz.sum(0)
-        dzm = dz.to(mm)
-        for c0 in range(0, V, INNER_CHUNK):  # the gradient matmuls in pieces too (same measurement)
-            c = slice(c0, c0 + INNER_CHUNK)
+        ms, ls = _logits_online_(zs[:n], hs_[r], Ws, bs)
+        mt, lt = _logits_online_(zt[:n], ht_[r], Wt, bt)
+        d = torch.zeros(n, dtype=dtype, device=hs.device)
+        aux = torch.zeros(n, dtype=dtype, device=hs.device) if kind == "jsd" else None
+        for c in pieces:  # log q and log p in place: (z - m) - log s
+            t, x = _piece_totals(kind, zs[:n, c].sub_(ms[:, None]).sub_(ls[:, None]), zt[:n, c].sub_(mt[:, None]).sub_(lt[:, None]))
+            d += t
+            if aux is not None:
+                aux += x
+        div[r] = d
+        if grad_h is None and grad_W is None and grad_b is None:
+            continue
+        w = None if weights_N is None else weights_N[r, None].to(dtype)
+        for i, c in enumerate(pieces):
+            dz = _piece_dz(kind, zs[:n, c], zt[:n, c], d, aux)  # [n, INNER_CHUNK]
+            if w is not None:
+                dz.mul_(w)
+            if grad_b is not None:
+                grad_b[c] += dz.sum(0)
+            dzm = dz.to(mm)
             if grad_h is not None:
-                _accumulate(grad_h[r], dzm[:, c], Ws_mm[c], first=c0 == 0)
+                _accumulate(grad_h[r], dzm, Ws_mm[c], first=i == 0)
             if grad_W is not None:
-                _accumulate(grad_W[c], dzm[:, c].T, hs_[r], first=a == 0)
+                _accumulate(grad_W[c], dzm.T, hs_[r], first=a == 0)
     if N == 0:  # no block wrote them
         grad_h, grad_W = (None if t is None else t.zero_() for t in (grad_h, grad_W))
     return div, grad_h, grad_W, grad_b
@@ -302,8 +319,9 @@ def chunked_divergence(kind: str, student_hidden_NH: torch.Tensor, student_weigh
 
     ``uniform=True``: the caller reduces the result with one weight for every position (a mean or a sum over
     tokens), so the gradient is computed in the forward, 4 head matmuls instead of 6 (module docstring). Memory: a
-    few [BLOCK_BYTES // (4 V), V] float32 blocks (about 64 MiB each), and the gradients grad h [N, H] and grad W
-    [V, H], which the backward would allocate anyway, held from the forward on. ``chunk`` is not used then.
+    two [UNIFORM_BLOCK_BYTES // (4 V), V] float32 blocks (128 MiB each) and [rows, 2,048] pieces, and the gradients
+    grad h [N, H] and grad W [V, H], which the backward would allocate anyway, held from the forward on. ``chunk``
+    is not used then.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")

@@ -78,13 +78,14 @@ def test_shape_errors_are_explained():
         chunked_divergence("kl", hs, Ws, ht, Wt)
 
 
+@pytest.mark.parametrize("uniform", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
-def test_under_autocast_gradients_match_the_full_logits_path(kind):
+def test_under_autocast_gradients_match_the_full_logits_path(kind, uniform):
     """Under bf16 autocast the chunked path runs its matmuls in bf16 in the backward too (the forward's dtype) and its
     gradients equal, to bf16 rounding, those of the plain full-logits path under the same autocast."""
     hs, Ws, bs, ht, Wt = _inputs(40, 300, 16, 12, dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        chunked_divergence(kind, hs, Ws, ht, Wt, bs, chunk=64).sum().backward()
+        chunked_divergence(kind, hs, Ws, ht, Wt, bs, chunk=64, uniform=uniform).sum().backward()
     got = (hs.grad.clone(), Ws.grad.clone())
     hs.grad = Ws.grad = bs.grad = None
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -103,9 +104,10 @@ def test_under_autocast_gradients_match_the_full_logits_path(kind):
 def test_uniform_path_matches_the_reference_and_the_per_position_path(kind, dtype, tol, monkeypatch):
     """uniform=True (gradients computed in the forward) gives the reference's values and, for a mean over positions,
     its gradients; blocks of 5 rows (BLOCK_BYTES shrunk) do not divide the 13 positions."""
-    import opdcache.logprobs as lpm
+    import opdcache.divergence as dv
 
-    monkeypatch.setattr(lpm, "BLOCK_BYTES", 4 * 1003 * 5)
+    monkeypatch.setattr(dv, "UNIFORM_BLOCK_BYTES", 4 * 1003 * 5)
+    monkeypatch.setattr(dv, "INNER_CHUNK", 64)  # 64 does not divide 1,003 either
     N, V, H, K = 13, 1003, 16, 12
     hs, Ws, bs, ht, Wt = _inputs(N, V, H, K, dtype=dtype)
     got = chunked_divergence(kind, hs, Ws, ht, Wt, bs, uniform=True)
@@ -145,15 +147,15 @@ def test_uniform_path_gradcheck(kind):
 
 
 def test_uniform_path_memory_stays_per_row_block(monkeypatch):
-    """No logit block holds more than BLOCK_BYTES // (4 V) positions, and the blocks are reused; without gradients
-    none are computed; no positions give zero gradients."""
+    """No logit block holds more than UNIFORM_BLOCK_BYTES // (4 V) positions, and the blocks are reused; without
+    gradients none are computed; no positions give zero gradients."""
     import opdcache.divergence as dv
-    import opdcache.logprobs as lpm
 
-    monkeypatch.setattr(lpm, "BLOCK_BYTES", 4 * 1000 * 3)
+    monkeypatch.setattr(dv, "UNIFORM_BLOCK_BYTES", 4 * 1000 * 3)
+    monkeypatch.setattr(dv, "INNER_CHUNK", 300)
     seen = []
-    original = dv._row_logits_
-    monkeypatch.setattr(dv, "_row_logits_", lambda out, *args: seen.append((out.shape, out.data_ptr())) or original(out, *args))
+    original = dv._logits_online_
+    monkeypatch.setattr(dv, "_logits_online_", lambda out, *args: seen.append((out.shape, out.data_ptr())) or original(out, *args))
     hs, Ws, bs, ht, Wt = _inputs(10, 1000, 8, 8)
     chunked_divergence("fkl", hs, Ws, ht, Wt, bs, uniform=True).sum().backward()
     assert max(shape[0] for shape, _ in seen) == 3 and len(seen) == 2 * 4  # 4 blocks of <= 3 rows, both sides, no recompute
