@@ -163,24 +163,29 @@ class _ChunkedDivergence(torch.autograd.Function):
 
 
 UNIFORM_BLOCK_BYTES = 128 << 20  # one [rows, V] float32 block of the uniform path (two are held: student and teacher)
-INNER_CHUNK = 2048  # vocabulary columns per matmul and per elementwise piece inside a block
+GPU_UNIFORM_BLOCK_BYTES = 1 << 30  # on a GPU: the same, larger (a kernel launch per piece would bound small blocks)
+INNER_CHUNK = 2048  # CPU: vocabulary columns per matmul and per elementwise piece inside a block
 
 
-def _uniform_rows(V: int) -> int:
-    """Positions per whole-vocabulary block of the uniform path (220 at V = 151,936). Each block streams both heads
-    (and reads and writes grad W) once, so fewer, larger blocks move less memory: on 2 CPU cores at hidden 1,024 and
-    2,048 positions, blocks of 64 MiB took 31-41 s where 128 MiB took 29 s (kl_div: 33-36 s)."""
-    return max(1, UNIFORM_BLOCK_BYTES // (4 * V))
+def _uniform_layout(V: int, device: torch.device) -> tuple[int, int]:
+    """(positions per whole-vocabulary block, columns per piece) of the uniform path. CPU: 128 MiB blocks (220
+    positions at V = 151,936) in 2,048-column pieces. Each block streams both heads (and reads and writes grad W)
+    once, so fewer, larger blocks move less memory: on 2 CPU cores at hidden 1,024 and 2,048 positions, blocks of 64
+    MiB took 31-41 s where 128 MiB took 29 s (kl_div: 33-36 s). A GPU takes 1 GiB blocks in one piece: its matmuls
+    need no packing, and 2,048-column pieces would cost a launch each (not measured here: no device was lent)."""
+    if device.type == "cuda":
+        return max(1, GPU_UNIFORM_BLOCK_BYTES // (4 * V)), V
+    return max(1, UNIFORM_BLOCK_BYTES // (4 * V)), INNER_CHUNK
 
 
-def _logits_online_(out: torch.Tensor, h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _logits_online_(out: torch.Tensor, h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, piece: int) -> tuple[torch.Tensor, torch.Tensor]:
     """out[:, c] = h W[c]^T (+ b[c]) piece by piece, each piece's online log-sum-exp taken while it is in cache;
     returns (running max m [R], log s [R]) with lse = m + log s. A [rows, V] matmul in one call packs all of W and
     ran at 58-87 GFLOP/s on 2 CPU cores where 2,048-column pieces ran at 100-144."""
     m = torch.full((h.shape[0],), float("-inf"), dtype=out.dtype, device=out.device)
     s = torch.zeros(h.shape[0], dtype=out.dtype, device=out.device)
-    for a in range(0, W.shape[0], INNER_CHUNK):
-        c = slice(a, a + INNER_CHUNK)
+    for a in range(0, W.shape[0], piece):
+        c = slice(a, a + piece)
         z = out[:, c]
         if out.dtype == h.dtype:
             torch.mm(h, W[c].T.to(h.dtype), out=z)
@@ -218,7 +223,7 @@ def _piece_dz(kind: str, lq: torch.Tensor, lp: torch.Tensor, div: torch.Tensor, 
 
 def _row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[bool, bool, bool]):
     """(divergence [N], grad h, grad W, grad b) from whole-vocabulary position blocks, each position's dz scaled by
-    ``weights_N`` (None: 1). Per block, three sweeps over INNER_CHUNK-column pieces: the logits with their online
+    ``weights_N`` (None: 1). Per block, three sweeps over pieces of columns: the logits with their online
     log-sum-exp; the log-probs (in place) with the row totals; dz with the gradient matmuls. The logit matmuls in
     the model's matmul dtype, everything after them in float32 at least; the gradient matmuls in the matmul dtype,
     accumulated in float32 (as the per-position backward does). The two [R, V] blocks are allocated once."""
@@ -226,7 +231,8 @@ def _row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[bool, b
     mm = matmul_dtype(hs)
     hs_, ht_ = hs.to(mm), ht.to(mm)
     N, V = hs.shape[0], Ws.shape[0]
-    R = min(_uniform_rows(V), max(N, 1))
+    rows, piece = _uniform_layout(V, hs.device)
+    R = min(rows, max(N, 1))
     div = torch.zeros(N, dtype=dtype, device=hs.device)
     # grad h and grad W are written by their first piece (beta = 0), not zero-filled first
     grad_h = torch.empty(hs.shape, dtype=dtype, device=hs.device) if needs[0] else None
@@ -234,12 +240,12 @@ def _row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[bool, b
     grad_b = torch.zeros(V, dtype=dtype, device=Ws.device) if needs[2] and bs is not None else None
     Ws_mm = Ws.to(mm) if grad_h is not None else None
     zs, zt = (torch.empty(R, V, dtype=dtype, device=hs.device) for _ in range(2))
-    pieces = [slice(a, a + INNER_CHUNK) for a in range(0, V, INNER_CHUNK)]
+    pieces = [slice(a, a + piece) for a in range(0, V, piece)]
     for a in range(0, N, R):
         r = slice(a, min(a + R, N))
         n = r.stop - r.start
-        ms, ls = _logits_online_(zs[:n], hs_[r], Ws, bs)
-        mt, lt = _logits_online_(zt[:n], ht_[r], Wt, bt)
+        ms, ls = _logits_online_(zs[:n], hs_[r], Ws, bs, piece)
+        mt, lt = _logits_online_(zt[:n], ht_[r], Wt, bt, piece)
         d = torch.zeros(n, dtype=dtype, device=hs.device)
         aux = torch.zeros(n, dtype=dtype, device=hs.device) if kind == "jsd" else None
         for c in pieces:  # log q and log p in place: (z - m) - log s
@@ -252,7 +258,7 @@ def _row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[bool, b
             continue
         w = None if weights_N is None else weights_N[r, None].to(dtype)
         for i, c in enumerate(pieces):
-            dz = _piece_dz(kind, zs[:n, c], zt[:n, c], d, aux)  # [n, INNER_CHUNK]
+            dz = _piece_dz(kind, zs[:n, c], zt[:n, c], d, aux)  # [n, piece]
             if w is not None:
                 dz.mul_(w)
             if grad_b is not None:
@@ -319,7 +325,7 @@ def chunked_divergence(kind: str, student_hidden_NH: torch.Tensor, student_weigh
 
     ``uniform=True``: the caller reduces the result with one weight for every position (a mean or a sum over
     tokens), so the gradient is computed in the forward, 4 head matmuls instead of 6 (module docstring). Memory: a
-    two [UNIFORM_BLOCK_BYTES // (4 V), V] float32 blocks (128 MiB each) and [rows, 2,048] pieces, and the gradients
+    two [UNIFORM_BLOCK_BYTES // (4 V), V] float32 blocks (128 MiB each; 1 GiB on a GPU) and [rows, 2,048] pieces, and the gradients
     grad h [N, H] and grad W [V, H], which the backward would allocate anyway, held from the forward on. ``chunk``
     is not used then.
     """

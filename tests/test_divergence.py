@@ -165,3 +165,12 @@ def test_uniform_path_memory_stays_per_row_block(monkeypatch):
     Ws.grad = None
     chunked_divergence("fkl", hs[:0], Ws, ht[:0], Wt, bs, uniform=True).sum().backward()
     assert Ws.grad.abs().max() == 0
+
+
+def test_uniform_path_layout_per_device():
+    """CPU: 128 MiB blocks in 2,048-column pieces; a GPU: 1 GiB blocks in one piece (no device needed to check it)."""
+    import opdcache.divergence as dv
+
+    assert dv._uniform_layout(151_936, torch.device("cpu")) == (220, 2048)
+    assert dv._uniform_layout(151_936, torch.device("cuda")) == ((1 << 30) // (4 * 151_936), 151_936)
+    assert dv._uniform_layout(10**9, torch.device("cpu"))[0] == 1  # a vocabulary larger than a block: one row a block
