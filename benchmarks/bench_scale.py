@@ -99,8 +99,9 @@ def full_logits_loss(trainer, batch: dict, loss: str):
 
 
 def child_train(student: str, cache: str, loss: str, path: str, out: str, batch: str = str(TRAIN_BATCH)) -> None:
-    """One train step in this process (nothing before it but loading): print JSON {seconds, step_peak (bytes of
-    anonymous memory above the level before the step), tokens, loss}. ``path``: fused, fused+ckpt (activation
+    """One train step in this process (nothing before it but loading): print JSON {seconds, fb_seconds, step_peak and
+    fb_peak (bytes of anonymous memory above the level before the step, over the whole step and over its forward +
+    backward alone), tokens (response tokens of the batch), loss}. ``path``: fused, fused+ckpt (activation
     checkpointing) or plain."""
     import torch
 

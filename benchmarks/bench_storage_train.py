@@ -15,8 +15,10 @@ supports, every other setting equal (seed, steps, batch, learning rate):
   the svd store (the divergence kernel takes either; the trainer's batch source does not yet).
 
 Each trained student is then measured, in its served precision (w4a16), against the teacher on held-out rollouts
-(other prompts, sampled by pi_ref): the mean full-vocabulary KL(teacher || student) per response position in
-float64, beside pi_ref's before training. Each store's bytes per response token are those on disk
+(other prompts, sampled by pi_ref): the mean full-vocabulary KL(teacher || student) per response position, both
+distributions at temperature 1, summed in float64, with its standard error over positions, beside pi_ref's before
+training. One measurement per store (no two sides timed, so no harness rounds); the train times in the JSON are one
+run each, on whatever load the machine had. Each store's bytes per response token are those on disk
 (``opdcache info``'s figure). Every command runs as a user would run it (the CLI, one process each).
 
     python benchmarks/bench_storage_train.py [--steps 16 --batch-size 8 --lr 2e-5]   # ~25 min on 2 cores
