@@ -8,7 +8,8 @@ Usable on its own with any trainer::
     state = loader.state_dict()     # resume mid-epoch exactly: loader.load_state_dict(state)
 
 Order: each epoch shuffles the shard order and the rows inside each shard from (seed, epoch), and
-concatenates them, so consecutive rows come from one shard (one shard is decoded at a time). Rank r of
+concatenates them, so consecutive rows come from one shard (one shard in use at a time; with ``prefetch``
+the next one is read, checked and decoded in a background thread meanwhile). Rank r of
 a world of size W takes every W-th row of that sequence; the rank's rows are cut into batches and batch i
 goes to loader worker i % num_workers, so every row is read exactly once per epoch across ranks and
 workers, and the DataLoader yields batches in a fixed order that a saved count can skip to.
@@ -17,6 +18,7 @@ workers, and the DataLoader yields batches in a fixed order that a saved count c
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,8 +62,11 @@ class CacheLoaderConfig:
     """Refuse token ids outside [0, vocab_size) (the model's vocabulary: Trainer sets it; default the manifest's)."""
     keep_decoded_bytes: int = 1 << 30
     """Decoded shards kept across epochs, up to this many bytes per process (0: none): a cache that fits is read,
-    hashed, checked and decoded once, and every later epoch slices the kept buffers. Memory: at most this plus one
-    shard being decoded."""
+    hashed, checked and decoded once, and every later epoch slices the kept buffers. Memory: at most this plus the
+    shard in use and (``prefetch``) the next one."""
+    prefetch: bool = True
+    """Decode the next shard in a background thread while this one's batches are handed out (reading, the sha256 and
+    Parquet decoding release the GIL), so a training step hides it; one more decoded shard in memory."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -292,36 +297,54 @@ class CacheDataset(torch.utils.data.IterableDataset):
     def __len__(self) -> int:
         return len(self.batches(self.epoch))
 
-    def _load(self, shard: int, cache: dict) -> DecodedShard:
-        if shard in self.kept:
-            return self.kept[shard]
-        if shard not in cache:
-            cache.clear()  # one shard decoded at a time per worker
-            sources = [self.rollout_paths[shard], None if self.teacher_paths is None else self.teacher_paths[shard]]
-            if self.config.verify:
-                for k, path in enumerate(sources):
-                    if path is not None and path not in self.verified:
-                        sources[k] = _verify_shard(path, self.expected[path], self.config.cache)
-                        self.verified.add(path)
-            decoded = DecodedShard(*sources, self.rollout_cols, self.teacher_cols, where=str(self.rollout_paths[shard]),
-                                   max_length=self.config.max_length, rows=self.rows_per_shard[shard], vocab=self.vocab, samples=self.samples,
-                                   tokens=self.tokens_per_shard[shard])
-            if self.kept_bytes + decoded.nbytes <= self.config.keep_decoded_bytes:
-                self.kept[shard] = decoded
-                self.kept_bytes += decoded.nbytes
-                return decoded
-            cache[shard] = decoded
-        return cache[shard]
+    def _decode(self, shard: int) -> DecodedShard:
+        """Read, check and decode one shard (run in the decoding thread: it touches no state of the loader but
+        ``verified``, which only that thread writes)."""
+        sources = [self.rollout_paths[shard], None if self.teacher_paths is None else self.teacher_paths[shard]]
+        if self.config.verify:
+            for k, path in enumerate(sources):
+                if path is not None and path not in self.verified:
+                    sources[k] = _verify_shard(path, self.expected[path], self.config.cache)
+                    self.verified.add(path)
+        return DecodedShard(*sources, self.rollout_cols, self.teacher_cols, where=str(self.rollout_paths[shard]),
+                            max_length=self.config.max_length, rows=self.rows_per_shard[shard], vocab=self.vocab, samples=self.samples,
+                            tokens=self.tokens_per_shard[shard])
+
+    def _keep(self, shard: int, decoded: DecodedShard) -> None:
+        if shard not in self.kept and self.kept_bytes + decoded.nbytes <= self.config.keep_decoded_bytes:
+            self.kept[shard] = decoded
+            self.kept_bytes += decoded.nbytes
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        loaded: dict[int, DecodedShard] = {}
-        for i, batch in enumerate(self.batches(self.epoch)):
-            if i < self.start_batch or i % nw != wid:
-                continue
-            decoded = [self._load(s, loaded) for s, _ in batch]
-            yield collate([d.row(r) for d, (_, r) in zip(decoded, batch)], decoded[0].hidden_dtype)
+        mine = [batch for i, batch in enumerate(self.batches(self.epoch)) if i >= self.start_batch and i % nw == wid]
+        todo = [s for s in dict.fromkeys(s for batch in mine for s, _ in batch) if s not in self.kept]  # in order of first use
+        position = {s: j for j, s in enumerate(todo)}
+        ahead = 1 if self.config.prefetch else 0
+        pool = ThreadPoolExecutor(1, thread_name_prefix="opdcache-decode")
+        try:
+            pending = {}  # shard -> future: the next shards, decoded in the thread while this one's batches are collated
+            in_use: dict[int, DecodedShard] = {}
+
+            def load(shard: int) -> DecodedShard:
+                if shard in self.kept:
+                    return self.kept[shard]
+                if shard not in in_use:
+                    in_use.clear()  # one shard in use at a time (besides the kept ones)
+                    j = position[shard]
+                    for nxt in [shard] + todo[j + 1: j + 1 + ahead]:
+                        if nxt not in pending and nxt not in self.kept:
+                            pending[nxt] = pool.submit(self._decode, nxt)
+                    in_use[shard] = pending.pop(shard).result()  # a refusal is raised here, when the shard is needed
+                    self._keep(shard, in_use[shard])
+                return in_use[shard]
+
+            for batch in mine:
+                decoded = [load(s) for s, _ in batch]
+                yield collate([d.row(r) for d, (_, r) in zip(decoded, batch)], decoded[0].hidden_dtype)
+        finally:  # an epoch cut short (the consumer stopped): nothing more is decoded
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 class CacheLoader:

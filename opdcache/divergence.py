@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from opdcache.logprobs import matmul_dtype
+from opdcache.logprobs import check_chunk, matmul_dtype, row_blocks
 
 KINDS = ("fkl", "rkl", "jsd")
 DEFAULT_CHUNK = 4096
@@ -100,27 +100,38 @@ def _online_kl(kind: str, hs, Ws, bs, ht, Wt, bt, chunk: int, dtype: torch.dtype
     return lse_s, lse_t, acc / ss - (ms - mt) - (lse_s[:, 1] - lse_t[:, 1])
 
 
+def _block_forward(kind: str, hs_, Ws, bs, ht_, Wt, bt, chunk: int, dtype):
+    """(lse_s, lse_t, divergence, aux) [rows] of one block of positions, streamed over vocabulary slices."""
+    if kind in ("fkl", "rkl"):
+        lse_s, lse_t, div = _online_kl(kind, hs_, Ws, bs, ht_, Wt, bt, chunk, dtype)
+        return lse_s, lse_t, div, div
+    lse_s, lse_t = _lse(hs_, Ws, bs, chunk, dtype), _lse(ht_, Wt, bt, chunk, dtype)
+    div = torch.zeros(hs_.shape[0], dtype=dtype, device=hs_.device)
+    aux = torch.zeros_like(div)  # sum_v q_v g_v with g = log(q / m) / 2 (needed by the backward)
+    for a in range(0, Ws.shape[0], chunk):
+        lq, lp, q, p = _slice_terms(_logits(hs_, Ws, bs, a, chunk, dtype), _logits(ht_, Wt, bt, a, chunk, dtype), lse_s, lse_t)
+        lm = _mixture_log(lq, lp)
+        kl_qm = (q * (lq - lm)).sum(-1)
+        div += 0.5 * ((p * (lp - lm)).sum(-1) + kl_qm)
+        aux += 0.5 * kl_qm
+    return lse_s, lse_t, div, aux
+
+
 class _ChunkedDivergence(torch.autograd.Function):
+    """All N positions in one autograd node, in blocks of opdcache.logprobs.row_blocks inside: the backward
+    allocates grad W [V, H] once for every block (a node per block would hand autograd one [V, H] gradient each)."""
+
     @staticmethod
     def forward(ctx, hs, Ws, bs, ht, Wt, bt, kind: str, chunk: int):
         # the logit matmuls in the dtype the model's own head would use (autocast's, else the inputs'); everything
         # after them in float32 at least (float64 stays float64 for gradcheck)
         dtype = torch.float64 if hs.dtype == torch.float64 else torch.float32
         mm = matmul_dtype(hs)
-        hs_, ht_ = hs.to(mm), ht.to(mm)
-        if kind in ("fkl", "rkl"):
-            lse_s, lse_t, div = _online_kl(kind, hs_, Ws, bs, ht_, Wt, bt, chunk, dtype)
-            aux = div
-        else:
-            lse_s, lse_t = _lse(hs_, Ws, bs, chunk, dtype), _lse(ht_, Wt, bt, chunk, dtype)
-            div = torch.zeros(hs.shape[0], dtype=dtype, device=hs.device)
-            aux = torch.zeros_like(div)  # sum_v q_v g_v with g = log(q / m) / 2 (needed by the backward)
-            for a in range(0, Ws.shape[0], chunk):
-                lq, lp, q, p = _slice_terms(_logits(hs_, Ws, bs, a, chunk, dtype), _logits(ht_, Wt, bt, a, chunk, dtype), lse_s, lse_t)
-                lm = _mixture_log(lq, lp)
-                kl_qm = (q * (lq - lm)).sum(-1)
-                div += 0.5 * ((p * (lp - lm)).sum(-1) + kl_qm)
-                aux += 0.5 * kl_qm
+        N = hs.shape[0]
+        lse_s, lse_t = (torch.empty(N, 2, dtype=dtype, device=hs.device) for _ in range(2))  # [m, log s] per position
+        div, aux = (torch.empty(N, dtype=dtype, device=hs.device) for _ in range(2))
+        for rows in row_blocks(N, chunk):
+            lse_s[rows], lse_t[rows], div[rows], aux[rows] = _block_forward(kind, hs[rows].to(mm), Ws, bs, ht[rows].to(mm), Wt, bt, chunk, dtype)
         ctx.save_for_backward(hs, Ws, bs if bs is not None else torch.empty(0), ht, Wt, bt if bt is not None else torch.empty(0),
                               lse_s, lse_t, aux)
         ctx.kind, ctx.chunk, ctx.has_bs, ctx.has_bt, ctx.mm = kind, chunk, bs is not None, bt is not None, mm
@@ -132,32 +143,33 @@ class _ChunkedDivergence(torch.autograd.Function):
         bs = bs if ctx.has_bs else None
         bt = bt if ctx.has_bt else None
         dtype, mm = lse_s.dtype, ctx.mm
-        hs_, ht_ = hs.to(mm), ht.to(mm)
         g = grad_out.to(dtype)
         need_h, need_W, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_h = torch.zeros(hs.shape, dtype=dtype, device=hs.device) if need_h else None
         grad_W = torch.zeros(Ws.shape, dtype=dtype, device=Ws.device) if need_W else None
         grad_b = torch.zeros(Ws.shape[0], dtype=dtype, device=Ws.device) if need_b and bs is not None else None
-        for a in range(0, Ws.shape[0], ctx.chunk):
-            # in place: one [N, C] buffer per side, so the backward holds ~3 slices at a time
-            lq = _log_probs(_logits(hs_, Ws, bs, a, ctx.chunk, dtype), lse_s)
-            lp = _log_probs(_logits(ht_, Wt, bt, a, ctx.chunk, dtype), lse_t)
-            if ctx.kind == "fkl":
-                dz = lq.exp_().sub_(lp.exp_())  # q - p
-            elif ctx.kind == "rkl":
-                q = lq.exp()
-                dz = lq.sub_(lp).sub_(aux[:, None]).mul_(q)  # q (log q - log p - KL)
-            else:
-                q = lq.exp()
-                dz = lq.sub_(_mixture_log(lq, lp)).mul_(0.5).sub_(aux[:, None]).mul_(q)  # q (g - E_q g)
-            dz.mul_(g[:, None])  # [N, C]
-            dzm = dz.to(mm)  # the gradient matmuls in the forward's matmul dtype, accumulated in float32
-            if grad_h is not None:
-                grad_h += dzm @ Ws[a: a + ctx.chunk].to(mm)
-            if grad_W is not None:
-                grad_W[a: a + ctx.chunk] += dzm.T @ hs_
-            if grad_b is not None:
-                grad_b[a: a + ctx.chunk] += dz.sum(0)
+        for rows in row_blocks(hs.shape[0], ctx.chunk):
+            hs_, ht_ = hs[rows].to(mm), ht[rows].to(mm)
+            for a in range(0, Ws.shape[0], ctx.chunk):
+                # in place: one [rows, C] buffer per side, so the backward holds ~3 slices at a time
+                lq = _log_probs(_logits(hs_, Ws, bs, a, ctx.chunk, dtype), lse_s[rows])
+                lp = _log_probs(_logits(ht_, Wt, bt, a, ctx.chunk, dtype), lse_t[rows])
+                if ctx.kind == "fkl":
+                    dz = lq.exp_().sub_(lp.exp_())  # q - p
+                elif ctx.kind == "rkl":
+                    q = lq.exp()
+                    dz = lq.sub_(lp).sub_(aux[rows, None]).mul_(q)  # q (log q - log p - KL)
+                else:
+                    q = lq.exp()
+                    dz = lq.sub_(_mixture_log(lq, lp)).mul_(0.5).sub_(aux[rows, None]).mul_(q)  # q (g - E_q g)
+                dz.mul_(g[rows, None])  # [rows, C]
+                dzm = dz.to(mm)  # the gradient matmuls in the forward's matmul dtype, accumulated in float32
+                if grad_h is not None:
+                    grad_h[rows] += dzm @ Ws[a: a + ctx.chunk].to(mm)
+                if grad_W is not None:
+                    grad_W[a: a + ctx.chunk] += dzm.T @ hs_
+                if grad_b is not None:
+                    grad_b[a: a + ctx.chunk] += dz.sum(0)
         return (None if grad_h is None else grad_h.to(hs.dtype), None if grad_W is None else grad_W.to(Ws.dtype),
                 None if grad_b is None else grad_b.to(Ws.dtype), None, None, None, None, None)
 
@@ -335,16 +347,13 @@ def chunked_divergence(kind: str, student_hidden_NH: torch.Tensor, student_weigh
         raise ValueError(f"student and teacher vocabularies differ: {student_weight_VH.shape[0]} vs {teacher_weight_VK.shape[0]}")
     if student_hidden_NH.shape[0] != teacher_hidden_NK.shape[0]:
         raise ValueError(f"positions differ: {student_hidden_NH.shape[0]} student vs {teacher_hidden_NK.shape[0]} teacher")
-    from opdcache.logprobs import check_chunk, row_blocks
-
     check_chunk(chunk)
     tb = None if teacher_bias_V is None else teacher_bias_V.detach()
     if uniform:
         return _UniformDivergence.apply(student_hidden_NH, student_weight_VH, student_bias_V, teacher_hidden_NK.detach(),
                                         teacher_weight_VK.detach(), tb, kind, torch.is_grad_enabled())
-    parts = [_ChunkedDivergence.apply(student_hidden_NH[r], student_weight_VH, student_bias_V, teacher_hidden_NK[r].detach(),
-                                      teacher_weight_VK.detach(), tb, kind, chunk) for r in row_blocks(student_hidden_NH.shape[0], chunk)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return _ChunkedDivergence.apply(student_hidden_NH, student_weight_VH, student_bias_V, teacher_hidden_NK.detach(),
+                                    teacher_weight_VK.detach(), tb, kind, chunk)
 
 
 def divergence_reference(kind: str, hs, Ws, ht, Wt, bs=None, bt=None) -> torch.Tensor:

@@ -65,25 +65,33 @@ def _slice_logits(h, W, b, a: int, c: int, scale: float | None, softcap: float |
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
+    """All N positions in one autograd node, looping over row blocks inside: the backward allocates the head's
+    [V, H] gradient once and accumulates every block into it (a node per block would hand autograd one [V, H]
+    gradient each, two of them alive while it sums them)."""
+
     @staticmethod
     def forward(ctx, h, W, b, ids, chunk: int, scale, softcap):
         dtype = _compute_dtype(h)
         N, V = h.shape[0], W.shape[0]
-        m = torch.full((N,), float("-inf"), dtype=dtype, device=h.device)
-        s = torch.zeros(N, dtype=dtype, device=h.device)
-        picked = torch.empty(ids.shape, dtype=dtype, device=h.device)
-        for a in range(0, V, chunk):
-            z = _slice_logits(h, W, b, a, chunk, scale, softcap, dtype)  # [N, C]
-            r, k = ((ids >= a) & (ids < a + z.shape[1])).nonzero(as_tuple=True)
-            picked[r, k] = z[r, ids[r, k] - a]
-            new_m = torch.maximum(m, z.amax(-1))
-            s = s * torch.exp(m - new_m) + z.sub_(new_m[:, None]).exp_().sum(-1)
-            m = new_m
-        lse = m + torch.log(s)
+        lse = torch.empty(N, dtype=dtype, device=h.device)
+        out = torch.empty(ids.shape, dtype=dtype, device=h.device)
+        for rows in row_blocks(N, chunk):
+            hb, ib = h[rows], ids[rows]
+            m = torch.full((hb.shape[0],), float("-inf"), dtype=dtype, device=h.device)
+            s = torch.zeros(hb.shape[0], dtype=dtype, device=h.device)
+            picked = torch.empty(ib.shape, dtype=dtype, device=h.device)
+            for a in range(0, V, chunk):
+                z = _slice_logits(hb, W, b, a, chunk, scale, softcap, dtype)  # [rows, C]
+                r, k = ((ib >= a) & (ib < a + z.shape[1])).nonzero(as_tuple=True)
+                picked[r, k] = z[r, ib[r, k] - a]
+                new_m = torch.maximum(m, z.amax(-1))
+                s = s * torch.exp(m - new_m) + z.sub_(new_m[:, None]).exp_().sum(-1)
+                m = new_m
+            lse[rows] = m + torch.log(s)
+            # (z - m) - log s rather than z - (m + log s): the subtraction then rounds at |z - m|, not at |lse|
+            out[rows] = (picked - m[:, None]) - torch.log(s)[:, None]
         ctx.save_for_backward(h, W, b if b is not None else torch.empty(0), ids, lse)
         ctx.chunk, ctx.scale, ctx.softcap, ctx.has_b, ctx.mm = chunk, scale, softcap, b is not None, matmul_dtype(h)
-        # (z - m) - log s rather than z - (m + log s): the subtraction then rounds at |z - m|, not at |lse|
-        out = (picked - m[:, None]) - torch.log(s)[:, None]
         return out.to(h.dtype), lse.to(h.dtype)
 
     @staticmethod
@@ -99,26 +107,27 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_W = torch.zeros(W.shape, dtype=dtype, device=W.device) if need_W else None
         grad_b = torch.zeros(W.shape[0], dtype=dtype, device=W.device) if need_b and b is not None else None
         mm = ctx.mm
-        hm = h.to(mm)
-        for a in range(0, W.shape[0], ctx.chunk):
-            z = _slice_logits(hm, W, b, a, ctx.chunk, ctx.scale, ctx.softcap, dtype)
-            C = z.shape[1]
-            capped = z.clone() if ctx.softcap is not None else None
-            dz = z.sub_(lse[:, None]).exp_().mul_(coef[:, None])  # (g_lse - sum g) * q
-            r, k = ((ids >= a) & (ids < a + C)).nonzero(as_tuple=True)
-            dz.index_put_((r, ids[r, k] - a), g_lp[r, k], accumulate=True)  # + sum_k g_k [v = id_k]
-            if capped is not None:  # d(c tanh(x / c))/dx = 1 - tanh(x / c)^2 = 1 - (capped / c)^2
-                t = capped.div_(ctx.softcap)
-                dz.mul_(1 - t * t)
-            if ctx.scale is not None:
-                dz.mul_(ctx.scale)
-            dzm = dz.to(mm)  # the gradient matmuls in the forward's matmul dtype, accumulated in float32
-            if grad_h is not None:
-                grad_h += dzm @ W[a: a + C].to(mm)
-            if grad_W is not None:
-                grad_W[a: a + C] += dzm.T @ hm
-            if grad_b is not None:
-                grad_b[a: a + C] += dz.sum(0)
+        for rows in row_blocks(h.shape[0], ctx.chunk):
+            hm, ib = h[rows].to(mm), ids[rows]
+            for a in range(0, W.shape[0], ctx.chunk):
+                z = _slice_logits(hm, W, b, a, ctx.chunk, ctx.scale, ctx.softcap, dtype)
+                C = z.shape[1]
+                capped = z.clone() if ctx.softcap is not None else None
+                dz = z.sub_(lse[rows, None]).exp_().mul_(coef[rows, None])  # (g_lse - sum g) * q
+                r, k = ((ib >= a) & (ib < a + C)).nonzero(as_tuple=True)
+                dz.index_put_((r, ib[r, k] - a), g_lp[rows][r, k], accumulate=True)  # + sum_k g_k [v = id_k]
+                if capped is not None:  # d(c tanh(x / c))/dx = 1 - tanh(x / c)^2 = 1 - (capped / c)^2
+                    t = capped.div_(ctx.softcap)
+                    dz.mul_(1 - t * t)
+                if ctx.scale is not None:
+                    dz.mul_(ctx.scale)
+                dzm = dz.to(mm)  # the gradient matmuls in the forward's matmul dtype, accumulated in float32
+                if grad_h is not None:
+                    grad_h[rows] += dzm @ W[a: a + C].to(mm)
+                if grad_W is not None:
+                    grad_W[a: a + C] += dzm.T @ hm
+                if grad_b is not None:
+                    grad_b[a: a + C] += dz.sum(0)
         return (None if grad_h is None else grad_h.to(h.dtype), None if grad_W is None else grad_W.to(W.dtype),
                 None if grad_b is None else grad_b.to(W.dtype), None, None, None, None)
 
@@ -138,12 +147,7 @@ def chunked_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, ids_NK: t
         raise ValueError(f"ids must be [N, K] with N = {hidden_NH.shape[0]}, got {tuple(ids_NK.shape)}")
     if ids_NK.numel() and (int(ids_NK.min()) < 0 or int(ids_NK.max()) >= weight_VH.shape[0]):
         raise ValueError(f"token ids must lie in [0, {weight_VH.shape[0]}), got {int(ids_NK.min())}..{int(ids_NK.max())}")
-    ids_NK = ids_NK.long()
-    parts = [_ChunkedLogprobs.apply(hidden_NH[r], weight_VH, bias_V, ids_NK[r], chunk, logit_scale, softcap)
-             for r in row_blocks(hidden_NH.shape[0], chunk)]
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return _ChunkedLogprobs.apply(hidden_NH, weight_VH, bias_V, ids_NK.long(), chunk, logit_scale, softcap)
 
 
 def logprobs_reference(hidden_NH, weight_VH, ids_NK, bias_V=None, logit_scale=None, softcap=None):

@@ -146,3 +146,35 @@ def test_matmul_dtype_follows_autocast():
     assert matmul_dtype(x) == torch.float32 and matmul_dtype(x.double()) == torch.float64
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert matmul_dtype(x) == torch.bfloat16
+
+
+def test_the_head_gradient_is_one_buffer_whatever_the_number_of_position_blocks(monkeypatch):
+    """The streamed head's backward (log-probs, and the per-position divergences) writes every block of positions into
+    one [V, H] gradient: a node per block handed autograd a [V, H] gradient each, two alive while it summed them,
+    which made training memory step up with the number of blocks (2 at 2,048 tokens, 4 at 8,192)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from opdcache import logprobs as LP
+    from opdcache.divergence import chunked_divergence
+
+    class HeadShaped(TorchDispatchMode):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.storages = shape, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # [V, H] results, by storage (a view is no buffer)
+            out = func(*args, **(kwargs or {}))
+            self.storages |= {t.untyped_storage().data_ptr() for t in (out if isinstance(out, (tuple, list)) else [out])
+                              if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape}
+            return out
+
+    monkeypatch.setattr(LP, "BLOCK_BYTES", 3 * 4 * 8)
+    h, W, b, ids = _inputs(10, 4, 29, 2)
+    ht, Wt = torch.randn(10, 5, dtype=torch.float64), torch.randn(29, 5, dtype=torch.float64)
+    assert len(LP.row_blocks(10, 8)) == 4
+    for loss in (lambda: chunked_logprobs(h, W, ids, b, chunk=8)[0].sum(), lambda: chunked_divergence("jsd", h, W, ht, Wt, b, chunk=8).sum()):
+        W.grad = None
+        value = loss()
+        with HeadShaped(tuple(W.shape)) as seen:
+            value.backward()
+        assert len(seen.storages) == 1 and W.grad is not None
