@@ -116,3 +116,38 @@ def test_kept_decoded_shards_give_the_same_batches_and_are_not_reread(hf_cache, 
             assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
         assert kept_reads == (2 * 3 if epoch == 0 else 0)  # 3 shards, rollouts + teacher each, in the first epoch only
     assert kept.dataset.kept_bytes > 0 and plain.dataset.kept_bytes == 0
+
+
+def test_decoding_ahead_in_a_thread_changes_no_batch_and_no_refusal(hf_cache, tmp_path):
+    """prefetch (the next shard read, hashed, checked and decoded in a background thread) yields the same batches as
+    decoding in turn; a damaged shard is still refused when it is reached, after the batches before it, with the same
+    message; an epoch cut short leaves no decoding thread behind."""
+    import shutil
+    import threading
+
+    from opdcache.errors import SchemaError
+
+    cfg = dict(cache=hf_cache, teacher="teacher", stores=("logprob", "topk"), batch_size=5, keep_decoded_bytes=0)
+    ahead, inline = list(CacheLoader(CacheLoaderConfig(**cfg))), list(CacheLoader(CacheLoaderConfig(**cfg, prefetch=False)))
+    assert len(ahead) == len(inline) > 2
+    for x, y in zip(ahead, inline):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+    broken = tmp_path / "cache"
+    shutil.copytree(hf_cache, broken)
+    last = Cache(broken).shard_paths("teachers/teacher")[-1]
+    data = bytearray(last.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    last.write_bytes(bytes(data))
+    before_last = sum(s["rows"] for s in Cache(broken).table("rollouts")["shards"][:-1]) // 5
+    for prefetch in (True, False):
+        got = []
+        with pytest.raises(SchemaError, match=r"does not match the manifest's size and sha256 \(corrupted or replaced\); run `opdcache validate"):
+            for batch in CacheLoader(CacheLoaderConfig(**cfg | {"cache": broken, "shuffle": False, "prefetch": prefetch})):
+                got.append(batch)
+        assert len(got) >= before_last  # every batch wholly before the damaged shard came first
+
+    it = iter(CacheLoader(CacheLoaderConfig(**cfg)))
+    next(it)
+    it.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("opdcache-decode")]
