@@ -5,8 +5,8 @@ how it is spread over processes (DDP, or FSDP2 for students larger than one devi
 and the fused head pass (opdcache/logprobs.py, and opdcache/divergence.py for the full-vocabulary losses)
 all run inside its ``forward``, so FSDP has gathered the head's weight when it is used and gradients
 reach the sharded parameters. Memory per micro-batch: activations [B, L, H] (or one layer's with
-``--gradient-checkpointing``) plus [N, chunk] float32 logit slices for N response tokens; nothing grows
-with N x V.
+``--gradient-checkpointing``), the head pass's [rows, chunk] float32 logit blocks (bounded by
+opdcache.logprobs.BLOCK_BYTES whatever N) and one [V, H] head gradient; nothing grows with N x V.
 """
 
 from __future__ import annotations

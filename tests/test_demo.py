@@ -21,6 +21,10 @@ def test_demo_pipeline_end_to_end_and_rerun_skips(tmp_path):
     assert set(manifest["tables"]) == {"rollouts", "teachers/teacher"}
     assert manifest["tables"]["teachers/teacher"]["consistency"]["verdict"] == "consistent"
     assert (w / "runs" / run_name(cfg) / "metrics.jsonl").is_file()
+    import torch
+
+    written = json.loads((w / "demo_report.json").read_text())
+    assert written["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and "machine" in written["definitions"]
     again = run_demo(cfg)
     assert sum("already done, skipped" in line for line in again.lines) == 5
 

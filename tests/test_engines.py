@@ -59,6 +59,17 @@ def test_generated_values_mean_what_the_schema_says(student, prompts):
             assert g.response_ids[-1] == 1  # EOS is kept
 
 
+def test_generation_passes_the_cache_under_the_installed_transformers_name(student, prompts):
+    """transformers 5.2x renamed the decoder's past_key_values to cache (the old name warns on every step, which the
+    demo printed): generation uses whichever the installed decoder takes and warns nothing."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a FutureWarning (or any warning) fails the test
+        gens = student.generate([GenerateRequest(p, seed=i) for i, p in enumerate(prompts[:2])], SamplingConfig(max_new_tokens=5))
+    assert all(len(g.response_ids) >= 1 for g in gens)
+
+
 def test_greedy_has_zero_sampling_logprobs_and_follows_argmax(student, prompts):
     g = student.generate([GenerateRequest(prompts[0], seed=0)], SamplingConfig(temperature=0, max_new_tokens=20))[0]
     assert (g.sampling_logprobs == 0).all()

@@ -80,6 +80,19 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "auto", quan
     return model
 
 
+def _cache_argument(base) -> str:
+    """The decoder's key/value cache argument: ``cache`` from transformers 5.2x on, ``past_key_values`` before (the
+    old name still works there, with a FutureWarning on every call)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def _cache_of(out):
+    """The key/value cache a decoder forward returned, under either name (see :func:`_cache_argument`)."""
+    return out["cache"] if "cache" in out.keys() else out.past_key_values
+
+
 def _base(model):
     return getattr(model, model.base_model_prefix)
 
@@ -341,7 +354,7 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
     # step: a fresh [B, V] logits tensor per step (the model's own forward) fragments the CPU heap and RSS creeps
     head = _LastPositionHead(model, B)
     out = _base(model)(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True)
-    past = out.past_key_values
+    past, past_arg = _cache_of(out), _cache_argument(_base(model))
     V = head.vocab_size
     logits = torch.empty((B, V))
     ref_logp = torch.empty((B, V))
@@ -393,9 +406,8 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
         if bool(done.all()) or t == s.max_new_tokens - 1:
             break
         mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
-        out = _base(model)(input_ids=tok[:, None].to(device), attention_mask=mask, position_ids=next_pos,
-                           past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = _base(model)(input_ids=tok[:, None].to(device), attention_mask=mask, position_ids=next_pos, use_cache=True, **{past_arg: past})
+        past = _cache_of(out)
         logits.copy_(head(out.last_hidden_state))
         next_pos = next_pos + 1
         if t % TRIM_EVERY == TRIM_EVERY - 1:

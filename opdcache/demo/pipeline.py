@@ -78,6 +78,8 @@ FIGURES = {
     "reverse_kl": "mean per-token KL(student || teacher) in nats, exact over the vocabulary at temperature 1, at every "
                   "position of the student's own greedy responses to min(n_heldout, 200) held-out prompts",
     "seconds": "wall-clock of this invocation",
+    "machine": "what the figures depend on besides the seed: torch's CPU kernels (cpu_capability: AVX2, AVX512, ...), threads, "
+               "library versions",
     "models": "teacher, base (student before SFT), pi_ref (after SFT), opd (after OPD); ablations: opd_<teacher> (OPD with that "
               "teacher), int8_<correction> (OPD from int8 rollouts with that correction)",
     "consistency": "check-consistency on pi_ref's rollouts: lineage verdict per teacher; gap = mean per-token "
@@ -270,8 +272,21 @@ def train_run(cfg: DemoConfig, report: DemoReport, pi_ref: Path, cache: Path, ru
     return run_dir / "model"
 
 
+def machine() -> dict:
+    """What the figures depend on besides the seed: the CPU kernels torch picked (AVX2 and AVX-512 round float32 sums
+    differently, and the demo's SFT amplifies rounding), its threads and the library versions."""
+    import platform
+
+    import torch
+    import transformers
+
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(), "processor": platform.machine(),
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
 def finish(report: DemoReport, cfg: DemoConfig, start: float, name: str) -> DemoReport:
     report.figures["seconds"] = time.perf_counter() - start
+    report.figures["machine"] = machine()
     out = cfg.workdir / name
     report.say(f"[done] {report.figures['seconds']:.0f}s; figures in {out}")
     out.write_text(json.dumps({"definitions": FIGURES, **report.figures}, indent=2))
