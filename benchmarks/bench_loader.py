@@ -15,7 +15,7 @@ teacher top-k ids and log-probs) for one full epoch with batch size 32 and no wo
 Measured with benchmarks/harness.py, cold (the loader built inside the timed epoch) and warm (after one untimed
 epoch), interleaved rounds, each run its own process:
 
-    python benchmarks/bench_loader.py [--rows 4000 --rounds 3]
+    python benchmarks/bench_loader.py [--rows 4000 --rounds 3] [--no-datasets]
 """
 
 from __future__ import annotations
@@ -210,6 +210,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-datasets", action="store_true", help="leave out the datasets side (50 s a run here), for more rounds of the other two")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "loader.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -223,10 +224,12 @@ def main() -> None:
                      Side("hand-written pyarrow (competent)", "run_epoch", "setup", common | {"side": "hand"}, baseline=True,
                           note="pq.read_table, numpy values + offsets kept across epochs, numpy padding; checks nothing"),
                      Side("datasets + DataLoader", "run_epoch", "setup", common | {"side": "datasets"},
-                          note="load_dataset of both configs, with_format('torch'), DataLoader, padding collate")]
+                          note="load_dataset of both configs, with_format('torch'), DataLoader, padding collate")][: 2 if args.no_datasets else 3]
             result = compare(f"one {temp} epoch, {args.rows} rows, batch {args.batch_size}, top-k {K}"
                              + (" (loader built inside the timer)" if temp == "cold" else " (after one untimed epoch)"),
-                             sides, __file__, rounds=args.rounds, meta={"command": "python benchmarks/bench_loader.py"})
+                             sides, __file__, rounds=args.rounds,
+                             meta={"command": "python benchmarks/bench_loader.py" + (f" --rounds {args.rounds}" if args.rounds != 3 else "")
+                                   + (" --no-datasets" if args.no_datasets else "")})
             report(result)
             out[temp] = result
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -333,11 +333,25 @@ def open_parquet(path) -> pq.ParquetFile:
     return pq.ParquetFile(fs.open(source, "rb"))
 
 
+def _one_array(array: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """The column as one array: its only chunk as it is (no copy), several concatenated."""
+    if not isinstance(array, pa.ChunkedArray):
+        return array
+    return array.chunk(0) if array.num_chunks == 1 else array.combine_chunks()
+
+
 def list_offsets(array: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """Row offsets [rows + 1] of a list column, starting at 0."""
-    arr = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
-    offsets = arr.offsets.to_numpy()
-    return offsets - offsets[0]
+    """Row offsets [rows + 1] of a list column, starting at 0: read from each chunk's offsets, never copying values."""
+    chunks = array.chunks if isinstance(array, pa.ChunkedArray) else [array]
+    if len(chunks) == 1:
+        offsets = chunks[0].offsets.to_numpy()
+        return offsets - offsets[0]
+    parts, base = [np.zeros(1, np.int64)], 0
+    for chunk in chunks:
+        o = chunk.offsets.to_numpy().astype(np.int64)
+        parts.append(o[1:] - o[0] + base)
+        base += int(o[-1] - o[0])
+    return np.concatenate(parts)
 
 
 def token_values(array: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -346,8 +360,7 @@ def token_values(array: pa.ChunkedArray | pa.Array) -> np.ndarray:
     Zero-copy when the column has no nulls in its values (always true for what opdcache writes).
     16-bit float bit patterns come back as uint16; use :func:`hidden_to_torch` for a typed tensor.
     """
-    arr = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
-    flat = arr.flatten()
+    flat = _one_array(array).flatten()
     if pa.types.is_fixed_size_list(flat.type):
         width = flat.type.list_size
         inner = flat.flatten()

@@ -148,3 +148,20 @@ def test_the_loader_decodes_16_bit_hidden_states_bit_exact(synth_cache):
         want = shards.hidden_to_torch(raw, "bfloat16")
         got = batch["teacher_hidden"][i, : want.shape[0]]
         assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_offsets_and_values_of_chunked_and_sliced_columns_match_the_combined_column():
+    """list_offsets reads each chunk's offsets (no copy of the values) and token_values takes a lone chunk as it is:
+    both must equal what the whole column, combined into one array, gives; sliced chunks (a row group read from the
+    middle) included."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 9, (int(n), 3)).astype(np.int32) for n in rng.integers(0, 6, 40)]
+    whole = pa.array([r.tolist() for r in rows], type=pa.list_(pa.list_(pa.int32(), 3)))
+    for column in (pa.chunked_array([whole]), pa.chunked_array([whole[:7], whole[7:7], whole[7:23], whole[23:]]), whole[5:31],
+                   pa.chunked_array([], type=whole.type)):
+        combined = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        want = combined.offsets.to_numpy() - combined.offsets.to_numpy()[0]
+        np.testing.assert_array_equal(shards.list_offsets(column), want)
+        np.testing.assert_array_equal(shards.token_values(column), np.asarray(combined.flatten().flatten()).reshape(-1, 3))
