@@ -11,8 +11,8 @@ supports, every other setting equal (seed, steps, batch, learning rate):
 * ``sampled12``: ``sampled-fkl`` on 12 teacher draws a position (RS-KD; unbiased for the full forward KL);
 * ``hidden-bf16``: ``full-fkl`` from hidden states rounded to bfloat16 (the exact full-vocabulary forward KL, up to
   the rounding the table records);
-* ``svd512`` is scored for its fidelity record only: ``train``'s full-vocabulary losses read the hidden store, not
-  the svd store (the divergence kernel takes either; the trainer's batch source does not yet).
+* ``svd512``: ``full-fkl`` from the rank-512 svd store in bfloat16 (the teacher's logits rebuilt from the stored
+  vectors and the projection's decoder; the table records the reconstruction's KL on held-out positions).
 
 Each trained student is then measured, in its served precision (w4a16), against the teacher on held-out rollouts
 (other prompts, sampled by pi_ref): the mean full-vocabulary KL(teacher || student) per response position, both
@@ -21,7 +21,7 @@ training. One measurement per store (no two sides timed, so no harness rounds); 
 run each, on whatever load the machine had. Each store's bytes per response token are those on disk
 (``opdcache info``'s figure). Every command runs as a user would run it (the CLI, one process each).
 
-    python benchmarks/bench_storage_train.py [--steps 16 --batch-size 8 --lr 2e-5]   # ~25 min on 2 cores
+    python benchmarks/bench_storage_train.py [--steps 16 --batch-size 8 --lr 2e-5]   # ~30 min on 2 cores (finished runs are kept and reused)
 
 Results: benchmarks/results/storage_train.json.
 """
@@ -49,8 +49,8 @@ RUNS = {  # run -> (teacher table, train flags, the store whose bytes it reads)
     "prob14-topk128": ("prob14-topk128", ["--loss", "topk-fkl", "--topk-tail"], "topk"),
     "sampled12": ("sampled12", ["--loss", "sampled-fkl"], "sampled"),
     "hidden-bf16": ("hidden-bf16", ["--loss", "full-fkl"], "hidden"),
-}  # the svd store is scored (its fidelity record is in the report) but not trained from: train's full-vocabulary
-# losses read the hidden store only
+    "svd512": ("svd512", ["--loss", "full-fkl"], "svd"),
+}
 
 
 def cli(*args: str) -> str:
@@ -136,13 +136,16 @@ def main() -> None:
               "fidelity": {slug: c.table(f"teachers/{slug}").get("fidelity") for slug in TABLES},
               "pi_ref": served_kl(model, model, heldout), "runs": {}}
     print(f"pi_ref (w4a16) KL(teacher || pi_ref) on held-out: {report['pi_ref']['kl_mean']:.4f} nats a position", flush=True)
+    earlier = json.loads(args.out.read_text()).get("runs", {}) if args.out.is_file() else {}
     for name, (table, flags, store) in RUNS.items():
         run = W / f"run-{name}-{args.steps}x{args.batch_size}-lr{args.lr:g}"
         t0 = time.perf_counter()
         if not (run / "model" / "config.json").is_file():
             cli("train", "--model", str(model), "--cache", str(cache), "--teacher", table, *flags, "--rollout-aligned", "--steps", str(args.steps),
                 "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--out", str(run), "--no-progress")
-        seconds = time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+        else:  # a run kept from an earlier invocation: its train time is the one that invocation recorded
+            seconds = earlier.get(name, {}).get("train_seconds")
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         result = served_kl(model, run / "model", heldout)
         result.update(bytes_per_token=store_bytes(c, f"teachers/{table}")[store] / tokens, store=store, train_seconds=seconds,
@@ -151,7 +154,7 @@ def main() -> None:
             result["sampled_stderr"] = metrics[-1]["sampled_stderr"]
         report["runs"][name] = result
         print(f"{name:<16} {result['bytes_per_token']:>8.1f} B/token  KL {result['kl_mean']:.4f} +- {result['kl_sem']:.4f}  "
-              f"(pi_ref {report['pi_ref']['kl_mean']:.4f}; train {seconds:.0f} s)", flush=True)
+              f"(pi_ref {report['pi_ref']['kl_mean']:.4f}; train {seconds or 0:.0f} s)", flush=True)
     report["seconds"] = time.perf_counter() - start
     print(f"\nheld-out KL(teacher || student in {SCHEME}) per position, {report['pi_ref']['positions']} positions; "
           f"{args.steps} steps x {args.batch_size} sequences at lr {args.lr:g} from each store")

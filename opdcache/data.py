@@ -114,7 +114,7 @@ class DecodedShard:
             if name not in ("prompt_ids", "response_ids") and not np.array_equal(np.diff(shards.list_offsets(r[name])), lengths):
                 refuse(f"per-token column {name} is not as long as the responses")
         self.cols = {name: shards.token_values(r[name]) for name in rollout_cols}
-        self.hidden_dtype = None
+        self.hidden_dtype = self.svd_dtype = None  # the stored dtype of the hidden and svd vectors (their bits are kept)
         self.topk_layout = (1e-3, "logprobs")
         if teacher_path is not None:
             t = shards.read_table(teacher_path, ["id"] + teacher_cols, rows=rows, max_row_tokens=max_length, where=where, tokens=tokens)
@@ -124,7 +124,7 @@ class DecodedShard:
                 if not np.array_equal(np.diff(shards.list_offsets(t[name])), lengths):
                     refuse(f"teacher column {name} is not as long as the responses (shifted or truncated rows)")
                 values = shards.token_values(t[name])
-                if name != "hidden":  # v3 float16 bits (compact top-k, sampled log-probs) -> float32
+                if name not in ("hidden", "svd"):  # v3 float16 bits (compact top-k, sampled log-probs) -> float32
                     from opdcache.compact import decode_logprobs
 
                     values = decode_logprobs(values, t.schema.field(name))
@@ -133,6 +133,8 @@ class DecodedShard:
                     self.topk_layout = rowrules.topk_layout(t.schema.field(name), values.shape[1] if values.ndim == 2 else 1)
                 if name == "hidden":
                     self.hidden_dtype = shards.hidden_dtype_of(t.schema.field("hidden"))
+                if name == "svd":
+                    self.svd_dtype = shards.hidden_dtype_of(t.schema.field("svd"))
         for column, bad, message in self._violations(vocab, samples):
             row = int(np.searchsorted(self.offsets, np.flatnonzero(bad)[0], side="right") - 1)
             refuse(f"row {row}, column {column}: {message}")
@@ -170,14 +172,14 @@ def _pad(rows: list[np.ndarray], length: int, fill=0) -> np.ndarray:
     return out
 
 
-def collate(rows: list[dict], hidden_dtype: str | None = None) -> dict[str, torch.Tensor]:
+def collate(rows: list[dict], hidden_dtype: str | None = None, svd_dtype: str | None = None) -> dict[str, torch.Tensor]:
     """Rows (dicts of numpy arrays: prompt_ids, response_ids, per-token columns) -> padded tensors.
 
     Shapes (B sequences, T = longest response, L = longest prompt + response): input_ids [B, L] (prompt +
     response, right-padded), attention_mask [B, L], response_ids [B, T], response_mask [B, T] (1 on real
     response tokens), logit_positions [B, T] (index in input_ids of the position whose logits predict
     response token t: prompt length + t - 1), then every per-token column as [B, T] or [B, T, k] (teacher
-    columns prefixed with ``teacher_``; hidden states in their stored dtype). Padding values are 0.
+    columns prefixed with ``teacher_``; hidden states and svd vectors in their stored dtype). Padding values are 0.
     """
     prompts = [r["prompt_ids"] for r in rows]
     responses = [r["response_ids"] for r in rows]
@@ -200,8 +202,8 @@ def collate(rows: list[dict], hidden_dtype: str | None = None) -> dict[str, torc
         if name in ("prompt_ids", "response_ids"):
             continue
         arr = _pad([r[name] for r in rows], T)
-        if name == "teacher_hidden":
-            batch[name] = shards.hidden_to_torch(arr, hidden_dtype)
+        if name in ("teacher_hidden", "teacher_svd"):  # 16-bit vectors arrive as their bits: a typed tensor, no bit changed
+            batch[name] = shards.hidden_to_torch(arr, (hidden_dtype if name == "teacher_hidden" else svd_dtype) or "float32")
         else:
             batch[name] = torch.from_numpy(arr.astype(np.int64) if arr.dtype.kind in "iu" else arr)
     return batch
@@ -342,7 +344,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
 
             for batch in mine:
                 decoded = [load(s) for s, _ in batch]
-                yield collate([d.row(r) for d, (_, r) in zip(decoded, batch)], decoded[0].hidden_dtype)
+                yield collate([d.row(r) for d, (_, r) in zip(decoded, batch)], decoded[0].hidden_dtype, decoded[0].svd_dtype)
         finally:  # an epoch cut short (the consumer stopped): nothing more is decoded
             pool.shutdown(wait=True, cancel_futures=True)
 

@@ -4,8 +4,8 @@ losses need beside them.
 
 Every batch source has ``next_batch()``, ``state_dict()`` and ``load_state_dict()``; it may also have
 ``after_step(trainer, record, saved)`` (called once a step is checkpointed: the async learner's ledger and snapshots),
-``after_resume(trainer)`` and ``step_stats()``. Memory: the loader's (opdcache/data.py) and, for hidden-state losses,
-the teacher's unembedding [vocabulary, hidden].
+``after_resume(trainer)`` and ``step_stats()``. Memory: the loader's (opdcache/data.py) and, for the full-vocabulary
+losses, the teacher's unembedding [vocabulary, hidden] (or, from an svd store, the decoder [vocabulary, rank]).
 """
 
 from __future__ import annotations
@@ -72,11 +72,17 @@ def open_source(cfg, model, model_path, device):
     cache = Cache(cfg.cache)
     check_rollout_model(cfg, cache, model_path)
     table = cache.teacher_table(cfg.teacher)  # the only teacher when not named
-    stores, rstores = stores_for(cfg.loss, cfg.topk_support)
+    stores, rstores = stores_for(cfg.loss, cfg.topk_support, cache.params(table).stores)
     source = CacheSource(CacheLoaderConfig(cache=cfg.cache, teacher=table.split("/", 1)[1], stores=stores, rollout_stores=rstores,
                                            batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers,
                                            max_length=getattr(model.config, "max_position_embeddings", None),
                                            vocab_size=int(model.get_output_embeddings().weight.shape[0])))
+    if "svd" in stores:  # teacher logits = z D^T + bias: the projection's decoder stands in for the head
+        from opdcache import svd
+        from opdcache.heads import Head
+
+        projection = svd.load(cache.side_file(table, "svd.safetensors"))  # hash-checked first, like every shard
+        return source, Head(projection.decoder, projection.bias)
     if "hidden" not in stores:
         return source, None
     from opdcache.heads import load_head

@@ -122,7 +122,9 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
             # without corrections every token's divergence has the same weight in the loss (L.reduce's mean), so the
             # divergence's gradient is computed in its forward (4 head matmuls, not 6; opdcache/divergence.py)
-            lp_NK, _, div_N = self.forward(*inputs, ids_NK, full, batch["teacher_hidden"][sel] if full else None, self.teacher_w, self.teacher_b,
+            # the teacher's vectors: hidden states with its head, or an svd store's rank-r z with the projection's decoder
+            vectors = batch["teacher_hidden" if "teacher_hidden" in batch else "teacher_svd"][sel] if full else None
+            lp_NK, _, div_N = self.forward(*inputs, ids_NK, full, vectors, self.teacher_w, self.teacher_b,
                                            uniform=not cfg.corrections.active)
         lp_NK = lp_NK.float()
         s = lp_NK.new_zeros(B, T)

@@ -152,10 +152,13 @@ class TrainConfig:
             raise ConfigError(f"--online supports --loss {', '.join(online_losses[:-1])} or {online_losses[-1]}, got {self.loss!r}")
 
 
-def stores_for(loss: str, topk_support: str = "teacher") -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(teacher stores, rollout stores) an estimator reads: what score-teacher and build-rollouts must have stored."""
+def stores_for(loss: str, topk_support: str = "teacher", teacher_stores: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(teacher stores, rollout stores) an estimator reads: what score-teacher and build-rollouts must have stored.
+    The full-vocabulary losses rebuild the teacher's logits from its hidden states, or, where the teacher table has an
+    svd store and no hidden one (``teacher_stores``), from the rank-r vectors and the projection's decoder."""
     if loss in L.FULL_VOCABULARY:
-        return ("logprob", "hidden"), ("base",)
+        vectors = "svd" if "svd" in teacher_stores and "hidden" not in teacher_stores else "hidden"
+        return ("logprob", vectors), ("base",)
     if loss.startswith("topk"):
         return (("logprob", "topk"), ("base",)) if topk_support == "teacher" else (("logprob",), ("base", "ref_topk"))
     if loss == "mc":

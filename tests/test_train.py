@@ -1,6 +1,7 @@
 """The trainer: every estimator trains, resume is exact, the CLI reads YAML, DDP runs on CPU (gloo)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -127,3 +128,31 @@ def test_online_refuses_a_loss_it_cannot_feed(hf_cache, weights, tmp_path):
     with pytest.raises(ConfigError, match="--online needs --teacher-model"):
         TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, online=True)
 
+
+
+def test_full_vocabulary_losses_train_from_an_svd_store(hf_cache, weights, tmp_path):
+    """A teacher table with an svd store and no hidden one feeds full-fkl: the rank-r vectors with the projection's
+    decoder and bias stand in for the hidden states and the head. At full rank the projection is the identity, so the
+    first step's loss equals the hidden store's."""
+    import shutil
+
+    from opdcache.cache import Cache
+    from opdcache.scoring import ScoreJob, run_score
+
+    cache = tmp_path / "cache"
+    shutil.copytree(hf_cache, cache)
+    hidden_size = json.loads((weights / "teacher" / "config.json").read_text())["hidden_size"]
+    run_score(ScoreJob(cache=cache, teacher=weights / "teacher", slug="svdonly", stores=("logprob", "svd"), svd_rank=hidden_size,
+                       svd_dtype="float32"))
+    assert set(Cache(cache).params("teachers/svdonly").stores) == {"logprob", "svd"}
+    common = dict(model=weights / "student", cache=cache, loss="full-fkl", steps=1, batch_size=8, lr=1e-4, seed=3)
+    run_train(TrainConfig(out=tmp_path / "svd", teacher="svdonly", **common))
+    run_train(TrainConfig(out=tmp_path / "hidden", teacher="teacher", **common))
+    svd, hidden = (json.loads((tmp_path / run / "metrics.jsonl").read_text().splitlines()[0]) for run in ("svd", "hidden"))
+    assert svd["loss"] == pytest.approx(hidden["loss"], rel=1e-3, abs=1e-5) and svd["loss"] > 0
+    # the default store: rank 16 in bfloat16 bits, decoded to a bfloat16 tensor (this tiny teacher's logits are nearly
+    # rank 16: its first loss is within bfloat16 rounding of the hidden store's)
+    run_score(ScoreJob(cache=cache, teacher=weights / "teacher", slug="svd16", stores=("logprob", "svd"), svd_rank=16))
+    run_train(TrainConfig(out=tmp_path / "svd16", teacher="svd16", **common))
+    low = json.loads((tmp_path / "svd16" / "metrics.jsonl").read_text().splitlines()[0])
+    assert math.isfinite(low["loss"]) and low["loss"] == pytest.approx(hidden["loss"], rel=1e-2)
