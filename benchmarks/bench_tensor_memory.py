@@ -1,0 +1,91 @@
+"""Training memory as torch allocates it: the live tensor bytes of one lightning forward + backward, with and without
+activation checkpointing, at two response lengths, from torch's memory profiler (issue 31, item 4).
+
+bench_scale.py --train-memory measures the process's anonymous RSS, as a user sees it. On a CPU that includes what
+glibc's malloc keeps after torch frees it: checkpointing's recomputed activations are allocated and freed once per
+layer in the backward, and the heap keeps the space. This script measures what the algorithm itself holds: the peak
+of live tensor bytes (torch.profiler, profile_memory=True, export_memory_timeline), whatever the allocator keeps.
+
+The model: the same Qwen3 shape as bench_scale (vocabulary 151,936, hidden 1,024, intermediate 2,048, 16 heads, 8
+layers by default), random weights, built in the process; 64-token prompts, batch 2; the step is opdcache's own
+StudentForward (decoder, gather of the response positions, the streamed head) and the lightning loss's log-probs.
+One run per cell (memory does not vary with load):
+
+    python benchmarks/bench_tensor_memory.py [--layers 8 --lengths 512 2048]
+
+Results: benchmarks/results/tensor_memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+V, HIDDEN, BATCH, PROMPT = 151_936, 1024, 2, 64
+
+
+def child(R: int, ckpt: bool, layers: int) -> None:
+    """One forward + backward under the profiler; prints {peak_mib, tokens}."""
+    import warnings
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from opdcache.student import StudentForward, enable_activation_checkpointing
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=V, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(cfg)
+    model.config.use_cache = False
+    if ckpt:
+        enable_activation_checkpointing(model)
+    model.train()
+    for p in model.parameters():  # the gradients exist before the step, as from the second step of a run on
+        p.grad = torch.zeros_like(p)
+    ids = torch.randint(0, V, (BATCH, PROMPT + R))
+    positions = (PROMPT - 1 + torch.arange(R)).expand(BATCH, R)
+    select = torch.ones(BATCH, R, dtype=torch.bool)
+    forward = StudentForward(model, chunk=8192)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        lp, _, _ = forward(ids, torch.ones_like(ids), positions, select, ids[:, PROMPT:].reshape(-1, 1))
+        (-lp.mean()).backward()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # export_memory_timeline is deprecated in favour of CUDA-only tools
+        prof.export_memory_timeline(f"{tmp}/timeline.json", device="cpu")
+        _, sizes = json.loads(Path(f"{tmp}/timeline.json").read_text())
+    print(json.dumps({"peak_mib": max(sum(c) for c in sizes) / 2**20, "tokens": BATCH * R}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--lengths", type=int, nargs=2, default=[512, 2048])
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "tensor_memory.json")
+    args = ap.parse_args()
+    rows = {}
+    for ckpt in (False, True):
+        for R in args.lengths:
+            out = subprocess.run([sys.executable, __file__, "_child", str(R), str(int(ckpt)), str(args.layers)], capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(out.stderr[-3000:])
+            rows.setdefault("checkpointing" if ckpt else "plain", {})[R] = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"R={R} {'checkpointing' if ckpt else 'plain'}: peak live tensors {rows['checkpointing' if ckpt else 'plain'][R]['peak_mib']:.0f} MiB", flush=True)
+    a, b = args.lengths
+    slopes = {k: (v[b]["peak_mib"] - v[a]["peak_mib"]) * 1024 / (v[b]["tokens"] - v[a]["tokens"]) for k, v in rows.items()}
+    print(f"\nper response token, {a} -> {b}: plain {slopes['plain']:.1f} KiB, checkpointing {slopes['checkpointing']:.1f} KiB: "
+          f"a {slopes['plain'] / slopes['checkpointing']:.1f}x cut ({args.layers} layers, hidden {HIDDEN}, vocabulary {V:,}, batch {BATCH})")
+    args.json.write_text(json.dumps({"command": "python benchmarks/bench_tensor_memory.py " + " ".join(sys.argv[1:]), "layers": args.layers,
+                                     "rows": rows, "slope_kib_per_token": slopes, "cut": slopes["plain"] / slopes["checkpointing"]}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_child":
+        child(int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4]))
+    else:
+        main()
