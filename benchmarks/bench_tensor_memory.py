@@ -12,8 +12,9 @@ StudentForward (decoder, gather of the response positions, the streamed head) an
 One run per cell (memory does not vary with load):
 
     python benchmarks/bench_tensor_memory.py [--layers 8 --lengths 512 2048]
+    MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/bench_tensor_memory.py --rss   # the RSS, glibc's retained heap gone
 
-Results: benchmarks/results/tensor_memory.json.
+Results: benchmarks/results/tensor_memory.json (rss_memory.json with --rss).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from pathlib import Path
 V, HIDDEN, BATCH, PROMPT = 151_936, 1024, 2, 64
 
 
-def child(R: int, ckpt: bool, layers: int) -> None:
-    """One forward + backward under the profiler; prints {peak_mib, tokens}."""
+def child(R: int, ckpt: bool, layers: int, rss: bool = False) -> None:
+    """One forward + backward under the profiler (``rss``: with its anonymous RSS sampled instead); prints {peak_mib, tokens}."""
     import warnings
 
     import torch
@@ -52,6 +53,15 @@ def child(R: int, ckpt: bool, layers: int) -> None:
     positions = (PROMPT - 1 + torch.arange(R)).expand(BATCH, R)
     select = torch.ones(BATCH, R, dtype=torch.bool)
     forward = StudentForward(model, chunk=8192)
+    if rss:  # the process's view: what bench_scale.py measures, here without the trainer around the step
+        sys.path.insert(0, str(Path(__file__).parent))
+        from harness import PeakAnon
+
+        with PeakAnon() as peak:
+            lp, _, _ = forward(ids, torch.ones_like(ids), positions, select, ids[:, PROMPT:].reshape(-1, 1))
+            (-lp.mean()).backward()
+        print(json.dumps({"peak_mib": peak.delta / 2**20, "tokens": BATCH * R}))
+        return
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         lp, _, _ = forward(ids, torch.ones_like(ids), positions, select, ids[:, PROMPT:].reshape(-1, 1))
         (-lp.mean()).backward()
@@ -66,26 +76,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--lengths", type=int, nargs=2, default=[512, 2048])
-    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "tensor_memory.json")
+    ap.add_argument("--rss", action="store_true", help="the step's anonymous RSS above its start instead of live tensors (run it "
+                    "with MALLOC_MMAP_THRESHOLD_=131072 to see glibc's retained heap go)")
+    ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    args.json = args.json or Path(__file__).parent / "results" / ("rss_memory.json" if args.rss else "tensor_memory.json")
+    what = "anonymous RSS" if args.rss else "live tensors"
     rows = {}
     for ckpt in (False, True):
         for R in args.lengths:
-            out = subprocess.run([sys.executable, __file__, "_child", str(R), str(int(ckpt)), str(args.layers)], capture_output=True, text=True)
+            out = subprocess.run([sys.executable, __file__, "_child", str(R), str(int(ckpt)), str(args.layers), str(int(args.rss))],
+                                 capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(out.stderr[-3000:])
             rows.setdefault("checkpointing" if ckpt else "plain", {})[R] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"R={R} {'checkpointing' if ckpt else 'plain'}: peak live tensors {rows['checkpointing' if ckpt else 'plain'][R]['peak_mib']:.0f} MiB", flush=True)
+            print(f"R={R} {'checkpointing' if ckpt else 'plain'}: peak {what} {rows['checkpointing' if ckpt else 'plain'][R]['peak_mib']:.0f} MiB", flush=True)
     a, b = args.lengths
     slopes = {k: (v[b]["peak_mib"] - v[a]["peak_mib"]) * 1024 / (v[b]["tokens"] - v[a]["tokens"]) for k, v in rows.items()}
     print(f"\nper response token, {a} -> {b}: plain {slopes['plain']:.1f} KiB, checkpointing {slopes['checkpointing']:.1f} KiB: "
           f"a {slopes['plain'] / slopes['checkpointing']:.1f}x cut ({args.layers} layers, hidden {HIDDEN}, vocabulary {V:,}, batch {BATCH})")
-    args.json.write_text(json.dumps({"command": "python benchmarks/bench_tensor_memory.py " + " ".join(sys.argv[1:]), "layers": args.layers,
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    args.json.write_text(json.dumps({"command": "python benchmarks/bench_tensor_memory.py " + " ".join(sys.argv[1:]), "malloc_env": env, "measure": what,
+                                     "layers": args.layers,
                                      "rows": rows, "slope_kib_per_token": slopes, "cut": slopes["plain"] / slopes["checkpointing"]}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_child":
-        child(int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4]))
+        child(int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4]), len(sys.argv) > 5 and sys.argv[5] == "1")
     else:
         main()

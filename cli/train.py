@@ -82,9 +82,10 @@ def train(
     """Lightning OPD (or another estimator) from a cache: no teacher runs during training.
 
     Memory grows with the model (16 bytes per parameter in float32 with AdamW, split over processes with --fsdp),
-    batch x length x hidden activations (one layer's with --gradient-checkpointing) and response tokens x --chunk;
-    never with tokens x vocabulary (measured at hidden 1,024, float32: ~110 KiB a token per layer, 4 KiB with
-    --gradient-checkpointing plus one layer's; the full-vocabulary losses add 256 MiB of blocks at vocabulary 151,936). A --cache on an object store holds one verified shard's bytes in memory while it
+    batch x length x hidden activations (one layer's with --gradient-checkpointing) and [rows, --chunk] logit blocks (64 MiB);
+    never with tokens x vocabulary (measured at hidden 1,024, 8 layers, float32: ~85 KiB a token per layer; with
+    --gradient-checkpointing 70 KiB a token in all as torch allocates it, 300 as the process's RSS under glibc's
+    malloc; the full-vocabulary losses add 256 MiB of blocks at vocabulary 151,936). A --cache on an object store holds one verified shard's bytes in memory while it
     is decoded. Several processes: torchrun --nproc-per-node N -m opdcache.cli.main train ...
     """
     import yaml

@@ -22,11 +22,13 @@ forward-KL estimate from the m teacher draws (what the sampled store's few bytes
 
 Memory: the model, its gradients and AdamW's two moments in float32 (16 bytes per parameter; divided by the
 number of processes with ``--fsdp``), activations of one micro-batch [batch, length, hidden] per layer (one layer's
-with ``--gradient-checkpointing``), and [response tokens, chunk] float32 logit slices: it grows with tokens x hidden and
-tokens x chunk, never with tokens x vocabulary. The full-vocabulary losses add two [220, vocabulary] float32 blocks
-(opdcache/divergence.py's uniform path; 256 MiB at 151,936). Measured (BENCHMARKS.md, hidden 1,024, 8 layers, float32,
-CPU): about 110 KiB a response token per layer without checkpointing; with it, one layer's plus 4 KiB a token per
-layer; about 200 KiB a token outside the decoder; no term in length squared (SDPA's memory-efficient attention). Launch several processes with ``torchrun --nproc-per-node N -m
+with ``--gradient-checkpointing``), the streamed head's [rows, chunk] float32 logit blocks (64 MiB whatever the
+tokens) and one [vocabulary, hidden] head gradient: it grows with tokens x hidden, never with tokens x vocabulary.
+The full-vocabulary losses add two [220, vocabulary] float32 blocks (opdcache/divergence.py's uniform path; 256 MiB
+at 151,936). Measured (BENCHMARKS.md, hidden 1,024, 8 layers, float32, CPU): torch's live tensors grow by about 680
+KiB a response token (~85 a layer) and by 70 with checkpointing; the process's RSS by 680 and 300, glibc's heap
+keeping the freed recompute buffers (``MALLOC_MMAP_THRESHOLD_=131072`` in the environment removes that); no term in
+length squared (SDPA's memory-efficient attention). Launch several processes with ``torchrun --nproc-per-node N -m
 opdcache.cli.main train ...``: DDP by default, FSDP2 with ``--fsdp``.
 
 Checkpoints hold model weights (safetensors), optimizer state (safetensors + JSON), loader position and
