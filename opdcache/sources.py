@@ -77,14 +77,31 @@ def open_source(cfg, model, model_path, device):
                                            batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers,
                                            max_length=getattr(model.config, "max_position_embeddings", None),
                                            vocab_size=int(model.get_output_embeddings().weight.shape[0])))
+    vocab, params = int(model.get_output_embeddings().weight.shape[0]), cache.params(table)
     if "svd" in stores:  # teacher logits = z D^T + bias: the projection's decoder stands in for the head
         from opdcache import svd
         from opdcache.heads import Head
 
-        projection = svd.load(cache.side_file(table, "svd.safetensors"))  # hash-checked first, like every shard
-        return source, Head(projection.decoder, projection.bias)
+        path = cache.side_file(table, "svd.safetensors")  # hash-checked first, like every shard
+        projection = svd.load(path)
+        return source, checked_head(Head(projection.decoder, projection.bias), vocab, params.svd_rank, path)
     if "hidden" not in stores:
         return source, None
     from opdcache.heads import load_head
 
-    return source, load_head(cache.side_file(table, "head.safetensors"))  # hash-checked first, like every shard
+    path = cache.side_file(table, "head.safetensors")
+    return source, checked_head(load_head(path), vocab, params.hidden_size, path)
+
+
+def checked_head(head, vocab: int, width: int, path):
+    """The teacher's head (or an svd decoder) as the losses will use it: [vocab, width] with a [vocab] bias or none,
+    vocab the student's, width the stored vectors'. A side file of other shapes is refused in one line, before a step
+    would fail inside a matmul."""
+    from opdcache.errors import SchemaError
+
+    shape, bias = tuple(head.weight.shape), None if head.bias is None else tuple(head.bias.shape)
+    if shape != (vocab, width) or bias not in (None, (vocab,)):
+        raise SchemaError(f"{path} holds a [{', '.join(map(str, shape))}] matrix" + (f" and a {list(bias)} bias" if bias else "")
+                          + f", where the student's vocabulary and the stored vectors need [{vocab}, {width}]; "
+                          "score the teacher again for this student, or run `opdcache validate` on the cache")
+    return head

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -156,3 +157,20 @@ def test_full_vocabulary_losses_train_from_an_svd_store(hf_cache, weights, tmp_p
     run_train(TrainConfig(out=tmp_path / "svd16", teacher="svd16", **common))
     low = json.loads((tmp_path / "svd16" / "metrics.jsonl").read_text().splitlines()[0])
     assert math.isfinite(low["loss"]) and low["loss"] == pytest.approx(hidden["loss"], rel=1e-2)
+
+
+def test_a_teacher_head_of_other_shapes_is_refused_in_one_line():
+    """head.safetensors / svd.safetensors are untrusted: a matrix that is not [the student's vocabulary, the stored
+    vectors' width] (or a bias of another length) is refused naming the file and the shapes, not inside a matmul."""
+    from opdcache.errors import SchemaError
+    from opdcache.heads import Head
+    from opdcache.sources import checked_head
+
+    good = Head(torch.zeros(10, 4), torch.zeros(10))
+    assert checked_head(good, 10, 4, "svd.safetensors") is good
+    assert checked_head(Head(torch.zeros(10, 4), None), 10, 4, "head.safetensors").bias is None
+    for head, shown in ((Head(torch.zeros(12, 4), None), "[12, 4] matrix"), (Head(torch.zeros(10, 5), None), "[10, 5] matrix"),
+                        (Head(torch.zeros(10, 4), torch.zeros(3)), "[10, 4] matrix and a [3] bias")):
+        with pytest.raises(SchemaError, match=rf"svd.safetensors holds a {re.escape(shown)}, where the student's vocabulary and the stored "
+                                              r"vectors need \[10, 4\]; score the teacher again"):
+            checked_head(head, 10, 4, "svd.safetensors")
