@@ -27,7 +27,8 @@ tokens) and one [vocabulary, hidden] head gradient: it grows with tokens x hidde
 The full-vocabulary losses add two [220, vocabulary] float32 blocks (opdcache/divergence.py's uniform path; 256 MiB
 at 151,936). Measured (BENCHMARKS.md, hidden 1,024, 8 layers, float32, CPU): torch's live tensors grow by about 680
 KiB a response token (~85 a layer) and by 70 with checkpointing; the process's RSS by 680 and 300, glibc's heap
-keeping the freed recompute buffers (``MALLOC_MMAP_THRESHOLD_=131072`` in the environment removes that); no term in
+keeping the freed recompute buffers (``MALLOC_MMAP_THRESHOLD_=131072`` in the environment removes that, for about 5%
+more time); no term in
 length squared (SDPA's memory-efficient attention). Launch several processes with ``torchrun --nproc-per-node N -m
 opdcache.cli.main train ...``: DDP by default, FSDP2 with ``--fsdp``.
 
