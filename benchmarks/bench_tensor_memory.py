@@ -9,7 +9,9 @@ of live tensor bytes (torch.profiler, profile_memory=True, export_memory_timelin
 The model: the same Qwen3 shape as bench_scale (vocabulary 151,936, hidden 1,024, intermediate 2,048, 16 heads, 8
 layers by default), random weights, built in the process; 64-token prompts, batch 2; the step is opdcache's own
 StudentForward (decoder, gather of the response positions, the streamed head) and the lightning loss's log-probs.
-One run per cell (memory does not vary with load):
+One run per cell: nothing is timed, so there are no sides to interleave, and memory does not vary with load. Two
+lengths give the per-token slope; bench_scale.py --train-memory runs three (128, 512, 2,048) through the trainer, which
+is where a quadratic term would show. What ``peak_mib`` means differs by measure and is written into the JSON:
 
     python benchmarks/bench_tensor_memory.py [--layers 8 --lengths 512 2048]
     MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/bench_tensor_memory.py --rss   # the RSS, glibc's retained heap gone
@@ -27,6 +29,11 @@ import tempfile
 from pathlib import Path
 
 V, HIDDEN, BATCH, PROMPT = 151_936, 1024, 2, 64
+DEFINITIONS = {
+    "live tensors": "the highest total of live tensor bytes torch's profiler saw during the step (parameters, their zeroed "
+                    "gradients and the inputs included), MiB",
+    "anonymous RSS": "the step's peak anonymous RSS above the process's level at the step's start (sampled every ms), MiB",
+}
 
 
 def child(R: int, ckpt: bool, layers: int, rss: bool = False) -> None:
@@ -75,7 +82,7 @@ def child(R: int, ckpt: bool, layers: int, rss: bool = False) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--lengths", type=int, nargs=2, default=[512, 2048])
+    ap.add_argument("--lengths", type=int, nargs=2, default=[512, 2048], help="two response lengths: the slope is taken between them")
     ap.add_argument("--rss", action="store_true", help="the step's anonymous RSS above its start instead of live tensors (run it "
                     "with MALLOC_MMAP_THRESHOLD_=131072 to see glibc's retained heap go)")
     ap.add_argument("--json", type=Path)
@@ -99,6 +106,8 @@ def main() -> None:
 
     env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     args.json.write_text(json.dumps({"command": "python benchmarks/bench_tensor_memory.py " + " ".join(sys.argv[1:]), "malloc_env": env, "measure": what,
+                                     "definitions": {"peak_mib": DEFINITIONS[what], "slope_kib_per_token": "(peak at the longer length - peak at the "
+                                                     "shorter) / (response tokens between them), KiB; tokens = batch x response length"},
                                      "layers": args.layers,
                                      "rows": rows, "slope_kib_per_token": slopes, "cut": slopes["plain"] / slopes["checkpointing"]}, indent=2) + "\n")
 

@@ -72,12 +72,12 @@ def open_source(cfg, model, model_path, device):
     cache = Cache(cfg.cache)
     check_rollout_model(cfg, cache, model_path)
     table = cache.teacher_table(cfg.teacher)  # the only teacher when not named
-    stores, rstores = stores_for(cfg.loss, cfg.topk_support, cache.params(table).stores)
+    params, vocab = cache.params(table), int(model.get_output_embeddings().weight.shape[0])
+    stores, rstores = stores_for(cfg.loss, cfg.topk_support, params.stores)
     source = CacheSource(CacheLoaderConfig(cache=cfg.cache, teacher=table.split("/", 1)[1], stores=stores, rollout_stores=rstores,
                                            batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers,
                                            max_length=getattr(model.config, "max_position_embeddings", None),
-                                           vocab_size=int(model.get_output_embeddings().weight.shape[0])))
-    vocab, params = int(model.get_output_embeddings().weight.shape[0]), cache.params(table)
+                                           vocab_size=vocab))
     if "svd" in stores:  # teacher logits = z D^T + bias: the projection's decoder stands in for the head
         from opdcache import svd
         from opdcache.heads import Head
