@@ -84,8 +84,8 @@ def train(
     Memory grows with the model (16 bytes per parameter in float32 with AdamW, split over processes with --fsdp),
     batch x length x hidden activations (one layer's with --gradient-checkpointing) and [rows, --chunk] logit blocks (64 MiB);
     never with tokens x vocabulary (measured at hidden 1,024, 8 layers, float32: ~85 KiB a token per layer; with
-    --gradient-checkpointing 70 KiB a token in all as torch allocates it, 300 as the process's RSS under glibc's
-    malloc; the full-vocabulary losses add 256 MiB of blocks at vocabulary 151,936). A --cache on an object store holds one verified shard's bytes in memory while it
+    --gradient-checkpointing 70 KiB a token in all, on a CPU with glibc's mmap threshold fixed so that freed recompute
+    buffers leave the RSS, for ~5% more time; the full-vocabulary losses add 256 MiB of blocks at vocabulary 151,936). A --cache on an object store holds one verified shard's bytes in memory while it
     is decoded. Several processes: torchrun --nproc-per-node N -m opdcache.cli.main train ...
     """
     import yaml
@@ -131,6 +131,8 @@ def train(
     loss = f"final loss {last['loss']:.4f}" if "loss" in last else "no step run"
     typer.echo(f"{cfg.out}: {result['steps']} steps of {cfg.loss} ({how}) in {result['seconds']:.1f} s, {loss}; "
                f"model in {cfg.out / 'model'}, metrics in {cfg.out / 'metrics.jsonl'}")
+    if result.get("allocator"):
+        typer.echo(f"{cfg.out}: --gradient-checkpointing on a CPU: {result['allocator']}")
     sizes = {name: _bytes(cfg.out / name) for name in ("model", "checkpoint")}
     typer.echo(f"{cfg.out}: {_human(sum(sizes.values()))} on disk: the model {_human(sizes['model'])}, the checkpoint "
                f"{_human(sizes['checkpoint'])} (float32 weights and AdamW's two moments, to resume or add steps; delete "

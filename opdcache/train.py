@@ -26,10 +26,10 @@ with ``--gradient-checkpointing``), the streamed head's [rows, chunk] float32 lo
 tokens) and one [vocabulary, hidden] head gradient: it grows with tokens x hidden, never with tokens x vocabulary.
 The full-vocabulary losses add two [220, vocabulary] float32 blocks (opdcache/divergence.py's uniform path; 256 MiB
 at 151,936). Measured (BENCHMARKS.md, hidden 1,024, 8 layers, float32, CPU): torch's live tensors grow by about 680
-KiB a response token (~85 a layer) and by 70 with checkpointing; the process's RSS by 680 and 300, glibc's heap
-keeping the freed recompute buffers (``MALLOC_MMAP_THRESHOLD_=131072`` in the environment removes that, for about 5%
-more time); no term in
-length squared (SDPA's memory-efficient attention). Launch several processes with ``torchrun --nproc-per-node N -m
+KiB a response token (~85 a layer) and by 70 with checkpointing. On a CPU with checkpointing, train fixes glibc's mmap
+threshold at 128 KiB (opdcache/allocator.py), so that the freed recompute buffers leave the process's RSS, for about
+5% more time (under glibc's defaults the RSS grew by 300 KiB a token, the heap keeping them; a ``MALLOC_MMAP_THRESHOLD_``
+in the environment is kept instead). No term in length squared (SDPA's memory-efficient attention). Launch several processes with ``torchrun --nproc-per-node N -m
 opdcache.cli.main train ...``: DDP by default, FSDP2 with ``--fsdp``.
 
 Checkpoints hold model weights (safetensors), optimizer state (safetensors + JSON), loader position and
@@ -45,6 +45,7 @@ import time
 import torch
 
 from opdcache import checkpoint
+from opdcache.allocator import map_large_buffers
 from opdcache import losses as L
 from opdcache import objective as O
 from opdcache.errors import OpdcacheError
@@ -74,8 +75,11 @@ class Trainer:
         # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32
         self.model_path = resolve_model(cfg.model).path  # a local directory or a Hub id
         self.model = load_causal_lm(self.model_path, torch.float32).to(self.device)
+        self.allocator = None
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
+            if self.device.type == "cpu":  # else the recomputed buffers stay in glibc's heap (opdcache/allocator.py)
+                self.allocator = map_large_buffers()
         self.model.train()
         self.scheme = self._rollout_scheme() if cfg.rollout_aligned else None
         if self.scheme is not None:  # QaRL: the learner computes as the rollout engine did, from float32 masters
@@ -235,6 +239,8 @@ class Trainer:
         if writer:
             writer.close()
         result = {"steps": self.step, "last": last, "resumed": resumed, "seconds": time.perf_counter() - start}
+        if self.allocator:
+            result["allocator"] = self.allocator
         if cfg.online:  # wall-clock seconds of this invocation sampling the student, in the live teacher's forward, in pi_ref's (KL)
             result["online_seconds"] = dict(self.source.seconds)
         return result
