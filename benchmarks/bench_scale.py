@@ -101,7 +101,8 @@ def full_logits_loss(trainer, batch: dict, loss: str):
 def child_train(student: str, cache: str, loss: str, path: str, out: str, batch: str = str(TRAIN_BATCH)) -> None:
     """One train step in this process (nothing before it but loading): print JSON {seconds, fb_seconds, step_peak and
     fb_peak (bytes of anonymous memory above the level before the step, over the whole step and over its forward +
-    backward alone), tokens (response tokens of the batch), loss}. ``path``: fused, fused+ckpt (activation
+    backward alone), forward_peak (the same over the forward alone), saved (what the forward left resident for the
+    backward: the saved activations), tokens (response tokens of the batch), loss}. ``path``: fused, fused+ckpt (activation
     checkpointing) or plain."""
     import torch
 
@@ -118,11 +119,15 @@ def child_train(student: str, cache: str, loss: str, path: str, out: str, batch:
     # the parameters that can hide the activations at short lengths
     whole = PeakRSS().__enter__()
     fb = PeakRSS().__enter__()
+    fwd = PeakRSS().__enter__()
     t0 = time.perf_counter()
     if path.startswith("fused"):
         loss_value, _ = trainer.loss_and_stats(batch)
     else:  # the plain full-logits step
         loss_value = full_logits_loss(trainer, batch, loss)
+    fwd.__exit__(None, None, None)
+    kept = PeakRSS().__enter__()  # what the forward left for the backward (saved activations), sampled once
+    kept.__exit__(None, None, None)
     loss_value.backward()
     fb_seconds = time.perf_counter() - t0
     fb.__exit__(None, None, None)
@@ -130,6 +135,7 @@ def child_train(student: str, cache: str, loss: str, path: str, out: str, batch:
     seconds = time.perf_counter() - t0
     whole.__exit__(None, None, None)
     print(json.dumps({"seconds": seconds, "fb_seconds": fb_seconds, "step_peak": whole.delta, "fb_peak": fb.delta,
+                      "forward_peak": fwd.delta, "saved": (kept.peak - fwd.base) * 1024,
                       "tokens": int(batch["response_mask"].sum()), "loss": float(loss_value)}))
 
 
@@ -165,22 +171,32 @@ def train_memory(args) -> None:
                 print(f"R={R} {loss} {path}: forward+backward peak {m['fb_peak'] / 2**20:.0f} MiB, step peak {m['step_peak'] / 2**20:.0f} MiB, "
                       f"{m['tokens']} tokens, {m['seconds']:.1f} s", flush=True)
     Rs = sorted(args.lengths)
-    print(f"\nthe forward + backward's own peak (anonymous MiB; AdamW's step apart) at hidden {args.hidden}, {args.layers} layers, vocabulary {V:,}, batch {args.batch}, "
-          "and its slope per "
-          "response token (KiB) between lengths")
-    print(f"{'step':<22}" + "".join(f"{f'R={R}':>9}" for R in Rs) + "".join(f"{f'{a}->{b}':>12}" for a, b in zip(Rs, Rs[1:])))
+    measures = {"fb_peak": "the forward + backward's own peak (AdamW's step apart)",
+                "forward_peak": "the forward's own peak",
+                "saved": "what the forward leaves resident for the backward (saved activations)"}
     summary = {}
+    for key, what in measures.items():
+        if not all(key in m for by_r in rows.values() for m in by_r.values()):
+            continue  # rows reused from a run before the measure existed
+        print(f"\n{what}: anonymous MiB at hidden {args.hidden}, {args.layers} layers, vocabulary {V:,}, batch {args.batch}, and its "
+              "slope per response token (KiB) between lengths")
+        print(f"{'step':<22}" + "".join(f"{f'R={R}':>9}" for R in Rs) + "".join(f"{f'{a}->{b}':>12}" for a, b in zip(Rs, Rs[1:])))
+        for name, by_r in rows.items():
+            slopes = [(by_r[b][key] - by_r[a][key]) / (by_r[b]["tokens"] - by_r[a]["tokens"]) / 1024 for a, b in zip(Rs, Rs[1:])]
+            summary.setdefault(name, {})[key] = {"mib": {R: by_r[R][key] / 2**20 for R in Rs}, "slope_kib_per_token": slopes}
+            print(f"{name:<22}" + "".join(f"{by_r[R][key] / 2**20:>9.0f}" for R in Rs) + "".join(f"{x:>12.1f}" for x in slopes))
     for name, by_r in rows.items():
-        slopes = [(by_r[b]["fb_peak"] - by_r[a]["fb_peak"]) / (by_r[b]["tokens"] - by_r[a]["tokens"]) for a, b in zip(Rs, Rs[1:])]
-        summary[name] = {"peak_mib": {R: by_r[R]["fb_peak"] / 2**20 for R in Rs}, "step_peak_mib": {R: by_r[R]["step_peak"] / 2**20 for R in Rs},
-                         "slope_kib_per_token": [x / 1024 for x in slopes]}
-        print(f"{name:<22}" + "".join(f"{by_r[R]['fb_peak'] / 2**20:>9.0f}" for R in Rs) + "".join(f"{x / 1024:>12.1f}" for x in slopes))
+        summary[name]["step_peak_mib"] = {R: by_r[R]["step_peak"] / 2**20 for R in Rs}
     if args.json:
-        ratio = {loss: [a / b if b > 0 else None for a, b in zip(summary[f"{loss} fused"]["slope_kib_per_token"],
-                                                                   summary[f"{loss} fused+ckpt"]["slope_kib_per_token"])]
+        # the slope without checkpointing over the slope with it, per measure and pair of lengths
+        ratio = {loss: {key: [a / b if b > 0 else None for a, b in zip(summary[f"{loss} fused"][key]["slope_kib_per_token"],
+                                                                          summary[f"{loss} fused+ckpt"][key]["slope_kib_per_token"])]
+                        for key in measures if key in summary[f"{loss} fused"]}
                  for loss in ("lightning", "full-fkl")}
         args.json.write_text(json.dumps({"hidden": args.hidden, "layers": args.layers, "batch": args.batch, "rows": rows, "summary": summary,
-                                         "checkpointing_slope_cut": ratio}, indent=2))
+                                         "checkpointing_slope_cut": ratio,
+                                         "allocator": "glibc M_MMAP_THRESHOLD fixed at 128 KiB by train in the +ckpt rows (opdcache/allocator.py)"},
+                                        indent=2))
 
 
 def main() -> None:
