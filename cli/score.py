@@ -35,7 +35,7 @@ def score_teacher(
     svd_method: Annotated[str, typer.Option("--svd-method", help="naive, importance or prob-weighted (papers/002; the default: on SmolLM2 it has 3-5x less KL than importance at equal rank, BENCHMARKS.md).")] = "prob-weighted",
     svd_min_positions: Annotated[Optional[int], typer.Option(
         "--svd-min-positions", help="Refuse to fit the svd projection on fewer calibration positions than this (default: fit "
-        "on what there is, with a warning naming the count, when the rollouts hold fewer than max(4 x rank, 2,048); the "
+        "on what there is, with a warning naming the count, when the rollouts hold fewer than max(32 x rank, 2,048); the "
         "positions are drawn from all shards).", show_default=False)] = None,
     svd_dtype: Annotated[str, typer.Option("--svd-dtype", help="bfloat16 (format v3, half the bytes; its rounding is in the recorded distortion) or float32.")] = "bfloat16",
     name: Annotated[Optional[str], typer.Option("--name", help="Teacher table name (default: the teacher directory's name).", show_default=False)] = None,
@@ -80,7 +80,8 @@ def score_teacher(
     typer.echo(f"teacher consistency: {c['verdict']} ({c['note']})")
     if result["svd"]:
         for method, d in result["svd"]["distortion"].items():
-            typer.echo(f"svd {method:<13} rank {d['rank']}: KL(teacher || rank-{d['rank']} reconstruction) {d['mean_kl']:.2e} nats/position "
+            typer.echo(f"svd {method:<13} rank {d['rank']}: KL(teacher || rank-{d['rank']} reconstruction) {d['mean_kl']:.2e}"
+                       + (f" ± {d['kl_stderr']:.1e}" if "kl_stderr" in d else "") + " nats/position "
                        f"(mean over {d['positions']} held-out positions, temperature 1), top-1 agreement {d['top1_agreement']:.1%}")
     if result.get("topk"):
         d = result["topk"]["distortion"]

@@ -16,6 +16,7 @@ Distortion is measured on held-out positions: mean KL(true || reconstructed) and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -164,14 +165,15 @@ def _streamed_argmax(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, c
 
 def distortion(proj: SVDProjection, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, held_NH: torch.Tensor, chunk: int = 8192,
                store_dtype: str | None = None) -> dict:
-    """Mean KL(true || reconstructed) in nats and top-1 agreement on held-out hidden states, streamed over
+    """Mean KL(true || reconstructed) in nats with its standard error over positions, and top-1 agreement, on held-out
+    hidden states, streamed over
     [BLOCK, chunk] blocks (opdcache/divergence.py's online KL): memory never grows with positions x vocabulary.
     ``store_dtype="bfloat16"``: z is rounded to bfloat16 first, as the store keeps it."""
     from opdcache.divergence import chunked_divergence
 
     W = weight_VH.float()
     b = None if bias_V is None else bias_V.float()
-    kl_sum, agree, n = 0.0, 0, 0
+    kl_sum, kl_sq, agree, n = 0.0, 0.0, 0, 0
     with torch.no_grad():
         for start in range(0, held_NH.shape[0], BLOCK):
             h = held_NH[start: start + BLOCK].float()
@@ -179,10 +181,13 @@ def distortion(proj: SVDProjection, weight_VH: torch.Tensor, bias_V: torch.Tenso
             if store_dtype == "bfloat16":
                 z = z.to(torch.bfloat16).float()
             # "student" = the reconstruction (z, decoder), "teacher" = the true logits: fkl is KL(true || reconstructed)
-            kl_sum += float(chunked_divergence("fkl", z, proj.decoder, h, W, proj.bias, b, chunk=chunk).double().sum())
+            kl_N = chunked_divergence("fkl", z, proj.decoder, h, W, proj.bias, b, chunk=chunk).double()
+            kl_sum, kl_sq = kl_sum + float(kl_N.sum()), kl_sq + float(kl_N.square().sum())
             agree += int((_streamed_argmax(h, W, b, chunk) == _streamed_argmax(z, proj.decoder, proj.bias, chunk)).sum())
             n += h.shape[0]
-    return {"mean_kl": kl_sum / max(n, 1), "top1_agreement": agree / max(n, 1), "positions": n}
+    mean = kl_sum / max(n, 1)
+    stderr = math.sqrt(max(kl_sq / n - mean * mean, 0.0) / max(n - 1, 1)) if n else 0.0
+    return {"mean_kl": mean, "kl_stderr": stderr, "top1_agreement": agree / max(n, 1), "positions": n}
 
 
 def save(proj: SVDProjection, path, extra: dict) -> None:

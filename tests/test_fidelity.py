@@ -173,7 +173,7 @@ def test_hidden_dtype_bfloat16_stores_rounded_states_and_records_their_kl(weight
 
 def test_svd_calibration_is_drawn_from_all_shards_and_its_size_recorded(hf_cache, weights, tmp_path, capsys):
     """The fit takes seeded rows over every shard (not the first rows of shard 0), records its calibration size, warns
-    with the count when the rollouts hold fewer than max(4 x rank, 2,048) positions, and --svd-min-positions refuses
+    with the count when the rollouts hold fewer than max(32 x rank, 2,048) positions, and --svd-min-positions refuses
     before any model loads."""
     import shutil
 
@@ -183,6 +183,7 @@ def test_svd_calibration_is_drawn_from_all_shards_and_its_size_recorded(hf_cache
 
     cache = Cache(hf_cache)
     picks, target = calibration_rows(cache, 16, 0)
+    assert calibration_rows(cache, 512, 0)[1] == 16384  # 32 x rank above the floor
     assert target == 2048 and len({s for s, _ in picks}) == len(cache.table("rollouts")["shards"]) > 1
     assert calibration_rows(cache, 16, 0) == (picks, target) and calibration_rows(cache, 16, 1)[0] != picks  # seeded
     info = cache.table("teachers/teacher")["svd"]
