@@ -23,7 +23,7 @@ def real_rollouts() -> tuple[Path, Path]:
     model = real.smollm2()
     root = Path(os.environ.get("OPDCACHE_BENCH_DATA", Path.home() / ".cache" / "opdcache" / "bench")) / f"smollm2-math-{PROMPTS}x{MAX_NEW_TOKENS}"
     cache = root / "cache"
-    if not (cache / "manifest.json").is_file():
+    if not (cache / "opdcache.json").is_file():  # the manifest, written last
         root.mkdir(parents=True, exist_ok=True)
         prompts = real.write_math_prompts(root / "prompts.jsonl", PROMPTS)
         run_generate(GenerateJob(model=model, prompts=PromptConfig(prompts, messages_field="messages", system_prompt=real.MATH_SYSTEM),
