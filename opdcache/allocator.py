@@ -2,8 +2,8 @@
 
 With ``--gradient-checkpointing`` the backward recomputes each decoder layer's activations and frees them, once per
 layer. On a CPU, torch takes those [batch, length, hidden] buffers from malloc, and glibc serves them from its heap:
-its mmap threshold is dynamic and rises to the largest block freed so far, so after the first step every large buffer
-comes from the heap, and the heap keeps the space of what was freed. The process's resident memory then follows the
+its mmap threshold is dynamic and rises to the largest block freed so far (up to 32 MiB), so after the first step
+every buffer below that comes from the heap, and the heap keeps the space of what was freed. The process's resident memory then follows the
 largest set of buffers ever live at once, not the tensors torch holds: at hidden 1,024 and 8 layers, 235 KiB of RSS a
 response token where torch holds 70 (BENCHMARKS.md, "Training memory").
 

@@ -25,7 +25,7 @@ from opdcache.models import load_tokenizer, resolve_model
 from opdcache.rollouts import EngineConfig, make_backend
 
 CALIBRATION_PER_RANK = 32  # the svd projection is fitted on at least 32 x rank positions when the table has them: on
-# SmolLM2 at rank 512 the held-out KL falls from 6.2e-3 (2,048 positions) to 4.4e-3 (16,384) and then stays (BENCHMARKS.md)
+# SmolLM2 at rank 512 the held-out KL falls from 6.7e-3 (2,048 positions) to 4.8e-3 (8,192) and then stays (BENCHMARKS.md)
 CALIBRATION_MIN_POSITIONS = 2048  # ... and at least this many
 HELDOUT_POSITIONS = 1024  # further positions, for measuring its distortion
 
