@@ -192,8 +192,10 @@ def measure(teacher: Model, requests: list, row_ids: list[str], settings: list[S
     projections = {}
     half = max(1, len(requests) // 2)
     svd_settings = [s for s in settings if s.store == "svd"]
+    svd_positions = 0
     if svd_settings:  # fitted on the first half of the sample, measured on the second
         calib = torch.cat([teacher.hidden(r) for r in requests[:half]]).float()
+        svd_positions = int(calib.shape[0])
         for s in svd_settings:
             projections[s] = svd.fit(teacher.W, teacher.b, calib, min(s.rank, H), "prob-weighted")
         del calib
@@ -253,7 +255,7 @@ def measure(teacher: Model, requests: list, row_ids: list[str], settings: list[S
         if progress:
             progress(1)
     out = {"tokens": tokens, "rows": len(measured_rows), "teacher_entropy": float(np.concatenate(entropy).mean()) if entropy else 0.0,
-           "vocab_size": V, "hidden_size": H, "settings": {}}
+           "vocab_size": V, "hidden_size": H, "svd_calibration_positions": svd_positions, "settings": {}}
     with tempfile.TemporaryDirectory(prefix="opdcache-plan-") as tmp:
         for s in settings:
             acc = accs[s]

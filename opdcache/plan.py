@@ -93,6 +93,11 @@ def render(report: dict) -> str:
             st = r["students"][n]
             line += f" {st['fkl_error']['max']:>16.2e} {st['fkl_error']['mean']:>9.2e} {st['grad_l1_error']['max']:>9.2e} {st['grad_l1_error']['mean']:>9.2e}"
         lines.append(line)
+    if report.get("svd_calibration_positions"):
+        n = report["svd_calibration_positions"]
+        lines += ["", f"svd rows: fitted on the first half of the sample ({n:,} positions), where score-teacher fits on "
+                      "max(32 x rank, 2,048) drawn over every shard; a small sample overstates their kl (SmolLM2, rank 512: "
+                      "6.7e-3 at 2,048 positions, 4.8e-3 at 16,384; BENCHMARKS.md). More --rows measures them closer."]
     if "choice" in report:
         c = report["choice"]
         lines.append("")

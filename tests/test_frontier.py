@@ -99,6 +99,10 @@ def test_plan_command_prints_the_frontier_and_refuses_bad_options(hf_cache, weig
     report = json.loads(out)
     assert report["rows"] == 2 and report["choice"]["flags"].startswith("--store")  # svd: half the rows fit it
     assert {"top-20 exact", "sampled m=12", "hidden bfloat16", "svd r=64 bfloat16"} <= set(report["settings"])
+    assert report["svd_calibration_positions"] > 0
+    code, out, err = cli("plan", hf_cache, "--teacher", weights / "teacher", "--rows", 4)
+    n = f"{report['svd_calibration_positions']:,}"
+    assert code == 0 and f"svd rows: fitted on the first half of the sample ({n} positions)" in out, out  # the same seeded sample
     code, out, err = cli("plan", hf_cache, "--teacher", weights / "teacher", "--max-error", 1e-2, "--max-bytes", 100)
     assert code == 2 and "--max-error and --max-bytes each pick a setting; pass one of them" in err and "Traceback" not in err
     code, out, err = cli("plan", hf_cache, "--teacher", weights / "teacher", "--rows", 0)
