@@ -165,8 +165,9 @@ def _streamed_argmax(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, c
 
 def distortion(proj: SVDProjection, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, held_NH: torch.Tensor, chunk: int = 8192,
                store_dtype: str | None = None) -> dict:
-    """Mean KL(true || reconstructed) in nats with its standard error over positions, and top-1 agreement, on held-out
-    hidden states, streamed over
+    """Mean KL(true || reconstructed) in nats with its standard error over positions (``kl_stderr``: the positions'
+    standard deviation over sqrt(count), as if independent; positions of one sequence are correlated, so it understates
+    the spread between samples of rows), and top-1 agreement, on held-out hidden states, streamed over
     [BLOCK, chunk] blocks (opdcache/divergence.py's online KL): memory never grows with positions x vocabulary.
     ``store_dtype="bfloat16"``: z is rounded to bfloat16 first, as the store keeps it."""
     from opdcache.divergence import chunked_divergence
