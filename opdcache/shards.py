@@ -184,6 +184,10 @@ def _encodings(schema: pa.Schema) -> dict[str, str]:
 
 PROB14_COMPRESSION_LEVEL = 9
 """zstd level of a prob14 store's two columns: their bytes are few, and level 9 takes 10% off them (BENCHMARKS.md)."""
+PROB14_PAGE_BYTES = 8 << 20
+"""Data page size of a table with a prob14 store. zstd compresses each page on its own, and the ascending id lists
+repeat across positions: one page per column chunk instead of 1 MiB pages takes 193.0 -> 189.3 B/token off the store
+(bench_topk_codes.py). A reader decodes a page at a time: 8 MiB at most, as the row group's size bounds it."""
 
 
 def _leaf(field: pa.Field) -> tuple[pa.DataType, str]:
@@ -221,6 +225,7 @@ def write_table_atomic(table: pa.Table, path, root) -> ShardInfo:
             table, str(tmp),
             row_group_size=_row_group_rows(table),
             compression=COMPRESSION, compression_level=_levels(table.schema),
+            data_page_size=PROB14_PAGE_BYTES if _prob14(table.schema) else None,
             use_dictionary=dict_cols, column_encoding=encodings or None,
             write_statistics=False,  # min/max of list elements is useless and costs bytes
             store_schema=True,

@@ -460,6 +460,40 @@ def test_prob14_is_smaller_and_trains(prob14_cache, weights, tmp_path, capsys):
     assert exit_.value.code == 0, capsys.readouterr().err
 
 
+def test_a_prob14_table_is_written_in_pages_that_span_its_column_chunks(tmp_path):
+    """zstd compresses each Parquet page on its own; the ascending id lists of a prob14 store repeat across positions, so
+    its tables are written with 8 MiB pages (shards.PROB14_PAGE_BYTES) and come out smaller than with pyarrow's 1 MiB:
+    here 3 MiB of ids, each position's list one of 3,000 lists (1.5 MiB of them: a 1 MiB page holds a list's first use
+    again and again, one page holds it once). Read back unchanged."""
+    import pyarrow.parquet as pq
+
+    from opdcache import schema as S
+    from opdcache import shards
+
+    rng = np.random.default_rng(0)
+    lists = np.sort(np.stack([rng.choice(50_000, 128, replace=False) for _ in range(3000)]), 1).astype(np.int32)
+    T = 1024
+    recs = []
+    for r in range(6):
+        ids = lists[rng.integers(0, len(lists), T)]
+        recs.append({"id": f"r{r}", "logprobs": np.zeros(T, np.float32), "logsumexp": np.zeros(T, np.float32), "topk_ids": ids,
+                     "topk_logprobs": np.full((T, 128), 100, np.uint16), "topk_tail": np.full(T, 1 - 128 * 100 * 2.0 ** -14, np.float32)})
+    params = S.StoreParams(stores=("logprob", "topk"), top_k=128, topk_precision="prob14", topk_mass=1e-4)
+    table = shards.build_table("teacher", params, recs)
+    shards.write_table_atomic(table, tmp_path / "big.parquet", tmp_path)
+    pq.write_table(table, tmp_path / "small.parquet", compression="zstd", compression_level=9, use_dictionary=False,
+                   column_encoding={"topk_ids.list.element.list.element": "PLAIN"}, write_statistics=False,
+                   row_group_size=shards._row_group_rows(table))
+
+    def ids_bytes(path):
+        meta = pq.ParquetFile(path).metadata
+        return sum(meta.row_group(g).column(c).total_compressed_size for g in range(meta.num_row_groups)
+                   for c in range(meta.num_columns) if meta.row_group(g).column(c).path_in_schema.startswith("topk_ids"))
+
+    assert ids_bytes(tmp_path / "big.parquet") < 0.8 * ids_bytes(tmp_path / "small.parquet")
+    assert pq.read_table(tmp_path / "big.parquet").equals(table)
+
+
 def test_validate_and_the_loader_refuse_a_prob14_row_out_of_id_order():
     from opdcache import rowrules
 

@@ -1,0 +1,280 @@
+"""The compact top-128's value codes and layout on a real teacher: bytes against the error they add to the exact
+top-128, for the levers issue 29 (item 4) names. Goal there: <= 200 B/token at a compact-vs-exact error <= 5e-4.
+
+Data: the storage frontier's (benchmarks/realdata.py, bench_storage.py): SmolLM2-135M-Instruct as teacher on its own
+temperature-1 responses to 64 chat-template math prompts; the second half of the rows (32 sequences, 4,011 positions).
+Students: the same model with w8a8 (0.031 nats a position from the teacher) and w4a16:g64 (0.43 nats), emulated by
+``--quantize`` as the frontier does. Every setting starts from the exact top-128 (float64 from the teacher's float32
+logits) and the residual-mass support at 1e-4 (as score-teacher's ``--topk-mass 1e-4``).
+
+Error: |FKL_setting - FKL_exact top-128| a position, max and mean over the positions, each with the tail-bin estimator
+train's ``topk-fkl --topk-tail`` uses (the kept probabilities renormalised with the stored tail; the student's tail is
+its exact mass outside the kept ids). Bytes: the store's three columns as opdcache's writer lays them out (fixed width
+128, padding id -1 / code 0, ids ascending in PLAIN int32, codes uint16 BYTE_STREAM_SPLIT, tail float32
+BYTE_STREAM_SPLIT, zstd at the level shown, one row per sequence, one row group), per token; the first row writes
+the v4 store with opdcache's own writer to check the layout. Compression speed: the two columns' raw pages through
+zstd alone, tokens per CPU-second (what the setting costs a scorer). A measurement of error and bytes; only the zstd
+speed is timed, on one core.
+
+    python benchmarks/bench_topk_codes.py [--out benchmarks/results/topk_codes.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MASS = 1e-4
+K = 128
+
+
+@dataclass
+class Data:
+    ids: np.ndarray  # [T, 128] int32, rank order
+    p: np.ndarray  # [T, 128] float64, normalised together with pout
+    pout: np.ndarray  # [T] mass outside the top-128
+    rows: list  # sequence lengths, in order
+    students: dict  # name -> (s [T, 128] student probabilities at the ids, sout [T] student mass outside)
+
+
+def collect() -> Data:
+    """The teacher's top-128 and both students at those ids, per position of the frontier's measured rows."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from realdata import real_rollouts
+
+    from opdcache.backends.hf import TransformersBackend
+    from opdcache.cache import Cache
+    from opdcache.frontier import Model
+    from opdcache.scoring import score_requests
+
+    cache_dir, model = real_rollouts()
+    cache = Cache(cache_dir)
+    reqs = []
+    for i in range(len(cache.shard_paths("rollouts"))):
+        reqs += score_requests(cache.read_shard("rollouts", i, ["id", "prompt_ids", "response_ids"]))
+    reqs = reqs[len(reqs) // 2:]  # the rows the frontier measures on
+    teacher = Model(TransformersBackend(model, dtype="float32"), "teacher")
+    students = {"w8a8": Model(TransformersBackend(model, dtype="float32", quantize="w8a8")),
+                "w4a16": Model(TransformersBackend(model, dtype="float32", quantize="w4a16:g64"))}
+    ids, plp, rows, s_at, s_out = [], [], [], {n: [] for n in students}, {n: [] for n in students}
+    for req in reqs:
+        p = teacher.log_probs(teacher.hidden(req))
+        top = torch.topk(p, K, dim=-1)
+        ids.append(top.indices.numpy().astype(np.int32))
+        plp.append(top.values.numpy())
+        rows.append(p.shape[0])
+        for name, m in students.items():
+            q = m.log_probs(m.hidden(req)).gather(1, top.indices).exp()
+            s_at[name].append(q.numpy())
+            s_out[name].append(np.clip(1 - q.sum(-1).numpy(), 1e-300, 1))
+    P = np.exp(np.concatenate(plp))
+    pout = np.clip(1 - P.sum(1), 0, 1)
+    total = P.sum(1) + pout
+    return Data(np.concatenate(ids), P / total[:, None], pout / total, rows,
+                {n: (np.concatenate(s_at[n]), np.concatenate(s_out[n])) for n in students})
+
+
+def estimate(q: np.ndarray, kept: np.ndarray, tail: np.ndarray, s: np.ndarray, sout: np.ndarray) -> np.ndarray:
+    """The tail-bin forward-KL estimate per position from decoded probabilities ``q`` (0 off the kept support)."""
+    z = q.sum(1) + tail
+    qn, tn = q / z[:, None], tail / z
+    s_tail = sout + np.where(kept, 0.0, s).sum(1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        on = np.where(kept & (qn > 0), qn * (np.log(qn) - np.log(s)), 0.0).sum(1)
+        return on + np.where(tn > 0, tn * (np.log(np.maximum(tn, 1e-300)) - np.log(s_tail)), 0.0)
+
+
+def support(d: Data, mass: float = MASS) -> np.ndarray:
+    """The residual-mass prefix in rank order (opdcache.compact.support): the shortest whose rest is <= ``mass``."""
+    rest = d.pout[:, None] + np.cumsum(d.p[:, ::-1], 1)[:, ::-1]  # rest[:, j]: the mass from entry j on, outside included
+    rest = np.concatenate([rest, d.pout[:, None]], 1)
+    ok = rest <= mass
+    return np.arange(K)[None] < np.maximum(np.where(ok.any(1), ok.argmax(1), K), 1)[:, None]
+
+
+# ---------------------------------------------------------------- the codes: (kept [T, K], decoded q [T, K], codes [T, K])
+
+def linear(d: Data, step: float, drop: float = 0.5, rounding: str = "nearest"):
+    """Probability codes c on a grid of ``step`` (prob14: 2^-14); an entry below ``drop`` x step leaves the support
+    (its mass joins the tail), the most likely one always stays. ``rounding``: nearest; "largest-remainder" (each
+    position's codes sum to round(kept mass / step)); "diffused" (each rounding error carried to the next entry)."""
+    base = support(d)
+    x = np.where(base, d.p / step, 0.0)
+    if rounding == "nearest":
+        code = np.rint(x)
+    elif rounding == "largest-remainder":
+        floor = np.floor(x)
+        need = (np.rint(x.sum(1)) - floor.sum(1)).astype(int)
+        rank = np.argsort(np.argsort(-np.where(base, x - floor, -1), 1), 1)
+        code = floor + (rank < need[:, None])
+    else:
+        code, carry = np.zeros_like(x), np.zeros(len(x))
+        for j in range(K):
+            v = x[:, j] + carry
+            code[:, j] = np.where(base[:, j], np.rint(v), 0)
+            carry = np.where(base[:, j], v - code[:, j], carry)
+    kept = base & ((d.p >= drop * step) if rounding == "nearest" else (code > 0))
+    kept[:, 0] = True
+    code = np.maximum(code, 1)
+    return kept, np.where(kept, code * step, 0.0), code
+
+
+def hybrid(d: Data, step: float, ratio: float, floor: float = 1e-6):
+    """A grid of ``step`` above step / ratio and geometric (relative spacing ``ratio``) below, down to ``floor``: small
+    entries keep their relative precision instead of rounding to 0 or one step."""
+    t0 = step / ratio
+    geo = floor * (1 + ratio) ** np.arange(int(np.ceil(np.log(t0 / floor) / np.log1p(ratio))) + 1)
+    grid = np.concatenate([geo[geo < t0], t0 + step * np.arange(int(np.ceil((1 - t0) / step)) + 1)])
+    j = np.clip(np.searchsorted(grid, d.p), 1, len(grid) - 1)
+    idx = np.where(d.p - grid[j - 1] < grid[j] - d.p, j - 1, j)
+    kept = support(d) & (d.p >= grid[0] / np.sqrt(1 + ratio))
+    kept[:, 0] = True
+    return kept, np.where(kept, grid[idx], 0.0), idx + 1
+
+
+def exact_values(d: Data):
+    kept = support(d)
+    return kept, np.where(kept, d.p, 0.0), None
+
+
+# ---------------------------------------------------------------- bytes
+
+def columns(d: Data, kept: np.ndarray, codes: np.ndarray, tail: np.ndarray):
+    """The store's three columns in the v4 layout: ids ascending with id -1 / code 0 padding, one row per sequence."""
+    import pyarrow as pa
+
+    order = np.argsort(np.where(kept, d.ids, np.iinfo(np.int32).max), 1, kind="stable")
+    k = np.take_along_axis(kept, order, 1)
+    ids = np.where(k, np.take_along_axis(d.ids, order, 1), -1).astype(np.int32)
+    vals = np.where(k, np.take_along_axis(codes, order, 1), 0).astype(np.uint16)
+    bounds = np.concatenate([[0], np.cumsum(d.rows)])
+
+    def nested(a, typ):
+        flat = pa.array(a.reshape(-1), type=typ)
+        inner = pa.FixedSizeListArray.from_arrays(flat, K)
+        return pa.ListArray.from_arrays(pa.array(bounds, pa.int32()), inner)
+
+    return {"topk_ids": nested(ids, pa.int32()), "topk_logprobs": nested(vals, pa.uint16()),
+            "topk_tail": pa.ListArray.from_arrays(pa.array(bounds, pa.int32()), pa.array(tail.astype(np.float32)))}, ids, vals
+
+
+def store_bytes(cols: dict, level: int, page: int | None) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table(cols), buf, compression="zstd", compression_level=level, use_dictionary=False, write_statistics=False,
+                   column_encoding={"topk_ids.list.element.list.element": "PLAIN", "topk_logprobs.list.element.list.element": "BYTE_STREAM_SPLIT",
+                                    "topk_tail.list.element": "BYTE_STREAM_SPLIT"}, data_page_size=page)
+    meta = pq.ParquetFile(io.BytesIO(buf.getvalue())).metadata
+    out = {}
+    for g in range(meta.num_row_groups):
+        for c in range(meta.num_columns):
+            col = meta.row_group(g).column(c)
+            name = col.path_in_schema.split(".")[0]
+            out[name] = out.get(name, 0) + col.total_compressed_size
+    return out
+
+
+def writer_bytes(d: Data) -> float:
+    """The v4 prob14 store as opdcache's own writer writes it (compact_topk, build_table, write_table_atomic)."""
+    import pyarrow.parquet as pq
+
+    from opdcache import compact, shards
+    from opdcache import schema as S
+
+    params = S.StoreParams(stores=("logprob", "topk"), top_k=K, topk_precision="prob14", topk_mass=MASS)
+    bounds = np.concatenate([[0], np.cumsum(d.rows)])
+    recs = []
+    for r, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        enc = compact.compact_topk(d.ids[a:b], np.log(np.maximum(d.p[a:b], 1e-300)).astype(np.float32), "prob14", MASS)
+        recs.append({"id": f"r{r}", "logprobs": np.zeros(b - a, np.float32), "logsumexp": np.zeros(b - a, np.float32),
+                     "topk_ids": enc["ids"], "topk_logprobs": enc["stored"], "topk_tail": enc["tail"]})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "t.parquet"
+        shards.write_table_atomic(shards.build_table("teacher", params, recs), path, Path(tmp))
+        meta = pq.ParquetFile(path).metadata
+        return sum(meta.row_group(g).column(c).total_compressed_size for g in range(meta.num_row_groups)
+                   for c in range(meta.num_columns) if meta.row_group(g).column(c).path_in_schema.split(".")[0].startswith("topk_"))
+
+
+def zstd_rate(ids: np.ndarray, vals: np.ndarray, level: int) -> float:
+    """Tokens per CPU-second through zstd at ``level`` for the two columns' raw bytes (ids PLAIN, codes split by byte)."""
+    import pyarrow as pa
+
+    codec = pa.Codec("zstd", compression_level=level)
+    split = np.concatenate([vals.view(np.uint8).reshape(-1, 2)[:, 0], vals.view(np.uint8).reshape(-1, 2)[:, 1]])
+    start = time.process_time()
+    for data in (ids.tobytes(), split.tobytes()):
+        codec.compress(data)
+    return len(ids) / (time.process_time() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "topk_codes.json")
+    args = parser.parse_args()
+    d = collect()
+    T = len(d.p)
+    exact = {n: estimate(d.p, np.ones_like(d.p, bool), d.pout, s, so) for n, (s, so) in d.students.items()}
+    MiB = 1 << 20
+    settings = [  # (label, code, zstd level, page bytes)
+        ("float32 values (the support's own error)", lambda: exact_values(d), None, None),
+        ("prob14, 1 MiB pages (v4 before)", lambda: linear(d, 2.0 ** -14), 9, MiB),
+        ("prob14, 8 MiB pages (v4 now)", lambda: linear(d, 2.0 ** -14), 9, 8 * MiB),
+        ("prob14 largest-remainder", lambda: linear(d, 2.0 ** -14, rounding="largest-remainder"), 9, 8 * MiB),
+        ("prob14 error-diffused", lambda: linear(d, 2.0 ** -14, rounding="diffused"), 9, 8 * MiB),
+        ("prob14, zstd 15", lambda: linear(d, 2.0 ** -14), 15, 8 * MiB),
+        ("prob14, zstd 19", lambda: linear(d, 2.0 ** -14), 19, 8 * MiB),
+        ("step 2^-14.5", lambda: linear(d, 1 / 23170), 9, 8 * MiB),
+        ("step 2^-15", lambda: linear(d, 2.0 ** -15), 9, 8 * MiB),
+        ("step 2^-15, drop < 0.75 step", lambda: linear(d, 2.0 ** -15, drop=0.75), 9, 8 * MiB),
+        ("step 2^-15, drop < 1 step", lambda: linear(d, 2.0 ** -15, drop=1.0), 9, 8 * MiB),
+        ("step 2^-15, zstd 15", lambda: linear(d, 2.0 ** -15), 15, 8 * MiB),
+        ("step 2^-15, zstd 19", lambda: linear(d, 2.0 ** -15), 19, 8 * MiB),
+        ("step 2^-16", lambda: linear(d, 2.0 ** -16), 9, 8 * MiB),
+        ("hybrid 2^-14 / relative 1/4", lambda: hybrid(d, 2.0 ** -14, 0.25), 9, 8 * MiB),
+        ("hybrid 2^-14 / relative 1/8", lambda: hybrid(d, 2.0 ** -14, 0.125), 9, 8 * MiB),
+        ("hybrid 2^-14 / relative 1/16", lambda: hybrid(d, 2.0 ** -14, 0.0625), 9, 8 * MiB),
+    ]
+    report = {"command": "python benchmarks/bench_topk_codes.py", "positions": T, "mass": MASS, "settings": {},
+              "opdcache_writer_prob14_bytes_per_token": writer_bytes(d) / T}
+    print(f"{T:,} positions; the v4 prob14 store as opdcache's writer writes it: {report['opdcache_writer_prob14_bytes_per_token']:.1f} B/token\n")
+    head = f"{'setting':<44} {'B/token':>8} {'ids/codes/tail':>15} {'entries':>8} {'zstd tok/CPU-s':>15}  " + "  ".join(
+        f"{n + ' max':>10} {'mean':>8}" for n in d.students)
+    print(head)
+    print("-" * len(head))
+    for label, code, level, page in settings:
+        kept, q, codes = code()
+        tail = np.clip(d.pout + np.where(kept, 0.0, d.p).sum(1), 0, 1)  # the exact mass outside the kept entries
+        row = {"entries": float(kept.sum(1).mean()), "students": {}}
+        for n, (s, so) in d.students.items():
+            err = np.abs(estimate(q, kept, tail, s, so) - exact[n])
+            row["students"][n] = {"max": float(err.max()), "mean": float(err.mean())}
+        if codes is not None:
+            cols, ids, vals = columns(d, kept, codes, tail)
+            sizes = store_bytes(cols, level, page)
+            row |= {"bytes_per_token": sum(sizes.values()) / T, "columns": {k: v / T for k, v in sizes.items()},
+                    "zstd_level": level, "page_bytes": page, "zstd_tokens_per_cpu_s": zstd_rate(ids, vals, level)}
+        report["settings"][label] = row
+        b = f"{row['bytes_per_token']:8.1f} {'/'.join(f'{v:.0f}' for v in row['columns'].values()):>15}" if codes is not None else f"{'':>8} {'':>15}"
+        rate = f"{row['zstd_tokens_per_cpu_s']:>15,.0f}" if codes is not None else f"{'':>15}"
+        print(f"{label:<44} {b} {row['entries']:8.1f} {rate}  " + "  ".join(
+            f"{st['max']:>10.2e} {st['mean']:>8.2e}" for st in row["students"].values()), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
