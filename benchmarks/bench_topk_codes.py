@@ -147,6 +147,16 @@ def exact_values(d: Data):
     return kept, np.where(kept, d.p, 0.0), None
 
 
+def prob14_parts(d: Data, part: str):
+    """prob14's two errors apart: "drop" (its support, exact values) or "round" (its codes, nothing dropped: an entry
+    whose code is 0 keeps its exact value)."""
+    kept, q, _ = linear(d, 2.0 ** -14)
+    if part == "drop":
+        return kept, np.where(kept, d.p, 0.0), None
+    base = support(d)
+    return base, np.where(kept, q, np.where(base, d.p, 0.0)), None
+
+
 # ---------------------------------------------------------------- bytes
 
 def columns(d: Data, kept: np.ndarray, codes: np.ndarray, tail: np.ndarray):
@@ -230,6 +240,8 @@ def main() -> None:
     MiB = 1 << 20
     settings = [  # (label, code, zstd level, page bytes)
         ("float32 values (the support's own error)", lambda: exact_values(d), None, None),
+        ("prob14's drop alone (exact values)", lambda: prob14_parts(d, "drop"), None, None),
+        ("prob14's rounding alone (nothing dropped)", lambda: prob14_parts(d, "round"), None, None),
         ("prob14, 1 MiB pages (v4 before)", lambda: linear(d, 2.0 ** -14), 9, MiB),
         ("prob14, 8 MiB pages (v4 now)", lambda: linear(d, 2.0 ** -14), 9, 8 * MiB),
         ("prob14 largest-remainder", lambda: linear(d, 2.0 ** -14, rounding="largest-remainder"), 9, 8 * MiB),
