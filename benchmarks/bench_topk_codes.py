@@ -32,6 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_storage import column_bytes  # noqa: E402  (Parquet bytes per column: one reading for both benchmarks)
+
 MASS = 1e-4
 K = 128
 
@@ -48,8 +51,6 @@ class Data:
 def collect() -> Data:
     """The teacher's top-128 and both students at those ids, per position of the frontier's measured rows."""
     import torch
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from realdata import real_rollouts
 
     from opdcache.backends.hf import TransformersBackend
@@ -186,20 +187,11 @@ def store_bytes(cols: dict, level: int, page: int | None) -> dict:
     pq.write_table(pa.table(cols), buf, compression="zstd", compression_level=level, use_dictionary=False, write_statistics=False,
                    column_encoding={"topk_ids.list.element.list.element": "PLAIN", "topk_logprobs.list.element.list.element": "BYTE_STREAM_SPLIT",
                                     "topk_tail.list.element": "BYTE_STREAM_SPLIT"}, data_page_size=page)
-    meta = pq.ParquetFile(io.BytesIO(buf.getvalue())).metadata
-    out = {}
-    for g in range(meta.num_row_groups):
-        for c in range(meta.num_columns):
-            col = meta.row_group(g).column(c)
-            name = col.path_in_schema.split(".")[0]
-            out[name] = out.get(name, 0) + col.total_compressed_size
-    return out
+    return column_bytes(buf.getvalue())
 
 
 def writer_bytes(d: Data) -> float:
     """The v4 prob14 store as opdcache's own writer writes it (compact_topk, build_table, write_table_atomic)."""
-    import pyarrow.parquet as pq
-
     from opdcache import compact, shards
     from opdcache import schema as S
 
@@ -213,9 +205,7 @@ def writer_bytes(d: Data) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "t.parquet"
         shards.write_table_atomic(shards.build_table("teacher", params, recs), path, Path(tmp))
-        meta = pq.ParquetFile(path).metadata
-        return sum(meta.row_group(g).column(c).total_compressed_size for g in range(meta.num_row_groups)
-                   for c in range(meta.num_columns) if meta.row_group(g).column(c).path_in_schema.split(".")[0].startswith("topk_"))
+        return sum(size for name, size in column_bytes(path.read_bytes()).items() if name.startswith("topk_"))
 
 
 def zstd_rate(ids: np.ndarray, vals: np.ndarray, level: int) -> float:
