@@ -247,7 +247,7 @@ def _row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[bool, b
     log-sum-exp; the log-probs (in place) with the row totals; dz with the gradient matmuls. For fkl the second sweep
     leaves p in place of log p (dz = q - p needs no log p), so the third takes one exp an element, not two; the
     log-probs are z - lse in one subtraction, and every temporary of a piece lives in one reused scratch piece (with
-    the head gradient: 0.91x -> 0.81-0.88x kl_div's time, BENCHMARKS.md). The logit matmuls in
+    the head gradient: 0.91x -> 0.79-0.88x kl_div's time, BENCHMARKS.md). The logit matmuls in
     the model's matmul dtype, everything after them in float32 at least; the gradient matmuls in the matmul dtype,
     accumulated in float32 (as the per-position backward does). The two [R, V] blocks are allocated once."""
     dtype = torch.float64 if hs.dtype == torch.float64 else torch.float32
