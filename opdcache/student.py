@@ -66,8 +66,10 @@ class StudentForward(torch.nn.Module):
             with torch.no_grad(), torch.autocast(h_NH.device.type, enabled=False):
                 exact_lp, exact_lse, _ = picks_and_stats(h_NH.detach(), head.weight.detach(), None if bias is None else bias.detach(),
                                                          self.exact.dtype, ids_NK.long())
-            lp_NK = lp_NK + (exact_lp.to(lp_NK.dtype) - lp_NK).detach()
-            lse_N = lse_N + (exact_lse.to(lse_N.dtype) - lse_N).detach()
+            # exact + (x - x), in float32: the value is the exact one to the bit (x - x = 0), the gradient x's. In the
+            # streamed head's dtype (bfloat16 when the exact decoder's hidden states are) the exact value would round
+            lp_NK = exact_lp.float() + (lp_NK - lp_NK.detach()).float()
+            lse_N = exact_lse.float() + (lse_N - lse_N.detach()).float()
         div_N = None
         if divergence == "uniform":  # cross-entropy of the uniform distribution against the student: lse - mean logit, O(N x H)
             mean_logit_N = h_NH @ head.weight.mean(0).to(h_NH.dtype) + (0 if bias is None else bias.mean())

@@ -48,7 +48,7 @@ from opdcache import checkpoint
 from opdcache.allocator import map_large_buffers
 from opdcache import losses as L
 from opdcache import objective as O
-from opdcache.errors import OpdcacheError
+from opdcache.errors import ConfigError, OpdcacheError
 from opdcache.models import load_causal_lm, load_tokenizer, resolve_model
 from opdcache.progress import bar
 from opdcache.quant import apply_scheme
@@ -71,7 +71,8 @@ class Trainer:
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
         self.ddp, self.rank, self.world, self.device, self.owns_process_group = init_distributed()
-        self.autocast = autocast_dtype(cfg.dtype, self.device)
+        # a source (async's queue) brings its rollouts' arithmetic with it: async passes one --dtype to every stage
+        self.autocast = autocast_dtype(cfg.dtype if source is not None else self._compute_dtype(), self.device)
         # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32
         self.model_path = resolve_model(cfg.model).path  # a local directory or a Hub id
         self.model = load_causal_lm(self.model_path, torch.float32).to(self.device)
@@ -104,6 +105,23 @@ class Trainer:
         # moved to the device in float32 once, not at every step
         self.teacher_w = None if head is None else head.weight.to(self.device, torch.float32)
         self.teacher_b = None if head is None or head.bias is None else head.bias.to(self.device, torch.float32)
+
+    def _compute_dtype(self) -> str:
+        """--dtype, except under --exact on exact rollouts: their recorded dtype (what auto resolves to, on any device),
+        since the learner recomputes their bits only in the arithmetic they were sampled in."""
+        from opdcache.cache import Cache
+
+        cfg = self.cfg
+        if not cfg.exact or cfg.cache is None:
+            return cfg.dtype
+        record = Cache(cfg.cache).table("rollouts").get("model") or {}
+        if not record.get("exact"):
+            return cfg.dtype
+        recorded = record.get("dtype") if record.get("dtype") in ("float32", "bfloat16") else "float32"
+        if cfg.dtype not in ("auto", recorded):
+            raise ConfigError(f"--exact: {cfg.cache}'s rollouts were computed in the exact arithmetic in {recorded}, so the "
+                              f"learner recomputes them only in {recorded}; pass --dtype {recorded} (or leave --dtype out)")
+        return recorded
 
     def _rollout_scheme(self):
         """The low-bit scheme the cache's rollouts were computed in (``--rollout-aligned``), from the manifest."""

@@ -311,6 +311,18 @@ def test_bfloat16_and_w4a16_caches_reproduce(tmp_path, weights, settings, capsys
     assert rep["sections"]["rollouts, exact"]["max_abs_delta"] == 0
     code, text = _cli(["audit", out, "--rows", 8], capsys)
     assert code in (0, None) and "PASS" in text, text
+    if "--dtype" in settings:  # the learner takes the rollouts' dtype (--dtype auto), and refuses another one
+        code, text = _cli(["score-teacher", out, "--teacher", weights / "teacher", "--store", "logprob", "--exact"], capsys)
+        assert code in (0, None), text
+        code, text = _cli(["train", "--model", weights / "student", "--cache", out, "--loss", "lightning", "--steps", 1,
+                           "--batch-size", 32, "--out", tmp_path / "run", "--exact"], capsys)
+        assert code in (0, None), text
+        step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+        assert step["is_weight_mean"] == 1.0 and step["is_weight_std"] == 0.0, step
+        code, text = _cli(["train", "--model", weights / "student", "--cache", out, "--loss", "lightning", "--steps", 1,
+                           "--out", tmp_path / "run2", "--exact", "--dtype", "float32"], capsys)
+        errors = [line for line in text.splitlines() if line.startswith("error")]
+        assert code == 2 and len(errors) == 1 and "pass --dtype bfloat16" in errors[0] and "Traceback" not in text, text
 
 
 def test_injected_mismatch_is_recorded_measured_and_replayed(tmp_path, weights, capsys):

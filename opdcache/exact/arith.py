@@ -111,7 +111,7 @@ def _dot_exact_plain(a64: torch.Tensor, b64: torch.Tensor, nb: torch.Tensor | No
         A, B = a64.reshape(-1, M, K), b64.reshape(-1, K, N)  # a [M, K] with b [K, N], or both batched alike
         flat = out.view(-1, M, N)
         bi, m, n = (~good).view(-1, M, N).nonzero(as_tuple=True)
-        vals = torch.empty(len(m), dtype=torch.float64)
+        vals = torch.empty(len(m), dtype=torch.float64, device=s.device)
         for sl in _chunks(len(m), K):
             vals[sl] = fold(A[bi[sl], m[sl]] * B[bi[sl], :, n[sl]])  # [F, K] terms each
         flat[bi, m, n] = vals.float()
@@ -231,7 +231,7 @@ def _unary_exact(name: str, x: torch.Tensor) -> torch.Tensor:
     out = y.float()
     if not bool(good.all()):
         bad = (~good).nonzero(as_tuple=True)
-        out[bad] = torch.tensor([fpy(v) for v in x64[bad].tolist()], dtype=torch.float64).float()
+        out[bad] = torch.tensor([fpy(v) for v in x64[bad].tolist()], dtype=torch.float64, device=out.device).float()
     return _positive_zero(out)
 
 

@@ -66,7 +66,9 @@ class RotaryTable:
             angles = [[p * f for f in self.freqs] for p in range(n)]
             cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float64).float()
             sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64).float()
-            self.cos, self.sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+            self.cos, self.sin = torch.cat([cos, cos], -1).to(positions.device), torch.cat([sin, sin], -1).to(positions.device)
+        if self.cos.device != positions.device:  # the table lives where the positions are (built once per device)
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
@@ -171,7 +173,7 @@ class ExactDecoder:
         k = k * cos + _rotate_half(k) * sin
         if cache is not None:
             K_cache, V_cache = cache
-            rows = torch.arange(B)[:, None]
+            rows = torch.arange(B, device=h.device)[:, None]
             K_cache.transpose(1, 2)[rows, pos] = k.transpose(1, 2)
             V_cache.transpose(1, 2)[rows, pos] = v.transpose(1, 2)
             end = int(pos.max()) + 1
@@ -201,7 +203,9 @@ class ExactDecoder:
     def new_cache(self, batch: int, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A zeroed KV cache (zeros: masked keys then add exact zeros, never NaN) for ``capacity`` positions."""
         shape = (batch, self.kv_heads, capacity, self.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)) for _ in self.base.layers]
+        device = self.base.embed_tokens.weight.device
+        return [(torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
+                for _ in self.base.layers]
 
     def step(self, ids_BQ: torch.Tensor, pos_BQ: torch.Tensor, cache) -> torch.Tensor:
         """Tokens ids_BQ at positions pos_BQ through every layer, their keys and values written into ``cache``:

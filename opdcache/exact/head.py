@@ -63,10 +63,12 @@ def picks_and_stats(hidden_PH, weight_VH, bias_V, dtype, ids_PK: torch.Tensor, t
     ([P] float64 each). They are statistics for the recorded error against the full vocabulary (opdcache/fidelity.py),
     summed in float64, not part of the exact arithmetic."""
     P, V = hidden_PH.shape[0], weight_VH.shape[0]
-    picked = torch.zeros(ids_PK.shape, dtype=torch.float32)
+    device = hidden_PH.device
+    ids_PK = ids_PK.to(device)
+    picked = torch.zeros(ids_PK.shape, dtype=torch.float32, device=device)
     ms, ss = [], []
-    top_vals = torch.full((P, 0), float("-inf"))
-    top_ids = torch.zeros((P, 0), dtype=torch.long)
+    top_vals = torch.full((P, 0), float("-inf"), device=device)
+    top_ids = torch.zeros((P, 0), dtype=torch.long, device=device)
     for a in range(0, V, VOCAB_BLOCK):
         z = logits(hidden_PH, weight_VH, bias_V, a, dtype)
         r, k = ((ids_PK >= a) & (ids_PK < a + z.shape[1])).nonzero(as_tuple=True)
@@ -105,7 +107,7 @@ def canonical_top_k(values_PC: torch.Tensor, k: int, ids_PC: torch.Tensor | None
     columns' ids (default 0..C-1)."""
     k = min(k, values_PC.shape[1])
     if ids_PC is None:
-        ids_PC = torch.arange(values_PC.shape[1]).expand_as(values_PC)
+        ids_PC = torch.arange(values_PC.shape[1], device=values_PC.device).expand_as(values_PC)
     kth = values_PC.topk(k, -1).values[:, -1:]
     width = int((values_PC >= kth).sum(-1).max())  # every value tied with the k-th is a candidate
     cand, at = values_PC.topk(width, -1)

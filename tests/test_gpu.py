@@ -1,0 +1,152 @@
+"""On a CUDA device: the streamed paths against their references there, and the exact arithmetic's bits equal to the
+CPU's (papers/003: the numbers are a function of the mathematics, not of the device).
+
+Marked ``gpu``: CI has no GPU and never runs them; on a CUDA machine run ``python -m pytest -m gpu tests/test_gpu.py``
+(benchmarks/gpu_suite.sh does, before it measures)."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from opdcache.divergence import KINDS, chunked_divergence, divergence_reference
+from opdcache.exact import arith as X
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """float32 matmuls in float32 (TF32 would round their inputs to 10 bits and the float32 tolerances would not hold)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _inputs(N, V, H, K, seed=0, device=CUDA, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *shape, s=1.0: (torch.randn(*shape, generator=g, dtype=torch.float64) * s)  # noqa: E731
+    cpu = [make(N, H), make(V, H, s=0.5), make(V, s=0.1), make(N, K), make(V, K, s=0.5)]
+    dev = [t.to(device, dtype).requires_grad_(i < 3) for i, t in enumerate(cpu)]
+    return [t.requires_grad_(i < 3) for i, t in enumerate(cpu)], dev
+
+
+# ------------------------------------------------------------------------------------------ streamed paths
+@pytest.mark.parametrize("uniform", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_divergence_on_cuda_matches_the_float64_reference(kind, uniform, monkeypatch):
+    import opdcache.divergence as dv
+
+    monkeypatch.setattr(dv, "UNIFORM_BLOCK_BYTES", 4 * 5003 * 8)  # blocks of 8 rows: 37 positions take 5 blocks
+    (hs, Ws, bs, ht, Wt), (hs_d, Ws_d, bs_d, ht_d, Wt_d) = _inputs(37, 5003, 64, 48)
+    weights = torch.rand(37, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    weights[5] = 0.0
+    got = chunked_divergence(kind, hs_d, Ws_d, ht_d, Wt_d, bs_d, uniform=uniform)
+    assert got.device.type == "cuda"
+    (got.mean() * 3 if uniform else (got * weights.to(CUDA, torch.float32)).sum()).backward()
+    ref = divergence_reference(kind, hs, Ws, ht, Wt, bs)
+    (ref.mean() * 3 if uniform else (ref * weights).sum()).backward()
+    torch.testing.assert_close(got.double().cpu(), ref.detach(), atol=2e-5, rtol=2e-5)
+    for a, t in zip((hs_d, Ws_d, bs_d), (hs, Ws, bs)):
+        assert float((a.grad.double().cpu() - t.grad).norm() / t.grad.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_divergence_under_bf16_autocast_on_cuda_matches_the_full_logits_path(kind, uniform):
+    _, (hs, Ws, bs, ht, Wt) = _inputs(40, 3000, 64, 32)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        chunked_divergence(kind, hs, Ws, ht, Wt, bs, uniform=uniform).sum().backward()
+    got = (hs.grad.clone(), Ws.grad.clone())
+    hs.grad = Ws.grad = bs.grad = None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        zs, zt = (hs @ Ws.T).float() + bs, (ht @ Wt.T).float()
+    lq, lp = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    q, p = lq.exp(), lp.exp()
+    lm = torch.log(0.5 * (p + q))
+    {"fkl": (p * (lp - lq)), "rkl": (q * (lq - lp)), "jsd": 0.5 * (p * (lp - lm) + q * (lq - lm))}[kind].sum().backward()
+    for g, r in zip(got, (hs.grad, Ws.grad)):
+        assert float((g - r).norm() / r.norm()) < 3e-2
+
+
+def test_streamed_logprobs_on_cuda_match_the_float64_reference():
+    from opdcache.logprobs import chunked_logprobs
+
+    (h, W, b, _, _), (h_d, W_d, b_d, _, _) = _inputs(50, 7001, 64, 4, seed=3)
+    ids = torch.randint(0, 7001, (50, 3), generator=torch.Generator().manual_seed(4))
+    lp, lse = chunked_logprobs(h_d, W_d, ids.to(CUDA), b_d, chunk=1024)
+    (lp.sum() + lse.sum()).backward()
+    z = h @ W.T + b
+    ref_lp, ref_lse = torch.log_softmax(z, -1).gather(1, ids), torch.logsumexp(z, -1)
+    (ref_lp.sum() + ref_lse.sum()).backward()
+    torch.testing.assert_close(lp.double().cpu(), ref_lp.detach(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse.detach(), atol=2e-5, rtol=2e-5)
+    for a, t in zip((h_d, W_d, b_d), (h, W, b)):
+        assert float((a.grad.double().cpu() - t.grad).norm() / t.grad.norm()) < 1e-4
+
+
+# ------------------------------------------------------------------------------------------ the exact arithmetic
+@pytest.mark.parametrize("seed", range(4))
+def test_exact_primitives_give_the_cpus_bits(seed):
+    g = torch.Generator().manual_seed(seed)
+    M, K, N = 37, int(torch.randint(1, 4000, (1,), generator=g)), 53  # wide K: some outputs take the fold
+    a, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    assert torch.equal(X.linear(a.to(CUDA), w.to(CUDA), b.to(CUDA)).cpu(), X.linear(a, w, b))
+    qk = torch.randn(2, 3, 9, 16, generator=g), torch.randn(2, 3, 16, 11, generator=g)
+    assert torch.equal(X.matmul(qk[0].to(CUDA), qk[1].to(CUDA)).cpu(), X.matmul(*qk))
+    x = torch.rand(5001, generator=g) * 30 - 15
+    for name in X.FUNCTIONS:
+        arg = x.abs() + 1e-3 if name in ("log", "rsqrt") else x
+        assert torch.equal(X.unary(name, arg.to(CUDA)).cpu(), X.unary(name, arg)), name
+    t = torch.randn(7, 3001, generator=g)
+    assert torch.equal(X.sum_last(t.to(CUDA)).cpu(), X.sum_last(t))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["student", "teacher"])
+def test_exact_decoder_and_head_give_the_cpus_bits(weights, name, dtype):
+    from opdcache.backends.hf import load_model
+    from opdcache.exact.decoder import ExactDecoder
+    from opdcache.exact.head import picks_and_stats
+
+    model = load_model(weights / name, "float32", "cpu")
+    ids = torch.randint(2, 64, (3, 29), generator=torch.Generator().manual_seed(0))
+    on_gpu = copy.deepcopy(model).to(CUDA)
+    with torch.no_grad():
+        h_cpu = ExactDecoder(model, dtype).forward(ids)
+        h_gpu = ExactDecoder(on_gpu, dtype).forward(ids.to(CUDA))
+        assert h_gpu.device.type == "cuda" and torch.equal(h_gpu.cpu(), h_cpu)
+        W = model.get_output_embeddings().weight
+        picks = torch.randint(0, W.shape[0], (h_cpu.shape[0] * h_cpu.shape[1], 2), generator=torch.Generator().manual_seed(1))
+        cpu = picks_and_stats(h_cpu.flatten(0, 1), W, None, dtype, picks, top_k=5)
+        gpu = picks_and_stats(h_gpu.flatten(0, 1), W.to(CUDA), None, dtype, picks.to(CUDA), top_k=5)
+    for c, d in zip((cpu[0], cpu[1], *cpu[2]), (gpu[0], gpu[1], *gpu[2])):
+        assert torch.equal(d.cpu(), c)
+
+
+@pytest.mark.parametrize("settings", [[], ["--dtype", "bfloat16"]])
+def test_an_exact_cache_built_on_cpu_trains_on_cuda_with_weights_of_exactly_one(tmp_path, weights, settings, capsys):
+    """build-rollouts --exact runs on the CPU (the exact engine's device); train --exact on this machine's GPU
+    recomputes every stored log-prob bit for bit: at step 1 every importance weight is exactly 1."""
+    from opdcache.cli.main import main
+    from opdcache.demo.task import write_prompts
+
+    prompts = write_prompts(tmp_path / "p.jsonl", "opd", 16)
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    torch.cuda.reset_peak_memory_stats()
+    for args in (["build-rollouts", "--model", weights / "student", "--prompts", prompts, "--out", cache, "--num-shards", 1,
+                  "--samples", 2, "--temperature", 0.9, "--top-p", 0.95, "--max-new-tokens", 12, "--exact", *settings],
+                 ["score-teacher", cache, "--teacher", weights / "teacher", "--store", "logprob", "--exact"],
+                 ["train", "--model", weights / "student", "--cache", cache, "--loss", "lightning", "--steps", 1,
+                  "--batch-size", 32, "--out", run, "--exact"]):  # --dtype auto: the rollouts' dtype
+        with pytest.raises(SystemExit) as e:
+            main([str(a) for a in args])
+        out = capsys.readouterr()
+        assert e.value.code in (0, None), out.out + out.err
+    assert torch.cuda.max_memory_allocated() > 0  # train ran on the GPU (the engine never touches it)
+    step = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["is_weight_mean"] == 1.0 and step["is_weight_std"] == 0.0 and step["k1"] == 0.0, step
