@@ -79,7 +79,7 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
 
 def full_logits_loss(trainer, batch: dict, loss: str):
     """The plain step's loss: the model's logits [B, L, V] (in the trainer's autocast), a float32 log_softmax over the
-    response positions [B, T, V], the same lightning or full-rkl loss."""
+    response positions [B, T, V], the same lightning, full-rkl or full-fkl loss."""
     import torch
 
     from opdcache import losses as L
@@ -92,9 +92,10 @@ def full_logits_loss(trainer, batch: dict, loss: str):
     s = logp.gather(-1, b["response_ids"][..., None]).squeeze(-1)
     if loss == "lightning":
         terms, _ = L.lightning_terms(s, b["teacher_logprobs"], trainer.cfg.tau)
-    else:
-        t_logp = torch.log_softmax(b["teacher_hidden"].float() @ trainer.teacher_w.T, -1)
-        terms = (logp.exp() * (logp - t_logp)).sum(-1)
+    else:  # the teacher's full distribution under no_grad, as a user of kl_div writes it
+        with torch.no_grad():
+            t_logp = torch.log_softmax(b["teacher_hidden"].float() @ trainer.teacher_w.T, -1)
+        terms = ((logp.exp() * (logp - t_logp)) if loss == "full-rkl" else (t_logp.exp() * (t_logp - logp))).sum(-1)
     return L.reduce(terms, b["response_mask"])
 
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The GPU suite (issue 22, item 8): one command on a CUDA machine with torch and transformers, no network.
+# The GPU suite (issues 22 and 31): one command on a CUDA machine with torch and transformers, no network.
 # Packages opdcache needs that such a machine may lack travel as wheels in .whl/ (see BENCHMARKS.md for the list);
 # SmolLM2's config and tokenizer in .gpu/smollm2/ (copied from a converted model directory, no weights).
-# Writes $OUT/gpu/{results.json,table.md,divergence.txt} and $OUT/bench_gpu.log (OUT defaults to ./gpu-results).
+# First the gpu-marked tests (tests/test_gpu.py), while the cli section builds the train step's cache; then the
+# divergence, scoring and train sections, with nothing else on the GPU. Extra arguments go to those sections.
+# Writes $OUT/tests.log, $OUT/cli.log, $OUT/bench_gpu.log and $OUT/gpu/{results.json,table.md,divergence.txt}
+# (OUT defaults to ./gpu-results).
 #
 #     bash benchmarks/gpu_suite.sh [extra bench_gpu.py arguments]
 set -euo pipefail
@@ -23,4 +26,15 @@ cd /tmp  # not the repository root: its opdcache/ (no cli inside) would shadow t
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 python3 -c "import opdcache.cli.main" || { echo "opdcache does not import here: carry the missing packages as wheels in .whl/"; exit 2; }
-python3 "$REPO/benchmarks/bench_gpu.py" --device cuda "${smollm2[@]}" --out "$OUT/gpu" "$@" 2>&1 | tee "$OUT/bench_gpu.log"
+WORK=$(mktemp -d /tmp/bench-gpu-XXXXXX)
+python3 "$REPO/benchmarks/bench_gpu.py" --device cuda "${smollm2[@]}" --workdir "$WORK" --sections cli "$@" > "$OUT/cli.log" 2>&1 &
+cli=$!
+set +e
+timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests/test_gpu.py" 2>&1 | tee "$OUT/tests.log"
+tests=${PIPESTATUS[0]}
+wait $cli
+clirc=$?
+set -e
+echo "gpu tests: exit $tests; cli section: exit $clirc"
+python3 "$REPO/benchmarks/bench_gpu.py" --device cuda "${smollm2[@]}" --workdir "$WORK" --sections divergence,score,train --out "$OUT/gpu" "$@" 2>&1 | tee "$OUT/bench_gpu.log"
+exit $(( tests != 0 || clirc != 0 ))
