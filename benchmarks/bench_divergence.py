@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--kind", default="fkl")
     parser.add_argument("--repeats", type=int, default=3, help="--devices cuda: steps per process (median)")
     parser.add_argument("--rounds", type=int, default=3, help="CPU: interleaved rounds on the harness")
+    parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results", help="folder for the CPU results' JSON")
     parser.add_argument("--variant")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
@@ -136,7 +137,7 @@ def main() -> None:
             result = compare(f"{args.kind} forward+backward ({grads}), {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}, "
                              "float32 CPU", sides, __file__, rounds=args.rounds,
                              meta={"command": "python benchmarks/bench_divergence.py", "gradients": grads})
-            report(result, Path(__file__).parent / "results" / f"divergence_{args.kind}_{'head' if head_grad else 'hidden'}.json")
+            report(result, args.results / f"divergence_{args.kind}_{'head' if head_grad else 'hidden'}.json")
             print()
     if torch.cuda.is_available() and "cuda" in args.devices:
         print(f"{args.kind}: {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}; forward + backward, cuda bfloat16\n")

@@ -361,7 +361,8 @@ def run_divergence_section(args, models, root, add, rows) -> None:
     """bench_divergence.py on this device in bf16 at the real width (its own table, printed as it is)."""
     tokens, hidden = (64, 64) if args.smoke else (4096, 4096)
     out = subprocess.run([sys.executable, str(Path(__file__).parent / "bench_divergence.py"), "--devices", "cuda" if args.device.startswith("cuda") else "cpu",
-                          "--tokens", str(tokens), "--hidden", str(hidden), "--vocab", str(1024 if args.smoke else V), "--kind", "fkl"],
+                          "--tokens", str(tokens), "--hidden", str(hidden), "--vocab", str(1024 if args.smoke else V), "--kind", "fkl",
+                          "--results", str(root)],  # a CPU smoke run's figures stay out of benchmarks/results
                          capture_output=True, text=True)
     print(out.stdout + out.stderr[-2000:], flush=True)
     if args.out:
