@@ -88,8 +88,9 @@ class TrainConfig:
     """Deterministic kernels (CPU runs become bit-reproducible, including across a resume)."""
     exact: bool = False
     """The exact arithmetic (opdcache/exact/, papers/003): the student's forward gives the bits an exact rollout engine
-    stored (at step 0 every importance weight is exactly 1), whatever the batch, padding or thread count. CPU; Llama,
-    Mistral, Qwen2, Qwen3; float32 or bfloat16 (--dtype). Costs float64 matmuls in the forward; gradients as usual."""
+    stored (at step 0 every importance weight is exactly 1), whatever the batch, padding, thread count or device (a CPU
+    or a CUDA GPU give the same bits: tests/test_gpu.py); Llama, Mistral, Qwen2, Qwen3; float32 or bfloat16 (--dtype
+    auto takes the exact rollouts' dtype, another is refused). Costs float64 matmuls in the forward; gradients as usual."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     stop_after: int | None = None

@@ -321,3 +321,17 @@ def test_sampled_store_is_reproducible_and_batch_invariant(hf_cache, weights):
         ids, counts = np.unique(sc.sampled_ids[t], return_counts=True)
         p = probs[t][[list(sc.sampled_ids[t]).index(i) for i in ids]]
         assert np.all(np.abs(counts / 64 - p) <= 5 * np.sqrt(p * (1 - p) / 64) + 1 / 64)
+
+
+def test_the_gpu_logit_block_is_capped_by_free_device_memory(monkeypatch):
+    """No device needed: the block is 4 GiB where a quarter of the free memory allows, less on a small or full card,
+    never under the floor; a CPU keeps its own measured block."""
+    import torch
+
+    from opdcache.backends import streamed
+
+    cuda = torch.device("cuda")
+    for free, want in ((130 << 30, 4 << 30), (8 << 30, 2 << 30), (100 << 20, streamed.GPU_MIN_BLOCK_BYTES)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 141 << 30))
+        assert streamed.block_bytes(cuda) == want
+    assert streamed.block_bytes(torch.device("cpu")) == streamed.LOGIT_BLOCK_BYTES == 8 << 20

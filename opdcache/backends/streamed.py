@@ -1,7 +1,7 @@
 """The unembedding streamed over vocabulary slices: what scoring needs from the logits at response positions (the
 sampled token's log-prob, the log-partition, a running top-k, log-probs at given ids, draws from the distribution)
 without ever building a [positions, vocabulary] tensor. Memory: one [positions, slice] float32 block (LOGIT_BLOCK_BYTES
-on a CPU, GPU_LOGIT_BLOCK_BYTES on a GPU), a second one while the full distribution's moments are summed (every
+on a CPU, up to GPU_LOGIT_BLOCK_BYTES on a GPU: :func:`block_bytes`), a second one while the full distribution's moments are summed (every
 score-teacher pass: opdcache/fidelity.py), and per-position running state."""
 
 from __future__ import annotations
@@ -9,9 +9,21 @@ from __future__ import annotations
 import torch
 
 LOGIT_BLOCK_BYTES = 8 << 20  # float32 logits per [positions, vocabulary slice] block (1,024 columns at 2,048 positions; measured best on CPU)
-# on a GPU a 1,024-column slice is launch-bound: 1 GiB (131,072 columns at 2,048 positions) scored 8.3x faster than
-# 8 MiB on an H100 at vocabulary 151,936, hidden 4,096 (256 MiB: 6.3x; benchmarks/bench_gpu.py, BENCHMARKS.md)
-GPU_LOGIT_BLOCK_BYTES = 1 << 30
+# on a GPU a 1,024-column slice is launch-bound, and fewer slices mean fewer top-k merges: at vocabulary 151,936,
+# hidden 4,096 (benchmarks/bench_gpu.py, BENCHMARKS.md) 1 GiB scored 8.3x faster than 8 MiB on an H100, and 4 GiB
+# 1.33x faster than 1 GiB on an H200 (0.86x the batched baseline's speed, 0.65x at 1 GiB) at the same peak: the
+# block is capped at a quarter of the device's free memory, so a large teacher on a small card still fits
+GPU_LOGIT_BLOCK_BYTES = 4 << 30
+GPU_MIN_BLOCK_BYTES = 256 << 20
+
+
+def block_bytes(device: torch.device) -> int:
+    """The logit block for ``device``: LOGIT_BLOCK_BYTES on a CPU; on a GPU GPU_LOGIT_BLOCK_BYTES, at most a quarter
+    of its free memory (at least GPU_MIN_BLOCK_BYTES)."""
+    if device.type != "cuda":
+        return LOGIT_BLOCK_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(GPU_MIN_BLOCK_BYTES, min(GPU_LOGIT_BLOCK_BYTES, free // 4))
 
 
 def head_transform(model):
@@ -102,7 +114,7 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     W, b = head.weight, getattr(head, "bias", None)
     transform = head_transform(model)
     P, V = hidden_PH.shape[0], W.shape[0]
-    C = max(1024, (GPU_LOGIT_BLOCK_BYTES if hidden_PH.device.type == "cuda" else LOGIT_BLOCK_BYTES) // (4 * max(P, 1)))
+    C = max(1024, block_bytes(hidden_PH.device) // (4 * max(P, 1)))
     dev = hidden_PH.device
     m = torch.full((P,), float("-inf"), device=dev)
     s = torch.zeros(P, device=dev)
