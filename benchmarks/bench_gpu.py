@@ -9,21 +9,22 @@ Models, built here with random weights (nothing is fetched; throughput does not 
 * ``qwen3``: Qwen3 at real width -- vocabulary 151,936, hidden 4,096, intermediate 12,288, 32 heads (8 KV) -- with
   ``--qwen3-layers`` layers (default 4), and a WordLevel tokenizer of 151,936 tokens.
 
-What is measured, each variant in its own process (peak memory is ``torch.cuda.max_memory_allocated`` during the work
+What is measured (peak memory is ``torch.cuda.max_memory_allocated`` during the work
 minus what was allocated just before it: the model and inputs are not counted):
 
 1. scoring, bf16 model: opdcache's engine (``TransformersBackend.score``, what ``score-teacher`` runs), with the
    logit block as shipped and with ``--block-mib`` variants, against (a) ``plain``: one sequence at a time, the model's
    full logits, a float32 log_softmax, gather, logsumexp, top-k; (b) ``batched``: the fair baseline -- the engine's own
    batches through the decoder, the head at response positions only, one float32 log_softmax over [response tokens, V].
-   Same sequences (``--sequences`` of prompt ``--prompt`` + response up to ``--response`` tokens), top-k 20;
-   tokens/s from the median of 3 runs after a warm-up.
+   Same sequences (``--sequences`` of prompt ``--prompt`` + response up to ``--response`` tokens), top-k 20.
+   Every variant of a model in one process (one model load), interleaved: a warm-up of each, then ``--rounds`` rounds
+   of each in turn (order reversed every other round); tokens/s from the median run, the ratio per round.
 2. ``opdcache build-rollouts`` and ``opdcache score-teacher --store logprob,hidden`` end to end (CLI, Parquet written) on
    the qwen3 model: ``--train-batch`` prompts x ``--train-response`` tokens. Its cache feeds 3.
 3. one train step on qwen3 (batch ``--train-batch``): opdcache's fused step (``Trainer.loss_and_stats``, backward,
    AdamW; float32 masters, bf16 autocast) against the full-logits step (the model's logits [B, L, V], a float32
-   log_softmax, the same loss, backward, AdamW), for the lightning and full-rkl losses; tokens/s from the median of 3
-   steps after a warm-up step, and peak GPU memory.
+   log_softmax, the same loss, backward, AdamW), for the lightning, full-rkl and full-fkl losses, both steps on one
+   trainer, interleaved as in 1; tokens/s from the median step, and peak GPU memory.
 4. ``bench_divergence.py --devices cuda`` (bf16) at 4,096 tokens, hidden 4,096 (its own table, printed and saved).
 
     bash benchmarks/gpu_suite.sh                       # on the CUDA machine
