@@ -83,12 +83,18 @@ def test_shape_errors_are_explained():
 def test_under_autocast_gradients_match_the_full_logits_path(kind, uniform):
     """Under bf16 autocast the chunked path runs its matmuls in bf16 in the backward too (the forward's dtype) and its
     gradients equal, to bf16 rounding, those of the plain full-logits path under the same autocast."""
-    hs, Ws, bs, ht, Wt = _inputs(40, 300, 16, 12, dtype=torch.float32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        chunked_divergence(kind, hs, Ws, ht, Wt, bs, chunk=64, uniform=uniform).sum().backward()
+    check_autocast_gradients(kind, uniform, *_inputs(40, 300, 16, 12, dtype=torch.float32), chunk=64)
+
+
+def check_autocast_gradients(kind, uniform, hs, Ws, bs, ht, Wt, **options):
+    """The chunked divergence's gradients under bf16 autocast on the inputs' device against the full-logits path's
+    under the same autocast, to bf16 rounding (tests/test_gpu.py runs it on CUDA)."""
+    device = hs.device.type
+    with torch.autocast(device, dtype=torch.bfloat16):
+        chunked_divergence(kind, hs, Ws, ht, Wt, bs, uniform=uniform, **options).sum().backward()
     got = (hs.grad.clone(), Ws.grad.clone())
     hs.grad = Ws.grad = bs.grad = None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         zs, zt = (hs @ Ws.T).float() + bs, (ht @ Wt.T).float()
     lq, lp = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
     q, p = lq.exp(), lp.exp()
