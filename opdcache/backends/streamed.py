@@ -1,8 +1,8 @@
 """The unembedding streamed over vocabulary slices: what scoring needs from the logits at response positions (the
 sampled token's log-prob, the log-partition, a running top-k, log-probs at given ids, draws from the distribution)
 without ever building a [positions, vocabulary] tensor. Memory: one [positions, slice] float32 block (LOGIT_BLOCK_BYTES
-on a CPU, up to GPU_LOGIT_BLOCK_BYTES on a GPU: :func:`block_bytes`), a second one while the full distribution's moments are summed (every
-score-teacher pass: opdcache/fidelity.py), and per-position running state."""
+on a CPU, up to GPU_LOGIT_BLOCK_BYTES on a GPU: :func:`block_bytes`), a second one while the full distribution's
+moments are summed (every score-teacher pass: opdcache/fidelity.py), and per-position running state."""
 
 from __future__ import annotations
 
