@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import PeakAnon as PeakRSS  # noqa: E402  (anonymous RSS: not the model file's page cache)
+from harness import PeakAnon as PeakRSS, cpu_seconds  # noqa: E402  (anonymous RSS: not the model file's page cache)
 
 
 def naive(kind, hs, Ws, ht, Wt):
@@ -90,15 +90,18 @@ def run(variant: str, N: int, V: int, H: int, kind: str, device: str, dtype: str
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+    cpus = []
     with PeakRSS() as mem:
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_seconds()
             one()
             times.append(time.perf_counter() - t0)
+            cpus.append(cpu_seconds() - c0)
     peak = (torch.cuda.max_memory_allocated() - base) if device == "cuda" else mem.delta
     seconds = sorted(times)[len(times) // 2]
     flops = 6 * 2 * N * V * H  # naive's matmuls: 2 forward, 4 backward-equivalent (grad h, grad W, per side that needs it)
-    return {"variant": variant, "seconds": seconds, "runs": times, "peak_bytes": peak, "tflops_naive_equiv": flops / seconds / 1e12}
+    return {"variant": variant, "seconds": seconds, "runs": times, "cpu_seconds": sorted(cpus)[len(cpus) // 2], "peak_bytes": peak,
+            "tflops_naive_equiv": flops / seconds / 1e12}
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_scale import full_logits_loss  # noqa: E402
 from bench_scoring import workload  # noqa: E402
-from harness import PeakAnon as PeakRSS  # noqa: E402  (anonymous RSS: not the model file's page cache)
+from harness import PeakAnon as PeakRSS, cpu_seconds  # noqa: E402  (anonymous RSS: not the model file's page cache)
 
 V = 151_936
 TOP_K = 20
@@ -130,23 +130,26 @@ def sync(device: str) -> None:
 def interleaved(fns: dict, device: str, rounds: int) -> dict:
     """Each side once to warm up, then ``rounds`` rounds of every side in turn (the order reversed every other round),
     in this one process: the model loads once and a CUDA machine's timing noise falls on every side alike. Per side:
-    each run's seconds (synchronised) and the peak memory of its runs above the level before each."""
+    each run's seconds (synchronised), its CPU-seconds (this process's threads: launches, the host side's work) and
+    the peak memory of its runs above the level before each."""
     for fn in fns.values():
         fn()
         sync(device)
     runs: dict = {name: [] for name in fns}
+    cpus: dict = {name: [] for name in fns}
     peaks: dict = {name: 0 for name in fns}
     names = list(fns)
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             with PeakMemory(device) as mem:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), cpu_seconds()
                 fns[name]()
                 sync(device)
                 runs[name].append(time.perf_counter() - t0)
+                cpus[name].append(cpu_seconds() - c0)
             peaks[name] = max(peaks[name], mem.delta)
     return {name: {"seconds": statistics.median(runs[name]), "min_seconds": min(runs[name]), "runs": runs[name],
-                   "peak_bytes": peaks[name]} for name in fns}
+                   "cpu_seconds": statistics.median(cpus[name]), "peak_bytes": peaks[name]} for name in fns}
 
 
 def score_sides(variants: list[str], model_path: str, device: str, n: int, prompt: int, response: int, rounds: int) -> dict:
@@ -200,7 +203,8 @@ def score_sides(variants: list[str], model_path: str, device: str, n: int, promp
         fn = {"plain": plain, "batched": batched, "opdcache": opdcache}[kind]
 
         def run():
-            backend.max_batch_tokens = int(mbt) if mbt else backend.max_batch_tokens
+            if mbt:
+                backend.max_batch_tokens = int(mbt)
             streamed.LOGIT_BLOCK_BYTES, streamed.GPU_LOGIT_BLOCK_BYTES = ((int(mib) << 20,) * 2) if mib else shipped
             try:
                 fn()
@@ -298,20 +302,25 @@ def main() -> None:
         row = {**res, "section": section, "model": model, "variant": variant}
         if "error" not in res and base and "error" not in base:
             row["speedup"] = (res["tokens"] / res["seconds"]) / (base["tokens"] / base["seconds"])
+            # per round: this side's tokens/s over the baseline's in the same round (the interleaved pair)
             row["round_speedups"] = [(res["tokens"] / a) / (base["tokens"] / b) for a, b in zip(res["runs"], base["runs"])]
             row["memory_ratio"] = res["peak_bytes"] / max(base["peak_bytes"], 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
     sections = args.sections.split(",")
+    load = {}  # the host's one-minute load average before and after each section
     for section in sections:
+        before = os.getloadavg()[0]
         {"score": run_score_section, "cli": run_cli_section, "train": run_train_section, "divergence": run_divergence_section}[section](
             args, models, root, add, rows)
+        load[section] = [before, os.getloadavg()[0]]
     table = render(rows, args)
     print("\n" + table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+        (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "load": load, "rows": rows},
+                                                          indent=2))
         (args.out / "table.md").write_text(table + "\n")
 
 
@@ -375,10 +384,10 @@ def render(rows: list[dict], args) -> str:
     lines = [f"device {args.device}; scoring: {args.sequences} sequences, prompt {args.prompt} + response <= {args.response}, top-k {TOP_K}; "
              f"train: batch {args.train_batch} x {args.train_response} response tokens; "
              f"sides interleaved in one process per model (score) or loss (train), {args.rounds} rounds after a warm-up, median", "",
-             "| section | model | variant | tokens/s | vs baseline | peak GiB | memory vs baseline |", "|---|---|---|---:|---:|---:|---:|"]
+             "| section | model | variant | tokens/s | vs baseline | CPU s | peak GiB | memory vs baseline |", "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['section']} | {r['model']} | {r['variant']} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['section']} | {r['model']} | {r['variant']} | failed: {r['error']} | | | | |")
             continue
         tps = r["tokens"] / r["seconds"]
         sp = f"{r['speedup']:.2f}x" if "speedup" in r else ""
@@ -386,7 +395,8 @@ def render(rows: list[dict], args) -> str:
             sp += f" ({min(r['round_speedups']):.2f}-{max(r['round_speedups']):.2f})"
         mem = f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else ""
         mr = f"{r['memory_ratio']:.3f}x" if "memory_ratio" in r else ""
-        lines.append(f"| {r['section']} | {r['model']} | {r['variant']} | {tps:,.0f} | {sp} | {mem} | {mr} |")
+        cpu = f"{r['cpu_seconds']:.2f}" if "cpu_seconds" in r else ""
+        lines.append(f"| {r['section']} | {r['model']} | {r['variant']} | {tps:,.0f} | {sp} | {cpu} | {mem} | {mr} |")
     return "\n".join(lines)
 
 

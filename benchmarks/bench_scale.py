@@ -93,6 +93,8 @@ def full_logits_loss(trainer, batch: dict, loss: str):
     if loss == "lightning":
         terms, _ = L.lightning_terms(s, b["teacher_logprobs"], trainer.cfg.tau)
     else:  # the teacher's full distribution under no_grad, as a user of kl_div writes it
+        if loss not in ("full-rkl", "full-fkl"):
+            raise ValueError(f"the full-logits baseline has no {loss!r} loss")
         with torch.no_grad():
             t_logp = torch.log_softmax(b["teacher_hidden"].float() @ trainer.teacher_w.T, -1)
         terms = ((logp.exp() * (logp - t_logp)) if loss == "full-rkl" else (t_logp.exp() * (t_logp - logp))).sum(-1)

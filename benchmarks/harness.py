@@ -90,7 +90,7 @@ class PeakAnon:
         return (self.peak - self.base) * 1024
 
 
-def _cpu() -> float:
+def cpu_seconds() -> float:
     """User + system seconds of this process's threads and of the child processes it has waited for (a side that
     starts workers, as ``opdcache async`` does, is charged for them)."""
     return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
@@ -105,9 +105,9 @@ def _child(spec: dict) -> dict:
     loaded.loader.exec_module(module)
     state = getattr(module, spec["setup"])(**spec["args"]) if spec["setup"] else spec["args"]
     with PeakAnon() as mem:
-        cpu0, t0 = _cpu(), time.perf_counter()
+        cpu0, t0 = cpu_seconds(), time.perf_counter()
         figures = getattr(module, spec["run"])(state) or {}
-        wall, cpu = time.perf_counter() - t0, _cpu() - cpu0
+        wall, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     return {"wall": wall, "cpu": cpu, "peak_anon_mib": (mem.peak - mem.base) / 1024, "figures": figures}
 
 

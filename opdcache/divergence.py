@@ -193,8 +193,9 @@ def _uniform_layout(V: int, device: torch.device) -> tuple[int, int]:
 def _logits_online_(out: torch.Tensor, h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, piece: int,
                     scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """out[:, c] = h W[c]^T (+ b[c]) piece by piece, each piece's online log-sum-exp taken while it is in cache (its
-    shifted logits in ``scratch``, [R, >= piece]); returns (running max m [R], log s [R]) with lse = m + log s. A [rows, V] matmul in one call packs all of W and
-    ran at 58-87 GFLOP/s on 2 CPU cores where 2,048-column pieces ran at 100-144."""
+    shifted logits in ``scratch``, [R, >= piece]); returns (running max m [R], log s [R]) with lse = m + log s. A
+    [rows, V] matmul in one call packs all of W and ran at 58-87 GFLOP/s on 2 CPU cores where 2,048-column pieces ran
+    at 100-144."""
     m = torch.full((h.shape[0],), float("-inf"), dtype=out.dtype, device=out.device)
     s = torch.zeros(h.shape[0], dtype=out.dtype, device=out.device)
     for a in range(0, W.shape[0], piece):

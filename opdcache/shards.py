@@ -187,7 +187,8 @@ PROB14_COMPRESSION_LEVEL = 9
 PROB14_PAGE_BYTES = 8 << 20
 """Data page size of a table with a prob14 store. zstd compresses each page on its own, and the ascending id lists
 repeat across positions: one page per column chunk instead of pyarrow's 1 MiB pages takes the store from 192.9 to
-189.4 B/token on the storage frontier's SmolLM2 positions (bench_storage.py; the levers in bench_topk_codes.py). A reader decodes a page at a time: 8 MiB at most, as the row group's size bounds it."""
+189.4 B/token on the storage frontier's SmolLM2 positions (bench_storage.py; the levers in bench_topk_codes.py). A
+reader decodes a page at a time: 8 MiB at most, as the row group's size bounds it."""
 
 
 def _leaf(field: pa.Field) -> tuple[pa.DataType, str]:

@@ -71,8 +71,7 @@ class Trainer:
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
         self.ddp, self.rank, self.world, self.device, self.owns_process_group = init_distributed()
-        # a source (async's queue) brings its rollouts' arithmetic with it: async passes one --dtype to every stage
-        self.autocast = autocast_dtype(cfg.dtype if source is not None else self._compute_dtype(), self.device)
+        self.autocast = autocast_dtype(self._compute_dtype(source), self.device)
         # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32
         self.model_path = resolve_model(cfg.model).path  # a local directory or a Hub id
         self.model = load_causal_lm(self.model_path, torch.float32).to(self.device)
@@ -106,15 +105,20 @@ class Trainer:
         self.teacher_w = None if head is None else head.weight.to(self.device, torch.float32)
         self.teacher_b = None if head is None or head.bias is None else head.bias.to(self.device, torch.float32)
 
-    def _compute_dtype(self) -> str:
-        """--dtype, except under --exact on exact rollouts: their recorded dtype (what auto resolves to, on any device),
-        since the learner recomputes their bits only in the arithmetic they were sampled in."""
+    def _rollouts_record(self) -> dict:
+        """The manifest's record of the model and arithmetic that computed the cache's rollouts."""
         from opdcache.cache import Cache
 
+        return Cache(self.cfg.cache).table("rollouts").get("model") or {}
+
+    def _compute_dtype(self, source) -> str:
+        """--dtype, except under --exact on exact rollouts: their recorded dtype (what auto resolves to, on any device),
+        since the learner recomputes their bits only in the arithmetic they were sampled in. A source (async's queue)
+        brings its arithmetic with it: async passes one --dtype to every stage."""
         cfg = self.cfg
-        if not cfg.exact or cfg.cache is None:
+        if not cfg.exact or cfg.cache is None or source is not None:
             return cfg.dtype
-        record = Cache(cfg.cache).table("rollouts").get("model") or {}
+        record = self._rollouts_record()
         if not record.get("exact"):
             return cfg.dtype
         recorded = record.get("dtype") if record.get("dtype") in ("float32", "bfloat16") else "float32"
@@ -125,10 +129,9 @@ class Trainer:
 
     def _rollout_scheme(self):
         """The low-bit scheme the cache's rollouts were computed in (``--rollout-aligned``), from the manifest."""
-        from opdcache.cache import Cache
         from opdcache.quant import aligned_scheme
 
-        return aligned_scheme(Cache(self.cfg.cache).table("rollouts").get("model") or {}, f"{self.cfg.cache}'s rollouts")
+        return aligned_scheme(self._rollouts_record(), f"{self.cfg.cache}'s rollouts")
 
     # ------------------------------------------------------------ one step (the objective: opdcache/objective.py)
 
