@@ -10,7 +10,9 @@ teacher top-k ids and log-probs) for one full epoch with batch size 32 and no wo
 * baseline: ``datasets.load_dataset(<cache>, "rollouts")`` and ``(<cache>, "teacher-t")`` joined column-wise,
   ``.with_format("torch")``, a ``torch.utils.data.DataLoader`` and an equivalent padding collate;
 * hand-written Arrow (the baseline): the 11 tensors opdcache's loader yields, from what a careful user writes with
-  pyarrow alone, keeping its decoded arrays across epochs as opdcache's loader keeps its shards (:class:`HandLoader`).
+  pyarrow alone, keeping its decoded arrays across epochs as opdcache's loader keeps its shards (:class:`HandLoader`);
+  on the cold epoch a second row runs it in a process that has imported pandas already: pyarrow's ``to_numpy``
+  imports pandas on first use, which opdcache's loader avoids, and that row says how much of the difference it is.
 
 Measured with benchmarks/harness.py, cold (the loader built inside the timed epoch) and warm (after one untimed
 epoch), interleaved rounds, each run its own process:
@@ -180,9 +182,13 @@ def make(root: str, bs: int, side: str):
     return HandLoader(Path(root), bs) if side == "hand" else DatasetsLoader(Path(root), bs)
 
 
-def setup(root: str, bs: int, side: str, warm: bool) -> dict:
-    """Cold: nothing (the loader is built inside the timed epoch, as a run starts). Warm: built, one epoch untimed."""
+def setup(root: str, bs: int, side: str, warm: bool, pandas: bool = False) -> dict:
+    """Cold: nothing (the loader is built inside the timed epoch, as a run starts). Warm: built, one epoch untimed.
+    ``pandas``: imported before the timer (pyarrow's to_numpy imports it on first use, 0.16-0.3 s here; opdcache's
+    loader never does, so this row shows how much of the cold difference that import is)."""
     torch.set_num_threads(2)
+    if pandas:
+        import pandas  # noqa: F401
     if side == "datasets":
         os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="bench-hf-")  # cold conversion on a cold run
     st = {"root": root, "bs": bs, "side": side}
@@ -225,6 +231,9 @@ def main() -> None:
                           note="pq.read_table, numpy values + offsets kept across epochs, numpy padding; checks nothing"),
                      Side("datasets + DataLoader", "run_epoch", "setup", common | {"side": "datasets"},
                           note="load_dataset of both configs, with_format('torch'), DataLoader, padding collate")][: 2 if args.no_datasets else 3]
+            if temp == "cold":
+                sides.insert(2, Side("hand-written, pandas imported first", "run_epoch", "setup", common | {"side": "hand", "pandas": True},
+                                     note="the baseline in a process that has imported pandas already (its to_numpy then costs no import)"))
             result = compare(f"one {temp} epoch, {args.rows} rows, batch {args.batch_size}, top-k {K}"
                              + (" (loader built inside the timer)" if temp == "cold" else " (after one untimed epoch)"),
                              sides, __file__, rounds=args.rounds,

@@ -209,6 +209,42 @@ def collate(rows: list[dict], hidden_dtype: str | None = None, svd_dtype: str | 
     return batch
 
 
+def collate_decoded(rows: list[tuple[DecodedShard, int]]) -> dict[str, torch.Tensor]:
+    """:func:`collate` of rows of decoded shards, (shard, row index) each: the same tensors, written straight into the
+    padded batch, one copy a row and column with ids widened to int64 as they are copied, and the masks and positions
+    computed for the whole batch at once. :func:`collate`, the plain reference, builds a dict a row and pads and
+    widens in separate passes; tests/test_data.py holds the two equal. Memory: the batch's tensors."""
+    first = rows[0][0]
+    spans = np.array([(d.offsets[r], d.offsets[r + 1], d.prompt_offsets[r], d.prompt_offsets[r + 1]) for d, r in rows], np.int64)
+    n, prompt = spans[:, 1] - spans[:, 0], spans[:, 3] - spans[:, 2]
+    B, T, L = len(rows), max(1, int(n.max())), int((n + prompt).max())
+    t = np.arange(T)
+    real = t < n[:, None]
+    names = [name for name in first.cols if name not in ("prompt_ids", "response_ids")]
+    kept = ("teacher_hidden", "teacher_svd")  # 16-bit vectors stay their bits, as in collate
+    out = {name: np.zeros((B, T) + first.cols[name].shape[1:],
+                          np.int64 if first.cols[name].dtype.kind in "iu" and name not in kept else first.cols[name].dtype)
+           for name in names}
+    input_ids, response = np.zeros((B, L), np.int64), np.zeros((B, T), np.int64)
+    for i, ((d, _), (a, b, p0, p1)) in enumerate(zip(rows, spans)):
+        tokens = d.cols["response_ids"][a:b]
+        input_ids[i, : p1 - p0] = d.cols["prompt_ids"][p0:p1]
+        input_ids[i, p1 - p0: p1 - p0 + b - a] = tokens
+        response[i, : b - a] = tokens
+        for name in names:
+            out[name][i, : b - a] = d.cols[name][a:b]
+    batch = {"input_ids": torch.from_numpy(input_ids),
+             "attention_mask": torch.from_numpy((np.arange(L) < (prompt + n)[:, None]).astype(np.int64)),
+             "response_ids": torch.from_numpy(response), "response_mask": torch.from_numpy(real.astype(np.float32)),
+             "logit_positions": torch.from_numpy(np.where(real, prompt[:, None] - 1 + t, 0))}
+    for name in names:
+        if name in kept:
+            batch[name] = shards.hidden_to_torch(out[name], (first.hidden_dtype if name == "teacher_hidden" else first.svd_dtype) or "float32")
+        else:
+            batch[name] = torch.from_numpy(out[name])
+    return batch
+
+
 def _verify_shard(path, entry: dict, root):
     """Refuse a shard whose size or sha256 differs from the manifest's (truncated, replaced or corrupted).
 
@@ -344,7 +380,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
 
             for batch in mine:
                 decoded = [load(s) for s, _ in batch]
-                yield collate([d.row(r) for d, (_, r) in zip(decoded, batch)], decoded[0].hidden_dtype, decoded[0].svd_dtype)
+                yield collate_decoded([(d, r) for d, (_, r) in zip(decoded, batch)])
         finally:  # an epoch cut short (the consumer stopped): nothing more is decoded
             pool.shutdown(wait=True, cancel_futures=True)
 

@@ -151,3 +151,28 @@ def test_decoding_ahead_in_a_thread_changes_no_batch_and_no_refusal(hf_cache, tm
     next(it)
     it.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("opdcache-decode")]
+
+
+@pytest.mark.parametrize("cache, teacher, stores, rollout_stores", [
+    ("hf_cache", "teacher", ("logprob", "topk", "hidden", "svd", "sampled"), ("base", "ref_topk", "mc")),
+    ("synth_cache", "synth", ("logprob", "topk", "hidden"), ("base", "ref_topk", "mc")),  # bfloat16 hidden states
+])
+def test_the_loaders_collate_equals_the_plain_reference(request, cache, teacher, stores, rollout_stores):
+    """collate_decoded (what the loader yields) against collate, the plain reference, on the same rows: every store's
+    tensors equal in dtype, shape and value, for shuffled batches, a batch that spans shards and a batch of one."""
+    from opdcache.data import CacheDataset, collate, collate_decoded
+
+    ds = CacheDataset(CacheLoaderConfig(cache=request.getfixturevalue(cache), teacher=teacher, stores=stores,
+                                        rollout_stores=rollout_stores, prefetch=False))
+    decoded = [ds._decode(s) for s in range(len(ds.rollout_paths))]
+    rows = [(d, r) for d in decoded for r in range(len(d.offsets) - 1)]
+    order = np.random.default_rng(0).permutation(len(rows))
+    batches = [[rows[j] for j in order[i: i + 7]] for i in range(0, len(rows), 7)] + [rows[:1], rows[len(decoded[0].offsets) - 3:][:5]]
+    for batch in batches:
+        fast = collate_decoded(batch)
+        plain = collate([d.row(r) for d, r in batch], batch[0][0].hidden_dtype, batch[0][0].svd_dtype)
+        assert list(fast) == list(plain)
+        for name in plain:
+            assert fast[name].dtype == plain[name].dtype and torch.equal(fast[name], plain[name]), name
+    assert {"teacher_hidden", "mc_ids", "ref_topk_ids"} <= set(fast) and fast["teacher_hidden"].dtype == (
+        torch.bfloat16 if cache == "synth_cache" else torch.float32)
