@@ -72,7 +72,7 @@ def train(
     kl_cap: Annotated[Optional[float], typer.Option("--kl-cap", help="Largest per-token KL penalty term, nats (default 10, verl's clamp: k3 grows as exp; 0: no cap).", show_default=False)] = None,
     exact: Annotated[Optional[bool], typer.Option("--exact/--no-exact", help="The exact arithmetic (papers/003): the student's log-probs are bit-identical to an --exact engine's (importance weight exactly 1 at step 0) whatever the batch, padding, threads or device (CPU or CUDA: the same bits; float32 or bfloat16, the rollouts' dtype by default). Memory: the float64 copies of each layer's inputs and outputs in the forward (about 2x the activations). Default off.", show_default=False)] = None,
     rollout_aligned: Annotated[Optional[bool], typer.Option("--rollout-aligned/--no-rollout-aligned", help="QaRL: the student computes in the rollouts' recorded low-bit scheme (from float32 masters, straight-through gradients), as does the corrections' pi_ref (default off).", show_default=False)] = None,
-    chunk: Annotated[Optional[int], typer.Option("--chunk", help="Vocabulary slice width of the fused head pass (default 8192).", show_default=False)] = None,
+    chunk: Annotated[Optional[int], typer.Option("--chunk", help="Vocabulary slice width of the fused head pass on a CPU (default 8192; a GPU takes whole vocabulary rows in blocks of up to 1 GiB).", show_default=False)] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="auto, float32 or bfloat16 (autocast over float32 master weights; default auto: bfloat16 on a GPU that has it).", show_default=False)] = None,
     gradient_checkpointing: Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute layer activations in the backward (default off).", show_default=False)] = None,
     fsdp: Annotated[Optional[bool], typer.Option("--fsdp/--no-fsdp", help="Shard the student over torchrun's processes (FSDP2; default off).", show_default=False)] = None,
@@ -82,7 +82,7 @@ def train(
     """Lightning OPD (or another estimator) from a cache: no teacher runs during training.
 
     Memory grows with the model (16 bytes per parameter in float32 with AdamW, split over processes with --fsdp),
-    batch x length x hidden activations (one layer's with --gradient-checkpointing) and [rows, --chunk] logit blocks (64 MiB);
+    batch x length x hidden activations (one layer's with --gradient-checkpointing) and [rows, --chunk] logit blocks (64 MiB; 1 GiB of [rows, vocabulary] on a GPU);
     never with tokens x vocabulary (measured at hidden 1,024, 8 layers, float32: ~85 KiB a token per layer; with
     --gradient-checkpointing 70 KiB a token in all, on a CPU with glibc's mmap threshold fixed so that freed recompute
     buffers leave the RSS, for ~5% more time; the full-vocabulary losses add 256 MiB of blocks at vocabulary 151,936). A --cache on an object store holds one verified shard's bytes in memory while it

@@ -10,7 +10,8 @@ optionally scaled and soft-capped (z <- c tanh(z / c)) as the model's own forwar
 The forward runs one pass over vocabulary slices of width ``chunk`` with an online log-sum-exp (running
 maximum m and rescaled sum s; lse = m + log s), picking up the logits at the requested ids in the slice
 that holds them. The backward recomputes each slice's logits from h and W, so both passes hold one
-[rows, chunk] block at a time, rows bounded by :data:`BLOCK_BYTES`: memory grows with N * K, never with N * V. This is the same online
+[rows, chunk] block at a time, rows bounded by :data:`BLOCK_BYTES` (on a GPU one [rows, V] block of at most
+:data:`GPU_BLOCK_BYTES`: :func:`layout`): memory grows with N * K, never with N * V. This is the same online
 idea as the teacher-side divergences of opdcache/divergence.py (papers/002), applied to the student.
 
 :func:`logprobs_reference` is the plain full-logits implementation the parity tests compare against.
@@ -24,6 +25,10 @@ from opdcache.errors import ConfigError
 
 DEFAULT_CHUNK = 8192
 BLOCK_BYTES = 64 << 20  # one [rows, chunk] float32 logit block; rows = BLOCK_BYTES // (4 * chunk)
+# On a GPU the block takes whole vocabulary rows, as the divergence's uniform path and scoring do there: 8,192-column
+# slices in 64 MiB blocks are ~19 slices per pass, each a handful of kernel launches (the launch-bound pattern that made
+# GPU scoring 7x slower before its large blocks). Capped at a quarter of the device's free memory.
+GPU_BLOCK_BYTES = 1 << 30
 
 
 def row_blocks(n: int, chunk: int) -> list[slice]:
@@ -31,6 +36,27 @@ def row_blocks(n: int, chunk: int) -> list[slice]:
     BLOCK_BYTES, so memory does not grow with the number of positions either."""
     rows = max(1, BLOCK_BYTES // (4 * chunk))
     return [slice(a, min(a + rows, n)) for a in range(0, n, rows)] or [slice(0, 0)]
+
+
+def layout(n: int, V: int, chunk: int, device: torch.device) -> tuple[list[slice], int]:
+    """(position blocks, vocabulary slice width) of the head pass on ``device``. A CPU: ``chunk``-wide slices in
+    :func:`row_blocks`. A GPU: the whole vocabulary in one slice, in blocks of min(GPU_BLOCK_BYTES, a quarter of the
+    free memory) of float32 logits (at least one row); ``chunk`` (``--chunk``) is then not used."""
+    if device.type != "cuda":
+        return row_blocks(n, chunk), chunk
+    free, _ = torch.cuda.mem_get_info(device)
+    rows = max(1, min(GPU_BLOCK_BYTES, free // 4) // (4 * V))
+    return [slice(a, min(a + rows, n)) for a in range(0, n, rows)] or [slice(0, 0)], V
+
+
+def _inside(ids: torch.Tensor, a: int, C: int, V: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(column of each id in vocabulary slice [a, a + C), clamped into it; mask of the ids the slice holds, None when
+    the slice is the whole vocabulary). A gather or scatter with these needs no host synchronisation, where
+    ``nonzero`` would wait for the device at every slice."""
+    if C == V:
+        return ids, None
+    local = ids - a
+    return local.clamp(0, C - 1), (local >= 0) & (local < C)
 
 
 def check_chunk(chunk: int) -> int:
@@ -75,15 +101,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
         N, V = h.shape[0], W.shape[0]
         lse = torch.empty(N, dtype=dtype, device=h.device)
         out = torch.empty(ids.shape, dtype=dtype, device=h.device)
-        for rows in row_blocks(N, chunk):
+        blocks, chunk = layout(N, V, chunk, h.device)
+        for rows in blocks:
             hb, ib = h[rows], ids[rows]
             m = torch.full((hb.shape[0],), float("-inf"), dtype=dtype, device=h.device)
             s = torch.zeros(hb.shape[0], dtype=dtype, device=h.device)
-            picked = torch.empty(ib.shape, dtype=dtype, device=h.device)
+            picked = torch.zeros(ib.shape, dtype=dtype, device=h.device)
             for a in range(0, V, chunk):
                 z = _slice_logits(hb, W, b, a, chunk, scale, softcap, dtype)  # [rows, C]
-                r, k = ((ib >= a) & (ib < a + z.shape[1])).nonzero(as_tuple=True)
-                picked[r, k] = z[r, ib[r, k] - a]
+                col, held = _inside(ib, a, z.shape[1], V)
+                picked = z.gather(1, col) if held is None else torch.where(held, z.gather(1, col), picked)
                 new_m = torch.maximum(m, z.amax(-1))
                 s = s * torch.exp(m - new_m) + z.sub_(new_m[:, None]).exp_().sum(-1)
                 m = new_m
@@ -91,7 +118,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             # (z - m) - log s rather than z - (m + log s): the subtraction then rounds at |z - m|, not at |lse|
             out[rows] = (picked - m[:, None]) - torch.log(s)[:, None]
         ctx.save_for_backward(h, W, b if b is not None else torch.empty(0), ids, lse)
-        ctx.chunk, ctx.scale, ctx.softcap, ctx.has_b, ctx.mm = chunk, scale, softcap, b is not None, matmul_dtype(h)
+        ctx.blocks, ctx.chunk, ctx.scale, ctx.softcap, ctx.has_b, ctx.mm = blocks, chunk, scale, softcap, b is not None, matmul_dtype(h)
         return out.to(h.dtype), lse.to(h.dtype)
 
     @staticmethod
@@ -107,15 +134,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_W = torch.zeros(W.shape, dtype=dtype, device=W.device) if need_W else None
         grad_b = torch.zeros(W.shape[0], dtype=dtype, device=W.device) if need_b and b is not None else None
         mm = ctx.mm
-        for rows in row_blocks(h.shape[0], ctx.chunk):
-            hm, ib = h[rows].to(mm), ids[rows]
-            for a in range(0, W.shape[0], ctx.chunk):
+        V = W.shape[0]
+        for rows in ctx.blocks:
+            hm, ib, gb = h[rows].to(mm), ids[rows], g_lp[rows]
+            for a in range(0, V, ctx.chunk):
                 z = _slice_logits(hm, W, b, a, ctx.chunk, ctx.scale, ctx.softcap, dtype)
                 C = z.shape[1]
                 capped = z.clone() if ctx.softcap is not None else None
                 dz = z.sub_(lse[rows, None]).exp_().mul_(coef[rows, None])  # (g_lse - sum g) * q
-                r, k = ((ib >= a) & (ib < a + C)).nonzero(as_tuple=True)
-                dz.index_put_((r, ib[r, k] - a), g_lp[rows][r, k], accumulate=True)  # + sum_k g_k [v = id_k]
+                col, held = _inside(ib, a, C, V)  # + sum_k g_k [v = id_k]; ids outside the slice add 0
+                dz.scatter_add_(1, col, gb if held is None else torch.where(held, gb, 0))
                 if capped is not None:  # d(c tanh(x / c))/dx = 1 - tanh(x / c)^2 = 1 - (capped / c)^2
                     t = capped.div_(ctx.softcap)
                     dz.mul_(1 - t * t)
@@ -137,8 +165,9 @@ def chunked_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, ids_NK: t
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs at ``ids_NK`` [N, K], log-partition [N]) of softmax(hidden @ weight.T + bias), both differentiable.
 
-    Computed in float32 (float64 inputs stay float64), in blocks of positions (:func:`row_blocks`) each streamed over
-    vocabulary slices: transient memory O(BLOCK_BYTES) whatever N and V, plus the [N, K] outputs.
+    Computed in float32 (float64 inputs stay float64), in blocks of positions each streamed over vocabulary slices
+    (:func:`layout`): transient memory O(BLOCK_BYTES) on a CPU and O(GPU_BLOCK_BYTES) on a GPU whatever N and V, plus the
+    [N, K] outputs.
     """
     check_chunk(chunk)
     if hidden_NH.dim() != 2 or weight_VH.dim() != 2 or hidden_NH.shape[1] != weight_VH.shape[1]:

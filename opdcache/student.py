@@ -6,7 +6,8 @@ and the fused head pass (opdcache/logprobs.py, and opdcache/divergence.py for th
 all run inside its ``forward``, so FSDP has gathered the head's weight when it is used and gradients
 reach the sharded parameters. Memory per micro-batch: activations [B, L, H] (or one layer's with
 ``--gradient-checkpointing``), the head pass's [rows, chunk] float32 logit blocks (bounded by
-opdcache.logprobs.BLOCK_BYTES whatever N) and one [V, H] head gradient; nothing grows with N x V.
+opdcache.logprobs.BLOCK_BYTES whatever N; on a GPU [rows, V] blocks of at most GPU_BLOCK_BYTES) and one [V, H] head
+gradient; nothing grows with N x V.
 """
 
 from __future__ import annotations

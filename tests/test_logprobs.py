@@ -114,6 +114,44 @@ def test_position_blocks_give_the_same_values_and_gradients(monkeypatch):
         torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
 
 
+def test_a_gpu_takes_whole_vocabulary_rows_in_blocks_capped_by_its_free_memory(monkeypatch):
+    """layout: a CPU keeps --chunk slices in row_blocks; a CUDA device takes the whole vocabulary in one slice, in
+    blocks of GPU_BLOCK_BYTES of float32 logits, or a quarter of the free memory when that is less (at least a row)."""
+    from opdcache import logprobs as LP
+
+    assert LP.layout(5000, 151_936, 8192, torch.device("cpu")) == (LP.row_blocks(5000, 8192), 8192)
+    free = {"bytes": 80 << 30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 << 30))
+    blocks, chunk = LP.layout(5000, 151_936, 8192, torch.device("cuda"))
+    assert chunk == 151_936 and [b.stop - b.start for b in blocks] == [1766, 1766, 1468]  # 1 GiB // (4 x 151,936)
+    free["bytes"] = 1 << 30  # a quarter: 256 MiB
+    assert LP.layout(5000, 151_936, 8192, torch.device("cuda"))[0][0] == slice(0, 441)
+    free["bytes"] = 0
+    assert len(LP.layout(3, 151_936, 8192, torch.device("cuda"))[0]) == 3
+
+
+@pytest.mark.parametrize("K", [1, 5])
+def test_the_gpu_layout_gives_the_reference_values_and_gradients(monkeypatch, K):
+    """The GPU's layout (whole-vocabulary slices, here in blocks of 3 rows), run on the CPU: the same log-probs,
+    log-partitions and gradients as the full-logits reference, repeated ids included (their gradients add up)."""
+    from opdcache import logprobs as LP
+
+    monkeypatch.setattr(LP, "layout", lambda n, V, chunk, device: ([slice(a, min(a + 3, n)) for a in range(0, n, 3)], V))
+    h, W, b, ids = _inputs(10, 4, 29, K)
+    ids[0] = 7  # every id of row 0 the same
+    lp, lse = chunked_logprobs(h, W, ids, b, chunk=8)
+    (lp.sum() * 0.7 + lse.sum()).backward()
+    grads = [t.grad.clone() for t in (h, W, b)]
+    for t in (h, W, b):
+        t.grad = None
+    ref_lp, ref_lse = logprobs_reference(h, W, ids, b)
+    (ref_lp.sum() * 0.7 + ref_lse.sum()).backward()
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+    for got, t in zip(grads, (h, W, b)):
+        torch.testing.assert_close(got, t.grad, rtol=1e-10, atol=1e-10)
+
+
 def test_under_autocast_the_backward_matmuls_run_in_the_forward_dtype(monkeypatch):
     """Autocast is off inside a backward: the gradient matmuls must still run in bf16, as the forward's and the model's
     own head do (in float32 they made the fused train step 3x slower than the full-logits step on an H100), and the
