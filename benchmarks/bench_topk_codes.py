@@ -5,7 +5,8 @@ Data: the storage frontier's (benchmarks/realdata.py, bench_storage.py): SmolLM2
 temperature-1 responses to 64 chat-template math prompts; the second half of the rows (32 sequences, 4,011 positions).
 Students: the same model with w8a8 (0.031 nats a position from the teacher) and w4a16:g64 (0.43 nats), emulated by
 ``--quantize`` as the frontier does. Every setting starts from the exact top-128 (float64 from the teacher's float32
-logits) and the residual-mass support at 1e-4 (as score-teacher's ``--topk-mass 1e-4``).
+logits) and the residual-mass support at 1e-4 (as score-teacher's ``--topk-mass 1e-4``). Last, prob14's ids column
+alone under other id codings (:func:`id_levers`).
 
 Error: |FKL_setting - FKL_exact top-128| a position, max and mean over the positions, each with the tail-bin estimator
 train's ``topk-fkl --topk-tail`` uses (the kept probabilities renormalised with the stored tail; the student's tail is
@@ -208,6 +209,54 @@ def writer_bytes(d: Data) -> float:
         return sum(size for name, size in column_bytes(path.read_bytes()).items() if name.startswith("topk_"))
 
 
+def id_levers(d: Data) -> dict:
+    """B/token of prob14's kept ids (the ids column alone, zstd 9, 8 MiB pages) under the id codings issue 29 names,
+    beside the layout opdcache writes (ascending, PLAIN int32): Parquet's other encodings of that column; a dictionary
+    per column chunk (a per-shard id table); each position's gaps between its ascending ids (uint16, split by byte);
+    and ids coded against the previous position's set (a 128-bit mask over the previous kept ids, then only the ids
+    that are new). Also the share of a position's ids that its predecessor in the sequence kept too."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    kept, _, codes = linear(d, 2.0 ** -14)
+    T, bounds = len(d.ids), np.concatenate([[0], np.cumsum(d.rows)])
+    cols, ids, _ = columns(d, kept, codes, np.zeros(T))
+    first = np.zeros(T, bool)
+    first[bounds[:-1]] = True
+
+    def nested(a: np.ndarray, typ, width: int = K):
+        inner = pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1), type=typ), width)
+        return pa.ListArray.from_arrays(pa.array(bounds, pa.int32()), inner)
+
+    def size(column, encoding: str | None = None, dictionary: bool = False) -> float:
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"c": column}), buf, compression="zstd", compression_level=9, use_dictionary=dictionary,
+                       write_statistics=False, data_page_size=8 << 20, dictionary_pagesize_limit=1 << 30,
+                       column_encoding=None if dictionary else {"c.list.element.list.element": encoding or "PLAIN"})
+        return len(buf.getvalue()) / T
+
+    valid = ids >= 0
+    gaps = np.where(valid, np.diff(np.concatenate([np.zeros((T, 1), np.int64), np.where(valid, ids, 0)], 1), axis=1), 0)
+    fresh, masks, overlap = np.full_like(ids, -1), np.zeros((T, K // 8), np.uint8), []
+    for t in range(T):
+        cur = ids[t][valid[t]]
+        if not first[t]:
+            prev = ids[t - 1][valid[t - 1]]
+            bits = np.zeros(K, bool)
+            bits[: len(prev)] = np.isin(prev, cur)
+            masks[t] = np.packbits(bits)
+            overlap.append(bits.sum() / len(cur))
+            cur = cur[~np.isin(cur, prev)]
+        fresh[t, : len(cur)] = cur
+    return {"as written (ascending, PLAIN)": size(cols["topk_ids"]),
+            "DELTA_BINARY_PACKED": size(cols["topk_ids"], "DELTA_BINARY_PACKED"),
+            "BYTE_STREAM_SPLIT": size(cols["topk_ids"], "BYTE_STREAM_SPLIT"),
+            "dictionary (a per-shard id table)": size(cols["topk_ids"], dictionary=True),
+            "gaps, uint16 split by byte": size(nested(gaps.astype(np.uint16), pa.uint16()), "BYTE_STREAM_SPLIT"),
+            "against the previous position's set": size(nested(masks, pa.uint8(), K // 8)) + size(nested(fresh, pa.int32())),
+            "share kept by the previous position (mean)": float(np.mean(overlap))}
+
+
 def zstd_rate(ids: np.ndarray, vals: np.ndarray, level: int) -> float:
     """Tokens per CPU-second through zstd at ``level`` for the two columns' raw bytes (ids PLAIN, codes split by byte)."""
     import pyarrow as pa
@@ -273,6 +322,10 @@ def main() -> None:
         rate = f"{row['zstd_tokens_per_cpu_s']:>15,.0f}" if codes is not None else f"{'':>15}"
         print(f"{label:<44} {b} {row['entries']:8.1f} {rate}  " + "  ".join(
             f"{st['max']:>10.2e} {st['mean']:>8.2e}" for st in row["students"].values()), flush=True)
+    report["id_levers_bytes_per_token"] = levers = id_levers(d)
+    print("\nprob14's ids column alone (zstd 9), B/token:")
+    for label, value in levers.items():
+        print(f"  {label:<44} {value:8.3f}" if label.startswith("share") else f"  {label:<44} {value:8.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")
