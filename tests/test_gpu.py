@@ -63,11 +63,18 @@ def test_divergence_under_bf16_autocast_on_cuda_matches_the_full_logits_path(kin
     check_autocast_gradients(kind, uniform, *_inputs(40, 3000, 64, 32)[1])
 
 
-def test_streamed_logprobs_on_cuda_match_the_float64_reference():
+@pytest.mark.parametrize("block_rows", [None, 8])
+def test_streamed_logprobs_on_cuda_match_the_float64_reference(block_rows, monkeypatch):
+    """The GPU layout (whole-vocabulary rows: one block, or blocks of 8 rows), repeated ids included."""
+    from opdcache import logprobs as LP
     from opdcache.logprobs import chunked_logprobs
 
+    if block_rows:
+        monkeypatch.setattr(LP, "GPU_BLOCK_BYTES", 4 * 7001 * block_rows)
+        assert len(LP.layout(50, 7001, 1024, CUDA)[0]) == 7
     (h, W, b, _, _), (h_d, W_d, b_d, _, _) = _inputs(50, 7001, 64, 4, seed=3)
     ids = torch.randint(0, 7001, (50, 3), generator=torch.Generator().manual_seed(4))
+    ids[1] = 17  # one row's ids all the same: their gradients add up
     lp, lse = chunked_logprobs(h_d, W_d, ids.to(CUDA), b_d, chunk=1024)
     (lp.sum() + lse.sum()).backward()
     z = h @ W.T + b
