@@ -214,7 +214,9 @@ def id_levers(d: Data) -> dict:
     beside the layout opdcache writes (ascending, PLAIN int32): Parquet's other encodings of that column; a dictionary
     per column chunk (a per-shard id table); each position's gaps between its ascending ids (uint16, split by byte);
     and ids coded against the previous position's set (a 128-bit mask over the previous kept ids, then only the ids
-    that are new). Also the share of a position's ids that its predecessor in the sequence kept too."""
+    that are new; two columns, each written as its own file, so this one carries a second footer, ~0.1 B/token).
+    Also the share of a position's kept ids that the position before it in the same sequence kept too, averaged over
+    every position but each sequence's first."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -157,14 +157,15 @@ def compare(title: str, sides: list[Side], module: str, rounds: int = 3, warmup:
 
 def report(result: dict, json_path: str | Path | None = None) -> str:
     """The table (ratios are side / baseline, pair by pair over the rounds: below 1 is faster or smaller)."""
+    w = max([34] + [len(name) for name in result["sides"]])  # a side's whole name, never cut
     lines = [f"{result['title']}: {result['rounds']} interleaved rounds after {result['warmup']} warm-up, {result['cpus']} CPUs, "
              f"load {min(e['load'][0] for e in result['sides'].values()):.1f}-{max(e['load'][1] for e in result['sides'].values()):.1f}",
-             f"{'side':<34} {'wall min':>9} {'median':>8} {'CPU min':>8} {'median':>8} {'peak MiB':>9} "
+             f"{'side':<{w}} {'wall min':>9} {'median':>8} {'CPU min':>8} {'median':>8} {'peak MiB':>9} "
              f"{'wall/base (min-max)':>22} {'CPU/base':>9} {'mem/base':>9}"]
     lines.append("-" * len(lines[-1]))
     for name, e in result["sides"].items():
         ratio = "" if e["baseline"] else (f"{e['wall_ratio']['median']:.2f} ({e['wall_ratio']['min']:.2f}-{e['wall_ratio']['max']:.2f})")
-        lines.append(f"{name[:34]:<34} {e['wall_min']:>9.2f} {e['wall_median']:>8.2f} {e['cpu_min']:>8.2f} {e['cpu_median']:>8.2f} "
+        lines.append(f"{name:<{w}} {e['wall_min']:>9.2f} {e['wall_median']:>8.2f} {e['cpu_min']:>8.2f} {e['cpu_median']:>8.2f} "
                      f"{e['peak_anon_mib_median']:>9.0f} {ratio:>22} "
                      f"{'' if e['baseline'] else format(e['cpu_ratio']['median'], '.2f'):>9} "
                      f"{'' if e['baseline'] else format(e['memory_ratio'], '.2f'):>9}")

@@ -172,6 +172,17 @@ def _pad(rows: list[np.ndarray], length: int, fill=0) -> np.ndarray:
     return out
 
 
+BIT_COLUMNS = ("teacher_hidden", "teacher_svd")
+"""Columns of 16-bit (or float32) vectors: batched as their stored bits, a typed tensor of the stored dtype."""
+
+
+def _column_tensor(name: str, padded: np.ndarray, hidden_dtype: str | None, svd_dtype: str | None) -> torch.Tensor:
+    """A padded [B, T, ...] column as the batch's tensor: vectors in their stored dtype, other integers as int64."""
+    if name in BIT_COLUMNS:  # 16-bit vectors arrive as their bits: a typed tensor, no bit changed
+        return shards.hidden_to_torch(padded, (hidden_dtype if name == "teacher_hidden" else svd_dtype) or "float32")
+    return torch.from_numpy(padded.astype(np.int64, copy=False) if padded.dtype.kind in "iu" else padded)
+
+
 def collate(rows: list[dict], hidden_dtype: str | None = None, svd_dtype: str | None = None) -> dict[str, torch.Tensor]:
     """Rows (dicts of numpy arrays: prompt_ids, response_ids, per-token columns) -> padded tensors.
 
@@ -201,11 +212,7 @@ def collate(rows: list[dict], hidden_dtype: str | None = None, svd_dtype: str | 
     for name in rows[0]:
         if name in ("prompt_ids", "response_ids"):
             continue
-        arr = _pad([r[name] for r in rows], T)
-        if name in ("teacher_hidden", "teacher_svd"):  # 16-bit vectors arrive as their bits: a typed tensor, no bit changed
-            batch[name] = shards.hidden_to_torch(arr, (hidden_dtype if name == "teacher_hidden" else svd_dtype) or "float32")
-        else:
-            batch[name] = torch.from_numpy(arr.astype(np.int64) if arr.dtype.kind in "iu" else arr)
+        batch[name] = _column_tensor(name, _pad([r[name] for r in rows], T), hidden_dtype, svd_dtype)
     return batch
 
 
@@ -221,10 +228,8 @@ def collate_decoded(rows: list[tuple[DecodedShard, int]]) -> dict[str, torch.Ten
     t = np.arange(T)
     real = t < n[:, None]
     names = [name for name in first.cols if name not in ("prompt_ids", "response_ids")]
-    kept = ("teacher_hidden", "teacher_svd")  # 16-bit vectors stay their bits, as in collate
-    out = {name: np.zeros((B, T) + first.cols[name].shape[1:],
-                          np.int64 if first.cols[name].dtype.kind in "iu" and name not in kept else first.cols[name].dtype)
-           for name in names}
+    widened = {name: np.int64 if v.dtype.kind in "iu" and name not in BIT_COLUMNS else v.dtype for name, v in first.cols.items()}
+    out = {name: np.zeros((B, T) + first.cols[name].shape[1:], widened[name]) for name in names}
     input_ids, response = np.zeros((B, L), np.int64), np.zeros((B, T), np.int64)
     for i, ((d, _), (a, b, p0, p1)) in enumerate(zip(rows, spans)):
         tokens = d.cols["response_ids"][a:b]
@@ -238,10 +243,7 @@ def collate_decoded(rows: list[tuple[DecodedShard, int]]) -> dict[str, torch.Ten
              "response_ids": torch.from_numpy(response), "response_mask": torch.from_numpy(real.astype(np.float32)),
              "logit_positions": torch.from_numpy(np.where(real, prompt[:, None] - 1 + t, 0))}
     for name in names:
-        if name in kept:
-            batch[name] = shards.hidden_to_torch(out[name], (first.hidden_dtype if name == "teacher_hidden" else first.svd_dtype) or "float32")
-        else:
-            batch[name] = torch.from_numpy(out[name])
+        batch[name] = _column_tensor(name, out[name], first.hidden_dtype, first.svd_dtype)
     return batch
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from opdcache.logprobs import check_chunk, matmul_dtype, row_blocks
+from opdcache.logprobs import check_chunk, gpu_block_bytes, matmul_dtype, row_blocks
 
 KINDS = ("fkl", "rkl", "jsd")
 DEFAULT_CHUNK = 4096
@@ -183,10 +183,11 @@ def _uniform_layout(V: int, device: torch.device) -> tuple[int, int]:
     """(positions per whole-vocabulary block, columns per piece) of the uniform path. CPU: 128 MiB blocks (220
     positions at V = 151,936) in 2,048-column pieces. Each block streams both heads (and reads and writes grad W)
     once, so fewer, larger blocks move less memory: on 2 CPU cores at hidden 1,024 and 2,048 positions, blocks of 64
-    MiB took 31-41 s where 128 MiB took 29 s (kl_div: 33-36 s). A GPU takes 1 GiB blocks in one piece: its matmuls
-    need no packing, and 2,048-column pieces would cost a launch each (not measured here: no device was lent)."""
+    MiB took 31-41 s where 128 MiB took 29 s (kl_div: 33-36 s). A GPU takes 1 GiB blocks (at most a quarter of its free
+    memory: opdcache.logprobs.gpu_block_bytes) in one piece: its matmuls need no packing, and narrower pieces cost a
+    launch each (an H200 sweep, BENCHMARKS.md: 1 GiB whole rows 0.062 s, 256 MiB in 16,384-column pieces 0.094 s)."""
     if device.type == "cuda":
-        return max(1, GPU_UNIFORM_BLOCK_BYTES // (4 * V)), V
+        return max(1, gpu_block_bytes(device, GPU_UNIFORM_BLOCK_BYTES) // (4 * V)), V
     return max(1, UNIFORM_BLOCK_BYTES // (4 * V)), INNER_CHUNK
 
 

@@ -31,22 +31,30 @@ BLOCK_BYTES = 64 << 20  # one [rows, chunk] float32 logit block; rows = BLOCK_BY
 GPU_BLOCK_BYTES = 1 << 30
 
 
+def _blocks(n: int, rows: int) -> list[slice]:
+    return [slice(a, min(a + rows, n)) for a in range(0, n, rows)] or [slice(0, 0)]
+
+
 def row_blocks(n: int, chunk: int) -> list[slice]:
     """Position blocks of at most BLOCK_BYTES // (4 * chunk) rows: each [rows, chunk] float32 block stays under
     BLOCK_BYTES, so memory does not grow with the number of positions either."""
-    rows = max(1, BLOCK_BYTES // (4 * chunk))
-    return [slice(a, min(a + rows, n)) for a in range(0, n, rows)] or [slice(0, 0)]
+    return _blocks(n, max(1, BLOCK_BYTES // (4 * chunk)))
+
+
+def gpu_block_bytes(device: torch.device, most: int, least: int = 0) -> int:
+    """A GPU's logit block: ``most`` bytes, at most a quarter of the device's free memory, at least ``least``. The one
+    rule for the head pass here and for scoring (opdcache/backends/streamed.py)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(least, min(most, free // 4))
 
 
 def layout(n: int, V: int, chunk: int, device: torch.device) -> tuple[list[slice], int]:
     """(position blocks, vocabulary slice width) of the head pass on ``device``. A CPU: ``chunk``-wide slices in
-    :func:`row_blocks`. A GPU: the whole vocabulary in one slice, in blocks of min(GPU_BLOCK_BYTES, a quarter of the
-    free memory) of float32 logits (at least one row); ``chunk`` (``--chunk``) is then not used."""
+    :func:`row_blocks`. A GPU: the whole vocabulary in one slice, in blocks of :func:`gpu_block_bytes` (GPU_BLOCK_BYTES)
+    of float32 logits, at least one row; ``chunk`` (``--chunk``) is then not used."""
     if device.type != "cuda":
         return row_blocks(n, chunk), chunk
-    free, _ = torch.cuda.mem_get_info(device)
-    rows = max(1, min(GPU_BLOCK_BYTES, free // 4) // (4 * V))
-    return [slice(a, min(a + rows, n)) for a in range(0, n, rows)] or [slice(0, 0)], V
+    return _blocks(n, max(1, gpu_block_bytes(device, GPU_BLOCK_BYTES) // (4 * V))), V
 
 
 def _inside(ids: torch.Tensor, a: int, C: int, V: int) -> tuple[torch.Tensor, torch.Tensor | None]:

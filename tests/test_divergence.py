@@ -173,10 +173,15 @@ def test_uniform_path_memory_stays_per_row_block(monkeypatch):
     assert Ws.grad.abs().max() == 0
 
 
-def test_uniform_path_layout_per_device():
-    """CPU: 128 MiB blocks in 2,048-column pieces; a GPU: 1 GiB blocks in one piece (no device needed to check it)."""
+def test_uniform_path_layout_per_device(monkeypatch):
+    """CPU: 128 MiB blocks in 2,048-column pieces; a GPU: 1 GiB blocks in one piece, at most a quarter of its free memory
+    (no device needed to check it: the free memory is stubbed)."""
     import opdcache.divergence as dv
 
+    free = {"bytes": 80 << 30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 << 30))
     assert dv._uniform_layout(151_936, torch.device("cpu")) == (220, 2048)
     assert dv._uniform_layout(151_936, torch.device("cuda")) == ((1 << 30) // (4 * 151_936), 151_936)
+    free["bytes"] = 1 << 30
+    assert dv._uniform_layout(151_936, torch.device("cuda")) == ((1 << 28) // (4 * 151_936), 151_936)
     assert dv._uniform_layout(10**9, torch.device("cpu"))[0] == 1  # a vocabulary larger than a block: one row a block

@@ -20,10 +20,11 @@ GPU_MIN_BLOCK_BYTES = 256 << 20
 def block_bytes(device: torch.device) -> int:
     """The logit block for ``device``: LOGIT_BLOCK_BYTES on a CPU; on a GPU GPU_LOGIT_BLOCK_BYTES, at most a quarter
     of its free memory (at least GPU_MIN_BLOCK_BYTES)."""
+    from opdcache.logprobs import gpu_block_bytes
+
     if device.type != "cuda":
         return LOGIT_BLOCK_BYTES
-    free, _ = torch.cuda.mem_get_info(device)
-    return max(GPU_MIN_BLOCK_BYTES, min(GPU_LOGIT_BLOCK_BYTES, free // 4))
+    return gpu_block_bytes(device, GPU_LOGIT_BLOCK_BYTES, GPU_MIN_BLOCK_BYTES)
 
 
 def head_transform(model):
