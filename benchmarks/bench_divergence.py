@@ -13,7 +13,8 @@ step (no warm-up step inside the process: a freed block the allocator keeps woul
 
     python benchmarks/bench_divergence.py [--tokens 2048 --vocab 151936 --hidden 1024 --kind fkl --rounds 3]
 
-On a CUDA machine, ``--devices cuda`` reports bf16 figures there, each variant in its own process.
+On a CUDA machine, ``--devices cuda`` reports bf16 figures there: the sides interleaved in one process
+(benchmarks/inprocess.py), with the uniform path twice, with the fused Triton kernel (opdcache/kernels.py) and without.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def step(st: dict) -> None:
 
 
 def run(variant: str, N: int, V: int, H: int, kind: str, device: str, dtype: str, repeats: int, head_grad: bool = True) -> dict:
+    """One variant, ``repeats`` steps after a warm-up in this process (bench_divergence_gpu_layout.py's sweep)."""
     dt = getattr(torch, dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
     hs = torch.randn(N, H, generator=g).to(device, dt).requires_grad_()
@@ -110,20 +112,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--kind", default="fkl")
-    parser.add_argument("--repeats", type=int, default=3, help="--devices cuda: steps per process (median)")
-    parser.add_argument("--rounds", type=int, default=3, help="CPU: interleaved rounds on the harness")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (CPU: on the harness, a process per run; cuda: in one process)")
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results", help="folder for the CPU results' JSON")
-    parser.add_argument("--variant")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--no-head-grad", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--naive", action="store_true", help="also run the naive reference side (slow, and far from the others)")
     parser.add_argument("--devices", nargs="+", default=["cpu"], help="where to run: cpu (float32, on the harness), cuda (bfloat16, where available)")
     args = parser.parse_args()
-    if args.variant:
-        print(json.dumps(run(args.variant, args.tokens, args.vocab, args.hidden, args.kind, args.device, args.dtype, args.repeats,
-                             not args.no_head_grad)))
-        return
     if "cpu" in args.devices:
         from harness import Side, compare, report
 
@@ -144,22 +137,64 @@ def main() -> None:
             report(result, args.results / f"divergence_{args.kind}_{'head' if head_grad else 'hidden'}.json")
             print()
     if torch.cuda.is_available() and "cuda" in args.devices:
-        print(f"{args.kind}: {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}; forward + backward, cuda bfloat16\n")
+        print(f"{args.kind}: {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}; forward + backward, cuda bfloat16; "
+              f"sides interleaved in one process (benchmarks/inprocess.py), {args.rounds} rounds after a warm-up, median\n")
+        table = {}
         for head_grad in (True, False):
-            res = {}
-            for v in ("naive", "kl_div", "chunked", "uniform"):
-                out = subprocess.run([sys.executable, __file__, "--variant", v, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
-                                      "--hidden", str(args.hidden), "--kind", args.kind, "--device", "cuda", "--dtype", "bfloat16",
-                                      "--repeats", str(args.repeats)] + ([] if head_grad else ["--no-head-grad"]), capture_output=True, text=True)
-                if out.returncode != 0:
-                    print(f"{v} failed: {out.stderr[-1500:]}")
-                    continue
-                res[v] = json.loads(out.stdout.strip().splitlines()[-1])
+            grads = "hidden+head" if head_grad else "hidden only"
+            res = table[grads] = inprocess_sides("cuda", args.tokens, args.vocab, args.hidden, args.kind, args.rounds, head_grad, args.naive)
+            base = res["kl_div"]
+            flops = 6 * 2 * args.tokens * args.vocab * args.hidden  # naive's matmuls: 2 forward, 4 backward-equivalent
             for v, r in res.items():
-                print(f"cuda bf16 {'hidden+head' if head_grad else 'hidden only':<12} {v:<8} {r['seconds']:>8.3f} s "
-                      f"{r['seconds'] / res['kl_div']['seconds']:>6.2f}x kl_div, peak {r['peak_bytes'] / 2**20:>7.0f} MiB "
-                      f"({r['peak_bytes'] / res['kl_div']['peak_bytes']:.3f}x kl_div), {r['tflops_naive_equiv']:.0f} TFLOP/s naive-equivalent")
+                ratios = [a / b for a, b in zip(r["runs"], base["runs"])]
+                print(f"cuda bf16 {grads:<12} {v:<24} {r['seconds']:>8.4f} s {r['seconds'] / base['seconds']:>6.2f}x kl_div "
+                      f"({min(ratios):.2f}-{max(ratios):.2f}), CPU {r['cpu_seconds']:.4f} s, peak {r['peak_bytes'] / 2**20:>7.0f} MiB "
+                      f"({r['peak_bytes'] / base['peak_bytes']:.3f}x kl_div), {flops / r['seconds'] / 1e12:.0f} TFLOP/s naive-equivalent")
+        args.results.mkdir(parents=True, exist_ok=True)
+        (args.results / f"divergence_cuda_{args.kind}.json").write_text(json.dumps({"tokens": args.tokens, "vocab": args.vocab,
+                                                                                   "hidden": args.hidden, "rounds": args.rounds, "sides": table}, indent=2))
 
+
+def inprocess_sides(device: str, N: int, V: int, H: int, kind: str, rounds: int, head_grad: bool, naive_too: bool) -> dict:
+    """The sides on ``device`` (cuda) in bf16, interleaved in this process (one set of inputs): kl_div (the baseline), opdcache's
+    uniform path (the fused kernel, opdcache/kernels.py), the same in 256 MiB blocks, the same with the kernel off (its torch ops:
+    OPDCACHE_KERNELS=0) and the per-position path."""
+    import os
+
+    from inprocess import interleaved
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    hs = torch.randn(N, H, generator=g).to(device, torch.bfloat16).requires_grad_()
+    Ws = (torch.randn(V, H, generator=g) * 0.02).to(device, torch.bfloat16).requires_grad_(head_grad)
+    ht = torch.randn(N, H, generator=g).to(device, torch.bfloat16)
+    Wt = (torch.randn(V, H, generator=g) * 0.02).to(device, torch.bfloat16)
+
+    def side(variant: str, kernels: bool = True):
+        def run():
+            os.environ["OPDCACHE_KERNELS"] = "1" if kernels else "0"
+            try:
+                step({"variant": variant, "kind": kind, "hs": hs, "Ws": Ws, "ht": ht, "Wt": Wt})
+            finally:
+                os.environ.pop("OPDCACHE_KERNELS")
+            hs.grad = Ws.grad = None
+        return run
+
+    def smaller_blocks(run, mib: int):  # the fused path's blocks at ``mib`` instead of GPU_UNIFORM_BLOCK_BYTES
+        import opdcache.divergence as dv
+
+        def sized():
+            shipped, dv.GPU_UNIFORM_BLOCK_BYTES = dv.GPU_UNIFORM_BLOCK_BYTES, mib << 20
+            try:
+                run()
+            finally:
+                dv.GPU_UNIFORM_BLOCK_BYTES = shipped
+        return sized
+
+    fns = {"kl_div": side("kl_div"), "uniform": side("uniform"), "uniform, 256 MiB blocks": smaller_blocks(side("uniform"), 256),
+           "uniform, torch ops": side("uniform", kernels=False), "per position": side("chunked")}
+    if naive_too:
+        fns["naive"] = side("naive")
+    return interleaved(fns, device, rounds)
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,8 @@
 """The uniform divergence path's layout on a GPU: positions per whole-vocabulary block and columns per piece, against
 kl_div, bf16 at the real shape (4,096 tokens, vocabulary 151,936, hidden 4,096), forward + backward with the head's
 gradient. Each layout in its own process (its allocator's peak alone), a warm-up and ``--repeats`` timed runs each,
-the layouts interleaved over ``--rounds``. Chooses opdcache.divergence.GPU_UNIFORM_BLOCK_BYTES and the GPU's piece.
+the layouts interleaved over ``--rounds``. Chose opdcache.divergence.GPU_UNIFORM_BLOCK_BYTES and the GPU's piece for
+the torch ops (the fused Triton kernel, opdcache/kernels.py, is off here: OPDCACHE_KERNELS=0).
 
     python benchmarks/bench_divergence_gpu_layout.py --rounds 2      # on a CUDA machine
 """
@@ -12,6 +13,7 @@ import argparse
 import json
 import statistics
 import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +25,7 @@ def child(layout: str, tokens: int, vocab: int, hidden: int, repeats: int) -> di
     from bench_divergence import run
 
     variant = "kl_div"
+    os.environ["OPDCACHE_KERNELS"] = "0"  # the torch ops' layout: the fused kernel (opdcache/kernels.py) sizes its own blocks
     if layout != "kl_div":
         block_mib, piece = layout.split(":")
         rows = max(1, (int(block_mib) << 20) // (4 * vocab))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from opdcache import kernels
 from opdcache.logprobs import check_chunk, gpu_block_bytes, matmul_dtype, row_blocks
 
 KINDS = ("fkl", "rkl", "jsd")
@@ -242,7 +243,49 @@ def _piece_dz(kind: str, lq: torch.Tensor, lp: torch.Tensor, div: torch.Tensor, 
     return q * (0.5 * (lq - _mixture_log(lq, lp)) - aux[:, None])
 
 
-def _row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[bool, bool, bool]):
+def _row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[bool, bool, bool], fused: bool | None = None):
+    """(divergence [N], grad h, grad W, grad b): :func:`_fused_row_pass` where the Triton kernel runs (``fused`` None:
+    opdcache.kernels.available, float32 or narrower inputs), else :func:`_torch_row_pass`, its reference."""
+    if fused is None:
+        fused = kernels.available(hs.device) and hs.dtype != torch.float64
+    return (_fused_row_pass if fused else _torch_row_pass)(kind, hs, Ws, bs, ht, Wt, bt, weights_N, needs)
+
+
+def _fused_row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[bool, bool, bool]):
+    """:func:`_torch_row_pass` with the logits kept in the matmul dtype and everything between the head products in
+    one kernel (opdcache/kernels.py: two reads of each logit, dz written over the student's): per block, two logit
+    matmuls, the kernel, two gradient matmuls. Blocks of whole vocabulary rows, as many as fit
+    :func:`opdcache.logprobs.gpu_block_bytes` (GPU_UNIFORM_BLOCK_BYTES) in the matmul dtype (bf16: 3,533 positions a
+    GiB at V = 151,936); both heads are cast to it once, not per block."""
+    mm = matmul_dtype(hs)
+    hs_, ht_, Ws_mm, Wt_mm = hs.to(mm), ht.to(mm), Ws.to(mm), Wt.to(mm)
+    N, V = hs.shape[0], Ws.shape[0]
+    per_row = V * torch.empty((), dtype=mm).element_size()
+    budget = gpu_block_bytes(hs.device, GPU_UNIFORM_BLOCK_BYTES) if hs.device.type == "cuda" else UNIFORM_BLOCK_BYTES
+    R = min(max(1, budget // per_row), max(N, 1))
+    div = torch.empty(N, dtype=torch.float32, device=hs.device)
+    grad_h = torch.empty(hs.shape, dtype=torch.float32, device=hs.device) if needs[0] else None
+    grad_W = torch.zeros(Ws.shape, dtype=torch.float32, device=Ws.device) if needs[1] else None
+    grad_b = torch.zeros(V, dtype=torch.float32, device=Ws.device) if needs[2] and bs is not None else None
+    grad = any(t is not None for t in (grad_h, grad_W, grad_b))
+    zs, zt = (torch.empty(R, V, dtype=mm, device=hs.device) for _ in range(2))
+    for a in range(0, N, R):
+        r = slice(a, min(a + R, N))
+        n = r.stop - r.start
+        torch.mm(hs_[r], Ws_mm.T, out=zs[:n])
+        torch.mm(ht_[r], Wt_mm.T, out=zt[:n])
+        kernels.divergence_rows_(kind, zs[:n], zt[:n], bs, bt, None if weights_N is None else weights_N[r], div[r], grad)
+        dz = zs[:n]  # the kernel wrote dz over the student's logits
+        if grad_b is not None:
+            grad_b += dz.sum(0, dtype=torch.float32)
+        if grad_h is not None:
+            _accumulate(grad_h[r], dz, Ws_mm, first=True)
+        if grad_W is not None:
+            _accumulate(grad_W, dz.T, hs_[r], first=False)
+    return div, grad_h, grad_W, grad_b
+
+
+def _torch_row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[bool, bool, bool]):
     """(divergence [N], grad h, grad W, grad b) from whole-vocabulary position blocks, each position's dz scaled by
     ``weights_N`` (None: 1). Per block, three sweeps over pieces of columns: the logits with their online
     log-sum-exp; the log-probs (in place) with the row totals; dz with the gradient matmuls. For fkl the second sweep

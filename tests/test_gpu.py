@@ -42,6 +42,7 @@ def test_divergence_on_cuda_matches_the_float64_reference(kind, uniform, monkeyp
     import opdcache.divergence as dv
 
     monkeypatch.setattr(dv, "UNIFORM_BLOCK_BYTES", 4 * 5003 * 8)  # blocks of 8 rows: 37 positions take 5 blocks
+    monkeypatch.setattr(dv, "GPU_UNIFORM_BLOCK_BYTES", 4 * 5003 * 8)  # on CUDA too (the fused kernel's blocks)
     (hs, Ws, bs, ht, Wt), (hs_d, Ws_d, bs_d, ht_d, Wt_d) = _inputs(37, 5003, 64, 48)
     weights = torch.rand(37, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     weights[5] = 0.0
@@ -61,6 +62,26 @@ def test_divergence_under_bf16_autocast_on_cuda_matches_the_full_logits_path(kin
     from test_divergence import check_autocast_gradients
 
     check_autocast_gradients(kind, uniform, *_inputs(40, 3000, 64, 32)[1])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_divergence_kernel_equals_the_torch_row_pass_on_cuda(kind, dtype, monkeypatch):
+    """opdcache/kernels.py compiled for the GPU against the torch pass it replaces (tests/test_kernels.py runs the same
+    in Triton's interpreter): blocks of 8 rows, a vocabulary of 5,003 (ragged last tile), bias, non-uniform weights."""
+    import opdcache.divergence as dv
+    from opdcache import kernels
+
+    assert kernels.available(CUDA)
+    monkeypatch.setattr(dv, "GPU_UNIFORM_BLOCK_BYTES", 2 * 5003 * 8)
+    hs, Ws, bs, ht, Wt = (t.detach() for t in _inputs(37, 5003, 64, 48)[1])
+    weights = torch.rand(37, device=CUDA)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        got = dv._row_pass(kind, hs, Ws, bs, ht, Wt, None, weights, (True, True, True), fused=True)
+        want = dv._row_pass(kind, hs, Ws, bs, ht, Wt, None, weights, (True, True, True), fused=False)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-4)
+    for g, w in zip(got[1:], want[1:]):
+        assert float((g - w).norm() / w.norm()) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 @pytest.mark.parametrize("block_rows", [None, 8])

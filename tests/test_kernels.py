@@ -1,0 +1,118 @@
+"""The fused Triton kernels (opdcache/kernels.py) against their torch references, on the CPU in Triton's interpreter.
+
+Marked ``triton``: CI installs triton and runs ``TRITON_INTERPRET=1 python -m pytest -m triton``; tests/test_gpu.py runs
+the same kernels compiled on CUDA. Without triton installed these tests skip."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import: kernels run on the CPU
+pytest.importorskip("triton")
+
+import opdcache.divergence as dv  # noqa: E402
+from opdcache import kernels  # noqa: E402
+from opdcache.divergence import KINDS, chunked_divergence, divergence_reference  # noqa: E402
+
+pytestmark = [pytest.mark.triton,
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (set before triton was imported)")]
+
+
+def _inputs(N, V, H, K, dtype, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(N, H, generator=g).to(dtype)
+    Ws = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
+    bs = (torch.randn(V, generator=g) * 0.3).to(dtype) if bias else None
+    ht = torch.randn(N, K, generator=g).to(dtype)
+    Wt = (torch.randn(V, K, generator=g) * 0.5).to(dtype)
+    bt = (torch.randn(V, generator=g) * 0.3).to(dtype) if bias else None
+    return hs, Ws, bs, ht, Wt, bt
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """64-column tiles, so a row of 1,003 takes 16 tiles and the last is ragged; blocks of 5 rows for 13 positions."""
+    monkeypatch.setattr(kernels, "DIVERGENCE_BLOCK", 64)
+    monkeypatch.setattr(kernels, "DIVERGENCE_WARPS", 1)
+    monkeypatch.setattr(dv, "UNIFORM_BLOCK_BYTES", 4 * 1003 * 5)
+    monkeypatch.setattr(dv, "INNER_CHUNK", 64)
+
+
+def test_the_switch_needs_triton_and_cuda_or_the_interpreter(monkeypatch):
+    assert kernels.available(torch.device("cpu"))  # the interpreter is on in this module
+    monkeypatch.setenv("OPDCACHE_KERNELS", "0")
+    assert not kernels.available(torch.device("cpu"))
+    monkeypatch.delenv("OPDCACHE_KERNELS")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not kernels.available(torch.device("cpu"))
+    monkeypatch.setattr(kernels, "_triton", lambda: None)
+    assert not kernels.available(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fused_row_pass_equals_the_torch_row_pass_in_float32(kind, bias, weighted, small_tiles):
+    """Values and all three gradients of the fused pass equal the torch pass's to float32 rounding, with per-row
+    weights (one zero) or none, and the float64 reference's values."""
+    N, V, H, K = 13, 1003, 16, 12
+    hs, Ws, bs, ht, Wt, bt = _inputs(N, V, H, K, torch.float32, bias)
+    weights = torch.rand(N, generator=torch.Generator().manual_seed(3)) if weighted else None
+    if weighted:
+        weights[4] = 0.0
+    needs = (True, True, bias)
+    got = dv._row_pass(kind, hs, Ws, bs, ht, Wt, bt, weights, needs, fused=True)
+    want = dv._row_pass(kind, hs, Ws, bs, ht, Wt, bt, weights, needs, fused=False)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+            continue
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-5)
+    ref = divergence_reference(kind, hs.double(), Ws.double(), ht.double(), Wt.double(),
+                               None if bs is None else bs.double(), None if bt is None else bt.double())
+    torch.testing.assert_close(got[0].double(), ref, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_row_pass_under_bf16_autocast_rounds_as_the_torch_pass(kind, small_tiles):
+    """Under bf16 autocast the fused pass keeps the logits and dz in bf16, as the torch pass rounds them before its
+    gradient matmuls: the two agree to bf16 rounding, and the values to float32 rounding of the same bf16 logits."""
+    hs, Ws, bs, ht, Wt, bt = _inputs(13, 1003, 16, 12, torch.float32, False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = dv._row_pass(kind, hs, Ws, bs, ht, Wt, bt, None, (True, True, False), fused=True)
+        want = dv._row_pass(kind, hs, Ws, bs, ht, Wt, bt, None, (True, True, False), fused=False)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-4)
+    for g, w in zip(got[1:3], want[1:3]):
+        assert float((g - w).norm() / w.norm()) < 1e-2
+
+
+def test_the_uniform_divergence_dispatches_to_the_kernel_and_keeps_its_gradients(small_tiles, monkeypatch):
+    """chunked_divergence(uniform=True) takes the kernel where it is available (here, the interpreter), with the float64
+    reference's values and mean-gradient; float64 inputs keep the torch pass."""
+    calls = []
+    real = kernels.divergence_rows_
+    monkeypatch.setattr(kernels, "divergence_rows_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    hs, Ws, bs, ht, Wt, _ = _inputs(13, 1003, 16, 12, torch.float64, True)
+    leaves = [t.float().requires_grad_() for t in (hs, Ws, bs)]
+    got = chunked_divergence("fkl", leaves[0], leaves[1], ht.float(), Wt.float(), leaves[2], uniform=True)
+    (got.mean() * 3).backward()
+    assert len(calls) == 3  # 13 positions in blocks of 5
+    ref_leaves = [t.clone().requires_grad_() for t in (hs, Ws, bs)]
+    ref = divergence_reference("fkl", ref_leaves[0], ref_leaves[1], ht, Wt, ref_leaves[2])
+    (ref.mean() * 3).backward()
+    torch.testing.assert_close(got.double(), ref.detach(), atol=2e-6, rtol=2e-5)
+    for a, r in zip(leaves, ref_leaves):
+        assert float((a.grad.double() - r.grad).norm() / r.grad.norm()) < 1e-5
+    calls.clear()
+    chunked_divergence("fkl", hs, Ws, ht, Wt, bs, uniform=True)
+    assert not calls
+
+
+def test_a_block_that_is_not_whole_rows_is_refused():
+    z = torch.zeros(4, 10)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        kernels.divergence_rows_("fkl", z[:, ::2], z[:, ::2], None, None, None, torch.empty(4), False)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.divergence_rows_("fkl", z, z, None, None, None, torch.empty(4, dtype=torch.float64), False)
