@@ -13,7 +13,7 @@ What is measured (peak memory is ``torch.cuda.max_memory_allocated`` during the 
 minus what was allocated just before it: the model and inputs are not counted):
 
 1. scoring, bf16 model: opdcache's engine (``TransformersBackend.score``, what ``score-teacher`` runs), with the
-   logit block as shipped and with ``--block-mib`` variants, against (a) ``plain``: one sequence at a time, the model's
+   logit block as shipped, with ``--block-mib`` variants and with its fused kernel off (``OPDCACHE_KERNELS=0``), against (a) ``plain``: one sequence at a time, the model's
    full logits, a float32 log_softmax, gather, logsumexp, top-k; (b) ``batched``: the fair baseline -- the engine's own
    batches through the decoder, the head at response positions only, one float32 log_softmax over [response tokens, V].
    Same sequences (``--sequences`` of prompt ``--prompt`` + response up to ``--response`` tokens), top-k 20.
@@ -23,8 +23,8 @@ minus what was allocated just before it: the model and inputs are not counted):
    the qwen3 model: ``--train-batch`` prompts x ``--train-response`` tokens. Its cache feeds 3.
 3. one train step on qwen3 (batch ``--train-batch``): opdcache's fused step (``Trainer.loss_and_stats``, backward,
    AdamW; float32 masters, bf16 autocast) against the full-logits step (the model's logits [B, L, V], a float32
-   log_softmax, the same loss, backward, AdamW), for the lightning, full-rkl and full-fkl losses, both steps on one
-   trainer, interleaved as in 1; tokens/s from the median step, and peak GPU memory.
+   log_softmax, the same loss, backward, AdamW), for the lightning, full-rkl and full-fkl losses (the full-vocabulary
+   ones also with the divergence's fused kernel off), the steps on one trainer, interleaved as in 1; tokens/s from the median step, and peak GPU memory.
 4. ``bench_divergence.py --devices cuda`` (bf16) at 4,096 tokens, hidden 4,096 (its own table, printed and saved).
 
     bash benchmarks/gpu_suite.sh                       # on the CUDA machine
@@ -138,6 +138,8 @@ def score_sides(variants: list[str], model_path: str, device: str, n: int, promp
         kind, _, rest = variant.partition("@")
         mbt, _, mib = rest.partition("/")
         fn = {"plain": plain, "batched": batched, "opdcache": opdcache}[kind]
+        if mib == "torch":  # opdcache with its fused kernels off: the torch ops they replace
+            fn, mib = torch_ops(fn), ""
 
         def run():
             if mbt:
@@ -151,6 +153,17 @@ def score_sides(variants: list[str], model_path: str, device: str, n: int, promp
 
     res = interleaved({v: side(v) for v in variants}, device, rounds)
     return {v: {**r, "tokens": tokens} for v, r in res.items()}
+
+
+def torch_ops(fn):
+    """``fn`` with opdcache's fused Triton kernels off (OPDCACHE_KERNELS=0, opdcache/kernels.py): the torch ops they replace."""
+    def run():
+        os.environ["OPDCACHE_KERNELS"] = "0"
+        try:
+            return fn()
+        finally:
+            os.environ.pop("OPDCACHE_KERNELS")
+    return run
 
 
 def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: int, rounds: int) -> dict:
@@ -177,6 +190,8 @@ def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: in
 
     fns = {"full logits": step("full logits", lambda: full_logits_loss(trainer, batch, loss)),  # [B, L, V] bf16, then float32
            "fused": step("fused", lambda: trainer.loss_and_stats(batch)[0])}
+    if loss.startswith("full-"):  # the uniform divergence's kernel (opdcache/kernels.py) off: its torch ops
+        fns["fused, torch ops"] = torch_ops(step("fused, torch ops", lambda: trainer.loss_and_stats(batch)[0]))
     res = interleaved(fns, device, rounds)
     tokens = int(batch["response_mask"].sum())
     return {name: {**r, "tokens": tokens, "loss": losses[name]} for name, r in res.items()}
@@ -265,9 +280,11 @@ def run_score_section(args, models, root, add, rows) -> None:
     mbt = max(args.max_batch_tokens)
     variants = ["plain"] + [f"{kind}@{m}" for m in args.max_batch_tokens for kind in ("batched", "opdcache")]
     variants += [f"opdcache@{mbt}/{mib}" for mib in args.block_mib]  # the logit block: the knob a GPU may want larger
+    variants += [f"opdcache@{mbt}/torch"]  # the fused kernel's effect: the same engine on its torch ops
     labels = {"plain": "plain"}
     labels.update({f"{kind}@{m}": f"{kind} (batch tokens {m})" for m in args.max_batch_tokens for kind in ("batched", "opdcache")})
     labels.update({f"opdcache@{mbt}/{mib}": f"opdcache, logit block {mib} MiB (batch tokens {mbt})" for mib in args.block_mib})
+    labels[f"opdcache@{mbt}/torch"] = f"opdcache, torch ops: OPDCACHE_KERNELS=0 (batch tokens {mbt})"
     for name, path in models.items():
         res = child("score", ",".join(variants), path, args.device, args.sequences, args.prompt, args.response, args.rounds)
         base_variant = f"batched@{mbt}"  # the fair baseline: what a competent user runs
@@ -300,7 +317,7 @@ def run_train_section(args, models, root, add, rows) -> None:
     q, cache = models["qwen3"], root / "cache"
     for loss in ("lightning", "full-rkl", "full-fkl"):
         res = child("train", q, cache, loss, root / f"run-{loss}", args.train_batch, args.rounds)
-        for side in ("full logits", "fused"):
+        for side in ("full logits", "fused") + (("fused, torch ops",) if loss.startswith("full-") else ()):
             add("train", "qwen3", f"{loss} {side}", res.get(side, res), res.get("full logits", res))
 
 

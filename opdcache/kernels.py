@@ -162,3 +162,62 @@ def divergence_rows_(kind: str, zs_RV: torch.Tensor, zt_RV: torch.Tensor, bs_V: 
         dummy if weights_R is None else weights_R.to(torch.float32).contiguous(), div_R, V, zs_RV.stride(0), zt_RV.stride(0),
         KIND=DIVERGENCE_KINDS[kind], HAS_BS=bs_V is not None, HAS_BT=bt_V is not None, HAS_W=weights_R is not None,
         GRAD=grad, BLOCK=DIVERGENCE_BLOCK, num_warps=DIVERGENCE_WARPS)
+
+
+STATS_BLOCK = 8192
+STATS_WARPS = 16
+
+
+@functools.cache
+def _stats_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rows(z_ptr, out_ptr, C, stride, P, scale, BLOCK: tl.constexpr):
+        # One program per row: the maximum m, s = sum e, b1 = sum e d and b2 = sum e d^2 (d = scale z - m, e = exp d)
+        # of one logit slice, online over tiles (each tile's sums about the running maximum; the old ones moved to a
+        # new maximum M as in opdcache/backends/streamed.py's _add_moments: every old term scales by exp(delta) and
+        # its offset grows by delta = m - M <= 0, so no sum changes sign and none cancels).
+        row = tl.program_id(0).to(tl.int64)
+        base = z_ptr + row * stride
+        cols = tl.arange(0, BLOCK)
+        m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
+        s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        b1 = s
+        b2 = s
+        for a in range(0, C, BLOCK):
+            c = a + cols
+            inside = c < C
+            x = tl.load(base + c, mask=inside, other=0.0).to(tl.float32) * scale
+            new = tl.maximum(m, tl.max(tl.where(inside, x, float("-inf")), 0))
+            delta = tl.where(m == float("-inf"), 0.0, m - new)  # the first tile: no old terms
+            grow = tl.exp(m - new)
+            d = tl.where(inside, x - new, 0.0)
+            e = tl.where(inside, tl.exp(d), 0.0)
+            ed = e * d
+            b2 = grow * (b2 + 2.0 * delta * b1 + delta * delta * s) + tl.sum(ed * d, 0)
+            b1 = grow * (b1 + delta * s) + tl.sum(ed, 0)
+            s = s * grow + tl.sum(e, 0)
+            m = new
+        tl.store(out_ptr + row, m)
+        tl.store(out_ptr + P + row, s)
+        tl.store(out_ptr + 2 * P + row, b1)
+        tl.store(out_ptr + 3 * P + row, b2)
+
+    return rows
+
+
+def logit_stats_rows(z_PC: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """[4, P] float32 for one slice of logits [P, C] (any float dtype, rows contiguous), each multiplied by ``scale``
+    (None: 1): per row the maximum m, s = sum_c exp(z_c - m), b1 = sum_c exp(z_c - m)(z_c - m) and b2 = sum_c
+    exp(z_c - m)(z_c - m)^2 -- a slice's log-sum-exp (m + log s) and the moments of the full distribution's log-probs
+    (opdcache/backends/streamed.py), from one read of the slice."""
+    P, C = z_PC.shape
+    if z_PC.stride(1) != 1:
+        raise ValueError(f"a logit slice must have contiguous rows, got strides {z_PC.stride()}")
+    out = torch.empty(4, P, dtype=torch.float32, device=z_PC.device)
+    if P:
+        _stats_kernel()[(P,)](z_PC, out, C, z_PC.stride(0), P, 1.0 if scale is None else float(scale), BLOCK=STATS_BLOCK,
+                              num_warps=STATS_WARPS)
+    return out

@@ -117,3 +117,90 @@ def test_a_block_that_is_not_whole_rows_is_refused():
         kernels.divergence_rows_("fkl", z[:, ::2], z[:, ::2], None, None, None, torch.empty(4), False)
     with pytest.raises(ValueError, match="float32"):
         kernels.divergence_rows_("fkl", z, z, None, None, None, torch.empty(4, dtype=torch.float64), False)
+
+
+# ------------------------------------------------------------------------------------------ scoring's slice statistics
+class _Head:
+    """A stand-in model: an unembedding with bias and a logit scale (no soft-capping: the fused path does not take it)."""
+
+    def __init__(self, V, H, dtype, scale=None, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.head = torch.nn.Linear(H, V, bias=True).to(dtype)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.randn(V, H, generator=g) * 0.4)
+            self.head.bias.copy_(torch.randn(V, generator=g) * 0.3)
+        self.config = type("C", (), {"final_logit_softcapping": None, "logit_scale": scale})()
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [None, 0.7])
+def test_slice_statistics_equal_the_plain_float64_sums(dtype, scale, monkeypatch):
+    """m, s, b1, b2 of a slice (64-column tiles: 1,003 columns in 16, the last ragged) against the same sums in float64."""
+    monkeypatch.setattr(kernels, "STATS_BLOCK", 64)
+    monkeypatch.setattr(kernels, "STATS_WARPS", 1)
+    g = torch.Generator().manual_seed(1)
+    z = (torch.randn(9, 1003, generator=g) * 3).to(dtype)
+    z[2, 700] = 40.0  # a late maximum: every earlier tile's sums move to it
+    got = kernels.logit_stats_rows(z, scale).double()
+    x = z.double() * (1.0 if scale is None else scale)
+    m = x.amax(-1)
+    d = x - m[:, None]
+    e = d.exp()
+    want = torch.stack([m, e.sum(-1), (e * d).sum(-1), (e * d * d).sum(-1)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert kernels.logit_stats_rows(z[:0], scale).shape == (4, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [1, 1 << 20], ids=["1024-column slices", "whole rows"])
+def test_fused_scoring_stats_equal_the_torch_path(dtype, block, monkeypatch):
+    """streamed_logit_stats through the kernel against its torch ops: log-partition, sampled log-prob, top-k, log-probs
+    at given ids, entropy and variance, and draws; slices of 1,024 columns (V 3,001: three and a ragged one) or one."""
+    import opdcache.backends.streamed as st
+
+    monkeypatch.setattr(kernels, "STATS_BLOCK", 256)
+    monkeypatch.setattr(kernels, "STATS_WARPS", 1)
+    monkeypatch.setattr(st, "LOGIT_BLOCK_BYTES", block)
+    P, V, H = 11, 3001, 16
+    model = _Head(V, H, dtype, scale=0.9)
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(P, H, generator=g).to(dtype)
+    sampled = torch.randint(0, V, (P,), generator=g)
+    ref_ids, mc_ids = torch.randint(0, V, (P, 5), generator=g), torch.randint(0, V, (P, 3), generator=g)
+    u = torch.rand(P, 7, generator=g, dtype=torch.float64)
+    args = (model, h, sampled, 6, ref_ids, mc_ids, u)
+    with torch.no_grad():
+        got = st.streamed_logit_stats(*args, moments=True, fused=True)
+        want = st.streamed_logit_stats(*args, moments=True, fused=False)
+    assert set(got) == set(want)
+    assert torch.equal(got["sid"], want["sid"])
+    for key in ("lse", "lp", "klp", "rk", "mc", "slp", "ent", "var"):
+        torch.testing.assert_close(got[key].double(), want[key].double(), atol=2e-5, rtol=2e-5, msg=key)
+    if dtype == torch.float32:
+        assert torch.equal(got["kid"], want["kid"])
+    else:  # bf16 logits tie: the same values, and each id's own log-prob is the value reported for it
+        with torch.no_grad():
+            logp = torch.log_softmax((h @ model.head.weight.T + model.head.bias).float() * 0.9, -1)
+        torch.testing.assert_close(logp.gather(1, got["kid"]), got["klp"], atol=2e-5, rtol=2e-5)
+        assert all(len(set(row)) == 6 for row in got["kid"].tolist())
+
+
+def test_scoring_takes_the_kernel_only_where_it_applies(monkeypatch):
+    """The kernel where available; the torch ops for a soft-capped head or a rounded-hidden-state KL."""
+    import opdcache.backends.streamed as st
+
+    calls = []
+    real = kernels.logit_stats_rows
+    monkeypatch.setattr(kernels, "logit_stats_rows", lambda *a: calls.append(1) or real(*a))
+    model = _Head(500, 8, torch.float32)
+    h = torch.randn(4, 8)
+    with torch.no_grad():
+        st.streamed_logit_stats(model, h, torch.zeros(4, dtype=torch.long), 3)
+        assert len(calls) == 1
+        st.streamed_logit_stats(model, h, torch.zeros(4, dtype=torch.long), 3, moments=True, rounded_PH=h.bfloat16().float())
+        model.config.final_logit_softcapping = 30.0
+        st.streamed_logit_stats(model, h, torch.zeros(4, dtype=torch.long), 3)
+    assert len(calls) == 1

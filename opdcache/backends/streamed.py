@@ -91,7 +91,7 @@ def _merge_top_k(z: torch.Tensor, offset: int, top_vals: torch.Tensor, top_ids: 
 def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor, top_k: int | None,
                          ref_ids_PK: torch.Tensor | None = None, mc_ids_PM: torch.Tensor | None = None,
                          uniforms_PD: torch.Tensor | None = None, moments: bool = False,
-                         rounded_PH: torch.Tensor | None = None) -> dict:
+                         rounded_PH: torch.Tensor | None = None, fused: bool | None = None) -> dict:
     """Log-prob of the sampled token, logsumexp, top-k and log-probs at given ids, streaming over the vocabulary.
 
     Logits are computed for all P positions against one slice of the unembedding at a time
@@ -110,9 +110,22 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     states as a store rounds them), also "rkl" = KL(p || softmax of the rounded states' logits) = log E_p[exp(delta)] -
     E_p[delta] with delta = z_rounded - z = (h_rounded - h) W^T: a second head product per slice, of the small
     difference, so the KL is not lost to float32 cancellation between two log-partitions.
+
+    ``fused`` (None: where opdcache.kernels.available, for heads without soft-capping and without ``rounded_PH``):
+    :func:`_fused_logit_stats`, the same figures with the slice's float32 passes replaced by one Triton kernel; this
+    function's torch ops are its reference.
     """
+    from opdcache import kernels
+    from opdcache.logprobs import head_transform_of
+
     head = model.get_output_embeddings()
     W, b = head.weight, getattr(head, "bias", None)
+    scale, cap = head_transform_of(model)
+    if fused is None:
+        fused = kernels.available(hidden_PH.device) and cap is None and rounded_PH is None
+    if fused:
+        return _fused_logit_stats(hidden_PH, W, b, scale, sampled_P, top_k, {"rk": ref_ids_PK, "mc": mc_ids_PM}, uniforms_PD,
+                                  moments, model)
     transform = head_transform(model)
     P, V = hidden_PH.shape[0], W.shape[0]
     C = max(1024, block_bytes(hidden_PH.device) // (4 * max(P, 1)))
@@ -128,9 +141,6 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     mom = [torch.zeros(P, dtype=torch.float64, device=dev) for _ in range(2)] if moments or rounded_PH is not None else None
     if rounded_PH is not None:  # sum e * delta and sum e * expm1(delta), delta = z_rounded - z, e = exp(z - m)
         cross = [torch.zeros(P, dtype=torch.float64, device=dev) for _ in range(2)]
-        from opdcache.logprobs import head_transform_of
-
-        scale, cap = head_transform_of(model)
         offset_PH = (rounded_PH - hidden_PH).to(W.dtype)
     for a in range(0, V, C):
         z = hidden_PH @ W[a: a + C].T  # [P, C] in the model's dtype, as the model's own head computes it
@@ -183,6 +193,72 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
         out["var"] = (mom[1] / s64 - mean_d * mean_d).clamp_(min=0.0)
         if rounded_PH is not None:  # KL(p || p2) = log E_p[exp(delta)] - E_p[delta], delta = z2 - z
             out["rkl"] = (torch.log1p(cross[1] / s64) - cross[0] / s64).clamp_(min=0.0)
+    for key, (_, vals) in picks.items():
+        out[key] = (vals - m[:, None]) - log_s[:, None]
+    return out
+
+
+def _fused_logit_stats(hidden_PH: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, scale: float | None, sampled_P: torch.Tensor,
+                       top_k: int | None, pick_ids: dict, uniforms_PD: torch.Tensor | None, moments: bool, model) -> dict:
+    """:func:`streamed_logit_stats` with each slice's logits kept in the head's dtype and read once by
+    opdcache.kernels.logit_stats_rows (the slice's maximum, sum of exponentials and both moments' sums) instead of a
+    float32 copy and ~10 float32 passes; the top-k is torch's on the slice itself, the sampled token's and the given ids'
+    logits are gathers from it (no host synchronisation). Slices as wide as :func:`block_bytes` allows in the head's dtype
+    (a whole vocabulary row at 2,048 positions on a GPU). Each slice's sums are moved to the running maximum and added,
+    as the torch path does (:func:`_add_moments`)."""
+    from opdcache import kernels
+
+    P, V = hidden_PH.shape[0], W.shape[0]
+    dev = hidden_PH.device
+    C = max(1024, block_bytes(dev) // (W.element_size() * max(P, 1)))
+    m = torch.full((P,), float("-inf"), device=dev)
+    s = torch.zeros(P, device=dev)
+    mom = [torch.zeros(P, dtype=torch.float64, device=dev) for _ in range(2)]
+    target = torch.zeros(P, device=dev)
+    picks = {k: (ids, torch.zeros(ids.shape, device=dev)) for k, ids in pick_ids.items() if ids is not None}
+    top_vals = torch.full((P, top_k or 0), float("-inf"), device=dev)
+    top_ids = torch.zeros((P, top_k or 0), dtype=torch.long, device=dev)
+    slice_mass = []
+    mul = 1.0 if scale is None else float(scale)
+
+    def pick(z, ids, a, into):  # the logits at ``ids`` ([P] or [P, K]) that slice [a, a + C) holds, into ``into``
+        inside = (ids >= a) & (ids < a + z.shape[1])
+        got = z.gather(1, (ids - a).clamp(0, z.shape[1] - 1).view(P, -1)).view(ids.shape).float() * mul
+        into.copy_(torch.where(inside, got, into))
+
+    for a in range(0, V, C):
+        z = hidden_PH @ W[a: a + C].T  # [P, C] in the head's dtype, as the model's own head computes it
+        if b is not None:
+            z += b[a: a + C]
+        mc, sc, b1, b2 = kernels.logit_stats_rows(z, scale).double()
+        new_m = torch.maximum(m, mc.float())
+        shift = mc - new_m.double()  # <= 0: the slice's sums about the running maximum
+        grow = torch.exp(shift)
+        _add_moments(mom, s, m - new_m, grow * (b1 + shift * sc), grow * (b2 + 2 * shift * b1 + shift * shift * sc))
+        s = s * torch.exp(m - new_m) + (grow * sc).float()
+        if uniforms_PD is not None:
+            slice_mass.append((mc + torch.log(sc)).float())
+        m = new_m
+        pick(z, sampled_P, a, target)
+        for ids, out in picks.values():
+            pick(z, ids, a, out)
+        if top_k:
+            cv, ci = z.topk(min(top_k, z.shape[1]), -1)
+            merged, order = torch.cat([top_vals, cv.float() * mul], 1).topk(top_k, -1)
+            top_ids = torch.cat([top_ids, ci + a], 1).gather(1, order)
+            top_vals = merged
+    log_s = torch.log(s)
+    out = {"lse": m + log_s, "lp": (target - m) - log_s}
+    if uniforms_PD is not None:
+        out["sid"], out["slp"] = _draw_from_slices(hidden_PH, W, b, head_transform(model), C, torch.stack(slice_mass, 1), out["lse"],
+                                                   uniforms_PD)
+    if top_k:
+        out["kid"], out["klp"] = top_ids, (top_vals - m[:, None]) - log_s[:, None]
+    if moments:
+        s64 = s.double()
+        mean_d = mom[0] / s64
+        out["ent"] = log_s.double() - mean_d
+        out["var"] = (mom[1] / s64 - mean_d * mean_d).clamp_(min=0.0)
     for key, (_, vals) in picks.items():
         out[key] = (vals - m[:, None]) - log_s[:, None]
     return out
