@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from opdcache import kernels
-from opdcache.logprobs import check_chunk, gpu_block_bytes, matmul_dtype, row_blocks
+from opdcache.logprobs import accumulate_, check_chunk, gpu_block_bytes, matmul_dtype, row_blocks
 
 KINDS = ("fkl", "rkl", "jsd")
 DEFAULT_CHUNK = 4096
@@ -262,7 +262,8 @@ def _fused_row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[b
     N, V = hs.shape[0], Ws.shape[0]
     per_row = V * torch.empty((), dtype=mm).element_size()
     budget = gpu_block_bytes(hs.device, GPU_UNIFORM_BLOCK_BYTES) if hs.device.type == "cuda" else UNIFORM_BLOCK_BYTES
-    R = min(max(1, budget // per_row), max(N, 1))
+    most = max(1, budget // per_row)
+    R = -(-N // -(-N // most)) if N else 1  # equal blocks: 4,096 positions in two of 2,048, not 3,533 and 563
     div = torch.empty(N, dtype=torch.float32, device=hs.device)
     grad_h = torch.empty(hs.shape, dtype=torch.float32, device=hs.device) if needs[0] else None
     grad_W = torch.zeros(Ws.shape, dtype=torch.float32, device=Ws.device) if needs[1] else None
@@ -279,9 +280,9 @@ def _fused_row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[b
         if grad_b is not None:
             grad_b += dz.sum(0, dtype=torch.float32)
         if grad_h is not None:
-            _accumulate(grad_h[r], dz, Ws_mm, first=True)
+            accumulate_(grad_h[r], dz, Ws_mm, first=True)
         if grad_W is not None:
-            _accumulate(grad_W, dz.T, hs_[r], first=False)
+            accumulate_(grad_W, dz.T, hs_[r], first=False)
     return div, grad_h, grad_W, grad_b
 
 
@@ -334,22 +335,12 @@ def _torch_row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[b
                 grad_b[c] += dz.sum(0)
             dzm = dz.to(mm)
             if grad_h is not None:
-                _accumulate(grad_h[r], dzm, Ws_mm[c], first=i == 0)
+                accumulate_(grad_h[r], dzm, Ws_mm[c], first=i == 0)
             if grad_W is not None:
-                _accumulate(grad_W[c], dzm.T, hs_[r], first=a == 0)
+                accumulate_(grad_W[c], dzm.T, hs_[r], first=a == 0)
     if N == 0:  # no block wrote them
         grad_h, grad_W = (None if t is None else t.zero_() for t in (grad_h, grad_W))
     return div, grad_h, grad_W, grad_b
-
-
-def _accumulate(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, first: bool) -> None:
-    """out (+)= x @ y, in place where the dtypes allow; ``first`` overwrites (out may hold garbage then)."""
-    if out.dtype == x.dtype:
-        out.addmm_(x, y, beta=0 if first else 1)
-    elif first:
-        out.copy_(x @ y)
-    else:
-        out += x @ y
 
 
 class _UniformDivergence(torch.autograd.Function):

@@ -57,6 +57,20 @@ def layout(n: int, V: int, chunk: int, device: torch.device) -> tuple[list[slice
     return _blocks(n, max(1, gpu_block_bytes(device, GPU_BLOCK_BYTES) // (4 * V))), V
 
 
+def accumulate_(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, first: bool = False) -> None:
+    """out (+)= x @ y in place (``first``: overwrite, out may hold garbage). On CUDA a float32 ``out`` of bf16 / fp16
+    products takes the sum in the GEMM itself (``out_dtype``): no product in the narrow dtype to write, read back and
+    add (on an H200, [151,936, 4,096] gradients: BENCHMARKS.md). The one rule for every fused head's gradient matmuls."""
+    if out.dtype == x.dtype:
+        out.addmm_(x, y, beta=0 if first else 1)
+    elif out.is_cuda and out.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
+        torch.addmm(out, x, y, out_dtype=torch.float32, beta=0 if first else 1, out=out)
+    elif first:
+        out.copy_(x @ y)
+    else:
+        out += x @ y
+
+
 def _inside(ids: torch.Tensor, a: int, C: int, V: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(column of each id in vocabulary slice [a, a + C), clamped into it; mask of the ids the slice holds, None when
     the slice is the whole vocabulary). A gather or scatter with these needs no host synchronisation, where
@@ -159,9 +173,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     dz.mul_(ctx.scale)
                 dzm = dz.to(mm)  # the gradient matmuls in the forward's matmul dtype, accumulated in float32
                 if grad_h is not None:
-                    grad_h[rows] += dzm @ W[a: a + C].to(mm)
+                    accumulate_(grad_h[rows], dzm, W[a: a + C].to(mm))
                 if grad_W is not None:
-                    grad_W[a: a + C] += dzm.T @ hm
+                    accumulate_(grad_W[a: a + C], dzm.T, hm)
                 if grad_b is not None:
                     grad_b[a: a + C] += dz.sum(0)
         return (None if grad_h is None else grad_h.to(h.dtype), None if grad_W is None else grad_W.to(W.dtype),

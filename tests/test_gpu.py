@@ -120,8 +120,12 @@ def test_the_fused_scoring_kernel_equals_the_torch_ops_on_cuda(block, monkeypatc
     assert torch.equal(got["sid"], want["sid"])
     for key in ("lse", "lp", "klp", "rk", "mc", "slp", "ent", "var"):
         torch.testing.assert_close(got[key].double(), want[key].double(), atol=2e-5, rtol=2e-5, msg=key)
-    same = (got["kid"] == want["kid"]).float().mean()
-    assert float(same) > 0.95  # bf16 logits tie; the values above are equal
+    # bf16 logits tie, and a tie may be broken either way: each id's own log-prob is the value reported for it, no id
+    # twice in a row (an H200 run: 88% of ids equal the torch ops' at 1,024-column slices, every value equal)
+    with torch.no_grad():
+        logp = torch.log_softmax((h @ model.head.weight.T + model.head.bias).float() * 0.9, -1)
+    torch.testing.assert_close(logp.gather(1, got["kid"]), got["klp"], atol=2e-5, rtol=2e-5)
+    assert all(len(set(row)) == 20 for row in got["kid"].tolist())
 
 
 @pytest.mark.parametrize("block_rows", [None, 8])
