@@ -137,43 +137,51 @@ def main() -> None:
             report(result, args.results / f"divergence_{args.kind}_{'head' if head_grad else 'hidden'}.json")
             print()
     if torch.cuda.is_available() and "cuda" in args.devices:
-        print(f"{args.kind}: {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}; forward + backward, cuda bfloat16; "
+        print(f"{args.kind}: {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}; forward + backward, cuda; "
               f"sides interleaved in one process (benchmarks/inprocess.py), {args.rounds} rounds after a warm-up, median\n")
         table = {}
-        for head_grad in (True, False):
-            grads = "hidden+head" if head_grad else "hidden only"
-            res = table[grads] = inprocess_sides("cuda", args.tokens, args.vocab, args.hidden, args.kind, args.rounds, head_grad, args.naive)
-            base = res["kl_div"]
-            flops = 6 * 2 * args.tokens * args.vocab * args.hidden  # naive's matmuls: 2 forward, 4 backward-equivalent
-            for v, r in res.items():
-                ratios = [a / b for a, b in zip(r["runs"], base["runs"])]
-                print(f"cuda bf16 {grads:<12} {v:<24} {r['seconds']:>8.4f} s {r['seconds'] / base['seconds']:>6.2f}x kl_div "
-                      f"({min(ratios):.2f}-{max(ratios):.2f}), CPU {r['cpu_seconds']:.4f} s, peak {r['peak_bytes'] / 2**20:>7.0f} MiB "
-                      f"({r['peak_bytes'] / base['peak_bytes']:.3f}x kl_div), {flops / r['seconds'] / 1e12:.0f} TFLOP/s naive-equivalent")
+        # bf16 parameters (a bf16 model), and float32 masters under bf16 autocast (how `opdcache train` runs: the head's
+        # products in bf16, its gradient and the hidden states in float32; kl_div's log_softmax in float32 under autocast)
+        for setting in ("bf16", "autocast"):
+            for head_grad in (True, False):
+                grads = "hidden+head" if head_grad else "hidden only"
+                res = table[f"{setting} {grads}"] = inprocess_sides("cuda", args.tokens, args.vocab, args.hidden, args.kind, args.rounds,
+                                                                    head_grad, args.naive, masters=setting == "autocast")
+                base = res["kl_div"]
+                flops = 6 * 2 * args.tokens * args.vocab * args.hidden  # naive's matmuls: 2 forward, 4 backward-equivalent
+                for v, r in res.items():
+                    ratios = [a / b for a, b in zip(r["runs"], base["runs"])]
+                    print(f"cuda {setting:<8} {grads:<12} {v:<24} {r['seconds']:>8.4f} s {r['seconds'] / base['seconds']:>6.2f}x kl_div "
+                          f"({min(ratios):.2f}-{max(ratios):.2f}), CPU {r['cpu_seconds']:.4f} s, peak {r['peak_bytes'] / 2**20:>7.0f} MiB "
+                          f"({r['peak_bytes'] / base['peak_bytes']:.3f}x kl_div), {flops / r['seconds'] / 1e12:.0f} TFLOP/s naive-equivalent")
         args.results.mkdir(parents=True, exist_ok=True)
         (args.results / f"divergence_cuda_{args.kind}.json").write_text(json.dumps({"tokens": args.tokens, "vocab": args.vocab,
                                                                                    "hidden": args.hidden, "rounds": args.rounds, "sides": table}, indent=2))
 
 
-def inprocess_sides(device: str, N: int, V: int, H: int, kind: str, rounds: int, head_grad: bool, naive_too: bool) -> dict:
-    """The sides on ``device`` (cuda) in bf16, interleaved in this process (one set of inputs): kl_div (the baseline), opdcache's
+def inprocess_sides(device: str, N: int, V: int, H: int, kind: str, rounds: int, head_grad: bool, naive_too: bool,
+                    masters: bool = False) -> dict:
+    """The sides on ``device`` (cuda), interleaved in this process (one set of inputs): kl_div (the baseline), opdcache's
     uniform path (the fused kernel, opdcache/kernels.py), the same in 256 MiB blocks, the same with the kernel off (its torch ops:
-    OPDCACHE_KERNELS=0) and the per-position path."""
+    OPDCACHE_KERNELS=0) and the per-position path. Inputs in bf16, or with ``masters`` in float32 under bf16 autocast."""
+    import contextlib
     import os
 
     from inprocess import interleaved
 
+    dtype = torch.float32 if masters else torch.bfloat16
     g = torch.Generator(device="cpu").manual_seed(0)
-    hs = torch.randn(N, H, generator=g).to(device, torch.bfloat16).requires_grad_()
-    Ws = (torch.randn(V, H, generator=g) * 0.02).to(device, torch.bfloat16).requires_grad_(head_grad)
-    ht = torch.randn(N, H, generator=g).to(device, torch.bfloat16)
-    Wt = (torch.randn(V, H, generator=g) * 0.02).to(device, torch.bfloat16)
+    hs = torch.randn(N, H, generator=g).to(device, dtype).requires_grad_()
+    Ws = (torch.randn(V, H, generator=g) * 0.02).to(device, dtype).requires_grad_(head_grad)
+    ht = torch.randn(N, H, generator=g).to(device, dtype)
+    Wt = (torch.randn(V, H, generator=g) * 0.02).to(device, dtype)
 
     def side(variant: str, kernels: bool = True):
         def run():
             os.environ["OPDCACHE_KERNELS"] = "1" if kernels else "0"
             try:
-                step({"variant": variant, "kind": kind, "hs": hs, "Ws": Ws, "ht": ht, "Wt": Wt})
+                with torch.autocast(device, dtype=torch.bfloat16) if masters else contextlib.nullcontext():
+                    step({"variant": variant, "kind": kind, "hs": hs, "Ws": Ws, "ht": ht, "Wt": Wt})
             finally:
                 os.environ.pop("OPDCACHE_KERNELS")
             hs.grad = Ws.grad = None
