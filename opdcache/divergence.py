@@ -18,7 +18,8 @@ parity tests):
   online pass (running maxima, rescaled accumulators), JSD in two (log-partitions first, then the mixture terms) --
   and the backward recomputes each slice: 6 head matmuls for both sides, whatever weights the caller's reduction
   gives each position.
-* **uniform** (``uniform=True``, the trainer's mean over tokens): the caller promises one weight for every position,
+* **uniform** (``uniform=True``, the trainer's mean over tokens; on a GPU with triton through the fused kernel of
+  opdcache/kernels.py, :func:`_fused_row_pass`): the caller promises one weight for every position,
   so the gradient is known up to that scalar at forward time (Liger's fused-linear trick). Position blocks of
   ``rows = UNIFORM_BLOCK_BYTES // (4 V)`` hold whole vocabulary rows, so one block gives the log-partitions, the
   value and dz; grad h and grad W are accumulated then, and the backward only scales them: 4 head matmuls. A backward whose
@@ -384,10 +385,12 @@ def chunked_divergence(kind: str, student_hidden_NH: torch.Tensor, student_weigh
     memory is a few [rows, chunk] blocks whatever N and V.
 
     ``uniform=True``: the caller reduces the result with one weight for every position (a mean or a sum over
-    tokens), so the gradient is computed in the forward, 4 head matmuls instead of 6 (module docstring). Memory: a
-    two [UNIFORM_BLOCK_BYTES // (4 V), V] float32 blocks (128 MiB each; 1 GiB on a GPU) and [rows, 2,048] pieces, and the gradients
-    grad h [N, H] and grad W [V, H], which the backward would allocate anyway, held from the forward on. ``chunk``
-    is not used then.
+    tokens), so the gradient is computed in the forward, 4 head matmuls instead of 6 (module docstring). Memory: two
+    [UNIFORM_BLOCK_BYTES // (4 V), V] float32 blocks (128 MiB each) and [rows, 2,048] pieces on a CPU; on a GPU with
+    triton (opdcache/kernels.py) two blocks of up to GPU_UNIFORM_BLOCK_BYTES (1 GiB each) in the matmul dtype, and both
+    heads in that dtype (a copy each where they are float32 masters under autocast); and the gradients grad h [N, H]
+    and grad W [V, H] (float32), which the backward would allocate anyway, held from the forward on. None of it grows
+    with N but grad h. ``chunk`` is not used then.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")

@@ -2,7 +2,9 @@
 sampled token's log-prob, the log-partition, a running top-k, log-probs at given ids, draws from the distribution)
 without ever building a [positions, vocabulary] tensor. Memory: one [positions, slice] float32 block (LOGIT_BLOCK_BYTES
 on a CPU, up to GPU_LOGIT_BLOCK_BYTES on a GPU: :func:`block_bytes`), a second one while the full distribution's
-moments are summed (every score-teacher pass: opdcache/fidelity.py), and per-position running state."""
+moments are summed (every score-teacher pass: opdcache/fidelity.py), and per-position running state. On a GPU with
+triton the block stays in the head's dtype and one kernel (opdcache/kernels.py) reads it for the log-sum-exp and the
+moments: one block of at most the same bytes, no float32 copy."""
 
 from __future__ import annotations
 
