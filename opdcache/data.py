@@ -9,7 +9,7 @@ Usable on its own with any trainer::
 
 Order: each epoch shuffles the shard order and the rows inside each shard from (seed, epoch), and
 concatenates them, so consecutive rows come from one shard (one shard in use at a time; with ``prefetch``
-the next one is read, checked and decoded in a background thread meanwhile). Rank r of
+the next ``decode_threads`` are read, checked and decoded in background threads meanwhile). Rank r of
 a world of size W takes every W-th row of that sequence; the rank's rows are cut into batches and batch i
 goes to loader worker i % num_workers, so every row is read exactly once per epoch across ranks and
 workers, and the DataLoader yields batches in a fixed order that a saved count can skip to.
@@ -63,16 +63,22 @@ class CacheLoaderConfig:
     keep_decoded_bytes: int = 1 << 30
     """Decoded shards kept across epochs, up to this many bytes per process (0: none): a cache that fits is read,
     hashed, checked and decoded once, and every later epoch slices the kept buffers. Memory: at most this plus the
-    shard in use and (``prefetch``) the next one."""
+    shard in use and (``prefetch``) the ``decode_threads`` next ones."""
     prefetch: bool = True
-    """Decode the next shard in a background thread while this one's batches are handed out (reading, the sha256 and
-    Parquet decoding release the GIL), so a training step hides it; one more decoded shard in memory."""
+    """Decode the next shards in background threads while this one's batches are handed out (reading, the sha256 and
+    Parquet decoding release the GIL), so a training step hides them."""
+    decode_threads: int = 2
+    """With ``prefetch``: shards read, checked and decoded at once, each in its own thread, as many ahead of the one in
+    use. Two decode a cold epoch 1.3-1.6x faster than one on 2 cores (BENCHMARKS.md); each is one more decoded shard
+    in memory."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size must be at least 1, got {self.batch_size}")
         if self.num_workers < 0:
             raise ConfigError(f"--num-loader-workers must be at least 0, got {self.num_workers}")
+        if self.decode_threads < 1:
+            raise ConfigError(f"decode_threads must be at least 1, got {self.decode_threads}")
         if self.keep_decoded_bytes < 0:
             raise ConfigError(f"keep_decoded_bytes must be at least 0, got {self.keep_decoded_bytes}")
 
@@ -338,8 +344,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
         return len(self.batches(self.epoch))
 
     def _decode(self, shard: int) -> DecodedShard:
-        """Read, check and decode one shard (run in the decoding thread: it touches no state of the loader but
-        ``verified``, which only that thread writes)."""
+        """Read, check and decode one shard (run in a decoding thread: it touches no state of the loader but
+        ``verified``, which only decoding threads write, each for its own shard's paths)."""
         sources = [self.rollout_paths[shard], None if self.teacher_paths is None else self.teacher_paths[shard]]
         if self.config.verify:
             for k, path in enumerate(sources):
@@ -361,8 +367,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
         mine = [batch for i, batch in enumerate(self.batches(self.epoch)) if i >= self.start_batch and i % nw == wid]
         todo = [s for s in dict.fromkeys(s for batch in mine for s, _ in batch) if s not in self.kept]  # in order of first use
         position = {s: j for j, s in enumerate(todo)}
-        ahead = 1 if self.config.prefetch else 0
-        pool = ThreadPoolExecutor(1, thread_name_prefix="opdcache-decode")
+        ahead = self.config.decode_threads if self.config.prefetch else 0
+        pool = ThreadPoolExecutor(max(1, ahead), thread_name_prefix="opdcache-decode")
         try:
             pending = {}  # shard -> future: the next shards, decoded in the thread while this one's batches are collated
             in_use: dict[int, DecodedShard] = {}

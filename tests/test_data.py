@@ -128,10 +128,14 @@ def test_decoding_ahead_in_a_thread_changes_no_batch_and_no_refusal(hf_cache, tm
     from opdcache.errors import SchemaError
 
     cfg = dict(cache=hf_cache, teacher="teacher", stores=("logprob", "topk"), batch_size=5, keep_decoded_bytes=0)
-    ahead, inline = list(CacheLoader(CacheLoaderConfig(**cfg))), list(CacheLoader(CacheLoaderConfig(**cfg, prefetch=False)))
-    assert len(ahead) == len(inline) > 2
-    for x, y in zip(ahead, inline):
-        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    inline = list(CacheLoader(CacheLoaderConfig(**cfg, prefetch=False)))
+    for threads in (1, 2, 3):  # shards decoded at once, as many ahead
+        ahead = list(CacheLoader(CacheLoaderConfig(**cfg, decode_threads=threads)))
+        assert len(ahead) == len(inline) > 2
+        for x, y in zip(ahead, inline):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    with pytest.raises(ConfigError, match="decode_threads must be at least 1, got 0"):
+        CacheLoaderConfig(**cfg, decode_threads=0)
 
     broken = tmp_path / "cache"
     shutil.copytree(hf_cache, broken)
@@ -140,10 +144,11 @@ def test_decoding_ahead_in_a_thread_changes_no_batch_and_no_refusal(hf_cache, tm
     data[len(data) // 2] ^= 0xFF
     last.write_bytes(bytes(data))
     before_last = sum(s["rows"] for s in Cache(broken).table("rollouts")["shards"][:-1]) // 5
-    for prefetch in (True, False):
+    for prefetch, threads in ((True, 2), (True, 1), (False, 1)):
         got = []
         with pytest.raises(SchemaError, match=r"does not match the manifest's size and sha256 \(corrupted or replaced\); run `opdcache validate"):
-            for batch in CacheLoader(CacheLoaderConfig(**cfg | {"cache": broken, "shuffle": False, "prefetch": prefetch})):
+            for batch in CacheLoader(CacheLoaderConfig(**cfg | {"cache": broken, "shuffle": False, "prefetch": prefetch,
+                                                                "decode_threads": threads})):
                 got.append(batch)
         assert len(got) >= before_last  # every batch wholly before the damaged shard came first
 
