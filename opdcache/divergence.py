@@ -194,11 +194,11 @@ def _uniform_layout(V: int, device: torch.device) -> tuple[int, int]:
 
 
 def _logits_online_(out: torch.Tensor, h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, piece: int,
-                    scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    scratch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out[:, c] = h W[c]^T (+ b[c]) piece by piece, each piece's online log-sum-exp taken while it is in cache (its
-    shifted logits in ``scratch``, [R, >= piece]); returns (running max m [R], log s [R]) with lse = m + log s. A
-    [rows, V] matmul in one call packs all of W and ran at 58-87 GFLOP/s on 2 CPU cores where 2,048-column pieces ran
-    at 100-144."""
+    shifted logits in ``scratch``, [R, >= piece]); returns (running max m [R], log s [R]) with lse = m + log s, or
+    with ``scratch`` None only (m, None). A [rows, V] matmul in one call packs all of W and ran at 58-87 GFLOP/s on 2
+    CPU cores where 2,048-column pieces ran at 100-144."""
     m = torch.full((h.shape[0],), float("-inf"), dtype=out.dtype, device=out.device)
     s = torch.zeros(h.shape[0], dtype=out.dtype, device=out.device)
     for a in range(0, W.shape[0], piece):
@@ -211,20 +211,32 @@ def _logits_online_(out: torch.Tensor, h: torch.Tensor, W: torch.Tensor, b: torc
         if b is not None:
             z += b[c].to(out.dtype)
         new = torch.maximum(m, z.amax(-1))
-        s = s * torch.exp(m - new) + torch.sub(z, new[:, None], out=scratch[:, : z.shape[1]]).exp_().sum(-1)
+        if scratch is not None:
+            s = s * torch.exp(m - new) + torch.sub(z, new[:, None], out=scratch[:, : z.shape[1]]).exp_().sum(-1)
         m = new
-    return m, s.log()
+    return m, None if scratch is None else s.log()
 
 
-def _piece_totals(kind: str, lq: torch.Tensor, lp: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One piece's share of the row totals: (divergence, for jsd also E_q g with g = log(q / m) / 2). For fkl, p then
-    replaces log p in ``lp`` (in place): dz = q - p needs no log p, so :func:`_piece_dz` takes one exp, not two; p is
-    computed in ``scratch`` ([rows, >= piece]), so fkl allocates nothing a piece."""
-    if kind == "fkl":
-        p = torch.exp(lp, out=scratch[:, : lp.shape[1]])
-        total = lp.sub_(lq).mul_(p).sum(-1)
-        lp.copy_(p)
-        return total, None
+def _fkl_block_(zs: torch.Tensor, zt: torch.Tensor, ms: torch.Tensor, mt: torch.Tensor, pieces: list[slice],
+                scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(KL(p || q) [R], 1 / s_s [R, 1], 1 / s_t [R, 1]) of a block of logits whose row maxima are known, with two exps
+    an element pair where the general sweeps take four: e = exp(z - m) is written over each side's logits while the
+    sums s and the numerator of E_p[z_t - z_s] (sum e_t (z_t - z_s)) are taken, and KL = E_p[z_t - z_s] - (m_t - m_s)
+    - (log s_t - log s_s), as :func:`_online_kl` with the final maxima. q = e_s / s_s and p = e_t / s_t, so dz = q - p
+    is one multiply-add an element, no exp."""
+    ss, st, acc = (torch.zeros(zs.shape[0], dtype=zs.dtype, device=zs.device) for _ in range(3))
+    for c in pieces:
+        d = torch.sub(zt[:, c], zs[:, c], out=scratch[:, : zs[:, c].shape[1]])  # z_t - z_s
+        et = zt[:, c].sub_(mt[:, None]).exp_()
+        st += et.sum(-1)
+        acc += d.mul_(et).sum(-1)
+        ss += zs[:, c].sub_(ms[:, None]).exp_().sum(-1)
+    return acc / st - (mt - ms) - (torch.log(st) - torch.log(ss)), (1.0 / ss)[:, None], (1.0 / st)[:, None]
+
+
+def _piece_totals(kind: str, lq: torch.Tensor, lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One piece's share of the row totals for rkl and jsd (fkl: :func:`_fkl_block_`): (divergence, for jsd also E_q g
+    with g = log(q / m) / 2)."""
     q = lq.exp()
     if kind == "rkl":
         return (q * (lq - lp)).sum(-1), None
@@ -234,10 +246,7 @@ def _piece_totals(kind: str, lq: torch.Tensor, lp: torch.Tensor, scratch: torch.
 
 
 def _piece_dz(kind: str, lq: torch.Tensor, lp: torch.Tensor, div: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
-    """d divergence / d z_s on one piece (the module docstring's formulas), given its rows' totals and the piece as
-    :func:`_piece_totals` left it (for fkl, ``lp`` holds p, and dz is written over ``lq``, which nothing reads after)."""
-    if kind == "fkl":
-        return lq.exp_().sub_(lp)
+    """d divergence / d z_s on one piece for rkl and jsd (the module docstring's formulas), given its rows' totals."""
     q = lq.exp()
     if kind == "rkl":
         return q * (lq - lp - div[:, None])
@@ -290,9 +299,9 @@ def _fused_row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[b
 def _torch_row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[bool, bool, bool]):
     """(divergence [N], grad h, grad W, grad b) from whole-vocabulary position blocks, each position's dz scaled by
     ``weights_N`` (None: 1). Per block, three sweeps over pieces of columns: the logits with their online
-    log-sum-exp; the log-probs (in place) with the row totals; dz with the gradient matmuls. For fkl the second sweep
-    leaves p in place of log p (dz = q - p needs no log p), so the third takes one exp an element, not two; the
-    log-probs are z - lse in one subtraction, and every temporary of a piece lives in one reused scratch piece (with
+    log-sum-exp; the log-probs (in place) with the row totals; dz with the gradient matmuls. fkl takes the logits'
+    row maxima only, then :func:`_fkl_block_` (two exps an element pair, not four) and dz = q - p as a multiply-add;
+    the log-probs are z - lse in one subtraction, and every temporary of a piece lives in one reused scratch piece (with
     the head gradient: 0.91x -> 0.79-0.88x kl_div's time, BENCHMARKS.md). The logit matmuls in
     the model's matmul dtype, everything after them in float32 at least; the gradient matmuls in the matmul dtype,
     accumulated in float32 (as the per-position backward does). The two [R, V] blocks are allocated once."""
@@ -311,25 +320,32 @@ def _torch_row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[b
     zs, zt = (torch.empty(R, V, dtype=dtype, device=hs.device) for _ in range(2))
     scratch = torch.empty(R, piece, dtype=dtype, device=hs.device)  # one piece's temporary, reused: no allocation a piece
     pieces = [slice(a, a + piece) for a in range(0, V, piece)]
+    fkl = kind == "fkl"
     for a in range(0, N, R):
         r = slice(a, min(a + R, N))
         n = r.stop - r.start
-        ms, ls = _logits_online_(zs[:n], hs_[r], Ws, bs, piece, scratch[:n])
-        mt, lt = _logits_online_(zt[:n], ht_[r], Wt, bt, piece, scratch[:n])
-        d = torch.zeros(n, dtype=dtype, device=hs.device)
+        ms, ls = _logits_online_(zs[:n], hs_[r], Ws, bs, piece, None if fkl else scratch[:n])
+        mt, lt = _logits_online_(zt[:n], ht_[r], Wt, bt, piece, None if fkl else scratch[:n])
         aux = torch.zeros(n, dtype=dtype, device=hs.device) if kind == "jsd" else None
-        lse_s, lse_t = (ms + ls)[:, None], (mt + lt)[:, None]
-        for c in pieces:  # log q and log p in place: z - lse
-            t, x = _piece_totals(kind, zs[:n, c].sub_(lse_s), zt[:n, c].sub_(lse_t), scratch[:n])
-            d += t
-            if aux is not None:
-                aux += x
+        if fkl:  # exp(z - m) in zs and zt
+            d, inv_s, inv_t = _fkl_block_(zs[:n], zt[:n], ms, mt, pieces, scratch[:n])
+        else:
+            d = torch.zeros(n, dtype=dtype, device=hs.device)
+            lse_s, lse_t = (ms + ls)[:, None], (mt + lt)[:, None]
+            for c in pieces:  # log q and log p in place: z - lse
+                t, x = _piece_totals(kind, zs[:n, c].sub_(lse_s), zt[:n, c].sub_(lse_t))
+                d += t
+                if aux is not None:
+                    aux += x
         div[r] = d
         if grad_h is None and grad_W is None and grad_b is None:
             continue
         w = None if weights_N is None else weights_N[r, None].to(dtype)
         for i, c in enumerate(pieces):
-            dz = _piece_dz(kind, zs[:n, c], zt[:n, c], d, aux)  # [n, piece]
+            if fkl:  # q - p = e_s / s_s - e_t / s_t
+                dz = zs[:n, c].mul_(inv_s).addcmul_(zt[:n, c], inv_t, value=-1)
+            else:
+                dz = _piece_dz(kind, zs[:n, c], zt[:n, c], d, aux)  # [n, piece]
             if w is not None:
                 dz.mul_(w)
             if grad_b is not None:
