@@ -138,7 +138,8 @@ def main() -> None:
             print()
     if torch.cuda.is_available() and "cuda" in args.devices:
         print(f"{args.kind}: {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}; forward + backward, cuda; "
-              f"sides interleaved in one process (benchmarks/inprocess.py), {args.rounds} rounds after a warm-up, median\n")
+              f"sides interleaved in one process (benchmarks/inprocess.py), {args.rounds} rounds after a warm-up, median; "
+              "naive-equivalent TFLOP/s = the FLOPs of 6 [tokens x hidden x vocabulary] matmuls over the side's time\n")
         table = {}
         # bf16 parameters (a bf16 model), and float32 masters under bf16 autocast (how `opdcache train` runs: the head's
         # products in bf16, its gradient and the hidden states in float32; kl_div's log_softmax in float32 under autocast)
@@ -165,9 +166,8 @@ def inprocess_sides(device: str, N: int, V: int, H: int, kind: str, rounds: int,
     uniform path (the fused kernel, opdcache/kernels.py), the same in 256 MiB blocks, the same with the kernel off (its torch ops:
     OPDCACHE_KERNELS=0) and the per-position path. Inputs in bf16, or with ``masters`` in float32 under bf16 autocast."""
     import contextlib
-    import os
 
-    from inprocess import interleaved
+    from inprocess import interleaved, kernels_off
 
     dtype = torch.float32 if masters else torch.bfloat16
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -176,14 +176,10 @@ def inprocess_sides(device: str, N: int, V: int, H: int, kind: str, rounds: int,
     ht = torch.randn(N, H, generator=g).to(device, dtype)
     Wt = (torch.randn(V, H, generator=g) * 0.02).to(device, dtype)
 
-    def side(variant: str, kernels: bool = True):
+    def side(variant: str):
         def run():
-            os.environ["OPDCACHE_KERNELS"] = "1" if kernels else "0"
-            try:
-                with torch.autocast(device, dtype=torch.bfloat16) if masters else contextlib.nullcontext():
-                    step({"variant": variant, "kind": kind, "hs": hs, "Ws": Ws, "ht": ht, "Wt": Wt})
-            finally:
-                os.environ.pop("OPDCACHE_KERNELS")
+            with torch.autocast(device, dtype=torch.bfloat16) if masters else contextlib.nullcontext():
+                step({"variant": variant, "kind": kind, "hs": hs, "Ws": Ws, "ht": ht, "Wt": Wt})
             hs.grad = Ws.grad = None
         return run
 
@@ -199,7 +195,7 @@ def inprocess_sides(device: str, N: int, V: int, H: int, kind: str, rounds: int,
         return sized
 
     fns = {"kl_div": side("kl_div"), "uniform": side("uniform"), "uniform, 256 MiB blocks": smaller_blocks(side("uniform"), 256),
-           "uniform, torch ops": side("uniform", kernels=False), "per position": side("chunked")}
+           "uniform, torch ops": kernels_off(side("uniform")), "per position": side("chunked")}
     if naive_too:
         fns["naive"] = side("naive")
     return interleaved(fns, device, rounds)

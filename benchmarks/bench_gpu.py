@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_scale import full_logits_loss  # noqa: E402
 from bench_scoring import workload  # noqa: E402
-from inprocess import interleaved  # noqa: E402
+from inprocess import interleaved, kernels_off  # noqa: E402
 
 V = 151_936
 TOP_K = 20
@@ -140,7 +140,7 @@ def score_sides(variants: list[str], model_path: str, device: str, n: int, promp
         mbt, _, mib = rest.partition("/")
         fn = {"plain": plain, "batched": batched, "opdcache": opdcache}[kind]
         if mib == "torch":  # opdcache with its fused kernels off: the torch ops they replace
-            fn, mib = torch_ops(fn), ""
+            fn, mib = kernels_off(fn), ""
 
         def run():
             if mbt:
@@ -154,17 +154,6 @@ def score_sides(variants: list[str], model_path: str, device: str, n: int, promp
 
     res = interleaved({v: side(v) for v in variants}, device, rounds)
     return {v: {**r, "tokens": tokens} for v, r in res.items()}
-
-
-def torch_ops(fn):
-    """``fn`` with opdcache's fused Triton kernels off (OPDCACHE_KERNELS=0, opdcache/kernels.py): the torch ops they replace."""
-    def run():
-        os.environ["OPDCACHE_KERNELS"] = "0"
-        try:
-            return fn()
-        finally:
-            os.environ.pop("OPDCACHE_KERNELS")
-    return run
 
 
 def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: int, rounds: int) -> dict:
@@ -192,7 +181,7 @@ def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: in
     fns = {"full logits": step("full logits", lambda: full_logits_loss(trainer, batch, loss)),  # [B, L, V] bf16, then float32
            "fused": step("fused", lambda: trainer.loss_and_stats(batch)[0])}
     if loss.startswith("full-"):  # the uniform divergence's kernel (opdcache/kernels.py) off: its torch ops
-        fns["fused, torch ops"] = torch_ops(step("fused, torch ops", lambda: trainer.loss_and_stats(batch)[0]))
+        fns["fused, torch ops"] = kernels_off(step("fused, torch ops", lambda: trainer.loss_and_stats(batch)[0]))
     res = interleaved(fns, device, rounds)
     tokens = int(batch["response_mask"].sum())
     return {name: {**r, "tokens": tokens, "loss": losses[name]} for name, r in res.items()}

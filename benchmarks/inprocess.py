@@ -7,6 +7,7 @@ beside each figure it gives."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -75,3 +76,15 @@ def interleaved(fns: dict, device: str, rounds: int) -> dict:
             peaks[name] = max(peaks[name], mem.delta)
     return {name: {"seconds": statistics.median(runs[name]), "min_seconds": min(runs[name]), "runs": runs[name],
                    "cpu_seconds": statistics.median(cpus[name]), "peak_bytes": peaks[name]} for name in fns}
+
+
+def kernels_off(fn):
+    """``fn`` with opdcache's fused Triton kernels off (OPDCACHE_KERNELS=0, opdcache/kernels.py): the torch ops they
+    replace, as a side beside the same work with them on."""
+    def run():
+        os.environ["OPDCACHE_KERNELS"] = "0"
+        try:
+            return fn()
+        finally:
+            os.environ.pop("OPDCACHE_KERNELS")
+    return run

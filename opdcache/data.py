@@ -69,8 +69,8 @@ class CacheLoaderConfig:
     Parquet decoding release the GIL), so a training step hides them."""
     decode_threads: int = 2
     """With ``prefetch``: shards read, checked and decoded at once, each in its own thread, as many ahead of the one in
-    use. Two decode a cold epoch 1.3-1.6x faster than one on 2 cores (BENCHMARKS.md); each is one more decoded shard
-    in memory."""
+    use. On 2 cores two threads took a cold epoch from 0.78-0.81 s to 0.49-0.63 s (BENCHMARKS.md, "DataLoader");
+    each is one more decoded shard in memory."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

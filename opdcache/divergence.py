@@ -272,8 +272,8 @@ def _fused_row_pass(kind: str, hs, Ws, bs, ht, Wt, bt, weights_N, needs: tuple[b
     N, V = hs.shape[0], Ws.shape[0]
     per_row = V * torch.empty((), dtype=mm).element_size()
     budget = gpu_block_bytes(hs.device, GPU_UNIFORM_BLOCK_BYTES) if hs.device.type == "cuda" else UNIFORM_BLOCK_BYTES
-    most = max(1, budget // per_row)
-    R = -(-N // -(-N // most)) if N else 1  # equal blocks: 4,096 positions in two of 2,048, not 3,533 and 563
+    blocks = max(1, -(-N // max(1, budget // per_row)))  # ceil(N / rows that fit)
+    R = max(1, -(-N // blocks))  # equal blocks: 4,096 positions in two of 2,048, not 3,533 and 563
     div = torch.empty(N, dtype=torch.float32, device=hs.device)
     grad_h = torch.empty(hs.shape, dtype=torch.float32, device=hs.device) if needs[0] else None
     grad_W = torch.zeros(Ws.shape, dtype=torch.float32, device=Ws.device) if needs[1] else None

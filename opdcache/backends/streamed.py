@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from opdcache import kernels
+
 LOGIT_BLOCK_BYTES = 8 << 20  # float32 logits per [positions, vocabulary slice] block (1,024 columns at 2,048 positions; measured best on CPU)
 # on a GPU a 1,024-column slice is launch-bound, and fewer slices mean fewer top-k merges: at vocabulary 151,936,
 # hidden 4,096 (benchmarks/bench_gpu.py, BENCHMARKS.md) 1 GiB scored 8.3x faster than 8 MiB on an H100, and 4 GiB
@@ -117,7 +119,6 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     :func:`_fused_logit_stats`, the same figures with the slice's float32 passes replaced by one Triton kernel; this
     function's torch ops are its reference.
     """
-    from opdcache import kernels
     from opdcache.logprobs import head_transform_of
 
     head = model.get_output_embeddings()
@@ -181,20 +182,30 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
         if uniforms_PD is not None:
             slice_mass.append(new_m + torch.log(in_slice))
         m = new_m
+    out = _finish(m, s, target, top_vals if top_k else None, top_ids, picks, mom)
+    if uniforms_PD is not None:
+        out["sid"], out["slp"] = _draw_from_slices(hidden_PH, W, b, transform, C, torch.stack(slice_mass, 1), out["lse"], uniforms_PD)
+    if rounded_PH is not None:  # KL(p || p2) = log E_p[exp(delta)] - E_p[delta], delta = z2 - z
+        s64 = s.double()
+        out["rkl"] = (torch.log1p(cross[1] / s64) - cross[0] / s64).clamp_(min=0.0)
+    return out
+
+
+def _finish(m: torch.Tensor, s: torch.Tensor, target: torch.Tensor, top_vals: torch.Tensor | None, top_ids: torch.Tensor,
+            picks: dict, mom: list[torch.Tensor] | None) -> dict:
+    """The figures both paths return from their running state (max m and sum s of exp(z - m) per position, the
+    sampled token's logit, the running top-k, the picked logits, the moments' sums): log-partition, log-probs,
+    entropy and variance of log p, all of the scored model's temperature-1 distribution at each position."""
     log_s = torch.log(s)
     # log-probs as (z - m) - log s, not z - (m + log s): the subtraction then rounds at |z - m|, not at |lse|
     out = {"lse": m + log_s, "lp": (target - m) - log_s}
-    if uniforms_PD is not None:
-        out["sid"], out["slp"] = _draw_from_slices(hidden_PH, W, b, transform, C, torch.stack(slice_mass, 1), out["lse"], uniforms_PD)
-    if top_k:
+    if top_vals is not None:
         out["kid"], out["klp"] = top_ids, (top_vals - m[:, None]) - log_s[:, None]
     if mom is not None:
-        s64, log_s64 = s.double(), log_s.double()
+        s64 = s.double()
         mean_d = mom[0] / s64  # E_p[z - m]; log p = (z - m) - log s
-        out["ent"] = log_s64 - mean_d
+        out["ent"] = log_s.double() - mean_d
         out["var"] = (mom[1] / s64 - mean_d * mean_d).clamp_(min=0.0)
-        if rounded_PH is not None:  # KL(p || p2) = log E_p[exp(delta)] - E_p[delta], delta = z2 - z
-            out["rkl"] = (torch.log1p(cross[1] / s64) - cross[0] / s64).clamp_(min=0.0)
     for key, (_, vals) in picks.items():
         out[key] = (vals - m[:, None]) - log_s[:, None]
     return out
@@ -208,8 +219,6 @@ def _fused_logit_stats(hidden_PH: torch.Tensor, W: torch.Tensor, b: torch.Tensor
     logits are gathers from it (no host synchronisation). Slices as wide as :func:`block_bytes` allows in the head's dtype
     (a whole vocabulary row at 2,048 positions on a GPU). Each slice's sums are moved to the running maximum and added,
     as the torch path does (:func:`_add_moments`)."""
-    from opdcache import kernels
-
     P, V = hidden_PH.shape[0], W.shape[0]
     dev = hidden_PH.device
     C = max(1024, block_bytes(dev) // (W.element_size() * max(P, 1)))
@@ -249,20 +258,10 @@ def _fused_logit_stats(hidden_PH: torch.Tensor, W: torch.Tensor, b: torch.Tensor
             merged, order = torch.cat([top_vals, cv.float() * mul], 1).topk(top_k, -1)
             top_ids = torch.cat([top_ids, ci + a], 1).gather(1, order)
             top_vals = merged
-    log_s = torch.log(s)
-    out = {"lse": m + log_s, "lp": (target - m) - log_s}
+    out = _finish(m, s, target, top_vals if top_k else None, top_ids, picks, mom if moments else None)
     if uniforms_PD is not None:
         out["sid"], out["slp"] = _draw_from_slices(hidden_PH, W, b, head_transform(model), C, torch.stack(slice_mass, 1), out["lse"],
                                                    uniforms_PD)
-    if top_k:
-        out["kid"], out["klp"] = top_ids, (top_vals - m[:, None]) - log_s[:, None]
-    if moments:
-        s64 = s.double()
-        mean_d = mom[0] / s64
-        out["ent"] = log_s.double() - mean_d
-        out["var"] = (mom[1] / s64 - mean_d * mean_d).clamp_(min=0.0)
-    for key, (_, vals) in picks.items():
-        out[key] = (vals - m[:, None]) - log_s[:, None]
     return out
 
 
