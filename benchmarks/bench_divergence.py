@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -140,7 +141,7 @@ def main() -> None:
         print(f"{args.kind}: {args.tokens} tokens, vocabulary {args.vocab:,}, hidden {args.hidden}; forward + backward, cuda; "
               f"sides interleaved in one process (benchmarks/inprocess.py), {args.rounds} rounds after a warm-up, median; "
               "naive-equivalent TFLOP/s = the FLOPs of 6 [tokens x hidden x vocabulary] matmuls over the side's time\n")
-        table = {}
+        table, load_before = {}, os.getloadavg()[0]
         # bf16 parameters (a bf16 model), and float32 masters under bf16 autocast (how `opdcache train` runs: the head's
         # products in bf16, its gradient and the hidden states in float32; kl_div's log_softmax in float32 under autocast)
         for setting in ("bf16", "autocast"):
@@ -152,12 +153,16 @@ def main() -> None:
                 flops = 6 * 2 * args.tokens * args.vocab * args.hidden  # naive's matmuls: 2 forward, 4 backward-equivalent
                 for v, r in res.items():
                     ratios = [a / b for a, b in zip(r["runs"], base["runs"])]
-                    print(f"cuda {setting:<8} {grads:<12} {v:<24} {r['seconds']:>8.4f} s {r['seconds'] / base['seconds']:>6.2f}x kl_div "
-                          f"({min(ratios):.2f}-{max(ratios):.2f}), CPU {r['cpu_seconds']:.4f} s, peak {r['peak_bytes'] / 2**20:>7.0f} MiB "
+                    print(f"cuda {setting:<8} {grads:<12} {v:<24} {r['seconds']:>8.4f} s (min {r['min_seconds']:.4f}) "
+                          f"{r['seconds'] / base['seconds']:>6.2f}x kl_div ({min(ratios):.2f}-{max(ratios):.2f}), "
+                          f"CPU {r['cpu_seconds']:.4f} s (min {r['min_cpu_seconds']:.4f}), peak {r['peak_bytes'] / 2**20:>7.0f} MiB "
                           f"({r['peak_bytes'] / base['peak_bytes']:.3f}x kl_div), {flops / r['seconds'] / 1e12:.0f} TFLOP/s naive-equivalent")
+        load = [load_before, os.getloadavg()[0]]
+        print(f"host load (1 min) before and after: {load[0]:.1f} -> {load[1]:.1f}")
         args.results.mkdir(parents=True, exist_ok=True)
         (args.results / f"divergence_cuda_{args.kind}.json").write_text(json.dumps({"tokens": args.tokens, "vocab": args.vocab,
-                                                                                   "hidden": args.hidden, "rounds": args.rounds, "sides": table}, indent=2))
+                                                                                   "hidden": args.hidden, "rounds": args.rounds, "load": load,
+                                                                                   "sides": table}, indent=2))
 
 
 def inprocess_sides(device: str, N: int, V: int, H: int, kind: str, rounds: int, head_grad: bool, naive_too: bool,

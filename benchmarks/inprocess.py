@@ -75,7 +75,8 @@ def interleaved(fns: dict, device: str, rounds: int) -> dict:
                 cpus[name].append(cpu_seconds() - c0)
             peaks[name] = max(peaks[name], mem.delta)
     return {name: {"seconds": statistics.median(runs[name]), "min_seconds": min(runs[name]), "runs": runs[name],
-                   "cpu_seconds": statistics.median(cpus[name]), "peak_bytes": peaks[name]} for name in fns}
+                   "cpu_seconds": statistics.median(cpus[name]), "min_cpu_seconds": min(cpus[name]), "peak_bytes": peaks[name]}
+            for name in fns}
 
 
 def kernels_off(fn):
