@@ -22,8 +22,8 @@ def plan(
     as_json: O.JsonOut = False,
 ) -> None:
     """Measure, on a sample of this cache's own rollouts, what each teacher store would cost and how far its signal is
-    from the teacher's full vocabulary; print the frontier (top-k widths and masses, sampled m, hidden float32 /
-    bfloat16, svd ranks) and the setting that meets --max-error or --max-bytes.
+    from the teacher's full vocabulary; print the frontier (top-k widths, the compact top-128 in float16 and prob14,
+    sampled m, hidden float32 / bfloat16, svd ranks) and the setting that meets --max-error or --max-bytes.
 
     Memory: the teacher (and students), one row's hidden states, [128 positions, vocabulary] blocks (one float32 per
     model, a few float64 while errors are summed: about 1 GiB at a 151,936 vocabulary), and the sampled rows' stored

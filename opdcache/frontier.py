@@ -46,7 +46,7 @@ class Setting:
 
     store: str  # topk, sampled, hidden, svd
     k: int | None = None
-    precision: str | None = None  # compact top-k: float32/float16 (None with mass None: the exact v1 store)
+    precision: str | None = None  # compact top-k: float32/float16/prob14 (None with mass None: the exact v1 store)
     mass: float | None = None
     m: int | None = None
     dtype: str | None = None  # hidden: float32/bfloat16; svd: bfloat16/float32
@@ -89,10 +89,13 @@ class Setting:
 
 
 def default_settings(hidden_size: int, vocab_size: int) -> list[Setting]:
-    """What ``plan`` measures unless told otherwise: top-k widths and masses (below the vocabulary), sampled m, hidden
-    in two precisions, svd ranks below the hidden size."""
+    """What ``plan`` measures unless told otherwise: top-k widths, the compact top-128 in float16 at two masses and as
+    prob14 (the smallest top-k store: BENCHMARKS.md), sampled m, hidden in two precisions, svd ranks below the hidden
+    size."""
+    compact_k = min(128, vocab_size - 1)
     out = [Setting("topk", k=k) for k in (20, 128, 512) if k < vocab_size]
-    out += [Setting("topk", k=min(128, vocab_size - 1), precision="float16", mass=mass) for mass in (1e-4, 1e-3)]
+    out += [Setting("topk", k=compact_k, precision="float16", mass=mass) for mass in (1e-4, 1e-3)]
+    out.append(Setting("topk", k=compact_k, precision="prob14", mass=1e-4))
     out += [Setting("sampled", m=m) for m in (4, 12, 32)]
     out += [Setting("hidden", dtype=d) for d in ("float32", "bfloat16")]
     out += [Setting("svd", rank=r, dtype="bfloat16") for r in (64, 256, 512) if r < hidden_size]

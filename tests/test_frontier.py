@@ -30,7 +30,8 @@ def test_frontier_numbers_equal_plain_full_vocabulary_references(hf_cache, demo_
 
     teacher, student = demo_models
     reqs, ids = _requests(hf_cache, 3)
-    settings = [Setting("topk", k=8), Setting("topk", k=8, precision="float16", mass=1e-2), Setting("hidden", dtype="bfloat16")]
+    settings = [Setting("topk", k=8), Setting("topk", k=8, precision="float16", mass=1e-2), Setting("topk", k=8, precision="prob14", mass=1e-2),
+                Setting("hidden", dtype="bfloat16")]
     report = measure(teacher, reqs, ids, settings, {"s": student})
     kl = {s.label: [] for s in settings}
     fkl = {s.label: [] for s in settings}
@@ -39,13 +40,13 @@ def test_frontier_numbers_equal_plain_full_vocabulary_references(hf_cache, demo_
         s_lp = student.log_probs(student.hidden(req)).double()
         p, V = p_lp.exp(), p_lp.shape[1]
         full = (p * (p_lp - s_lp)).sum(-1)
-        for s in settings[:2]:
+        for s in settings[:3]:
             top_lp, top_ids = p_lp.float().topk(8, -1)
             if s.mass is None:
                 kept_ids, stored = [t.tolist() for t in top_ids], [t.double() for t in top_lp]
                 tails = [float(1 - p[t, top_ids[t]].sum()) for t in range(len(p))]
             else:
-                enc = compact.compact_topk(top_ids.numpy(), top_lp.numpy(), "float16", 1e-2)
+                enc = compact.compact_topk(top_ids.numpy(), top_lp.numpy(), s.precision, s.mass)
                 kept_ids = [row[row != -1].tolist() for row in enc["ids"]]
                 stored = [torch.as_tensor(enc["logprobs"][t][enc["ids"][t] != -1]).double() for t in range(len(p))]
                 tails = enc["tail"].astype(np.float64).tolist()
@@ -62,8 +63,8 @@ def test_frontier_numbers_equal_plain_full_vocabulary_references(hf_cache, demo_
                 est += r * (np.log(r) - np.log(s_tail)) if r > 0 else 0.0
                 fkl[s.label].append(abs(est - float(full[t])))
         q_lp = teacher.log_probs(teacher.hidden(req).to(torch.bfloat16).float()).double()
-        kl[settings[2].label] += (p * (p_lp - q_lp)).sum(-1).tolist()
-        fkl[settings[2].label] += ((q_lp.exp() * (q_lp - s_lp)).sum(-1) - full).abs().tolist()
+        kl[settings[3].label] += (p * (p_lp - q_lp)).sum(-1).tolist()
+        fkl[settings[3].label] += ((q_lp.exp() * (q_lp - s_lp)).sum(-1) - full).abs().tolist()
     for s in settings:
         got = report["settings"][s.label]
         assert got["kl"]["mean"] == pytest.approx(np.mean(kl[s.label]), rel=1e-3, abs=1e-7)
@@ -71,6 +72,8 @@ def test_frontier_numbers_equal_plain_full_vocabulary_references(hf_cache, demo_
         assert got["students"]["s"]["fkl_error"]["mean"] == pytest.approx(np.mean(fkl[s.label]), rel=1e-3, abs=1e-7)
         assert got["bytes_per_token"] > 0
     assert report["settings"]["top-8 exact"]["kl"]["max"] > 1e-4  # the references are not all ~0
+    codes, half = (report["settings"][f"top-8 {p} mass 0.01"]["students"]["s"]["vs_exact_topk"]["max"] for p in ("prob14", "float16"))
+    assert codes > half > 0  # each compact store measured against the exact top-8 it encodes: prob14's 2^-15 steps cost more
 
 
 def test_choose_picks_the_cheapest_within_the_error_or_the_best_within_the_bytes():
@@ -99,6 +102,9 @@ def test_plan_command_prints_the_frontier_and_refuses_bad_options(hf_cache, weig
     report = json.loads(out)
     assert report["rows"] == 2 and report["choice"]["flags"].startswith("--store")  # svd: half the rows fit it
     assert {"top-20 exact", "sampled m=12", "hidden bfloat16", "svd r=64 bfloat16"} <= set(report["settings"])
+    k = min(128, report["vocab_size"] - 1)  # the compact top-128, prob14 among them: the smallest top-k store
+    assert {f"top-{k} float16 mass 0.0001", f"top-{k} prob14 mass 0.0001"} <= set(report["settings"])
+    assert report["settings"][f"top-{k} prob14 mass 0.0001"]["flags"] == f"--store topk --top-k {k} --topk-precision prob14 --topk-mass 0.0001"
     assert report["svd_calibration_positions"] > 0
     code, out, err = cli("plan", hf_cache, "--teacher", weights / "teacher", "--rows", 4)
     n = f"{report['svd_calibration_positions']:,}"
