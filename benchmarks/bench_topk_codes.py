@@ -5,8 +5,9 @@ Data: the storage frontier's (benchmarks/realdata.py, bench_storage.py): SmolLM2
 temperature-1 responses to 64 chat-template math prompts; the second half of the rows (32 sequences, 4,011 positions).
 Students: the same model with w8a8 (0.031 nats a position from the teacher) and w4a16:g64 (0.43 nats), emulated by
 ``--quantize`` as the frontier does. Every setting starts from the exact top-128 (float64 from the teacher's float32
-logits) and the residual-mass support at 1e-4 (as score-teacher's ``--topk-mass 1e-4``). Last, prob14's ids column
-alone under other id codings (:func:`id_levers`).
+logits) and the residual-mass support at 1e-4 (as score-teacher's ``--topk-mass 1e-4``). The settings: prob14's
+two errors apart, zstd levels and page sizes, other roundings, finer and hybrid grids, and a grid sized per position by
+an error budget (:func:`budget_grid`). Last, prob14's ids column alone under other id codings (:func:`id_levers`).
 
 Error: |FKL_setting - FKL_exact top-128| a position, max and mean over the positions, each with the tail-bin estimator
 train's ``topk-fkl --topk-tail`` uses (the kept probabilities renormalised with the stored tail; the student's tail is
@@ -144,6 +145,22 @@ def hybrid(d: Data, step: float, ratio: float, floor: float = 1e-6):
     return kept, np.where(kept, grid[idx], 0.0), idx + 1
 
 
+def budget_grid(d: Data, budget: float, lo: int = 12, hi: int = 16):
+    """A grid sized per position by an error budget (issue 29's "value codes on a grid sized by the error budget"):
+    position t's step is 2^-e_t with e_t the smallest exponent in [lo, hi] for which sqrt(n_t) x 2^-e_t <= ``budget``,
+    n_t its kept entries (the rounding error of a sum of n_t independent roundings grows as sqrt(n_t) x step). The
+    exponent is stored per position (one uint8 column); the codes are prob14's with that step. Returns prob14's
+    (kept, q, codes) and the exponents."""
+    base = support(d)
+    e = np.clip(np.ceil(np.log2(np.sqrt(base.sum(1)) / budget)), lo, hi)
+    step = 2.0 ** -e[:, None]
+    x = np.where(base, d.p / step, 0.0)
+    kept = base & (x >= 0.5)
+    kept[:, 0] = True
+    code = np.clip(np.rint(x), 1, 65535)
+    return kept, np.where(kept, code * step, 0.0), code, e.astype(np.uint8)
+
+
 def exact_values(d: Data):
     kept = support(d)
     return kept, np.where(kept, d.p, 0.0), None
@@ -161,8 +178,9 @@ def prob14_parts(d: Data, part: str):
 
 # ---------------------------------------------------------------- bytes
 
-def columns(d: Data, kept: np.ndarray, codes: np.ndarray, tail: np.ndarray):
-    """The store's three columns in the v4 layout: ids ascending with id -1 / code 0 padding, one row per sequence."""
+def columns(d: Data, kept: np.ndarray, codes: np.ndarray, tail: np.ndarray, exps: np.ndarray | None = None):
+    """The store's three columns in the v4 layout: ids ascending with id -1 / code 0 padding, one row per sequence;
+    with ``exps``, a fourth: each position's grid exponent (uint8, :func:`budget_grid`)."""
     import pyarrow as pa
 
     order = np.argsort(np.where(kept, d.ids, np.iinfo(np.int32).max), 1, kind="stable")
@@ -176,8 +194,11 @@ def columns(d: Data, kept: np.ndarray, codes: np.ndarray, tail: np.ndarray):
         inner = pa.FixedSizeListArray.from_arrays(flat, K)
         return pa.ListArray.from_arrays(pa.array(bounds, pa.int32()), inner)
 
-    return {"topk_ids": nested(ids, pa.int32()), "topk_logprobs": nested(vals, pa.uint16()),
-            "topk_tail": pa.ListArray.from_arrays(pa.array(bounds, pa.int32()), pa.array(tail.astype(np.float32)))}, ids, vals
+    out = {"topk_ids": nested(ids, pa.int32()), "topk_logprobs": nested(vals, pa.uint16()),
+           "topk_tail": pa.ListArray.from_arrays(pa.array(bounds, pa.int32()), pa.array(tail.astype(np.float32)))}
+    if exps is not None:
+        out["topk_exponent"] = pa.ListArray.from_arrays(pa.array(bounds, pa.int32()), pa.array(exps))
+    return out, ids, vals
 
 
 def store_bytes(cols: dict, level: int, page: int | None) -> dict:
@@ -188,7 +209,7 @@ def store_bytes(cols: dict, level: int, page: int | None) -> dict:
     pq.write_table(pa.table(cols), buf, compression="zstd", compression_level=level, use_dictionary=False, write_statistics=False,
                    column_encoding={"topk_ids.list.element.list.element": "PLAIN", "topk_logprobs.list.element.list.element": "BYTE_STREAM_SPLIT",
                                     "topk_tail.list.element": "BYTE_STREAM_SPLIT"}, data_page_size=page)
-    return column_bytes(buf.getvalue())
+    return column_bytes(buf.getvalue())  # an exponent column, where there is one, is PLAIN uint8
 
 
 def writer_bytes(d: Data) -> float:
@@ -299,28 +320,31 @@ def main() -> None:
         ("hybrid 2^-14 / relative 1/4", lambda: hybrid(d, 2.0 ** -14, 0.25), 9, 8 * MiB),
         ("hybrid 2^-14 / relative 1/8", lambda: hybrid(d, 2.0 ** -14, 0.125), 9, 8 * MiB),
         ("hybrid 2^-14 / relative 1/16", lambda: hybrid(d, 2.0 ** -14, 0.0625), 9, 8 * MiB),
+        ("grid per position, budget 1e-3", lambda: budget_grid(d, 1e-3), 9, 8 * MiB),
+        ("grid per position, budget 5e-4", lambda: budget_grid(d, 5e-4), 9, 8 * MiB),
+        ("grid per position, budget 3e-4", lambda: budget_grid(d, 3e-4), 9, 8 * MiB),
     ]
     report = {"command": "python benchmarks/bench_topk_codes.py", "positions": T, "mass": MASS, "settings": {},
               "opdcache_writer_prob14_bytes_per_token": writer_bytes(d) / T}
     print(f"{T:,} positions; the v4 prob14 store as opdcache's writer writes it: {report['opdcache_writer_prob14_bytes_per_token']:.1f} B/token\n")
-    head = f"{'setting':<44} {'B/token':>8} {'ids/codes/tail':>15} {'entries':>8} {'zstd tok/CPU-s':>15}  " + "  ".join(
+    head = f"{'setting':<44} {'B/token':>8} {'ids/codes/tail(/exp)':>21} {'entries':>8} {'zstd tok/CPU-s':>15}  " + "  ".join(
         f"{n + ' max':>10} {'mean':>8}" for n in d.students)
     print(head)
     print("-" * len(head))
     for label, code, level, page in settings:
-        kept, q, codes = code()
+        kept, q, codes, *exps = code()
         tail = np.clip(d.pout + np.where(kept, 0.0, d.p).sum(1), 0, 1)  # the exact mass outside the kept entries
         row = {"entries": float(kept.sum(1).mean()), "students": {}}
         for n, (s, so) in d.students.items():
             err = np.abs(estimate(q, kept, tail, s, so) - exact[n])
             row["students"][n] = {"max": float(err.max()), "mean": float(err.mean())}
         if codes is not None:
-            cols, ids, vals = columns(d, kept, codes, tail)
+            cols, ids, vals = columns(d, kept, codes, tail, *exps)
             sizes = store_bytes(cols, level, page)
             row |= {"bytes_per_token": sum(sizes.values()) / T, "columns": {k: v / T for k, v in sizes.items()},
                     "zstd_level": level, "page_bytes": page, "zstd_tokens_per_cpu_s": zstd_rate(ids, vals, level)}
         report["settings"][label] = row
-        b = f"{row['bytes_per_token']:8.1f} {'/'.join(f'{v:.0f}' for v in row['columns'].values()):>15}" if codes is not None else f"{'':>8} {'':>15}"
+        b = f"{row['bytes_per_token']:8.1f} {'/'.join(f'{v:.0f}' for v in row['columns'].values()):>21}" if codes is not None else f"{'':>8} {'':>21}"
         rate = f"{row['zstd_tokens_per_cpu_s']:>15,.0f}" if codes is not None else f"{'':>15}"
         print(f"{label:<44} {b} {row['entries']:8.1f} {rate}  " + "  ".join(
             f"{st['max']:>10.2e} {st['mean']:>8.2e}" for st in row["students"].values()), flush=True)
