@@ -27,6 +27,8 @@ minus what was allocated just before it: the model and inputs are not counted):
    ones also with the divergence's fused kernel off), the steps on one trainer, interleaved as in 1; tokens/s from the median step, and peak GPU memory.
 4. ``bench_divergence.py --devices cuda`` at 4,096 tokens, hidden 4,096, bf16 parameters and float32 masters under bf16
    autocast (its own table, printed and saved); on a card of 120 GiB or more also at 16,384 tokens.
+5. ``write``: ``opdcache score-teacher`` end to end on an 8-shard cache (8 x ``--train-batch`` prompts), each shard
+   written behind the next one's scoring (the default) against inline (``OPDCACHE_WRITE_BEHIND=0``).
 
     bash benchmarks/gpu_suite.sh                       # on the CUDA machine
     python benchmarks/bench_gpu.py --smoke --device cpu   # a tiny run of the same code anywhere
@@ -218,7 +220,7 @@ def main() -> None:
     ap.add_argument("--block-mib", type=int, nargs="*", default=[64, 256], help="logit block sizes tried beside the shipped one")
     ap.add_argument("--train-batch", type=int, default=4)
     ap.add_argument("--train-response", type=int, default=1024)
-    ap.add_argument("--sections", default="cli,train,divergence,score", help="which of cli, train, divergence, score to run, in this order")
+    ap.add_argument("--sections", default="cli,train,divergence,score,write", help="which of cli, train, divergence, score, write to run, in this order")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds of every side in turn, after a warm-up of each")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: checks the code, measures nothing")
     ap.add_argument("--cli-timeout", type=float, default=300, help="seconds each CLI command may take")
@@ -254,7 +256,8 @@ def main() -> None:
     load = {}  # the host's one-minute load average before and after each section
     for section in sections:
         before = os.getloadavg()[0]
-        {"score": run_score_section, "cli": run_cli_section, "train": run_train_section, "divergence": run_divergence_section}[section](
+        {"score": run_score_section, "cli": run_cli_section, "train": run_train_section, "divergence": run_divergence_section,
+         "write": run_write_section}[section](
             args, models, root, add, rows)
         load[section] = [before, os.getloadavg()[0]]
     table = render(rows, args)
@@ -301,6 +304,39 @@ def run_cli_section(args, models, root, add, rows) -> None:
         for r in rows[-2:]:
             print(json.dumps(r), flush=True)
 
+
+
+def run_write_section(args, models, root, add, rows) -> None:
+    """score-teacher end to end on an 8-shard cache of the qwen3 model's rollouts, writing each finished shard in the
+    background while the next is scored (the default) against writing it inline (``OPDCACHE_WRITE_BEHIND=0``), with the
+    stores that cost the writer most: the prob14 top-128 and bf16 hidden states (a 4,096-wide bf16 shard writes at
+    ~9,000-12,000 tokens a second on one core of the project's CPU machine). Each run is a fresh process, so the
+    model's load is in both sides; the sides alternate over ``--rounds`` rounds after a warm-up of each."""
+    import statistics
+
+    env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
+    q = models["qwen3"]
+    n = 8 * args.train_batch
+    prompts = root / "prompts-write.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (11 * i + 5 * j) % 5000}" for j in range(16))}) + "\n" for i in range(n)))
+    cache = root / "cache-write"
+    if not (cache / "opdcache.json").exists():
+        cli("build-rollouts", "--model", q, "--prompts", prompts, "--out", cache, "--max-new-tokens", args.train_response, "--temperature", "1.0",
+            "--no-chat-template", "--num-shards", "8", "--batch-size", n, env=env, timeout=args.cli_timeout)
+    tokens = sum(int(s["tokens"]) for s in json.loads((cache / "opdcache.json").read_text())["tables"]["rollouts"]["shards"])
+    store = ["--store", "logprob,topk,hidden", "--top-k", "128", "--topk-precision", "prob14", "--topk-mass", "1e-4", "--hidden-dtype", "bfloat16"]
+    runs: dict[str, list[float]] = {"inline": [], "behind": []}
+    for r in range(args.rounds + 1):  # round 0 is the warm-up
+        for side in ("behind", "inline") if r % 2 else ("inline", "behind"):
+            s = cli("score-teacher", cache, "--teacher", q, *store, "--name", f"{side}-{r}", env=env | {"OPDCACHE_WRITE_BEHIND": "1" if side == "behind" else "0"},
+                    timeout=args.cli_timeout)
+            if r:
+                runs[side].append(s)
+    sides = {side: {"tokens": tokens, "seconds": statistics.median(v), "runs": v, "peak_bytes": 0} for side, v in runs.items()}
+    add("write", "qwen3", "score-teacher, each shard written inline (OPDCACHE_WRITE_BEHIND=0)", sides["inline"], sides["inline"])
+    add("write", "qwen3", "score-teacher, each shard written behind the next one's scoring", sides["behind"], sides["inline"])
+    for row in rows[-2:]:
+        row.pop("memory_ratio", None)  # GPU memory is not what this compares
 
 
 def run_train_section(args, models, root, add, rows) -> None:

@@ -3,7 +3,7 @@
 # Packages opdcache needs that such a machine may lack travel as wheels in .whl/ (see BENCHMARKS.md for the list);
 # SmolLM2's config and tokenizer in .gpu/smollm2/ (copied from a converted model directory, no weights).
 # First the gpu-marked tests (tests/test_gpu.py), while the cli section builds the train step's cache; then the
-# divergence, scoring and train sections (SECTIONS=divergence,train: a subset), with nothing else on the GPU. Extra
+# divergence, scoring, train and write sections (SECTIONS=divergence,train: a subset), with nothing else on the GPU. Extra
 # arguments go to those sections.
 # Writes $OUT/tests.log, $OUT/cli.log, $OUT/bench_gpu.log and $OUT/gpu/{results.json,table.md,divergence.txt}
 # (OUT defaults to ./gpu-results).
@@ -37,5 +37,5 @@ wait $cli
 clirc=$?
 set -e
 echo "gpu tests: exit $tests; cli section: exit $clirc"
-python3 "$REPO/benchmarks/bench_gpu.py" --device cuda "${smollm2[@]}" --workdir "$WORK" --sections "${SECTIONS:-divergence,score,train}" --out "$OUT/gpu" "$@" 2>&1 | tee "$OUT/bench_gpu.log"
+python3 "$REPO/benchmarks/bench_gpu.py" --device cuda "${smollm2[@]}" --workdir "$WORK" --sections "${SECTIONS:-divergence,score,train,write}" --out "$OUT/gpu" "$@" 2>&1 | tee "$OUT/bench_gpu.log"
 exit $(( tests != 0 || clirc != 0 ))

@@ -79,7 +79,8 @@ def build_sft(
     """Sample teacher trajectories for SFT (papers/000 eq. 5); the teacher's fingerprint is the lineage.
 
     Memory: the model, its KV cache (--batch-size x (prompt + --max-new-tokens) per layer), a few reused
-    [--batch-size, vocabulary] float32 buffers, and one generation group's rows; not prompt length x vocabulary.
+    [--batch-size, vocabulary] float32 buffers, one generation group's rows and the shard being written behind them
+    (a background thread writes each finished shard while the next is generated); not prompt length x vocabulary.
     To an object store (--out s3://...), each finished shard is spooled to a local temporary file and uploaded whole."""
     _run("sft", teacher, locals())
 
@@ -102,7 +103,8 @@ def build_rollouts(
     """Sample pi_ref rollouts with their log-probs (papers/000 eq. 7).
 
     Memory: the model, its KV cache (--batch-size x (prompt + --max-new-tokens) per layer), a few reused
-    [--batch-size, vocabulary] float32 buffers, and one generation group's rows; not prompt length x vocabulary.
+    [--batch-size, vocabulary] float32 buffers, one generation group's rows and the shard being written behind them
+    (a background thread writes each finished shard while the next is generated); not prompt length x vocabulary.
     To an object store (--out s3://...), each finished shard is spooled to a local temporary file and uploaded whole."""
     _run("rollouts", model, locals())
 

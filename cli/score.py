@@ -49,10 +49,11 @@ def score_teacher(
 
     Memory: the teacher, decoder activations of --max-batch-tokens padded tokens, two float32 logit blocks of ~2,048
     positions x a vocabulary slice (8 MiB each on a CPU, 1 GiB on a GPU; the second for the error record's moments) and
-    the running top-k, and one shard's stored values; the svd fit adds [hidden, hidden] float64
+    the running top-k, and two shards' stored values (the one being scored and the one being written behind it); the
+    svd fit adds [hidden, hidden] float64
     moments and the calibration states; the sampled store adds [positions, slices] float64 slice masses and one
     [positions drawing into a slice, slice] block at a time. Never tokens x vocabulary. To an object store, each finished shard is
-    spooled to a local temporary file (one shard on disk) and uploaded whole."""
+    spooled to a local temporary file (one shard on disk) and uploaded whole, while the next shard is scored."""
     O.announce_threads()
     from opdcache.rollouts import EngineConfig
     from opdcache.scoring import ScoreJob, run_score

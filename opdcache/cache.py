@@ -256,6 +256,11 @@ def _token_column(kind: str) -> str:
     return "logprobs" if kind == "teacher" else "response_ids"
 
 
+WRITE_BEHIND = os.environ.get("OPDCACHE_WRITE_BEHIND", "1") != "0"
+"""Write each shard in a background thread while the next is made (:func:`run_table_job`); ``OPDCACHE_WRITE_BEHIND=0``
+writes inline (the reference the tests and the GPU suite compare against)."""
+
+
 def run_table_job(
     job: TableJob,
     make_shard: Callable[[int], Sequence[dict]],
@@ -268,7 +273,15 @@ def run_table_job(
 ) -> list[int]:
     """Write this worker's missing shards; return the indices written. With ``finalize``, the worker that finds every
     shard present writes the manifest. Progress: with ``rows_of`` (a shard's sequence count) in sequences, advanced by
-    the engines batch by batch (opdcache.progress.advance); otherwise in shards."""
+    the engines batch by batch (opdcache.progress.advance); otherwise in shards.
+
+    Each shard is written (encoded, compressed, hashed, uploaded) in one background thread while the next one is made
+    (``WRITE_BEHIND``), so a scorer's device does not wait on the writer; at most one write is in flight, so memory
+    holds one more shard's records. A shard appears under its final name only when complete. When ``make_shard``
+    fails or the job is interrupted, the shard made before it still lands (the job waits for its write); when a write
+    fails, the shard made meanwhile is written before that error is raised. A resume makes the rest."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from opdcache.progress import bar
 
     job.begin()
@@ -276,14 +289,36 @@ def run_table_job(
     pending = job.pending(num_workers, worker_index)
     by_rows = rows_of is not None
     total = sum(rows_of(i) for i in pending) if by_rows else len(pending)
-    with bar(total=total, desc=desc or job.table, unit="seq" if by_rows else "shard", enabled=progress, track=by_rows) as pbar:
+
+    def landed(index: int, info: shards.ShardInfo) -> None:
+        nonlocal tokens
+        written.append(index)
+        tokens += info.tokens
+        pbar.set_postfix(shards=f"{len(written)}/{len(pending)}", tokens=f"{tokens:,}")  # response tokens written so far
+        if not by_rows:
+            pbar.update(1)
+
+    # the executor is left (waiting for the write in flight) before the bar, whatever ends the loop
+    with bar(total=total, desc=desc or job.table, unit="seq" if by_rows else "shard", enabled=progress, track=by_rows) as pbar, \
+            ThreadPoolExecutor(1, thread_name_prefix="opdcache-write") as writer:
+        in_flight = None  # (index, future) of the shard being written
         for index in pending:
-            info = job.write_shard(index, make_shard(index))
-            written.append(index)
-            tokens += info.tokens
-            pbar.set_postfix(shards=f"{len(written)}/{len(pending)}", tokens=f"{tokens:,}")  # response tokens written so far
-            if not by_rows:
-                pbar.update(1)
+            records = make_shard(index)
+            if in_flight is not None:
+                if in_flight[1].exception() is not None:  # keep this shard's work if the writer still can, then report
+                    try:
+                        landed(index, job.write_shard(index, records))
+                    finally:
+                        in_flight[1].result()
+                landed(in_flight[0], in_flight[1].result())
+                in_flight = None
+            if WRITE_BEHIND:
+                in_flight = (index, writer.submit(job.write_shard, index, records))
+            else:
+                landed(index, job.write_shard(index, records))
+            del records  # held by the write alone
+        if in_flight is not None:
+            landed(in_flight[0], in_flight[1].result())
     if finalize and job.all_done():
         finalize_table(job)
     return written

@@ -79,6 +79,72 @@ def test_resume_writes_only_missing_shards(tmp_path):
     assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items())
 
 
+def _hashes(root):
+    return {p.name: sha256_file(p) for p in _final_shards(root)}
+
+
+def test_each_shard_is_written_while_the_next_is_made_and_equals_an_inline_write(tmp_path, monkeypatch):
+    """The write of shard i waits until shard i + 1 has started being made: that completes only if the write runs in
+    the background (inline, it would wait for a shard that is never started: the wait's guard fails the test)."""
+    import threading
+
+    import opdcache.cache as cache_mod
+
+    j = job(tmp_path / "behind", 4)
+    started = {i: threading.Event() for i in range(5)}
+    overlapped = []
+    write = j.write_shard
+
+    def slow_write(index, records):
+        overlapped.append(index == 3 or started[index + 1].wait(timeout=60))  # the last shard has no next
+        return write(index, records)
+
+    def make(i):
+        started[i].set()
+        return rollout_rows(i, 50)
+
+    j.write_shard = slow_write
+    assert run_table_job(j, make) == [0, 1, 2, 3]
+    assert overlapped == [True] * 4
+    monkeypatch.setattr(cache_mod, "WRITE_BEHIND", False)
+    assert run_table_job(job(tmp_path / "inline", 4), lambda i: rollout_rows(i, 50)) == [0, 1, 2, 3]
+    assert _hashes(tmp_path / "behind") == _hashes(tmp_path / "inline") and len(_hashes(tmp_path / "inline")) == 4
+
+
+def test_a_failure_loses_no_shard_already_made(tmp_path):
+    """make_shard failing: the shard before it, still being written, lands. A write failing: the shard made meanwhile
+    is written, then that write's error is raised. A resume makes only what is missing."""
+    root = tmp_path / "a"
+
+    def make(i):
+        if i == 2:
+            raise RuntimeError("teacher produced NaN")
+        return rollout_rows(i, 20)
+
+    with pytest.raises(RuntimeError, match="teacher produced NaN"):
+        run_table_job(job(root, 4), make)
+    assert [p.name for p in _final_shards(root)] == ["part-00000-of-00004.parquet", "part-00001-of-00004.parquet"]
+    calls = []
+    assert run_table_job(job(root, 4), lambda i: calls.append(i) or rollout_rows(i, 20)) == calls == [2, 3]
+
+    root = tmp_path / "b"
+    j = job(root, 4)
+    write = j.write_shard
+
+    def failing_write(index, records):
+        if index == 1:
+            raise OSError("No space left on device")
+        return write(index, records)
+
+    j.write_shard = failing_write
+    with pytest.raises(OSError, match="No space left on device"):
+        run_table_job(j, lambda i: rollout_rows(i, 20))
+    assert [p.name for p in _final_shards(root)] == ["part-00000-of-00004.parquet", "part-00002-of-00004.parquet"]
+    calls = []
+    assert run_table_job(job(root, 4), lambda i: calls.append(i) or rollout_rows(i, 20)) == calls == [1, 3]
+    assert _hashes(root) == _hashes(tmp_path / "a")
+
+
 def test_resume_with_changed_setting_is_refused_with_the_difference(tmp_path):
     run_table_job(job(tmp_path, N_SHARDS), lambda i: rollout_rows(i, 3), num_workers=3, worker_index=1)
     with pytest.raises(ResumeError) as err:
