@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from opdcache import shards, storage
 from opdcache.untrusted import loads, read_json
 from opdcache.errors import ConfigError, ManifestError, ResumeError
 from opdcache.fingerprint import config_fingerprint, sha256_file
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 JOB_FILE = "_opdcache_job.json"
 
@@ -185,7 +188,14 @@ class TableJob:
         return [i for i in shards_for_worker(self.num_shards, num_workers, worker_index, self.groups) if not self.is_done(i)]
 
     def write_shard(self, index: int, records: Sequence[dict]) -> shards.ShardInfo:
-        table = shards.build_table(self.kind, self.params, records, self.fingerprint)  # Records' meta: into the footer
+        return self.write_table(index, self.build_table(records))
+
+    def build_table(self, records: Sequence[dict]) -> pa.Table:
+        """A shard's checked Arrow table (every record refused here, not in the write); Records' meta goes into the footer."""
+        return shards.build_table(self.kind, self.params, records, self.fingerprint)
+
+    def write_table(self, index: int, table: pa.Table) -> shards.ShardInfo:
+        """Encode, compress and hash a built shard; it appears under its final name only when complete."""
         return shards.write_table_atomic(table, self.shard_path(index), self.root)
 
     def all_done(self) -> bool:
@@ -275,11 +285,13 @@ def run_table_job(
     shard present writes the manifest. Progress: with ``rows_of`` (a shard's sequence count) in sequences, advanced by
     the engines batch by batch (opdcache.progress.advance); otherwise in shards.
 
-    Each shard is written (encoded, compressed, hashed, uploaded) in one background thread while the next one is made
-    (``WRITE_BEHIND``), so a scorer's device does not wait on the writer; at most one write is in flight, so memory
-    holds one more shard's records. A shard appears under its final name only when complete. When ``make_shard``
-    fails or the job is interrupted, the shard made before it still lands (the job waits for its write); when a write
-    fails, the shard made meanwhile is written before that error is raised. A resume makes the rest."""
+    Each shard's records are checked and built into a table as soon as they are made (a bad record is refused at its
+    own shard), then written (Parquet encoding and compression, sha256, rename or upload) in one background thread
+    while the next shard is made (``WRITE_BEHIND``), so a scorer's device does not wait on the writer. At most one
+    write is in flight, so memory holds one more shard's table. A shard appears under its final name only when
+    complete. When making a shard fails or the job is interrupted, the shard before it still lands (the job waits for
+    its write); when a write fails, the shard made meanwhile is written before that error is raised. A resume makes
+    the rest."""
     from concurrent.futures import ThreadPoolExecutor
 
     from opdcache.progress import bar
@@ -303,20 +315,20 @@ def run_table_job(
             ThreadPoolExecutor(1, thread_name_prefix="opdcache-write") as writer:
         in_flight = None  # (index, future) of the shard being written
         for index in pending:
-            records = make_shard(index)
+            table = job.build_table(make_shard(index))
             if in_flight is not None:
                 if in_flight[1].exception() is not None:  # keep this shard's work if the writer still can, then report
                     try:
-                        landed(index, job.write_shard(index, records))
+                        landed(index, job.write_table(index, table))
                     finally:
                         in_flight[1].result()
                 landed(in_flight[0], in_flight[1].result())
                 in_flight = None
             if WRITE_BEHIND:
-                in_flight = (index, writer.submit(job.write_shard, index, records))
+                in_flight = (index, writer.submit(job.write_table, index, table))
             else:
-                landed(index, job.write_shard(index, records))
-            del records  # held by the write alone
+                landed(index, job.write_table(index, table))
+            del table  # held by the write alone
         if in_flight is not None:
             landed(in_flight[0], in_flight[1].result())
     if finalize and job.all_done():

@@ -112,7 +112,11 @@ def build_table(kind: str, params: S.StoreParams, records: Sequence[dict], confi
                 row = next(i for i, v in enumerate(values) if v is None)
                 raise SchemaError(f"row {row}: required column {col.name!r} is missing")
             if field.type == pa.list_(pa.int32()):
-                arrays.append(_list_array([np.asarray(v, dtype=np.int32) for v in values], pa.int32()))
+                lists = [np.asarray(v, dtype=np.int32) for v in values]
+                flat = next((i for i, v in enumerate(lists) if v.ndim != 1), None)
+                if flat is not None:
+                    raise SchemaError(f"row {flat}: column {col.name!r} must be a 1-D list of token ids, got shape {list(lists[flat].shape)}")
+                arrays.append(_list_array(lists, pa.int32()))
             else:
                 arrays.append(pa.array(values, type=field.type))
             continue

@@ -13,7 +13,7 @@ import pytest
 
 from opdcache import manifest as M
 from opdcache.cache import run_table_job, shards_for_worker, worker_from_env
-from opdcache.errors import ConfigError, ResumeError
+from opdcache.errors import ConfigError, ResumeError, SchemaError
 from opdcache.fingerprint import sha256_file
 from synth import rollout_rows
 from writer_job import job
@@ -93,17 +93,17 @@ def test_each_shard_is_written_while_the_next_is_made_and_equals_an_inline_write
     j = job(tmp_path / "behind", 4)
     started = {i: threading.Event() for i in range(5)}
     overlapped = []
-    write = j.write_shard
+    write = j.write_table
 
-    def slow_write(index, records):
+    def slow_write(index, table):
         overlapped.append(index == 3 or started[index + 1].wait(timeout=60))  # the last shard has no next
-        return write(index, records)
+        return write(index, table)
 
     def make(i):
         started[i].set()
         return rollout_rows(i, 50)
 
-    j.write_shard = slow_write
+    j.write_table = slow_write
     assert run_table_job(j, make) == [0, 1, 2, 3]
     assert overlapped == [True] * 4
     monkeypatch.setattr(cache_mod, "WRITE_BEHIND", False)
@@ -113,7 +113,8 @@ def test_each_shard_is_written_while_the_next_is_made_and_equals_an_inline_write
 
 def test_a_failure_loses_no_shard_already_made(tmp_path):
     """make_shard failing: the shard before it, still being written, lands. A write failing: the shard made meanwhile
-    is written, then that write's error is raised. A resume makes only what is missing."""
+    is written, then that write's error is raised. A bad record is refused at its own shard, before the next is made.
+    A resume makes only what is missing."""
     root = tmp_path / "a"
 
     def make(i):
@@ -129,20 +130,33 @@ def test_a_failure_loses_no_shard_already_made(tmp_path):
 
     root = tmp_path / "b"
     j = job(root, 4)
-    write = j.write_shard
+    write = j.write_table
 
-    def failing_write(index, records):
+    def failing_write(index, table):
         if index == 1:
             raise OSError("No space left on device")
-        return write(index, records)
+        return write(index, table)
 
-    j.write_shard = failing_write
+    j.write_table = failing_write
     with pytest.raises(OSError, match="No space left on device"):
         run_table_job(j, lambda i: rollout_rows(i, 20))
     assert [p.name for p in _final_shards(root)] == ["part-00000-of-00004.parquet", "part-00002-of-00004.parquet"]
     calls = []
     assert run_table_job(job(root, 4), lambda i: calls.append(i) or rollout_rows(i, 20)) == calls == [1, 3]
     assert _hashes(root) == _hashes(tmp_path / "a")
+
+    root, calls = tmp_path / "c", []
+
+    def bad_record(i):
+        calls.append(i)
+        rows = rollout_rows(i, 20)
+        if i == 1:
+            rows[3]["response_ids"] = rows[3]["response_ids"][:, None]  # [T, 1]: not a token list
+        return rows
+
+    with pytest.raises(SchemaError, match=r"row 3: column 'response_ids' must be a 1-D list of token ids, got shape \[\d+, 1\]"):
+        run_table_job(job(root, 4), bad_record)
+    assert calls == [0, 1] and [p.name for p in _final_shards(root)] == ["part-00000-of-00004.parquet"]
 
 
 def test_resume_with_changed_setting_is_refused_with_the_difference(tmp_path):
