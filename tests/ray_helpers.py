@@ -11,15 +11,15 @@ def crash_once_after_two_shards(job):
 
     marker = Path(job.out).parent / "crashed"  # beside the cache: the retry (a new process) sees the first attempt died
     if not marker.exists():
-        original = C.TableJob.write_shard
+        original = C.TableJob.write_table
         count = {"n": 0}
 
-        def write_then_die(self, index, records):
-            info = original(self, index, records)
+        def write_then_die(self, index, table):  # in the writer thread: os._exit ends the whole process
+            info = original(self, index, table)
             count["n"] += 1
             if count["n"] == 2:
                 marker.write_text("crashed")
                 os._exit(1)
             return info
-        C.TableJob.write_shard = write_then_die
+        C.TableJob.write_table = write_then_die
     return run_generate(job)
