@@ -293,7 +293,7 @@ def run_cli_section(args, models, root, add, rows) -> None:
     prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (13 * i + 7 * j) % 5000}" for j in range(16))}) + "\n"
                                for i in range(args.train_batch)))
     cache = root / "cache"
-    if not (cache / "manifest.json").exists():
+    if not (cache / "opdcache.json").exists():
         tokens = args.train_batch * args.train_response
         s = cli("build-rollouts", "--model", q, "--prompts", prompts, "--out", cache, "--max-new-tokens", args.train_response,
                 "--temperature", "1.0", "--no-chat-template", "--num-shards", "1", "--batch-size", args.train_batch, "--progress", env=env,
