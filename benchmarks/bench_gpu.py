@@ -201,11 +201,21 @@ def child(kind: str, *args) -> dict:
 
 def cli(*args, env=None, timeout: float | None = None) -> float:
     """Run an opdcache command (its progress bars and messages pass through); its wall time in seconds."""
+    return cli_usage(*args, env=env, timeout=timeout)[0]
+
+
+def cli_usage(*args, env=None, timeout: float | None = None) -> tuple[float, float]:
+    """(wall seconds, CPU-seconds) of an opdcache command run as a child process (its user + system time)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "opdcache.cli.main", *map(str, args)], env=env, timeout=timeout)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if out.returncode != 0:
         raise SystemExit(f"opdcache {args[0]} failed ({out.returncode})")
-    return time.perf_counter() - t0
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
@@ -311,7 +321,8 @@ def run_write_section(args, models, root, add, rows) -> None:
     background while the next is scored (the default) against writing it inline (``OPDCACHE_WRITE_BEHIND=0``), with the
     stores that cost the writer most: the prob14 top-128 and bf16 hidden states (a 4,096-wide bf16 shard writes at
     ~9,000-12,000 tokens a second on one core of the project's CPU machine). Each run is a fresh process, so the
-    model's load is in both sides; the sides alternate over ``--rounds`` rounds after a warm-up of each."""
+    model's load is in both sides; the sides alternate over ``--rounds`` rounds after a warm-up of each; wall time and the
+    child's CPU-seconds (median), the ratio per round; the host's load is recorded per section."""
     import statistics
 
     env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
@@ -325,14 +336,15 @@ def run_write_section(args, models, root, add, rows) -> None:
             "--no-chat-template", "--num-shards", "8", "--batch-size", n, env=env, timeout=args.cli_timeout)
     tokens = sum(int(s["tokens"]) for s in json.loads((cache / "opdcache.json").read_text())["tables"]["rollouts"]["shards"])
     store = ["--store", "logprob,topk,hidden", "--top-k", "128", "--topk-precision", "prob14", "--topk-mass", "1e-4", "--hidden-dtype", "bfloat16"]
-    runs: dict[str, list[float]] = {"inline": [], "behind": []}
+    runs: dict[str, list[tuple[float, float]]] = {"inline": [], "behind": []}
     for r in range(args.rounds + 1):  # round 0 is the warm-up
         for side in ("behind", "inline") if r % 2 else ("inline", "behind"):
-            s = cli("score-teacher", cache, "--teacher", q, *store, "--name", f"{side}-{r}", env=env | {"OPDCACHE_WRITE_BEHIND": "1" if side == "behind" else "0"},
-                    timeout=args.cli_timeout)
+            usage = cli_usage("score-teacher", cache, "--teacher", q, *store, "--name", f"{side}-{r}",
+                              env=env | {"OPDCACHE_WRITE_BEHIND": "1" if side == "behind" else "0"}, timeout=args.cli_timeout)
             if r:
-                runs[side].append(s)
-    sides = {side: {"tokens": tokens, "seconds": statistics.median(v), "runs": v, "peak_bytes": 0} for side, v in runs.items()}
+                runs[side].append(usage)
+    sides = {side: {"tokens": tokens, "seconds": statistics.median(w for w, _ in v), "runs": [w for w, _ in v],
+                    "cpu_seconds": statistics.median(c for _, c in v), "peak_bytes": 0} for side, v in runs.items()}
     add("write", "qwen3", "score-teacher, each shard written inline (OPDCACHE_WRITE_BEHIND=0)", sides["inline"], sides["inline"])
     add("write", "qwen3", "score-teacher, each shard written behind the next one's scoring", sides["behind"], sides["inline"])
     for row in rows[-2:]:
