@@ -186,6 +186,31 @@ def test_numpy_view_equals_pyarrows_to_numpy_and_a_loaded_shard_never_imports_pa
     np.testing.assert_array_equal(shards.numpy_view(with_nulls), with_nulls.to_numpy(zero_copy_only=False))
     code = ("import sys; from opdcache.data import CacheLoader, CacheLoaderConfig; "
             f"n = sum(1 for _ in CacheLoader(CacheLoaderConfig(cache={str(synth_cache)!r}, teacher='synth', stores=('logprob', 'topk', 'hidden')))); "
-            "print(n, 'pandas' in sys.modules)")
+            "print(n, 'pandas' in sys.modules, 'pyarrow.compute' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert int(out[0]) > 0 and out[1] == "False"
+    assert int(out[0]) > 0 and out[1:] == ["False", "False"]  # nor pyarrow.compute (0.1 s), which list flatten imports
+
+
+def test_list_values_and_table_tokens_equal_pyarrows_flatten_and_list_lengths():
+    """token_values reads a list column's values by its offsets instead of ``flatten`` (which imports pyarrow.compute);
+    both agree on plain, sliced, chunked, fixed-size and null-holding columns, as table_tokens agrees with
+    pyarrow.compute's list lengths."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    rng = np.random.default_rng(2)
+    rows = [rng.integers(0, 100, int(n)).astype(np.int32) for n in rng.integers(0, 6, 12)]
+    plain = pa.array(rows, pa.list_(pa.int32()))
+    vectors = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int32)),
+                                       pa.FixedSizeListArray.from_arrays(pa.array(np.concatenate(rows).repeat(3).astype(np.float32)), 3))
+    nulls = pa.array([[1, 2], None, [3], [], None, [4, 5, 6]], pa.list_(pa.int32()))
+    cases = [plain, plain[3:9], plain[12:], vectors, vectors[2:7], nulls, nulls[1:5], pa.chunked_array([plain[:5], plain[5:]]),
+             pa.chunked_array([vectors[4:], vectors[:4]])]
+    for case in cases:
+        arr = case.combine_chunks() if isinstance(case, pa.ChunkedArray) else case
+        flat = arr.flatten()
+        want = flat.flatten().to_numpy().reshape(-1, 3) if pa.types.is_fixed_size_list(flat.type) else flat.to_numpy()
+        got = shards.token_values(case)
+        assert got.shape == want.shape and np.array_equal(got, want), case
+        column = case if isinstance(case, pa.ChunkedArray) else pa.chunked_array([case])
+        assert shards.table_tokens(pa.table({"response_ids": column})) == int(pc.sum(pc.list_value_length(column)).as_py() or 0)
