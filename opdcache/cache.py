@@ -316,17 +316,15 @@ def run_table_job(
         in_flight = None  # (index, future) of the shard being written
         for index in pending:
             table = job.build_table(make_shard(index))
+            if in_flight is not None and in_flight[1].exception() is not None:
+                try:  # the write before failed: keep this shard's work if the writer still can, then raise that failure
+                    landed(index, job.write_table(index, table))
+                finally:
+                    in_flight[1].result()
             if in_flight is not None:
-                if in_flight[1].exception() is not None:  # keep this shard's work if the writer still can, then report
-                    try:
-                        landed(index, job.write_table(index, table))
-                    finally:
-                        in_flight[1].result()
                 landed(in_flight[0], in_flight[1].result())
-                in_flight = None
-            if WRITE_BEHIND:
-                in_flight = (index, writer.submit(job.write_table, index, table))
-            else:
+            in_flight = (index, writer.submit(job.write_table, index, table)) if WRITE_BEHIND else None
+            if not WRITE_BEHIND:
                 landed(index, job.write_table(index, table))
             del table  # held by the write alone
         if in_flight is not None:

@@ -159,9 +159,9 @@ def first_non_finite(record: dict) -> str | None:
 
 
 def table_tokens(table: pa.Table) -> int:
-    """Response tokens in a table: positions of its first per-token column, from the list offsets (pyarrow.compute, a
-    0.1 s import that a training process otherwise never needs, only for a column holding nulls: a null row holds no
-    tokens whatever its offsets say)."""
+    """Response tokens in a table: positions of its first per-token column, read from its list offsets. A column
+    holding null rows is counted by pyarrow.compute instead (a null row holds no tokens whatever its offsets say);
+    otherwise that module, a 0.1 s import, stays unimported."""
     for name in ("response_ids", "logprobs"):
         if name in table.column_names:
             column = table[name]
