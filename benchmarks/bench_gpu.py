@@ -345,8 +345,9 @@ def run_write_section(args, models, root, add, rows) -> None:
                               env=env | {"OPDCACHE_WRITE_BEHIND": "1" if side == "behind" else "0"}, timeout=args.cli_timeout)
             if r:
                 runs[side].append(usage)
-    sides = {side: {"tokens": tokens, "seconds": statistics.median(w for w, _ in v), "runs": [w for w, _ in v],
-                    "cpu_seconds": statistics.median(c for _, c in v), "peak_bytes": 0} for side, v in runs.items()}
+    sides = {side: {"tokens": tokens, "seconds": statistics.median(w for w, _ in v), "seconds_min": min(w for w, _ in v), "runs": [w for w, _ in v],
+                    "cpu_seconds": statistics.median(c for _, c in v), "cpu_seconds_min": min(c for _, c in v), "cpu_runs": [c for _, c in v],
+                    "peak_bytes": 0} for side, v in runs.items()}
     add("write", "qwen3", "score-teacher, each shard written inline (OPDCACHE_WRITE_BEHIND=0)", sides["inline"], sides["inline"])
     add("write", "qwen3", "score-teacher, each shard written behind the next one's scoring", sides["behind"], sides["inline"])
 
