@@ -126,20 +126,36 @@ def _damage(rng, ids, lp, tail, kind):
     return ids, lp, tail
 
 
+@pytest.mark.parametrize("block_rows", [rowrules.BLOCK_ROWS, 7])  # 7: the 200 rows in 29 blocks, the last one short
 @pytest.mark.parametrize("layout", ["v1", "compact", "prob14"])
 @pytest.mark.parametrize("damage", [None] + DAMAGE)
-def test_topk_rules_match_the_plain_per_row_rules(layout, damage):
+def test_topk_rules_match_the_plain_per_row_rules(layout, damage, block_rows):
     rng = np.random.default_rng(len(layout) * 31 + (DAMAGE.index(damage) + 1 if damage else 0))
     ids, lp, tail = _topk(rng, 200, 12, layout)
     tol, order = (1e-3 + 12 * S.PROB14_STEP / 2, "ids") if layout == "prob14" else (1e-3, "logprobs")
     if damage:
         ids, lp, tail = _damage(rng, ids, lp, tail, damage)
-    fast = rowrules.topk_rules("topk", ids, lp, V, tail, tol, order)
+    fast = rowrules.topk_rules("topk", ids, lp, V, tail, tol, order, block_rows=block_rows)
     _same(fast, topk_reference("topk", ids, lp, V, tail, tol, order))
     if damage is None:
         assert fast == []
     elif damage not in ("tail", "duplicate") or layout != "v1":
         assert fast, f"{damage} was not found"
+
+
+def test_blocks_merge_violations_in_rule_order_and_name_every_row():
+    """A rule broken only in a later block still comes after one broken in an earlier block only if it comes after it
+    in the rules' order: the loader refuses at the first violation, so the order is what it reports."""
+    rng = np.random.default_rng(9)
+    ids, lp, _ = _topk(rng, 40, 6, "v1")
+    lp[2, 0] = 0.5  # "log-prob above 0" and "sum to more than 1" (later rules), in the first block
+    ids[37, 0] = V  # "outside the vocabulary" (the first rule), in the last block
+    ref = topk_reference("topk", ids, lp, V)
+    for block_rows in (5, 40, 1000):
+        fast = rowrules.topk_rules("topk", ids, lp, V, block_rows=block_rows)
+        _same(fast, ref)
+        assert [(message.split()[0], np.flatnonzero(bad).tolist()) for _, bad, message in fast] == [
+            ("token", [37]), ("log-prob", [2]), ("top-k", [2])]
 
 
 def test_every_damaged_row_is_named_and_an_empty_shard_passes():
@@ -153,8 +169,9 @@ def test_every_damaged_row_is_named_and_an_empty_shard_passes():
     assert rowrules.ids_in_vocabulary("response_ids", np.zeros(0, np.int32), V) == []
 
 
+@pytest.mark.parametrize("block_rows", [rowrules.BLOCK_ROWS, 4])
 @pytest.mark.parametrize("damage", [None, "id_high", "duplicate", "count", "pad_lp", "nan", "pad_middle"])
-def test_sampled_rules_match_the_plain_per_row_rules(damage):
+def test_sampled_rules_match_the_plain_per_row_rules(damage, block_rows):
     rng = np.random.default_rng(11)
     n, k, m = 150, 6, 12
     ids, lp, _ = _topk(rng, n, k, "compact")
@@ -174,6 +191,6 @@ def test_sampled_rules_match_the_plain_per_row_rules(damage):
         lp[r, 0] = np.nan
     elif damage == "pad_middle":
         ids[r, 0] = S.PAD_ID
-    fast = rowrules.sampled_rules(ids, counts, lp, m, V)
+    fast = rowrules.sampled_rules(ids, counts, lp, m, V, block_rows=block_rows)
     _same(fast, sampled_reference(ids, counts, lp, m, V))
     assert bool(fast) == (damage is not None)
