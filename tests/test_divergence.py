@@ -185,3 +185,18 @@ def test_uniform_path_layout_per_device(monkeypatch):
     free["bytes"] = 1 << 30
     assert dv._uniform_layout(151_936, torch.device("cuda")) == ((1 << 28) // (4 * 151_936), 151_936)
     assert dv._uniform_layout(10**9, torch.device("cpu"))[0] == 1  # a vocabulary larger than a block: one row a block
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scaled_gradient_is_the_multiply_then_the_cast_bit_for_bit(dtype):
+    """The uniform path's backward scales its float32 gradient and casts it to the weights' dtype in one pass: the same
+    bits as the multiply in place followed by the cast (the product rounded once), and the cast alone without a scale."""
+    from opdcache.divergence import scaled
+
+    g = torch.randn(257, 33, generator=torch.Generator().manual_seed(1)) * 3
+    for scale in (torch.tensor(1 / 4096, dtype=torch.bfloat16), torch.tensor(0.3), torch.tensor(-7.0, dtype=torch.float64)):
+        want = g.clone().mul_(scale.to(torch.float32)).to(dtype)
+        got = scaled(g.clone(), scale, dtype)
+        assert got.dtype == dtype and torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                                                  want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert torch.equal(scaled(g.clone(), None, dtype), g.to(dtype))

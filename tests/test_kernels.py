@@ -76,6 +76,14 @@ def test_fused_row_pass_equals_the_torch_row_pass_in_float32(kind, bias, weighte
     torch.testing.assert_close(got[0].double(), ref, atol=2e-6, rtol=2e-5)
 
 
+def test_fused_row_pass_of_no_positions_gives_zero_gradients(small_tiles):
+    """grad W is written by the first block, not zero-filled first: with no positions there is no block, and it is 0."""
+    hs, Ws, bs, ht, Wt, bt = _inputs(13, 1003, 16, 12, torch.float32, True)
+    div, grad_h, grad_W, grad_b = dv._row_pass("fkl", hs[:0], Ws, bs, ht[:0], Wt, bt, None, (True, True, True), fused=True)
+    assert div.shape == (0,) and grad_h.shape == (0, 16)
+    assert torch.equal(grad_W, torch.zeros_like(Ws)) and torch.equal(grad_b, torch.zeros_like(bs))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_fused_row_pass_under_bf16_autocast_rounds_as_the_torch_pass(kind, small_tiles):
     """Under bf16 autocast the fused pass keeps the logits and dz in bf16, as the torch pass rounds them before its
