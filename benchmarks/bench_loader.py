@@ -15,9 +15,10 @@ teacher top-k ids and log-probs) for one full epoch with batch size 32 and no wo
   imports pandas on first use, which opdcache's loader avoids, and that row says how much of the difference it is.
 
 Measured with benchmarks/harness.py, cold (the loader built inside the timed epoch) and warm (after one untimed
-epoch), interleaved rounds, each run its own process:
+epoch), interleaved rounds, each run its own process, its allocator as a training process leaves it (``setup``;
+``--loader-only-process`` leaves it as a process that only loads):
 
-    python benchmarks/bench_loader.py [--rows 4000 --rounds 3] [--no-datasets]
+    python benchmarks/bench_loader.py [--rows 4000 --rounds 3] [--no-datasets] [--loader-only-process]
 """
 
 from __future__ import annotations
@@ -182,11 +183,20 @@ def make(root: str, bs: int, side: str):
     return HandLoader(Path(root), bs) if side == "hand" else DatasetsLoader(Path(root), bs)
 
 
-def setup(root: str, bs: int, side: str, warm: bool, pandas: bool = False) -> dict:
+def setup(root: str, bs: int, side: str, warm: bool, pandas: bool = False, trained: bool = True) -> dict:
     """Cold: nothing (the loader is built inside the timed epoch, as a run starts). Warm: built, one epoch untimed.
     ``pandas``: imported before the timer (pyarrow's to_numpy imports it on first use, 0.16-0.3 s here; opdcache's
-    loader never does, so this row shows how much of the cold difference that import is)."""
+    loader never does, so this row shows how much of the cold difference that import is).
+
+    ``trained``: the process's allocator as a training process leaves it, for every side alike. A training step frees
+    large arrays (activations, weights moved to a device), which raises glibc's mmap threshold, so later allocations of
+    a few MiB (a batch's padded columns) come from memory malloc keeps. A process that only loads has freed none, and
+    then maps, faults in and unmaps every batch's arrays (3,000-6,700 page faults in an epoch of this cache; how far
+    the threshold had risen depended on whichever of the loader's own temporaries happened to be largest: BENCHMARKS.md,
+    "DataLoader"). One 16 MiB array, allocated and freed before the timer, does what the training step does."""
     torch.set_num_threads(2)
+    if trained:
+        np.ones(16 << 20, np.uint8)  # mapped, then freed at once: the threshold rises to 16 MiB
     if pandas:
         import pandas  # noqa: F401
     if side == "datasets":
@@ -217,6 +227,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-datasets", action="store_true", help="leave out the datasets side (50 s a run here), for more rounds of the other two")
+    parser.add_argument("--loader-only-process", action="store_true",
+                        help="leave each side's allocator as a process that only loads leaves it (see setup's `trained`)")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "loader.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -224,7 +236,7 @@ def main() -> None:
         build(root, args.rows)
         out = {}
         for temp in ("cold", "warm"):
-            common = {"root": str(root), "bs": args.batch_size, "warm": temp == "warm"}
+            common = {"root": str(root), "bs": args.batch_size, "warm": temp == "warm", "trained": not args.loader_only_process}
             sides = [Side("opdcache CacheLoader", "run_epoch", "setup", common | {"side": "opdcache"},
                           note="checks each shard (sha256, id alignment, lengths, row rules) once, keeps decoded shards"),
                      Side("hand-written pyarrow (competent)", "run_epoch", "setup", common | {"side": "hand"}, baseline=True,
@@ -238,7 +250,8 @@ def main() -> None:
                              + (" (loader built inside the timer)" if temp == "cold" else " (after one untimed epoch)"),
                              sides, __file__, rounds=args.rounds,
                              meta={"command": "python benchmarks/bench_loader.py" + (f" --rounds {args.rounds}" if args.rounds != 3 else "")
-                                   + (" --no-datasets" if args.no_datasets else "")})
+                                   + (" --no-datasets" if args.no_datasets else "")
+                                   + (" --loader-only-process" if args.loader_only_process else "")})
             report(result)
             out[temp] = result
         args.json.parent.mkdir(parents=True, exist_ok=True)
