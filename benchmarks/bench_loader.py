@@ -15,8 +15,8 @@ teacher top-k ids and log-probs) for one full epoch with batch size 32 and no wo
   imports pandas on first use, which opdcache's loader avoids, and that row says how much of the difference it is.
 
 Measured with benchmarks/harness.py, cold (the loader built inside the timed epoch) and warm (after one untimed
-epoch), interleaved rounds, each run its own process, its allocator as a training process leaves it (``setup``;
-``--loader-only-process`` leaves it as a process that only loads):
+epoch), interleaved rounds, each run its own process with glibc's mmap threshold raised as a freed large array leaves
+it (``setup``; ``--loader-only-process`` leaves it as a process that only loads):
 
     python benchmarks/bench_loader.py [--rows 4000 --rounds 3] [--no-datasets] [--loader-only-process]
 """
@@ -188,12 +188,13 @@ def setup(root: str, bs: int, side: str, warm: bool, pandas: bool = False, train
     ``pandas``: imported before the timer (pyarrow's to_numpy imports it on first use, 0.16-0.3 s here; opdcache's
     loader never does, so this row shows how much of the cold difference that import is).
 
-    ``trained``: the process's allocator as a training process leaves it, for every side alike. A training step frees
-    large arrays (activations, weights moved to a device), which raises glibc's mmap threshold, so later allocations of
-    a few MiB (a batch's padded columns) come from memory malloc keeps. A process that only loads has freed none, and
-    then maps, faults in and unmaps every batch's arrays (3,000-6,700 page faults in an epoch of this cache; how far
-    the threshold had risen depended on whichever of the loader's own temporaries happened to be largest: BENCHMARKS.md,
-    "DataLoader"). One 16 MiB array, allocated and freed before the timer, does what the training step does."""
+    ``trained``: glibc's mmap threshold raised, for every side alike, as a process that has freed a large array leaves
+    it (training on a CPU frees activations of several MiB every step): later allocations of a few MiB (a batch's
+    padded columns) then come from memory malloc keeps. A process that only loads has freed none and maps, faults in
+    and unmaps every batch's arrays (3,000-6,700 page faults in an epoch of this cache), and how far the threshold had
+    risen depended on whichever of the loader's own temporaries happened to be largest (BENCHMARKS.md, "DataLoader";
+    ``--loader-only-process`` measures that state, which is also the one ``train --gradient-checkpointing`` fixes on a
+    CPU). One 16 MiB array, allocated and freed before the timer, raises it."""
     torch.set_num_threads(2)
     if trained:
         np.ones(16 << 20, np.uint8)  # mapped, then freed at once: the threshold rises to 16 MiB
