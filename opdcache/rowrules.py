@@ -16,8 +16,9 @@ Violation = tuple[str, np.ndarray, str]
 
 BLOCK_ROWS = 8192
 """Rows checked at once. Every temporary is [BLOCK_ROWS, k]: memory is bounded by the block, not the shard, and a
-block's arrays stay in cache. Whole-shard temporaries were fresh allocations of several MiB for each rule, which the
-kernel zeroed page by page (in a loader decoding two shards at once, a third of its CPU time went to that)."""
+block's arrays stay in cache. Whole-shard temporaries were fresh arrays of several MiB for each rule, which numpy asks
+huge pages for and the kernel zeroes on first touch: a loader's cold epoch spent 0.50 s of system time where it now
+spends 0.09 s, in one scratch measurement (BENCHMARKS.md, "DataLoader")."""
 
 
 def _blocked(check, arrays: tuple, block_rows: int) -> list[Violation]:
