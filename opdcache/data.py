@@ -1,4 +1,5 @@
-"""A torch DataLoader over a cache: rollouts plus one teacher's stores, as padded training batches.
+"""A loader over a cache (a torch IterableDataset, run in DataLoader workers when asked): rollouts plus one teacher's
+stores, as padded training batches.
 
 Usable on its own with any trainer::
 
@@ -12,7 +13,7 @@ concatenates them, so consecutive rows come from one shard (one shard in use at 
 the next ``decode_threads`` are read, checked and decoded in background threads meanwhile). Rank r of
 a world of size W takes every W-th row of that sequence; the rank's rows are cut into batches and batch i
 goes to loader worker i % num_workers, so every row is read exactly once per epoch across ranks and
-workers, and the DataLoader yields batches in a fixed order that a saved count can skip to.
+workers, and the loader yields batches in a fixed order that a saved count can skip to.
 """
 
 from __future__ import annotations
