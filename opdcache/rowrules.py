@@ -49,6 +49,8 @@ def _neighbours(x: np.ndarray, op) -> np.ndarray | None:
     """[tokens] True where ``op(x[:, j + 1], x[:, j])`` holds for some j; None when it holds nowhere. Taken on the
     flat array with the pairs that straddle two rows masked out: 5x faster than on the strided [tokens, k - 1] views."""
     k = x.shape[1]
+    if k < 2:  # no pairs (a hostile width-0 store included)
+        return None
     flat = np.ascontiguousarray(x).ravel()
     hit = op(flat[1:], flat[:-1])
     hit[k - 1:: k] = False  # the last of row r against the first of row r + 1

@@ -158,6 +158,18 @@ def test_blocks_merge_violations_in_rule_order_and_name_every_row():
             ("token", [37]), ("log-prob", [2]), ("top-k", [2])]
 
 
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_narrow_rows_are_checked_like_the_plain_rules(k):
+    """Widths with no neighbour pairs (0, 1) and one pair (2), valid and with a duplicate or an unsorted row."""
+    ids = np.tile(np.arange(k, dtype=np.int32), (6, 1))
+    lp = np.tile(np.log(np.full(k, 1 / (k + 1), np.float32)) - np.arange(k, dtype=np.float32), (6, 1))
+    assert rowrules.topk_rules("topk", ids, lp, V) == topk_reference("topk", ids, lp, V) == []
+    if k == 2:
+        ids[3, 1], lp[4] = ids[3, 0], lp[4, ::-1]
+        _same(rowrules.topk_rules("topk", ids, lp, V, block_rows=4), topk_reference("topk", ids, lp, V))
+        assert len(rowrules.topk_rules("topk", ids, lp, V)) == 2
+
+
 def test_every_damaged_row_is_named_and_an_empty_shard_passes():
     rng = np.random.default_rng(5)
     ids, lp, tail = _topk(rng, 50, 8, "compact")
