@@ -323,8 +323,10 @@ def run_table_job(
                     in_flight[1].result()
             if in_flight is not None:
                 landed(in_flight[0], in_flight[1].result())
-            in_flight = (index, writer.submit(job.write_table, index, table)) if WRITE_BEHIND else None
-            if not WRITE_BEHIND:
+            if WRITE_BEHIND:
+                in_flight = (index, writer.submit(job.write_table, index, table))
+            else:
+                in_flight = None
                 landed(index, job.write_table(index, table))
             del table  # held by the write alone
         if in_flight is not None:

@@ -40,11 +40,11 @@ def config_fingerprint(config: dict, parent: str | None = None) -> str:
     return hash_json({"config": config, "parent": parent})
 
 
-def sha256_file(path, block: int = 1 << 20) -> str:
+def sha256_file(path) -> str:
     """sha256 of a local file or an object-store object (opdcache.storage paths)."""
     from opdcache.storage import as_path, sha256_of
 
-    return sha256_of(as_path(path), block)
+    return sha256_of(as_path(path))
 
 
 def _cached_file_hash(path: Path) -> str:

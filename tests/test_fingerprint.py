@@ -79,8 +79,10 @@ def test_tokenizer_fingerprint_moves_with_vocab_specials_and_template():
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
 def test_sha256_of_a_file_equals_hashlib_over_its_bytes_at_every_block_boundary(tmp_path, size):
+    import contextlib
     import hashlib
     import io
+    import types
 
     from opdcache.storage import sha256_of
 
@@ -91,19 +93,8 @@ def test_sha256_of_a_file_equals_hashlib_over_its_bytes_at_every_block_boundary(
     assert sha256_of(path, block=4096) == want  # the reused buffer, refilled across blocks and a short last read
     assert sha256_of(path) == want
 
-    class NoReadinto:  # an object-store file object without readinto: one bytes object a read
+    class NoReadinto:  # a path whose file object has read but no readinto: one bytes object a read
         def open(self, mode):
-            class F(io.RawIOBase):
-                def __init__(self):
-                    self.inner = io.BytesIO(data)
-
-                def read(self, n=-1):
-                    return self.inner.read(n)
-
-                def __getattribute__(self, name):
-                    if name == "readinto":
-                        raise AttributeError(name)
-                    return object.__getattribute__(self, name)
-            return F()
+            return contextlib.nullcontext(types.SimpleNamespace(read=io.BytesIO(data).read))
 
     assert sha256_of(NoReadinto(), block=4096) == want
