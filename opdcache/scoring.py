@@ -10,6 +10,7 @@ table records its stores' error against the teacher's full vocabulary, measured 
 
 from __future__ import annotations
 
+import json
 import re
 from contextlib import closing
 from dataclasses import asdict, dataclass, field
@@ -224,6 +225,27 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
     return records
 
 
+def _config_hidden_size(model_dir: Path) -> int | None:
+    """The hidden size a model directory's config.json states (a multimodal config's text_config), else None."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    text = cfg.get("text_config")
+    size = cfg.get("hidden_size", text.get("hidden_size") if isinstance(text, dict) else None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def _check_svd_rank(rank: int, hidden: int | None, where: str) -> None:
+    """The svd store projects the teacher's hidden state: its rank is at most the hidden size."""
+    if hidden is not None and rank > hidden:
+        raise ConfigError(f"--svd-rank {rank} is above the teacher's hidden size {hidden} ({where}): the svd store projects the "
+                          f"hidden state, so its rank is at most {hidden}; pass --svd-rank {hidden} or less, or --store hidden "
+                          "for the states themselves")
+
+
 def run_score(job: ScoreJob) -> dict:
     """Run (or resume) score-teacher; return the verdict and what was written."""
     cache = Cache(job.cache)
@@ -237,6 +259,8 @@ def run_score(job: ScoreJob) -> dict:
             raise ConfigError(f"--svd-min-positions {job.svd_min_positions}: the {base} table has only {available:,} response "
                               "positions to fit the svd projection on; add rollouts or lower --svd-min-positions")
     ref = resolve_model(job.teacher, job.revision, "--teacher")
+    if "svd" in job.stores:  # from config.json, before the model loads; a config without it is checked once it has
+        _check_svd_rank(job.svd_rank, _config_hidden_size(ref.path), "config.json")
     check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], load_tokenizer(ref.path), f"teacher {ref.name}",
                          cache.tokenizer())
     teacher_fp_info = model_info(ref)
@@ -252,6 +276,8 @@ def run_score(job: ScoreJob) -> dict:
     H = None
     if want_hidden:
         H = int(backend.model.get_output_embeddings().weight.shape[1])
+        if "svd" in job.stores:
+            _check_svd_rank(job.svd_rank, H, "its output head")
     params = S.StoreParams(
         stores=job.stores, top_k=job.top_k if "topk" in job.stores else None, ref_top_k=base_params.ref_top_k,
         mc_samples=base_params.mc_samples, hidden_size=H if "hidden" in job.stores else None,

@@ -198,6 +198,46 @@ def test_svd_calibration_is_drawn_from_all_shards_and_its_size_recorded(hf_cache
         run_score(ScoreJob(cache=out, teacher=tmp_path / "no-such-teacher", stores=("svd",), svd_rank=8, svd_min_positions=5000))
 
 
+def test_svd_rank_above_the_hidden_size_is_refused_in_one_line_before_the_model_loads(hf_cache, weights, tmp_path, capsys, monkeypatch):
+    """--svd-rank above the teacher's hidden size: exit 2 with the hidden size and the fix, from config.json before any
+    weight loads (it was a ValueError from the fit, a traceback, after the model had loaded); a config.json without a
+    hidden size is checked against the loaded head instead."""
+    import shutil
+
+    import opdcache.scoring as scoring
+    from opdcache.cli.main import main
+    from opdcache.errors import ConfigError
+
+    out = tmp_path / "c"
+    shutil.copytree(hf_cache, out)
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(scoring, "make_backend", no_load)
+    with pytest.raises(SystemExit) as exit_:
+        main(["score-teacher", str(out), "--teacher", str(weights / "teacher"), "--store", "svd", "--svd-rank", "129", "--no-progress"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == ["error: --svd-rank 129 is above the teacher's hidden size 128 (config.json): the svd store "
+                                        "projects the hidden state, so its rank is at most 128; pass --svd-rank 128 or less, or "
+                                        "--store hidden for the states themselves"]
+    monkeypatch.undo()
+    teacher = tmp_path / "teacher"
+    shutil.copytree(weights / "teacher", teacher)
+    cfg = json.loads((teacher / "config.json").read_text())
+    del cfg["hidden_size"]
+    cfg_path = teacher / "config.json"
+    assert scoring._config_hidden_size(teacher) == 128
+    cfg_path.write_text(json.dumps(cfg | {"text_config": {"hidden_size": 64}}))
+    assert scoring._config_hidden_size(teacher) == 64  # a multimodal config's text part
+    cfg_path.write_text(json.dumps(cfg | {"hidden_size": "128"}))
+    assert scoring._config_hidden_size(teacher) is None  # not a number: left to the check on the loaded head
+    monkeypatch.setattr(scoring, "_config_hidden_size", lambda path: None)  # as for a config.json that states none
+    with pytest.raises(ConfigError, match=r"--svd-rank 200 is above the teacher's hidden size 128 \(its output head\)"):
+        scoring.run_score(scoring.ScoreJob(cache=out, teacher=weights / "teacher", stores=("svd",), svd_rank=200))
+
+
 def test_train_sampled_fkl_logs_the_estimates_standard_error(hf_cache, weights, tmp_path, capsys):
     from opdcache.cli.main import main
 
