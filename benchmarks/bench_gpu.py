@@ -22,8 +22,8 @@ minus what was allocated just before it: the model and inputs are not counted):
 2. ``opdcache build-rollouts`` and ``opdcache score-teacher --store logprob,hidden`` end to end (CLI, Parquet written) on
    the qwen3 model: ``--train-batch`` prompts x ``--train-response`` tokens. Its cache feeds 3.
 3. one train step on qwen3 (batch ``--train-batch``): opdcache's fused step (``Trainer.loss_and_stats``, backward,
-   AdamW; float32 masters, bf16 autocast) against the full-logits step (the model's logits [B, L, V], a float32
-   log_softmax, the same loss, backward, AdamW), for the lightning, full-rkl and full-fkl losses (the full-vocabulary
+   AdamW; float32 masters, bf16 autocast) against the full-logits step (the model's logits from the first response position on,
+   ``logits_to_keep``, a float32 log_softmax, the same loss, backward, AdamW), for the lightning, full-rkl and full-fkl losses (the full-vocabulary
    ones also with the divergence's fused kernel off), the steps on one trainer, interleaved as in 1; tokens/s from the median step, and peak GPU memory.
 4. ``bench_divergence.py --devices cuda`` at 4,096 tokens, hidden 4,096, bf16 parameters and float32 masters under bf16
    autocast (its own table, printed and saved); on a card of 120 GiB or more also at 16,384 tokens.
@@ -180,7 +180,7 @@ def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: in
             losses[name] = float(value)
         return run
 
-    fns = {"full logits": step("full logits", lambda: full_logits_loss(trainer, batch, loss)),  # [B, L, V] bf16, then float32
+    fns = {"full logits": step("full logits", lambda: full_logits_loss(trainer, batch, loss)),  # [B, kept, V] bf16, then float32
            "fused": step("fused", lambda: trainer.loss_and_stats(batch)[0])}
     if loss.startswith("full-"):  # the uniform divergence's kernel (opdcache/kernels.py) off: its torch ops
         fns["fused, torch ops"] = kernels_off(step("fused, torch ops", lambda: trainer.loss_and_stats(batch)[0]))
