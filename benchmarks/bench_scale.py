@@ -239,12 +239,24 @@ def train_memory(args) -> None:
                                         indent=2))
 
 
+def cache_commands(cli: list[str], env: dict, student: Path, teacher: Path, prompts: Path, cache: Path, R: int) -> dict:
+    """build-rollouts (R new tokens for each prompt), score-teacher (every store) and validate, each measured."""
+    return {"build-rollouts": run_measured(cli + ["build-rollouts", "--model", str(student), "--prompts", str(prompts), "--out", str(cache),
+                                                  "--max-new-tokens", str(R), "--temperature", "1.0", "--no-chat-template",
+                                                  "--num-shards", "4", "--batch-size", "16", "--no-progress"], env),
+            "score-teacher": run_measured(cli + ["score-teacher", str(cache), "--teacher", str(teacher), "--store", "logprob,topk,hidden,svd",
+                                                 "--top-k", "128", "--svd-rank", "128", "--no-progress"], env),
+            "validate": run_measured(cli + ["validate", str(cache)], env)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--train-memory", action="store_true", help="only the train step's memory against length (issue 31)")
+    ap.add_argument("--train-only", action="store_true",
+                    help="only the train steps, on the caches an earlier run left in --workdir (same --hidden and --lengths)")
     ap.add_argument("--hidden", type=int, default=1024, help="the models' hidden size")
     ap.add_argument("--batch", type=int, default=2, help="--train-memory: sequences per train step")
     ap.add_argument("--layers", type=int, default=2, help="--train-memory: decoder layers (activation checkpointing saves per layer)")
@@ -255,7 +267,8 @@ def main() -> None:
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench-scale-"))
     root.mkdir(parents=True, exist_ok=True)
     # in a child process: the parent stays small (a forked child's ru_maxrss counts the parent's pages it started with)
-    subprocess.run([sys.executable, __file__, "_build", str(root), str(args.hidden)], check=True, capture_output=True)
+    if not (args.train_only and (root / "student" / "config.json").is_file()):  # --train-only: the models its caches came from
+        subprocess.run([sys.executable, __file__, "_build", str(root), str(args.hidden)], check=True, capture_output=True)
     student, teacher = root / "student", root / "teacher"
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (13 * i + 7 * j) % 5000}" for j in range(PROMPT_TOKENS))}) + "\n"
@@ -266,12 +279,11 @@ def main() -> None:
     for R in args.lengths:
         cache = root / f"cache-{R}"
         r = results[R] = {}
-        r["build-rollouts"] = run_measured(cli + ["build-rollouts", "--model", str(student), "--prompts", str(prompts), "--out", str(cache),
-                                                 "--max-new-tokens", str(R), "--temperature", "1.0", "--no-chat-template",
-                                                 "--num-shards", "4", "--batch-size", "16", "--no-progress"], env)
-        r["score-teacher"] = run_measured(cli + ["score-teacher", str(cache), "--teacher", str(teacher), "--store", "logprob,topk,hidden,svd",
-                                                "--top-k", "128", "--svd-rank", "128", "--no-progress"], env)
-        r["validate"] = run_measured(cli + ["validate", str(cache)], env)
+        if args.train_only:
+            if not (cache / "opdcache.json").is_file():
+                raise SystemExit(f"--train-only: no cache at {cache}; run without it first (with the same --workdir and --hidden)")
+        else:
+            r.update(cache_commands(cli, env, student, teacher, prompts, cache, R))
         for loss in ("lightning", "full-rkl"):
             for path in ("fused", "plain") if R <= PLAIN_MAX[loss] else ("fused",):
                 m = run_measured([sys.executable, __file__, "_train", str(student), str(cache), loss, path, str(root / f"run-{R}-{loss}-{path}")], env)
@@ -279,7 +291,8 @@ def main() -> None:
                 r[f"train {loss} {path}"] = m
         for m in r.values():
             m.pop("stdout", None)
-        print(f"R={R}: " + ", ".join(f"{k} {v['peak_anon'] / 2**20:.0f} MiB / {v['seconds']:.1f} s" for k, v in r.items()), flush=True)
+        print(f"R={R}: " + ", ".join(f"{k} {v['peak_anon'] / 2**20:.0f} MiB" + (f" (the step's own {v['step_peak'] / 2**20:.0f})" if "step_peak" in v else "")
+                                     + f" / {v['seconds']:.1f} s" for k, v in r.items()), flush=True)
 
     lo = min(args.lengths)
     print(f"\npeak anonymous RSS (MiB) at hidden {args.hidden} and growth per extra response token from R = {lo} to the longest R measured; "
@@ -289,6 +302,10 @@ def main() -> None:
     for name in results[lo]:
         held = PROMPTS if not name.startswith("train") else TRAIN_BATCH
         top = max(R for R in args.lengths if name in results[R])
+        if top == lo:  # measured at one length only (the full-logits step where longer ones do not fit): no growth
+            print(f"{name:<26}" + "".join(f"{results[R][name]['peak_anon'] / 2**20:>10.0f}" if name in results[R] else f"{'-':>10}"
+                                          for R in args.lengths))
+            continue
         growth = (results[top][name]["peak_anon"] - results[lo][name]["peak_anon"]) / (held * (top - lo))
         ok = growth < ROW_BUDGET if "plain" not in name else None
         summary[name] = {"growth_bytes_per_token": growth, "ok": ok, "between": [lo, top]}
