@@ -37,6 +37,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import anon_kib  # noqa: E402
+
 V = 151_936
 HIDDEN = 256
 PROMPTS = 16
@@ -72,17 +75,6 @@ def build_models(root: Path, hidden: int | None = None, layers: int = 2) -> tupl
     return paths[0], paths[1]
 
 
-def _anon_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 def run_measured(cmd: list[str], env: dict | None = None) -> dict:
     """Run a command; return its wall time, CPU-seconds, peak anonymous RSS (bytes, sampled every millisecond from
     /proc while it runs) and ru_maxrss (bytes: the page cache of files it mapped included)."""
@@ -93,7 +85,7 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
 
         def sample():
             while not done.is_set():
-                peak[0] = max(peak[0], _anon_kib(proc.pid))
+                peak[0] = max(peak[0], anon_kib(proc.pid))
                 time.sleep(0.001)
 
         sampler = threading.Thread(target=sample, daemon=True)

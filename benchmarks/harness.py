@@ -53,9 +53,10 @@ class Side:
     """One line: what this side is (for a baseline: the code a competent user would write, and why)."""
 
 
-def _anon_kib() -> int:
+def anon_kib(pid: int | str = "self") -> int:
+    """A process's anonymous RSS in KiB (``RssAnon`` of /proc/PID/status); 0 where /proc has none (not Linux, or gone)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("RssAnon:"):
                     return int(line.split()[1])
@@ -69,7 +70,7 @@ class PeakAnon:
     the level at entry, in bytes. The sampler needs the GIL: work that holds it in one long C call is sampled around it."""
 
     def __enter__(self):
-        self.base = self.peak = _anon_kib()
+        self.base = self.peak = anon_kib()
         self._stop = False
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -77,13 +78,13 @@ class PeakAnon:
 
     def _sample(self) -> None:
         while not self._stop:
-            self.peak = max(self.peak, _anon_kib())
+            self.peak = max(self.peak, anon_kib())
             time.sleep(0.001)
 
     def __exit__(self, *exc) -> None:
         self._stop = True
         self._thread.join()
-        self.peak = max(self.peak, _anon_kib())
+        self.peak = max(self.peak, anon_kib())
 
     @property
     def delta(self) -> int:
