@@ -44,11 +44,13 @@ from opdcache.backends.exact import ExactBackend
 from opdcache.backends.hf import TransformersBackend
 
 sys.path.insert(0, str(Path(__file__).parent))
+from harness import Side, compare, report  # noqa: E402
 
 WEIGHTS = Path(__file__).resolve().parent.parent / "opdcache" / "demo" / "weights"
 
 
-def _train_step(model, exact: bool, reqs, gens) -> float:
+def _train_step(model, exact: bool, reqs, gens) -> int:
+    """One lightning-style forward + backward over the sequences; returns their response tokens."""
     from opdcache.student import StudentForward
 
     rows = [list(r.prompt_ids) + list(g.response_ids) for r, g in zip(reqs, gens)]
@@ -73,12 +75,13 @@ def _train_step(model, exact: bool, reqs, gens) -> float:
     return int(sel.sum())
 
 
-def _requests(model: Path, prompts: int) -> list[GenerateRequest]:
+def _requests(model: Path, prompts: int, chat: bool) -> list[GenerateRequest]:
+    """4 seeded samples of each prompt: a real model's chat-template questions, or the demo task's "a+b=" prompts."""
     from opdcache.models import load_tokenizer
 
     tok = load_tokenizer(model)
     rng = np.random.default_rng(0)
-    if model != WEIGHTS / "student":
+    if chat:
         questions = [f"What is {a} plus {b}? Answer briefly." for a, b in rng.integers(10, 100, size=(prompts, 2))]
         prompt_ids = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True) for q in questions]
         prompt_ids = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompt_ids]
@@ -95,10 +98,10 @@ def _engine(side: str, model: str):
     return ExactBackend(Path(model)) if side == "exact" else TransformersBackend(Path(model), dtype="float32", device="cpu")
 
 
-def setup(stage: str, side: str, student: str, teacher: str, prompts: int, max_new_tokens: int, fixed: str) -> dict:
+def setup(stage: str, side: str, student: str, teacher: str, chat: bool, prompts: int, max_new_tokens: int, fixed: str) -> dict:
     """Untimed: the stage's one engine, the requests, the fixed sequences (scoring and training), one warm call."""
     torch.set_num_threads(2)
-    reqs, sampling = _requests(Path(student), prompts), _sampling(max_new_tokens)
+    reqs, sampling = _requests(Path(student), prompts, chat), _sampling(max_new_tokens)
     engine = _engine(side, teacher if stage == "score" else student)
     seqs = json.loads(Path(fixed).read_text())
     sreqs = [ScoreRequest(r.prompt_ids, np.array(g["response_ids"], np.int32), ref_topk_ids=np.array(g["ref_topk_ids"], np.int32),
@@ -143,8 +146,6 @@ def per_token(result: dict) -> dict:
 
 
 def main() -> None:
-    from harness import Side, compare, report
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -157,14 +158,14 @@ def main() -> None:
     command = f"python benchmarks/bench_exact.py --prompts {args.prompts} --rounds {args.rounds} --max-new-tokens {args.max_new_tokens}" + \
         (f" --model {args.model}" if args.model else "")
     torch.set_num_threads(2)
-    gens = _engine("default", str(student)).generate(_requests(student, args.prompts), _sampling(args.max_new_tokens))
+    gens = _engine("default", str(student)).generate(_requests(student, args.prompts, args.model is not None), _sampling(args.max_new_tokens))
     out = {"command": command, "model": str(args.model or WEIGHTS), "stages": {}}
     with tempfile.TemporaryDirectory() as tmp:
         fixed = Path(tmp) / "fixed.json"  # the default engine's generation: what both sides score and train on
         fixed.write_text(json.dumps([{"response_ids": g.response_ids.tolist(), "ref_topk_ids": g.ref_topk_ids.tolist(),
                                       "mc_ids": g.mc_ids.tolist()} for g in gens]))
         for stage in ("generate", "score", "train"):
-            common = {"stage": stage, "student": str(student), "teacher": str(teacher), "prompts": args.prompts,
+            common = {"stage": stage, "student": str(student), "teacher": str(teacher), "chat": args.model is not None, "prompts": args.prompts,
                       "max_new_tokens": args.max_new_tokens, "fixed": str(fixed)}
             sides = [Side("exact engine (--exact)", "run", "setup", common | {"side": "exact"},
                           note="float64 arithmetic with its interval check; every stored number equals the learner's recompute"),

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import anon_kib  # noqa: E402
+from harness import PeakAnon, anon_kib  # noqa: E402  (anonymous RSS: not the model file's page cache)
 
 V = 151_936
 HIDDEN = 256
@@ -144,21 +144,20 @@ def child_train(student: str, cache: str, loss: str, path: str, out: str, batch:
     trainer = Trainer(TrainConfig(model=Path(student), cache=Path(cache), out=Path(out), loss=loss, batch_size=int(batch), lr=1e-5,
                                   gradient_checkpointing=path.endswith("+ckpt")))
     batch = trainer.source.next_batch()
-    from harness import PeakAnon as PeakRSS  # anonymous RSS: not the model file's page cache
 
     # the step's own memory: peak RSS during it, minus the RSS just before it; and the forward + backward's apart
     # (what grows with length: activations, gradients), since AdamW's first step allocates both moments, a fixed 2x
     # the parameters that can hide the activations at short lengths
-    whole = PeakRSS().__enter__()
-    fb = PeakRSS().__enter__()
-    fwd = PeakRSS().__enter__()
+    whole = PeakAnon().__enter__()
+    fb = PeakAnon().__enter__()
+    fwd = PeakAnon().__enter__()
     t0 = time.perf_counter()
     if path.startswith("fused"):
         loss_value, _ = trainer.loss_and_stats(batch)
     else:  # the plain full-logits step
         loss_value = full_logits_loss(trainer, batch, loss)
     fwd.__exit__(None, None, None)
-    kept = PeakRSS().__enter__()  # what the forward left for the backward (saved activations), sampled once
+    kept = PeakAnon().__enter__()  # what the forward left for the backward (saved activations), sampled once
     kept.__exit__(None, None, None)
     loss_value.backward()
     fb_seconds = time.perf_counter() - t0
@@ -315,6 +314,7 @@ def summarize(results: dict, lengths: list[int], hidden: int) -> dict:
         if top == lo:  # measured at one length only (the full-logits step where longer ones do not fit): no growth
             print(f"{name:<26}{cells}")
             continue
+        # response tokens held: a train step reports its batch's; a cache command holds every prompt's R
         growth = (results[top][name][key] - results[lo][name][key]) / ((results[top][name].get("tokens") or held * top)
                                                                         - (results[lo][name].get("tokens") or held * lo))
         ok = growth < ROW_BUDGET if "plain" not in name else None
