@@ -295,7 +295,7 @@ def test_sampled_fkl_is_the_forward_kl_in_expectation():
     assert float(st["stderr"].mean()) == pytest.approx(float(est.std()), rel=0.1)
 
 
-def test_upgrade_writes_the_same_compact_table_as_scoring_and_leaves_the_source(compact_cache):
+def test_upgrade_writes_the_same_compact_table_as_scoring_and_leaves_the_source(compact_cache, tmp_path):
     """`opdcache upgrade` re-encodes the exact top-16 table beside it: its compact columns equal those score-teacher
     wrote with the same settings, its recorded distortion too, and the source table is unchanged."""
     from opdcache.cache import Cache
@@ -315,16 +315,13 @@ def test_upgrade_writes_the_same_compact_table_as_scoring_and_leaves_the_source(
     with pytest.raises(ConfigError, match="already a compact top-k"):
         run_upgrade(root, "compact16", "float16", 1e-4)
     with pytest.raises(ConfigError, match="has no topk store"):
-        run_upgrade(_without_topk(root), None, "float16", 1e-4)
+        run_upgrade(_without_topk(root, tmp_path / "c"), None, "float16", 1e-4)
 
 
-def _without_topk(root):
-    """A copy of the cache holding only a logprob-store teacher table."""
-    import tempfile
-
+def _without_topk(root, out):
+    """A copy of the cache at ``out`` holding only a logprob-store teacher table."""
     from opdcache.scoring import ScoreJob, run_score
 
-    out = Path(tempfile.mkdtemp()) / "c"
     shutil.copytree(root, out, ignore=shutil.ignore_patterns("teachers"))
     manifest = json.loads((out / "opdcache.json").read_text())
     manifest["tables"] = {k: v for k, v in manifest["tables"].items() if not k.startswith("teachers/")}

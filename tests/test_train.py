@@ -93,7 +93,8 @@ def test_ddp_with_two_cpu_processes(hf_cache, weights, tmp_path):
         # one write per rank: torchrun runs the ranks unbuffered, and print()'s separate writes interleave character by character
         "sys.stdout.write(f'RESULT {json.dumps(r[\"steps\"])}\\n')\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517", str(script)],
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--log-dir", str(tmp_path / "torchrun"), str(script)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # both ranks print after the final barrier, in either order

@@ -156,10 +156,12 @@ def _why(run) -> str:
     return f"stdout: {run.stdout[-1500:]}\nstderr: {run.stderr[-3000:]}"
 
 
-def _torchrun(script, nproc, port, tmp_path):
+def _torchrun(script, nproc, tmp_path):
+    """torchrun on a free port (--standalone), its logs under tmp_path (torchrun's default is a new folder in /tmp)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
-                           "-m", "opdcache.cli.main", *script], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                           "--log-dir", str(tmp_path / "torchrun"), "-m", "opdcache.cli.main", *script],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
 
 
 FSDP_TOLERANCE = 2e-5  # per-step loss, two FSDP processes against one plain process (float32; reduction order differs)
@@ -171,11 +173,11 @@ def test_fsdp_on_two_cpu_processes_matches_one_process_and_resumes(hf_cache, wei
     a step sees the same 8 rows as one process at --batch-size 8, and the loss is normalised by the tokens of all ranks."""
     args = ["train", "--model", str(weights / "student"), "--cache", str(hf_cache), "--loss", "lightning", "--steps", "4",
             "--lr", "1e-3", "--deterministic", "--checkpoint-every", "2", "--no-progress"]
-    single = _torchrun([*args, "--batch-size", "8", "--out", str(tmp_path / "one")], 1, 29531, tmp_path)
+    single = _torchrun([*args, "--batch-size", "8", "--out", str(tmp_path / "one")], 1, tmp_path)
     assert single.returncode == 0, _why(single)
-    first = _torchrun([*args, "--batch-size", "4", "--fsdp", "--out", str(tmp_path / "two"), "--stop-after", "2"], 2, 29532, tmp_path)
+    first = _torchrun([*args, "--batch-size", "4", "--fsdp", "--out", str(tmp_path / "two"), "--stop-after", "2"], 2, tmp_path)
     assert first.returncode == 0, _why(first)
-    second = _torchrun([*args, "--batch-size", "4", "--fsdp", "--out", str(tmp_path / "two")], 2, 29533, tmp_path)
+    second = _torchrun([*args, "--batch-size", "4", "--fsdp", "--out", str(tmp_path / "two")], 2, tmp_path)
     assert second.returncode == 0, _why(second)
     assert "4 steps of lightning (resumed from its checkpoint)" in second.stdout
     one = [json.loads(l) for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
