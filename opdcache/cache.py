@@ -376,7 +376,8 @@ class Cache:
         from transformers import AutoTokenizer
 
         try:  # a cache is untrusted input: never run code it carries (auto_map), and a bad folder is one line, not a traceback
-            return AutoTokenizer.from_pretrained(storage.local_copy(path), trust_remote_code=False)
+            with storage.local_copy(path) as local:  # read whole: the copy of a remote cache's folder goes at the block's end
+                return AutoTokenizer.from_pretrained(local, trust_remote_code=False)
         except Exception as exc:  # noqa: BLE001 (transformers raises ValueError, OSError, JSONDecodeError, TypeError...)
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise ManifestError(f"{path} cannot be loaded as a tokenizer without running code from the cache "

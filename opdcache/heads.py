@@ -50,7 +50,8 @@ def load_head(path: str | Path) -> Head:
     from opdcache.errors import SchemaError
 
     try:
-        tensors = load_file(str(local_copy(as_path(path))))
+        with local_copy(as_path(path)) as local:
+            tensors = load_file(str(local))
         return Head(tensors["weight"], tensors.get("bias"))
     except Exception as exc:  # noqa: BLE001 (safetensors raises its own error type for a truncated or foreign file)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

@@ -41,19 +41,20 @@ def push(root: str | Path, repo_id: str, private: bool = False, token: str | Non
 
     from opdcache import storage
 
-    root = storage.as_path(root)
-    if storage.is_remote(root):  # the Hub client uploads local folders: an object-store cache is downloaded first
-        root = storage.local_copy(root)
-    errors = [p for p in validate(root) if not p.warning]  # the full check: nothing corrupt leaves this machine
-    if errors:
-        raise HubError(f"refusing to push an invalid cache ({len(errors)} problems; first: {errors[0]}); run `opdcache validate {root}`")
-    manifest = M.load(root)
-    card.write(root, manifest)
-    api = _api(token)
-    try:
-        url = _upload(api, root, repo_id, private, revision)
-    except Exception as exc:  # the client's network, auth and HTTP errors have no common base class
-        raise _hub_failure("push to", repo_id, exc) from exc
+    source = storage.as_path(root)
+    # the Hub client uploads local folders: an object-store cache is downloaded first, into a folder gone at the end
+    with storage.local_copy(source) as local:
+        errors = [p for p in validate(local) if not p.warning]  # the full check: nothing corrupt leaves this machine
+        if errors:
+            raise HubError(f"refusing to push an invalid cache ({len(errors)} problems; first: {errors[0]}); "
+                           f"run `opdcache validate {root}`")
+        manifest = M.load(local)
+        card.write(local, manifest)
+        api = _api(token)
+        try:
+            url = _upload(api, local, repo_id, private, revision)
+        except Exception as exc:  # the client's network, auth and HTTP errors have no common base class
+            raise _hub_failure("push to", repo_id, exc) from exc
     return str(url)
 
 

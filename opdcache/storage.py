@@ -19,7 +19,6 @@ Credentials and endpoints come from the filesystem's usual configuration (for S3
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import os
@@ -186,25 +185,22 @@ def sha256_of(path: AnyPath, block: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-_DOWNLOADS: dict[str, Path] = {}
-
-
-def local_copy(path: AnyPath) -> Path:
-    """``path`` itself when local; otherwise a downloaded copy (file or folder) in a temporary folder removed at
-    exit, fetched once per process. For readers that need a real file (safetensors, tokenizers)."""
+@contextlib.contextmanager
+def local_copy(path: AnyPath) -> Iterator[Path]:
+    """``path`` itself when local; otherwise a copy (file or folder) downloaded into a temporary folder that is removed
+    when the block ends. For readers that need a real file (safetensors, tokenizers) and read it whole inside the
+    block: a copy kept for the process's lifetime outlived every process that left without interpreter shutdown (a
+    Ray worker, a torchrun rank), one folder in /tmp each."""
     if not is_remote(path):
-        return path
-    key = str(path)
-    if key not in _DOWNLOADS:
-        root = Path(tempfile.mkdtemp(prefix="opdcache-remote-"))
-        atexit.register(shutil.rmtree, root, True)
-        target = root / path.name
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="opdcache-remote-") as root:
+        target = Path(root) / path.name
         if path.is_dir():
             path.fs.get(path.path.rstrip("/") + "/", str(target), recursive=True)
         else:
             path.fs.get_file(path.path, str(target))
-        _DOWNLOADS[key] = target
-    return _DOWNLOADS[key]
+        yield target
 
 
 def arrow_source(path: AnyPath) -> tuple[str, object]:

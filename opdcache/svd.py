@@ -16,6 +16,7 @@ Distortion is measured on held-out positions: mean KL(true || reconstructed) and
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -192,8 +193,6 @@ def distortion(proj: SVDProjection, weight_VH: torch.Tensor, bias_V: torch.Tenso
 
 
 def save(proj: SVDProjection, path, extra: dict) -> None:
-    import json
-
     from safetensors.torch import save_file
 
     tensors = {"encoder": proj.encoder.contiguous(), "decoder": proj.decoder.contiguous()}
@@ -210,14 +209,16 @@ def save(proj: SVDProjection, path, extra: dict) -> None:
 
 def read_metadata(path) -> dict:
     """{format, method, info} of an svd.safetensors (also from files written with one key per field)."""
-    import json
-
     from safetensors import safe_open
 
     from opdcache.storage import as_path, local_copy
 
-    with safe_open(str(local_copy(as_path(path))), "pt") as f:
-        meta = f.metadata() or {}
+    with local_copy(as_path(path)) as local, safe_open(str(local), "pt") as f:
+        return _metadata(f)
+
+
+def _metadata(f) -> dict:
+    meta = f.metadata() or {}
     if "opdcache" in meta:
         return json.loads(meta["opdcache"])
     return {"format": meta.get("format"), "method": meta["method"], "info": json.loads(meta["info"])}
@@ -228,7 +229,7 @@ def load(path) -> SVDProjection:
 
     from opdcache.storage import as_path, local_copy
 
-    method = read_metadata(path)["method"]
-    with safe_open(str(local_copy(as_path(path))), "pt") as f:
+    with local_copy(as_path(path)) as local, safe_open(str(local), "pt") as f:  # one download for both
+        method = _metadata(f)["method"]
         t = {k: f.get_tensor(k) for k in f.keys()}
     return SVDProjection(method, t["encoder"], t["decoder"], t.get("bias"))

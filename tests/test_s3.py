@@ -268,19 +268,25 @@ def test_a_missing_bucket_is_one_line(s3, capsys):
     assert code == 1 and "Traceback" not in out and "does not exist" in out
 
 
-def test_push_reads_a_remote_cache(s3_cache, monkeypatch):
-    """push uploads from a local folder: a remote cache is downloaded first, validated, and handed to the Hub client."""
+def test_push_reads_a_remote_cache(s3_cache, monkeypatch, tmp_path):
+    """push uploads from a local folder: a remote cache is downloaded first, validated, and handed to the Hub client;
+    the downloaded copy is gone when push returns."""
+    import tempfile
+
     from opdcache import hub
 
     seen = {}
 
     def fake_upload(api, root, repo_id, private, revision):
+        seen["root"] = Path(root)
         seen["files"] = sorted(p.relative_to(root).as_posix() for p in Path(root).rglob("*") if p.is_file())
         return f"https://huggingface.co/datasets/{repo_id}"
 
     monkeypatch.setattr(hub, "_upload", fake_upload)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert hub.push(s3_cache, "org/cache").endswith("org/cache")
     assert "opdcache.json" in seen["files"] and "rollouts/part-00000-of-00002.parquet" in seen["files"]
+    assert seen["root"].is_relative_to(tmp_path) and not seen["root"].exists() and list(tmp_path.iterdir()) == []
 
 
 def test_writing_to_a_missing_bucket_fails_before_any_work_in_one_line(s3, weights, opd_prompts, capsys):
@@ -318,8 +324,11 @@ def test_ray_workers_write_a_cache_on_s3(s3, weights, opd_prompts, tmp_path):
 
     root = str(Path(__file__).parent.parent)
     env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")}
+    workers_tmp = tmp_path / "workers-tmp"  # a Ray worker leaves without running atexit: nothing it downloads may stay
+    workers_tmp.mkdir()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([TESTS, root]), "OPDCACHE_PROGRESS": "0", **env}})
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([TESTS, root]), "OPDCACHE_PROGRESS": "0",
+                                       "TMPDIR": str(workers_tmp), **env}})
     try:
         url = f"s3://{BUCKET}/ray/cache"
         gen, score = _jobs(weights, opd_prompts, url)
@@ -327,6 +336,7 @@ def test_ray_workers_write_a_cache_on_s3(s3, weights, opd_prompts, tmp_path):
         run_on_ray(run_score, score, RayConfig(workers=2), "teachers/teacher")
     finally:
         ray.shutdown()
+    assert list(workers_tmp.glob("opdcache-remote-*")) == []
     local = tmp_path / "local"
     gen, score = _jobs(weights, opd_prompts, local)
     _local(run_generate, gen)
