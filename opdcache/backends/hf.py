@@ -336,7 +336,8 @@ class TransformersBackend:
 def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, eos_ids: set, where: str = "") -> list[Generation]:
     """Sample one batch: left-padded prompts, then ``s.max_new_tokens`` decode steps with per-row seeded Gumbel-max
     draws, pi_ref's temperature-1 log-probs (and top-k, MC samples) at each step. ``where``: the progress detail's
-    prefix. Memory: the KV cache and a few [batch, vocabulary] float32 buffers reused by every step."""
+    prefix. Memory: the KV cache, allocated once at prompt + max_new_tokens positions (opdcache/backends/kvcache.py),
+    and a few [batch, vocabulary] float32 buffers reused by every step."""
     device = next(model.parameters()).device
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
     B = len(requests)
@@ -352,9 +353,14 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
     gens = [torch.Generator().manual_seed(r.seed) for r in requests]
     # the decoder, then the head at the last position only ([B, V], never [B, L, V]), into buffers reused by every
     # step: a fresh [B, V] logits tensor per step (the model's own forward) fragments the CPU heap and RSS creeps
+    from opdcache.backends import kvcache  # imports transformers
+
     head = _LastPositionHead(model, B)
-    out = _base(model)(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True)
-    past, past_arg = _cache_of(out), _cache_argument(_base(model))
+    past_arg = _cache_argument(_base(model))
+    cache = kvcache.preallocated(model, L + s.max_new_tokens)  # written in place: no copy of the whole cache a step
+    out = _base(model)(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True,
+                       **({past_arg: cache} if cache is not None else {}))
+    past = _cache_of(out)
     V = head.vocab_size
     logits = torch.empty((B, V))
     ref_logp = torch.empty((B, V))
