@@ -1,12 +1,14 @@
 """A key/value cache for the decode loop that is written in place instead of concatenated.
 
-transformers' ``DynamicLayer`` appends a step's keys and values with ``torch.cat``: every decode step copies the whole
-cache into a new tensor, so a generation of N tokens after a prompt of L moves O((L + N)²) bytes, and while it copies
-the cache exists twice. :class:`PreallocatedLayer` allocates each layer's buffers once, at the length the loop will
-reach (prompt + max_new_tokens), writes each step's keys and values into them, and hands attention views of the filled
-part: the same values over the same length as ``DynamicLayer``'s, so generations are bit-identical
-(tests/test_kvcache.py), with no copy of the cache per step and no second copy at any time. Measured on the CPU: 16
-sequences, 2,048-token prompts, 192 new tokens, hidden 1,024: 49 s against 68 s.
+transformers' ``DynamicLayer`` appends a step's keys and values with ``torch.cat``: every decode step copies each
+layer's whole cache into a new tensor, so a generation of N tokens after a prompt of L moves O(N (L + N)) bytes beside
+what attention reads. :class:`PreallocatedLayer` allocates each layer's buffers once, at the length the loop will reach
+(prompt + max_new_tokens), writes each step's keys and values into them, and hands attention views of the filled part:
+the same values over the same length as ``DynamicLayer``'s, so generations are bit-identical (tests/test_kvcache.py).
+What it costs: the cache is held at its final length from the first step, so rows that all stop early leave the last
+positions unused (SmolLM2, 16 rows, 1,024-token prompts, 128 new tokens: peak 1,601 MiB against 1,525). What it saves
+grows with the cache against the weights: 1.08-1.10x on that SmolLM2 run (benchmarks/bench_generate.py --context 1024,
+BENCHMARKS.md), more where the cache is larger beside the weights (longer contexts, larger batches).
 
 Only a model whose default cache is all ``DynamicLayer`` (full attention) gets it; a sliding-window or hybrid model,
 or a transformers without layered caches, keeps its own (:func:`preallocated` returns None).
