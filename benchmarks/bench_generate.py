@@ -14,7 +14,9 @@ The samples differ between sides, so the figure to compare is tokens per second 
 A third side is the ablation of the engine's key/value cache (opdcache/backends/kvcache.py, written in place): the same
 engine with transformers' own cache, which concatenates a step's keys and values onto a copy of the whole cache. Its
 samples are the engine's own, bit for bit, so that pair's ratio is of the same work. ``--context N`` lengthens each
-prompt to about N tokens (a filler paragraph before the question), where that copy grows with the context.
+prompt to about N tokens (a filler paragraph before the question), where that copy grows with the context. The JSON's
+``kv_cache_ablation`` holds that pair's ratios: the concatenating side's wall (and CPU) seconds over the engine's, per
+round in round order, with their min, median and max.
 
     python benchmarks/bench_generate.py [--batch 16 --max-new-tokens 128 --rounds 3] [--context 1024 --json F]
 """

@@ -10,8 +10,8 @@ Layout (DESIGN.md section 3)::
 
 A :class:`TableJob` owns one table. Its settings are hashed into a config fingerprint that a job file
 records at the start; a restarted job compares fingerprints and refuses with the difference shown, or
-writes only the shards that are missing. Shards are split across workers by index
-(``i % num_workers == worker_index``), so any launcher can run them in parallel.
+writes only the shards that are missing. Shards are split across workers by index (opdcache/workers.py), so any
+launcher can run them in parallel.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from opdcache import shards, storage
 from opdcache.untrusted import loads, read_json
 from opdcache.errors import ConfigError, ManifestError, ResumeError
 from opdcache.fingerprint import config_fingerprint, sha256_file
+from opdcache.workers import shards_for_worker
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -36,43 +37,8 @@ if TYPE_CHECKING:
 JOB_FILE = "_opdcache_job.json"
 
 
-# ---------------------------------------------------------------- workers
-
-
-def worker_from_env(num_workers: int | None = None, worker_index: int | None = None) -> tuple[int, int]:
-    """(num_workers, worker_index), defaulting to a SLURM job array, then torchrun's RANK/WORLD_SIZE, then (1, 0)."""
-    env = os.environ
-    if num_workers is None:
-        for key in ("SLURM_ARRAY_TASK_COUNT", "WORLD_SIZE"):
-            if env.get(key):
-                num_workers = int(env[key])
-                break
-        else:
-            num_workers = 1
-    if worker_index is None:
-        if env.get("SLURM_ARRAY_TASK_ID") and env.get("SLURM_ARRAY_TASK_COUNT"):
-            worker_index = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
-        elif env.get("RANK"):
-            worker_index = int(env["RANK"])
-        else:
-            worker_index = 0
-    if num_workers < 1:
-        raise ConfigError(f"--num-workers must be at least 1, got {num_workers}")
-    if not 0 <= worker_index < num_workers:
-        raise ConfigError(f"--worker-index must be between 0 and {num_workers - 1}, got {worker_index}")
-    return num_workers, worker_index
-
-
 SIDE_FILE_OF_STORE = {"hidden": "head.safetensors", "svd": "svd.safetensors"}
 """Files next to a table's shards that its stores need (hidden: the head; svd: the projection), hashed in the manifest."""
-
-
-def shards_for_worker(num_shards: int, num_workers: int, worker_index: int, groups: Sequence[Sequence[int]] | None = None) -> list[int]:
-    """This worker's shards: every num_workers-th shard, or every num_workers-th group of shards when the stage
-    computes a group together (generation batches that span shards), so no group is split between workers."""
-    if groups is None:
-        return [i for i in range(num_shards) if i % num_workers == worker_index]
-    return [i for g, group in enumerate(groups) if g % num_workers == worker_index for i in group]
 
 
 # ---------------------------------------------------------------- config diffs

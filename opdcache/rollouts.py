@@ -30,7 +30,8 @@ import numpy as np
 from opdcache import schema as S
 from opdcache import shards, storage, threads, verifiers
 from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig
-from opdcache.cache import TableJob, run_table_job, worker_from_env
+from opdcache.cache import TableJob, run_table_job
+from opdcache.workers import worker_from_env
 from opdcache.errors import ConfigError
 from opdcache.fingerprint import row_id, tokenizer_fingerprint
 from opdcache.lineage import check_vocab_sizes, model_info, resolve_sft_teacher, undecodable_reason

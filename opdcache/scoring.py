@@ -19,7 +19,8 @@ from pathlib import Path
 from opdcache import schema as S
 from opdcache import shards, threads
 from opdcache.backends.base import ScoreRequest
-from opdcache.cache import Cache, TableJob, run_table_job, worker_from_env
+from opdcache.cache import Cache, TableJob, run_table_job
+from opdcache.workers import worker_from_env
 from opdcache.errors import ConfigError, ConsistencyError, SchemaError
 from opdcache.lineage import check_same_tokenizer, model_info
 from opdcache.models import load_tokenizer, resolve_model

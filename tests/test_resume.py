@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from opdcache import manifest as M
-from opdcache.cache import run_table_job, shards_for_worker, worker_from_env
+from opdcache.cache import run_table_job
+from opdcache.workers import shards_for_worker, worker_from_env
 from opdcache.errors import ConfigError, ResumeError, SchemaError
 from opdcache.fingerprint import sha256_file
 from synth import rollout_rows
