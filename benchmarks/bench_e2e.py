@@ -32,7 +32,8 @@ from opdcache.demo.pipeline import DemoConfig, DemoReport, load, sft_stages
 from opdcache.demo.pipeline import setup as demo_setup
 from opdcache.demo.evaluate import evaluate_accuracy, reverse_kl_to_teacher
 from opdcache.prompts import PromptConfig
-from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
+from opdcache.backends import EngineConfig
+from opdcache.rollouts import GenerateJob, run_generate
 from opdcache.scoring import ScoreJob, run_score
 from opdcache.train import TrainConfig, run_train, stores_for
 

@@ -27,6 +27,12 @@ minus what was allocated just before it: the model and inputs are not counted):
    ones also with the divergence's fused kernel off), the steps on one trainer, interleaved as in 1; tokens/s from the median step, and peak GPU memory.
 4. ``bench_divergence.py --devices cuda`` at 4,096 tokens, hidden 4,096, bf16 parameters and float32 masters under bf16
    autocast (its own table, printed and saved); on a card of 120 GiB or more also at 16,384 tokens.
+0. ``generate`` (first: it decides the most): the rollout engine (``TransformersBackend.generate``, what
+   ``build-rollouts`` runs: every step's log-softmax, counter-based draw, stored sampling and reference log-probs on
+   the device) against ``model.generate(do_sample=True, top_k=0)`` -- which returns tokens only -- on the qwen3 model
+   in bf16, temperature 1, for each batch in ``--gen-batches`` and length in ``--gen-lengths`` (prompts of 64 tokens;
+   the end-of-sequence id is unset for both sides, so every row generates the full length and the token counts are
+   equal). Both sides in one process per shape, interleaved as in 1 (``--gen-rounds`` rounds).
 5. ``write``: ``opdcache score-teacher`` end to end on an 8-shard cache (8 x ``--train-batch`` prompts), each shard
    written behind the next one's scoring (the default) against inline (``OPDCACHE_WRITE_BEHIND=0``).
 
@@ -158,6 +164,37 @@ def score_sides(variants: list[str], model_path: str, device: str, n: int, promp
     return {v: {**r, "tokens": tokens} for v, r in res.items()}
 
 
+def generate_sides(model_path: str, device: str, batch: int, new_tokens: int, rounds: int) -> dict:
+    """The rollout engine against ``model.generate`` on one model and shape, interleaved in this process."""
+    import torch
+
+    from opdcache.backends import hf
+    from opdcache.backends.base import GenerateRequest, SamplingConfig
+
+    backend = hf.TransformersBackend(model_path, dtype="bfloat16", device=device, generate_batch_size=batch)
+    model = backend.model
+    model.generation_config.eos_token_id = None  # every row runs the full length on both sides
+    backend.eos_ids = set()
+    vocab = backend.vocab_size
+    prompts = [[3 + (97 * b + 13 * j) % (vocab - 3) for j in range(64)] for b in range(batch)]
+    reqs = [GenerateRequest(p, seed=b) for b, p in enumerate(prompts)]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
+    ids = torch.tensor(prompts, device=backend.device)
+
+    def engine():
+        out = backend.generate(reqs, sampling)
+        assert all(len(g.response_ids) == new_tokens for g in out)
+
+    @torch.no_grad()
+    def generate():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + new_tokens
+
+    res = interleaved({"model.generate": generate, "opdcache": engine}, device, rounds)
+    return {name: {**r, "tokens": batch * new_tokens} for name, r in res.items()}
+
+
 def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: int, rounds: int) -> dict:
     """One train step, opdcache's fused step against the full-logits step, on one trainer (the same weights,
     optimizer and batch), interleaved."""
@@ -230,7 +267,11 @@ def main() -> None:
     ap.add_argument("--block-mib", type=int, nargs="*", default=[64, 256], help="logit block sizes tried beside the shipped one")
     ap.add_argument("--train-batch", type=int, default=4)
     ap.add_argument("--train-response", type=int, default=1024)
-    ap.add_argument("--sections", default="cli,train,divergence,score,write", help="which of cli, train, divergence, score, write to run, in this order")
+    ap.add_argument("--sections", default="generate,cli,train,divergence,score,write",
+                    help="which of generate, cli, train, divergence, score, write to run, in this order")
+    ap.add_argument("--gen-batches", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--gen-lengths", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--gen-rounds", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds of every side in turn, after a warm-up of each")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: checks the code, measures nothing")
     ap.add_argument("--cli-timeout", type=float, default=300, help="seconds each CLI command may take")
@@ -240,6 +281,7 @@ def main() -> None:
     vocab, hidden = (1024, 64) if args.smoke else (V, 4096)
     if args.smoke:
         args.sequences, args.prompt, args.response, args.train_response, args.qwen3_layers = 4, 8, 16, 16, 1
+        args.gen_batches, args.gen_lengths, args.gen_rounds = [2], [8], 1
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench-gpu-"))
     models = {}
     for name in ("smollm2", "qwen3"):
@@ -267,17 +309,23 @@ def main() -> None:
     load = {}  # the host's one-minute load average before and after each section
     for section in sections:
         before = os.getloadavg()[0]
-        {"score": run_score_section, "cli": run_cli_section, "train": run_train_section, "divergence": run_divergence_section,
-         "write": run_write_section}[section](
-            args, models, root, add, rows)
+        {"generate": run_generate_section, "score": run_score_section, "cli": run_cli_section, "train": run_train_section,
+         "divergence": run_divergence_section, "write": run_write_section}[section](args, models, root, add, rows)
         load[section] = [before, os.getloadavg()[0]]
-    table = render(rows, args)
-    print("\n" + table)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "load": load, "rows": rows},
-                                                          indent=2))
-        (args.out / "table.md").write_text(table + "\n")
+        if args.out:  # after every section: a run cut short by its lease keeps what it measured
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "load": load,
+                                                               "rows": rows}, indent=2))
+            (args.out / "table.md").write_text(render(rows, args) + "\n")
+    print("\n" + render(rows, args))
+
+
+def run_generate_section(args, models, root, add, rows) -> None:
+    for batch in args.gen_batches:
+        for length in args.gen_lengths:
+            res = child("generate", models["qwen3"], args.device, batch, length, args.gen_rounds)
+            for side in ("model.generate", "opdcache"):
+                add("generate", "qwen3", f"{side}, batch {batch} x {length} new tokens", res.get(side, res), res.get("model.generate", res))
 
 
 def run_score_section(args, models, root, add, rows) -> None:
@@ -413,6 +461,9 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "_score":
         variants, path, device, n, p, r, rounds = sys.argv[2:9]
         print(json.dumps(score_sides(variants.split(","), path, device, int(n), int(p), int(r), int(rounds))))
+    elif len(sys.argv) > 1 and sys.argv[1] == "_generate":
+        path, device, batch, length, rounds = sys.argv[2:7]
+        print(json.dumps(generate_sides(path, device, int(batch), int(length), int(rounds))))
     elif len(sys.argv) > 1 and sys.argv[1] == "_train":
         path, cache, loss, out, bs, rounds = sys.argv[2:8]
         print(json.dumps(train_sides(path, cache, loss, out, int(bs), int(rounds))))

@@ -14,18 +14,19 @@ from opdcache.cli import options as O
 def audit(
     cache: O.CachePath,
     table: Annotated[Optional[str], typer.Option("--table", help="One table: rollouts, sft, or a teacher table's name (default: every table).", show_default=False)] = None,
-    rows: Annotated[int, typer.Option("--rows", help="Rows re-computed per table, drawn at random (seeded) over all its shards.")] = 16,
+    rows: Annotated[str, typer.Option("--rows", help="Rows re-computed per table, drawn at random (seeded) over all its shards, or all.")] = "16",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the row sample.")] = 0,
     model: Annotated[Optional[Path], typer.Option("--model", help="pi_ref (the rollout table's model) when it is not at the path the manifest records. Default: the recorded path.", show_default=False)] = None,
     teacher: Annotated[Optional[Path], typer.Option("--teacher", help="The teacher of the teacher tables when it is not at the recorded path. Default: the recorded path.", show_default=False)] = None,
-    tolerance: Annotated[float, typer.Option("--tolerance", help="Tables not computed with --exact: the largest max |delta| (nats) that passes.")] = 1e-4,
+    tolerance: Annotated[float, typer.Option("--tolerance", help="Tables not computed with --exact: the floor of each float column's tolerance; the tolerance grows with the table's dtype and its measured batch-to-batch spread (see the report's reasoning line).")] = 1e-4,
     as_json: O.JsonOut = False,
 ) -> None:
-    """Re-compute a seeded sample of rows with the recorded models and arithmetic; per column, bit-exact matches and
-    max |delta|. Exit 1 when an --exact table does not reproduce bit for bit, or another exceeds --tolerance.
+    """Re-compute a seeded sample of rows in each table's recorded arithmetic and dtype; per column, bit-exact
+    matches, max |delta| and its tolerance. Exit 1 when an --exact table does not reproduce bit for bit, or another's
+    float column exceeds the tolerance its dtype allows.
 
-    Memory: one engine (the model, plus a float64 copy of its weights for exact tables) and the sampled rows; the
-    rows are read from one shard at a time."""
+    Memory: one engine (the model, plus a float64 copy of its weights for exact tables) and the sampled rows' values
+    twice; the rows are read from one shard at a time."""
     O.announce_threads()
     from opdcache.audit import AuditConfig, audit as run, render
 

@@ -31,7 +31,8 @@ def _run(kind: str, model: str, o: dict) -> None:
     O.announce_threads()
     from opdcache.backends.base import SamplingConfig
     from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
+    from opdcache.backends import EngineConfig
+    from opdcache.rollouts import GenerateJob, run_generate
 
     job = GenerateJob(
         model=model, revision=o["revision"], out=o["out"], kind=kind, num_shards=o["num_shards"], sft_teacher=o.get("sft_teacher"), reward=o["reward"],

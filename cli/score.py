@@ -56,7 +56,7 @@ def score_teacher(
     benchmarks/bench_scale.py: 0.7 KiB a response token with every store, vocabulary 151,936, hidden 1,024). To an object store, each finished shard is
     spooled to a local temporary file (one shard on disk) and uploaded whole, while the next shard is scored."""
     O.announce_threads()
-    from opdcache.rollouts import EngineConfig
+    from opdcache.backends import EngineConfig
     from opdcache.scoring import ScoreJob, run_score
 
     job = ScoreJob(cache=cache, teacher=teacher, revision=revision, stores=tuple(s.strip() for s in store.split(",") if s.strip()), top_k=top_k,

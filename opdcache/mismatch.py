@@ -137,7 +137,7 @@ def rollout_section(cache: Cache, model: str | Path | None = None, device: str =
     """pi_ref recomputed in float32 by transformers against what the rollout engine stored; ``aligned``: the recompute
     runs in the rollouts' recorded low-bit scheme, as ``train --rollout-aligned``'s learner does; ``exact``: it runs in
     the exact arithmetic (train --exact's learner), in the rollouts' recorded dtype and scheme."""
-    from opdcache.backends.hf import TransformersBackend
+    from opdcache.backends import EngineConfig, make_backend
     from opdcache.lineage import model_info
     from opdcache.scoring import score_requests
 
@@ -158,13 +158,11 @@ def rollout_section(cache: Cache, model: str | Path | None = None, device: str =
         from opdcache.quant import aligned_scheme
 
         scheme = aligned_scheme(recorded, f"{cache.root}'s rollouts").spec()
-    if exact:
-        from opdcache.backends.exact import ExactBackend
-
-        backend = ExactBackend(path, dtype=recorded.get("dtype") or "float32", quantize=recorded_spec(recorded.get("quantization"))
-                               if recorded.get("engine") == "exact" else None)
-    else:
-        backend = TransformersBackend(path, dtype="float32", device=device, quantize=scheme)
+    if exact:  # the exact arithmetic's recompute (in the table's own scheme when the table is exact too)
+        backend = make_backend(path, EngineConfig(backend="exact", dtype=recorded.get("dtype") or "float32",
+                                                  quantize=recorded_spec(recorded.get("quantization")) if recorded.get("engine") == "exact" else None))
+    else:  # the float32 trainer's recompute, in the rollouts' scheme with --aligned
+        backend = make_backend(path, EngineConfig(dtype="float32", device=device, quantize=scheme))
     top_column = ["ref_topk_ids"] if params.ref_top_k else []
     with closing(backend), bar(total=len(cache.shard_paths("rollouts")), desc="mismatch: float32 recompute", unit="shard", enabled=progress) as pbar:
         for index in range(len(cache.shard_paths("rollouts"))):
@@ -237,7 +235,7 @@ def teacher_section(cache: Cache, a: str, b: str) -> Section:
 
 def exact_teacher_section(cache: Cache, slug: str, teacher: str | Path | None = None) -> Section:
     """A teacher table's stored log-probs against the exact arithmetic's recompute of the same teacher weights."""
-    from opdcache.backends.exact import ExactBackend
+    from opdcache.backends import EngineConfig, make_backend
     from opdcache.scoring import score_requests
 
     table = cache.teacher_table(slug)
@@ -245,8 +243,8 @@ def exact_teacher_section(cache: Cache, slug: str, teacher: str | Path | None = 
     path = Path(teacher) if teacher is not None else Path(recorded.get("name_or_path", ""))
     if not (path / "config.json").is_file():
         raise ConfigError(f"the teacher of {table} is not at {str(path)!r} (the path the cache recorded); pass --teacher-model PATH")
-    backend = ExactBackend(path, dtype=recorded.get("dtype") or "float32",
-                           quantize=recorded_spec(recorded.get("quantization")) if recorded.get("engine") == "exact" else None)
+    backend = make_backend(path, EngineConfig(backend="exact", dtype=recorded.get("dtype") or "float32",
+                                              quantize=recorded_spec(recorded.get("quantization")) if recorded.get("engine") == "exact" else None))
     deltas, ids, responses = [], [], []
     for index in range(len(cache.shard_paths(table))):
         rows = cache.read_shard(cache.base_table, index, ["id", "prompt_ids", "response_ids"])

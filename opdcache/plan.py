@@ -41,7 +41,7 @@ class PlanConfig:
 
 def run_plan(cfg: PlanConfig, settings: list[Setting] | None = None) -> dict:
     """Load the teacher (and students), sample the rows, measure; the frontier plus the pick for --max-error/--max-bytes."""
-    from opdcache.backends.hf import TransformersBackend
+    from opdcache.backends import EngineConfig, make_backend
     from opdcache.cache import Cache
     from opdcache.lineage import check_same_tokenizer
     from opdcache.models import load_tokenizer, resolve_model
@@ -59,7 +59,7 @@ def run_plan(cfg: PlanConfig, settings: list[Setting] | None = None) -> dict:
         table = cache.read_shard(base, shard, ["id", "prompt_ids", "response_ids"]).take(idx)
         requests += score_requests(table)
         row_ids += table["id"].to_pylist()
-    models = {name: Model(TransformersBackend(ref.path, dtype=cfg.dtype), name) for name, ref in refs.items()}
+    models = {name: Model(make_backend(ref.path, EngineConfig(dtype=cfg.dtype)), name) for name, ref in refs.items()}
     teacher = models.pop("teacher")
     settings = settings or default_settings(teacher.hidden_size, int(teacher.W.shape[0]))
     from opdcache.progress import bar

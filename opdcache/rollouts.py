@@ -29,6 +29,7 @@ import numpy as np
 
 from opdcache import schema as S
 from opdcache import shards, storage, threads, verifiers
+from opdcache.backends import EngineConfig, make_backend
 from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig
 from opdcache.cache import TableJob, run_table_job
 from opdcache.workers import worker_from_env
@@ -41,97 +42,6 @@ from opdcache.prompts import PromptConfig, PromptSet, read_prompts, write_errors
 QUARANTINE_FILE = "quarantine.jsonl"
 VERIFIER_ERRORS_FILE = "verifier_errors.jsonl"  # rows whose verifier failed (reward left empty), with the reason
 VLLM_MAX_TEMPERATURE = 2.0  # vLLM refuses hotter sampling, but only after its engine has started
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Which engine runs the model, and how."""
-
-    backend: str = "transformers"
-    """transformers (exact reference, any device) or vllm (fast engine)."""
-    dtype: str = "auto"
-    """auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16."""
-    device: str = "auto"
-    """transformers backend: auto, cpu, cuda, cuda:N."""
-    quantize: str | None = None
-    """Low-bit rollouts: a scheme of opdcache/quant.py on the transformers engine (w4a16[:g<N>][:sym|:asym], w8a8,
-    fp8[:per-tensor|:per-channel], emulated; int8, torch dynamic, CPU), or a vLLM quantization method (fp8, awq, ...)."""
-    deterministic: bool = False
-    """transformers scoring: bit-identical values whatever the batch (one sequence at a time)."""
-    tensor_parallel_size: int = 1
-    """vllm: GPUs per model."""
-    gpu_memory_utilization: float = 0.85
-    """vllm: fraction of accelerator (or, on CPU, host) memory the engine may reserve."""
-    max_batch_tokens: int | None = None
-    """transformers scoring: padded tokens per decoder batch (activation memory; head blocks are pooled separately);
-    None: 1,024 on a CPU, 16,384 on a GPU."""
-    generate_batch_size: int = 64
-    """transformers generation: sequences decoded together (KV-cache memory; larger is faster for small models)."""
-    exact: bool = False
-    """The exact arithmetic (opdcache/exact/): stored numbers equal the trainer's exact recompute bit for bit, whatever
-    the batch, padding, KV cache or thread count. CPU, transformers models of the Llama/Mistral/Qwen2/Qwen3 families."""
-
-    inject: str | None = None
-    """--exact only: controlled mismatch injected into the engine (opdcache/backends/exact.py, Injection), recorded."""
-
-    def __post_init__(self) -> None:
-        if self.inject is not None:
-            from opdcache.backends.exact import Injection
-
-            if not self.exact:
-                raise ConfigError("--inject-mismatch perturbs the exact engine against its exact reference: add --exact")
-            object.__setattr__(self, "inject", Injection.parse(self.inject).spec())
-        if self.backend not in ("transformers", "vllm"):
-            raise ConfigError(f"--backend must be transformers or vllm, got {self.backend!r}")
-        if self.exact and self.backend == "vllm":
-            raise ConfigError("--exact runs opdcache's exact engine (CPU); vLLM's batch-invariant mode is not wired in: drop --backend vllm")
-        if self.exact and self.device not in ("auto", "cpu"):
-            raise ConfigError(f"--exact runs on the CPU (the GPU path is batch-invariant kernels, not built here), got --device {self.device}")
-        if self.exact and self.dtype == "float16":
-            raise ConfigError("--exact computes in float32 or bfloat16, got --dtype float16")
-        if self.exact and self.quantize is not None and self.quantize.split(":")[0] == "int8":
-            raise ConfigError("--exact with --quantize int8 (torch's kernels) is not exact; use w8a8, its emulated equivalent")
-        if self.backend == "transformers" and self.quantize is not None:  # one spelling per scheme: the canonical one
-            from opdcache.quant import QuantScheme
-
-            object.__setattr__(self, "quantize", QuantScheme.parse(self.quantize).spec())
-        if self.tensor_parallel_size < 1:
-            raise ConfigError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
-            raise ConfigError(f"--max-batch-tokens must be at least 1, got {self.max_batch_tokens}")
-        if self.generate_batch_size < 1:
-            raise ConfigError(f"--batch-size must be at least 1, got {self.generate_batch_size}")
-
-    def fingerprint_view(self) -> dict:
-        """Settings that change numbers (not memory or batching, except in deterministic mode)."""
-        view = {"backend": self.backend, "dtype": self.dtype, "quantize": self.quantize, "tensor_parallel_size": self.tensor_parallel_size}
-        if self.exact:  # absent when off: caches built before --exact keep their fingerprints
-            from opdcache.backends.exact import ARITHMETIC
-
-            view["exact"] = ARITHMETIC
-        if self.inject:
-            view["inject"] = self.inject
-        return view
-
-
-def make_backend(model: str | Path, engine: EngineConfig, **extra):
-    if engine.exact:
-        from opdcache.backends.exact import ExactBackend
-
-        return ExactBackend(model, dtype=engine.dtype, quantize=engine.quantize, generate_batch_size=engine.generate_batch_size,
-                            max_batch_tokens=engine.max_batch_tokens or 2048, inject=engine.inject)
-    if engine.backend == "vllm":
-        from opdcache.backends.vllm import VLLMBackend
-
-        return VLLMBackend(model, dtype=engine.dtype, quantize=engine.quantize, tensor_parallel_size=engine.tensor_parallel_size,
-                           gpu_memory_utilization=engine.gpu_memory_utilization, **extra)
-    from opdcache.backends.hf import TransformersBackend
-
-    return TransformersBackend(model, dtype=engine.dtype, device=engine.device, quantize=engine.quantize,
-                               deterministic=engine.deterministic, max_batch_tokens=engine.max_batch_tokens,
-                               generate_batch_size=engine.generate_batch_size)
 
 
 @dataclass(frozen=True)
@@ -184,7 +94,7 @@ class GenerateJob:
                               f"got {self.sampling.temperature}; use --backend transformers for hotter sampling")
         if self.reward is not None:
             verifiers.resolve(self.reward)  # an unknown name or an unimportable module:function fails here, before any work
-        if self.engine.backend == "transformers" and self.engine.quantize is not None:
+        if self.engine.runs_transformers_models and self.engine.quantize is not None:
             from opdcache.quant import QuantScheme, check_config
 
             check_config(QuantScheme.parse(self.engine.quantize), self.model)  # from config.json, before the model loads
@@ -282,7 +192,7 @@ def run_generate(job: GenerateJob) -> GenerateResult:
         "sft_teacher": sft_teacher["fingerprint"] if sft_teacher else None, "reward": job.reward, "keep": job.keep,
         **({"credit_truncated": True} if job.credit_truncated else {}),  # absent when off: older caches keep their fingerprint
         # batch composition changes the last bits of batched kernels' outputs (~1e-5): a resume must keep it
-        "generate_batch_size": job.engine.generate_batch_size if job.engine.backend == "transformers" and not job.engine.exact else None,
+        "generate_batch_size": job.engine.generate_batch_size if job.engine.backend == "transformers" else None,
     }
     tok_info = {"fingerprint": config["tokenizer"], "name_or_path": ref.name, "chat_template_sha256": prompts.chat_template_sha256}
     # the manifest's table stats: prompts kept; samples_drawn = prompts x --samples (rows = samples_drawn - quarantined

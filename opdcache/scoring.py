@@ -24,7 +24,7 @@ from opdcache.workers import worker_from_env
 from opdcache.errors import ConfigError, ConsistencyError, SchemaError
 from opdcache.lineage import check_same_tokenizer, model_info
 from opdcache.models import load_tokenizer, resolve_model
-from opdcache.rollouts import EngineConfig, make_backend
+from opdcache.backends import EngineConfig, make_backend
 
 CALIBRATION_PER_RANK = 32  # the svd projection is fitted on at least 32 x rank positions when the table has them: on
 # SmolLM2 at rank 512 the held-out KL falls from 6.7e-3 (2,048 positions) to 4.8e-3 (8,192) and then stays (BENCHMARKS.md)

@@ -97,7 +97,8 @@ def test_checks_made_from_arguments_and_configs_come_before_any_model_loads(tmp_
 
     from opdcache.errors import ConfigError
     from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import EngineConfig, GenerateJob
+    from opdcache.backends import EngineConfig
+    from opdcache.rollouts import GenerateJob
 
     with pytest.raises(ConfigError, match="does not divide the model's hidden_size .* of 64; pick one that does"):
         GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=tmp_path / "c", engine=EngineConfig(quantize="w4a16"))

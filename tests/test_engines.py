@@ -91,27 +91,27 @@ def test_a_sample_does_not_depend_on_its_batch(student, prompts):
 
 
 @pytest.mark.parametrize("steps_ahead", [7, 1000])
-def test_uniforms_drawn_ahead_give_the_step_by_step_samples(student, prompts, monkeypatch, steps_ahead):
-    """Drawing each row's Gumbel uniforms several steps at a time (one call per row, not per row and step) must
-    reproduce the plain step-by-step draw exactly: same tokens, same stored values, same finish reasons."""
+def test_uniforms_computed_ahead_give_the_step_by_step_samples(student, prompts, monkeypatch, steps_ahead):
+    """Computing each row's uniforms several steps at a time must reproduce the plain step-by-step computation
+    exactly: same tokens, same stored values, same finish reasons."""
     import opdcache.backends.hf as hf
 
-    s = SamplingConfig(temperature=0.9, top_p=0.95, max_new_tokens=25, ref_top_k=2)
+    s = SamplingConfig(temperature=0.9, top_p=0.95, max_new_tokens=25, ref_top_k=2, mc_samples=2)
     reqs = [GenerateRequest(p, seed=10 + i) for i, p in enumerate(prompts)]
-    monkeypatch.setattr(hf, "NOISE_BLOCK_BYTES", 1)  # one step at a time: the plain draw
+    monkeypatch.setattr(hf, "UNIFORM_BLOCK_STEPS", 1)  # one step at a time: the plain computation
     plain = student.generate(reqs, s)
-    monkeypatch.setattr(hf, "NOISE_BLOCK_BYTES", 4 * len(reqs) * student.vocab_size * steps_ahead)
+    monkeypatch.setattr(hf, "UNIFORM_BLOCK_STEPS", steps_ahead)
     ahead = student.generate(reqs, s)
     for a, b in zip(plain, ahead):
         assert a.finish_reason == b.finish_reason
-        for field in ("response_ids", "sampling_logprobs", "ref_logprobs", "ref_topk_ids", "ref_topk_logprobs"):
+        for field in ("response_ids", "sampling_logprobs", "ref_logprobs", "ref_topk_ids", "ref_topk_logprobs", "mc_ids"):
             np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
     assert len({tuple(g.response_ids) for g in plain}) == len(plain)  # each row sampled its own response
 
 
 def test_generation_batch_size_must_be_positive():
     from opdcache.errors import ConfigError
-    from opdcache.rollouts import EngineConfig
+    from opdcache.backends import EngineConfig
 
     with pytest.raises(ConfigError, match="--batch-size must be at least 1, got 0"):
         EngineConfig(generate_batch_size=0)

@@ -73,7 +73,9 @@ def test_frontier_numbers_equal_plain_full_vocabulary_references(hf_cache, demo_
         assert got["bytes_per_token"] > 0
     assert report["settings"]["top-8 exact"]["kl"]["max"] > 1e-4  # the references are not all ~0
     codes, half = (report["settings"][f"top-8 {p} mass 0.01"]["students"]["s"]["vs_exact_topk"]["max"] for p in ("prob14", "float16"))
-    assert codes > half > 0  # each compact store measured against the exact top-8 it encodes: prob14's 2^-15 steps cost more
+    # each compact store measured against the exact top-8 it encodes: both lose the entries past the 1e-2 mass cut, which
+    # dominates their precision's steps (prob14's 2^-15, float16's 2^-11 relative), so the two errors are close, not 0
+    assert codes > 0 and half > 0 and abs(codes - half) < 0.05 * max(codes, half)
 
 
 def test_choose_picks_the_cheapest_within_the_error_or_the_best_within_the_bytes():

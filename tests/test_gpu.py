@@ -212,3 +212,34 @@ def test_an_exact_cache_built_on_cpu_trains_on_cuda_with_weights_of_exactly_one(
     assert torch.cuda.max_memory_allocated() > 0  # train ran on the GPU (the engine never touches it)
     step = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert step["is_weight_mean"] == 1.0 and step["is_weight_std"] == 0.0 and step["k1"] == 0.0, step
+
+
+# ------------------------------------------------------------------------------------------ the GPU sampler
+def test_the_samplers_uniforms_on_cuda_are_the_cpus():
+    from opdcache.backends import draws
+
+    seeds = torch.randint(0, 1 << 62, (64,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(draws.uniforms(seeds.to(CUDA), 3, 300, 5).cpu(), draws.uniforms(seeds, 3, 300, 5))
+
+
+def test_generation_on_cuda_keeps_every_step_on_the_device_and_matches_the_cpu(weights):
+    """The demo student in float32 on CUDA and on the CPU: same counter-based draws, so the same tokens wherever the
+    two devices' logits round alike (all but a rare boundary case), and the stored values within float32 rounding."""
+    import numpy as np
+
+    from opdcache.backends.base import GenerateRequest, SamplingConfig
+    from opdcache.backends.hf import TransformersBackend
+    from opdcache.demo.evaluate import chat_prompt_ids
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(weights / "student")
+    reqs = [GenerateRequest(chat_prompt_ids(tok, f"{a:03d}+{b:03d}"), seed=a * 1000 + b) for a, b in [(1, 2), (347, 589), (999, 1), (120, 305)]]
+    s = SamplingConfig(temperature=0.9, top_p=0.95, max_new_tokens=30, ref_top_k=3, mc_samples=2)
+    cpu = TransformersBackend(weights / "student", dtype="float32", device="cpu").generate(reqs, s)
+    gpu = TransformersBackend(weights / "student", dtype="float32", device="cuda").generate(reqs, s)
+    same = sum(np.array_equal(a.response_ids, b.response_ids) for a, b in zip(cpu, gpu))
+    assert same >= 3
+    for a, b in zip(cpu, gpu):
+        if np.array_equal(a.response_ids, b.response_ids):
+            np.testing.assert_allclose(a.ref_logprobs, b.ref_logprobs, atol=1e-4)
+            np.testing.assert_array_equal(a.mc_ids, b.mc_ids)

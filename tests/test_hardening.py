@@ -8,7 +8,8 @@ from opdcache.backends.base import SamplingConfig
 from opdcache.cli.main import main
 from opdcache.errors import ResumeError
 from opdcache.prompts import PromptConfig
-from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
+from opdcache.backends import EngineConfig
+from opdcache.rollouts import GenerateJob, run_generate
 
 FAST = SamplingConfig(max_new_tokens=12)
 

@@ -13,7 +13,8 @@ from opdcache.backends.base import SamplingConfig
 from opdcache.cache import Cache
 from opdcache.cli.main import main
 from opdcache.prompts import PromptConfig
-from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
+from opdcache.backends import EngineConfig
+from opdcache.rollouts import GenerateJob, run_generate
 from opdcache.validate import validate
 from opdcache.scoring import ScoreJob, run_score
 

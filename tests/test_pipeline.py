@@ -15,7 +15,8 @@ from opdcache.cli.main import main
 from opdcache.errors import ConsistencyError, InputError, TokenizerMismatchError
 from opdcache.fingerprint import sha256_file
 from opdcache.prompts import PromptConfig
-from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
+from opdcache.backends import EngineConfig
+from opdcache.rollouts import GenerateJob, run_generate
 from opdcache.scoring import ScoreJob, run_score
 from opdcache.validate import validate
 

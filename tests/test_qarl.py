@@ -14,7 +14,8 @@ from opdcache.cache import Cache
 from opdcache.cli.main import main
 from opdcache.errors import ConfigError
 from opdcache.prompts import PromptConfig
-from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
+from opdcache.backends import EngineConfig
+from opdcache.rollouts import GenerateJob, run_generate
 from opdcache.scoring import ScoreJob, run_score
 from opdcache.train import TrainConfig, Trainer
 

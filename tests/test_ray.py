@@ -10,7 +10,8 @@ from opdcache import manifest as M
 from opdcache.backends.base import SamplingConfig
 from opdcache.fingerprint import sha256_file
 from opdcache.prompts import PromptConfig
-from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
+from opdcache.backends import EngineConfig
+from opdcache.rollouts import GenerateJob, run_generate
 from opdcache.scoring import ScoreJob, run_score
 
 pytestmark = pytest.mark.ray

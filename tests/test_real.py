@@ -196,7 +196,8 @@ def test_vllm_rollouts_of_the_real_model_mean_what_the_schema_says(smollm2, prom
     from opdcache.cache import Cache
     from opdcache.models import load_causal_lm
     from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
+    from opdcache.backends import EngineConfig
+    from opdcache.rollouts import GenerateJob, run_generate
 
     out = tmp_path / "vllm"
     run_generate(GenerateJob(model=smollm2, prompts=PromptConfig(prompts, messages_field="messages", system_prompt=SYSTEM), out=out,

@@ -208,7 +208,8 @@ def test_batches_spanning_shards_give_the_same_shards_for_any_worker_count_and_r
     from opdcache.backends.hf import TransformersBackend
     from opdcache.fingerprint import sha256_file
     from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
+    from opdcache.backends import EngineConfig
+    from opdcache.rollouts import GenerateJob, run_generate
 
     def job(out, **kw):
         return GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=16), out=out, num_shards=8,

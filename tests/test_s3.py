@@ -371,7 +371,7 @@ def test_an_async_run_with_its_cache_on_s3_writes_the_local_runs_bytes(s3, tmp_p
 
 def test_audit_reads_the_url(s3, weights, opd_prompts, tmp_path, capsys):
     """An --exact cache written to S3 is audited in place: re-generated and re-scored bit for bit."""
-    from opdcache.rollouts import EngineConfig
+    from opdcache.backends import EngineConfig
 
     url = f"s3://{BUCKET}/runs/exact"
     gen = GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=6), out=url, num_shards=2,

@@ -20,7 +20,8 @@ from opdcache.backends.hf import sampling_logprobs  # noqa: E402
 from opdcache.cache import Cache  # noqa: E402
 from opdcache.compare import compare_teachers  # noqa: E402
 from opdcache.prompts import PromptConfig  # noqa: E402
-from opdcache.rollouts import EngineConfig, GenerateJob, run_generate  # noqa: E402
+from opdcache.backends import EngineConfig  # noqa: E402
+from opdcache.rollouts import GenerateJob, run_generate
 from opdcache.scoring import ScoreJob, run_score  # noqa: E402
 from opdcache.validate import validate  # noqa: E402
 

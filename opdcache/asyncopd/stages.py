@@ -27,7 +27,7 @@ from opdcache.cache import JOB_FILE, TableJob
 from opdcache.errors import InputError, SchemaError
 from opdcache.fingerprint import tokenizer_fingerprint
 from opdcache.models import load_tokenizer, resolve_model
-from opdcache.rollouts import EngineConfig, make_backend
+from opdcache.backends import EngineConfig, make_backend
 from opdcache.schedule import PromptSchedule
 
 STAGES = ("rollout", "teacher", "learner")

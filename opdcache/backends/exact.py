@@ -266,3 +266,24 @@ class ExactBackend:
         for batch in self._batches(requests):
             parts.append(self.final_hidden([requests[i] for i in batch])[0])
         return torch.cat(parts)
+
+
+def check(engine) -> dict:
+    """The exact engine's rules on an EngineConfig, before any model loads."""
+    if engine.device not in ("auto", "cpu"):
+        raise ConfigError(f"--exact runs on the CPU (the GPU path is batch-invariant kernels, not built here), got --device {engine.device}")
+    if engine.dtype == "float16":
+        raise ConfigError("--exact computes in float32 or bfloat16, got --dtype float16")
+    if engine.quantize is not None and engine.quantize.split(":")[0] == "int8":
+        raise ConfigError("--exact with --quantize int8 (torch's kernels) is not exact; use w8a8, its emulated equivalent")
+    fixed = {} if engine.inject is None else {"inject": Injection.parse(engine.inject).spec()}
+    if engine.quantize is not None:
+        from opdcache.quant import QuantScheme
+
+        fixed["quantize"] = QuantScheme.parse(engine.quantize).spec()
+    return fixed
+
+
+def build(model, engine, **_extra) -> ExactBackend:
+    return ExactBackend(model, dtype=engine.dtype, quantize=engine.quantize, generate_batch_size=engine.generate_batch_size,
+                        max_batch_tokens=engine.max_batch_tokens or 2048, inject=engine.inject)

@@ -2,8 +2,9 @@
 
 Generation runs its own sampling loop over the model's KV cache, so every stored number is computed
 from the logits the token was drawn from: temperature and top-p for ``sampling_logprobs``, temperature 1
-for ``ref_logprobs`` and top-k. Each sample draws from its own random stream (seeded from the sample's id),
-so a sample does not depend on which batch it ran in.
+for ``ref_logprobs`` and top-k. Every per-step operation runs on the model's device. Each sample's draws are
+counter-based uniforms of its seed (opdcache/backends/draws.py), so a sample does not depend on which batch it ran in,
+on the device or on any RNG state.
 
 Scoring runs the decoder once over prompt + response (right-padded, length-sorted batches under a
 token budget) and computes logits only at response positions, in blocks of positions sized so that no
@@ -22,13 +23,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from opdcache.backends import draws
 from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations, split_scores
 from opdcache.backends.streamed import head_transform, streamed_logit_stats
 from opdcache.errors import ConfigError
 from opdcache.progress import advance, detail
 
 POSITION_BLOCK = 2048  # positions scored together: enough rows that the head matmul runs at full rate
-NOISE_BLOCK_BYTES = 64 << 20  # generation: uniforms drawn ahead per batch ([rows, steps, vocabulary] float32)
+UNIFORM_BLOCK_STEPS = 256  # generation: decode steps whose uniforms are computed together ([rows, steps, 1 + m] float64)
+DONE_CHECK_EVERY = 16  # generation on a GPU: steps between reads of the "all rows finished" flag (the one host sync)
 SCORE_BATCH_TOKENS = {"cpu": 1024, "cuda": 16384}  # default padded tokens per scoring batch (the GPU's: 8.9x faster, bench_gpu.py)
 
 
@@ -334,12 +337,16 @@ class TransformersBackend:
 
 @torch.no_grad()
 def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, eos_ids: set, where: str = "") -> list[Generation]:
-    """Sample one batch: left-padded prompts, then ``s.max_new_tokens`` decode steps with per-row seeded Gumbel-max
-    draws, pi_ref's temperature-1 log-probs (and top-k, MC samples) at each step. ``where``: the progress detail's
-    prefix. Memory: the KV cache, allocated once at prompt + max_new_tokens positions (opdcache/backends/kvcache.py),
-    and a few [batch, vocabulary] float32 buffers reused by every step."""
+    """Sample one batch on the model's device: left-padded prompts, then ``s.max_new_tokens`` decode steps, each drawing
+    its token by inverse CDF from the sampling distribution with a counter-based uniform of the row's seed
+    (opdcache/backends/draws.py), and storing pi_ref's temperature-1 log-probs (and top-k, MC draws) from the same
+    logits. Every per-step operation runs on the device; the host reads the batch's "all finished" flag once every
+    ``DONE_CHECK_EVERY`` steps on a GPU (every step on a CPU, where it costs nothing) and the results once at the end.
+    ``where``: the progress detail's prefix. Memory: the KV cache, allocated once at prompt + max_new_tokens
+    positions (opdcache/backends/kvcache.py), a few [batch, vocabulary] float32 buffers reused by every step and one
+    [batch, vocabulary] float64 cumulative sum per draw, and the stored values [batch, max_new_tokens, k + m]."""
     device = next(model.parameters()).device
-    vocab_size = int(model.get_output_embeddings().weight.shape[0])
+    on_cpu = device.type == "cpu"
     B = len(requests)
     lengths = [len(r.prompt_ids) for r in requests]
     L = max(lengths)
@@ -349,8 +356,8 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
         input_ids[b, L - lengths[b]:] = torch.as_tensor(r.prompt_ids)
         mask[b, L - lengths[b]:] = 1
     input_ids, mask = input_ids.to(device), mask.to(device)
+    seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64).to(device)
     position = (mask.cumsum(-1) - 1).clamp(min=0)
-    gens = [torch.Generator().manual_seed(r.seed) for r in requests]
     # the decoder, then the head at the last position only ([B, V], never [B, L, V]), into buffers reused by every
     # step: a fresh [B, V] logits tensor per step (the model's own forward) fragments the CPU heap and RSS creeps
     from opdcache.backends import kvcache  # imports transformers
@@ -362,39 +369,42 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
                        **({past_arg: cache} if cache is not None else {}))
     past = _cache_of(out)
     V = head.vocab_size
-    logits = torch.empty((B, V))
-    ref_logp = torch.empty((B, V))
-    scratch = torch.empty((B, V))
-    samp_buf = torch.empty((B, V)) if s.temperature not in (0, 1) or s.top_p < 1 else None
+    logits = torch.empty((B, V), device=device)
+    ref_logp = torch.empty((B, V), device=device)
+    scratch = torch.empty((B, V), device=device)
+    samp_buf = torch.empty((B, V), device=device) if s.temperature not in (0, 1) or s.top_p < 1 else None
     logits.copy_(head(out.last_hidden_state))
     next_pos = position[:, -1:] + 1
-    done = torch.zeros(B, dtype=torch.bool)  # stopped at an end-of-sequence token (else cut at max_new_tokens)
-    n_tokens = torch.zeros(B, dtype=torch.long)
-    eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # stopped at an end-of-sequence token (else cut at max_new_tokens)
+    n_tokens = torch.zeros(B, dtype=torch.long, device=device)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
     steps: dict[str, list[torch.Tensor]] = {k: [] for k in ("tok", "slp", "rlp", "kid", "klp", "mid", "mlp")}
-    # uniforms for the Gumbel-max draw, several steps per row at a time; MC samples draw from the same streams
-    # between steps, so with them the uniforms are drawn step by step to keep each stream's order
-    noise, noise_at = None, 0
-    noise_steps = 1 if s.mc_samples else max(1, min(s.max_new_tokens, NOISE_BLOCK_BYTES // (4 * B * vocab_size)))
+    draws_per_step = 1 + (s.mc_samples or 0)  # draw 0 picks the token, draws 1..m the MC samples
+    u_block, u_at = None, 0
+    check_every = 1 if on_cpu else DONE_CHECK_EVERY
     for t in range(s.max_new_tokens):
         detail(f"{where}: token {t + 1}/{s.max_new_tokens}")
         log_softmax_into(logits, ref_logp, scratch)  # [B, V], temperature 1
         if s.temperature == 0:
             tok = ref_logp.argmax(-1)
             samp_logp = torch.full_like(ref_logp, float("-inf")).scatter(-1, tok[:, None], 0.0)
+        elif samp_buf is None:
+            samp_logp = ref_logp  # temperature 1, no nucleus: the sampling distribution is pi_ref's
+        elif s.top_p < 1:
+            samp_logp = sampling_logprobs(logits, s.temperature, s.top_p)
         else:
-            if samp_buf is None:
-                samp_logp = ref_logp  # temperature 1, no nucleus: the sampling distribution is pi_ref's
-            elif s.top_p < 1:
-                samp_logp = sampling_logprobs(logits, s.temperature, s.top_p)
-            else:
-                samp_logp = log_softmax_into(torch.div(logits, s.temperature, out=samp_buf), samp_buf, scratch)
-            if noise is None or t - noise_at == noise.shape[1]:
-                noise = None  # let the old block go before drawing the next
-                noise_at, noise = t, draw_noise(gens, min(noise_steps, s.max_new_tokens - t), V)
-            # Gumbel-max, in place on this step's uniforms (each is used once): -log(-log u) + log q
-            gumbel = noise[:, t - noise_at].clamp_min_(1e-20).log_().neg_().log_().neg_()
-            tok = gumbel.add_(samp_logp).argmax(-1)
+            samp_logp = log_softmax_into(torch.div(logits, s.temperature, out=samp_buf), samp_buf, scratch)
+        if s.temperature > 0 or s.mc_samples:
+            if u_block is None or t - u_at == u_block.shape[1]:
+                u_at = t
+                u_block = draws.uniforms(seeds, t, min(UNIFORM_BLOCK_STEPS, s.max_new_tokens - t), draws_per_step)  # [B, steps, 1 + m]
+            u = u_block[:, t - u_at]
+            picked = draws.inverse_cdf(samp_logp, u if s.temperature > 0 else u[:, 1:])  # [B, 1 + m] (or [B, m] greedy)
+            if s.temperature > 0:
+                tok, picked = picked[:, 0], picked[:, 1:]
+            if s.mc_samples:
+                steps["mid"].append(picked)
+                steps["mlp"].append(samp_logp.gather(-1, picked))
         steps["tok"].append(tok)
         steps["slp"].append(samp_logp.gather(-1, tok[:, None]).squeeze(-1))
         steps["rlp"].append(ref_logp.gather(-1, tok[:, None]).squeeze(-1))
@@ -402,25 +412,32 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
             klp, kid = ref_logp.topk(s.ref_top_k, -1)
             steps["kid"].append(kid)
             steps["klp"].append(klp)
-        if s.mc_samples:
-            probs = samp_logp.exp()
-            mid = torch.stack([torch.multinomial(probs[b], s.mc_samples, replacement=True, generator=gens[b]) for b in range(B)])
-            steps["mid"].append(mid)
-            steps["mlp"].append(samp_logp.gather(-1, mid))
         n_tokens += ~done
         done |= torch.isin(tok, eos)
-        if bool(done.all()) or t == s.max_new_tokens - 1:
+        if t == s.max_new_tokens - 1 or (t % check_every == check_every - 1 and bool(done.all())):
             break
         mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
-        out = _base(model)(input_ids=tok[:, None].to(device), attention_mask=mask, position_ids=next_pos, use_cache=True, **{past_arg: past})
+        out = _base(model)(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True, **{past_arg: past})
         past = _cache_of(out)
         logits.copy_(head(out.last_hidden_state))
         next_pos = next_pos + 1
-        if t % TRIM_EVERY == TRIM_EVERY - 1:
+        if on_cpu and t % TRIM_EVERY == TRIM_EVERY - 1:
             release_free_heap()
-    return split_generations({k: torch.stack(v, 1).numpy() for k, v in steps.items() if v}, n_tokens, done, s)  # [B, steps, ...]
+    stacked = {k: torch.stack(v, 1).cpu().numpy() for k, v in steps.items() if v}  # [B, steps, ...]: one copy per batch
+    return split_generations(stacked, n_tokens.cpu(), done.cpu(), s)
 
 
-def draw_noise(gens: list[torch.Generator], steps: int, V: int) -> torch.Tensor:
-    """[B, steps, V] uniforms, row b from its own stream: the same numbers as ``steps`` draws of [V] in turn."""
-    return torch.stack([torch.rand(steps, V, generator=g) for g in gens])
+def check(engine) -> dict:
+    """The transformers engine's rules on an EngineConfig (before any model loads): its quantization schemes, in
+    their canonical spelling (what the manifest records)."""
+    if engine.quantize is None:
+        return {}
+    from opdcache.quant import QuantScheme
+
+    return {"quantize": QuantScheme.parse(engine.quantize).spec()}
+
+
+def build(model, engine, **_extra) -> TransformersBackend:
+    return TransformersBackend(model, dtype=engine.dtype, device=engine.device, quantize=engine.quantize,
+                               deterministic=engine.deterministic, max_batch_tokens=engine.max_batch_tokens,
+                               generate_batch_size=engine.generate_batch_size)

@@ -248,3 +248,13 @@ class VLLMBackend:
         advance(len(requests))
         return out
 
+
+
+def check(engine) -> dict:
+    """vLLM's settings are checked by vLLM when its engine starts (its quantization methods are its own)."""
+    return {}
+
+
+def build(model, engine, **extra) -> VLLMBackend:
+    return VLLMBackend(model, dtype=engine.dtype, quantize=engine.quantize, tensor_parallel_size=engine.tensor_parallel_size,
+                       gpu_memory_utilization=engine.gpu_memory_utilization, **extra)

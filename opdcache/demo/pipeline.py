@@ -238,7 +238,8 @@ def sft_stages(cfg: DemoConfig, report: DemoReport, paths: dict[str, Path]) -> P
 def rollouts_stage(cfg: DemoConfig, report: DemoReport, pi_ref: Path, prompts: Path, out: Path, quantize: str | None = None) -> None:
     from opdcache.backends.base import SamplingConfig
     from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import EngineConfig, GenerateJob, run_generate
+    from opdcache.backends import EngineConfig
+    from opdcache.rollouts import GenerateJob, run_generate
 
     stage(report, "build-rollouts" + (f" --quantize {quantize}" if quantize else ""), (out / "opdcache.json").is_file(),
            lambda: run_generate(GenerateJob(
