@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -33,20 +32,16 @@ def mismatch_report(
 
     Memory: as score-teacher for the float32 recompute (streamed head, no tokens x vocabulary), plus the per-token deltas."""
     from opdcache import mismatch as M
-    from opdcache.storage import write_text_atomic
 
+    out = M.report_folder(cache, out)  # a folder that would write outside the cache is refused before any recompute
     rep, sections = M.report(cache, model, teacher, rollouts, worst, device, progress, rollout_aligned, exact)
     limits = M.Thresholds(max_abs_delta, max_mean_abs_delta, max_flip_fraction, max_k3)
     problems = M.crossed(rep, limits)
     rep["thresholds"] = dict(vars(limits))
     rep["crossed"] = problems
-    from opdcache.storage import is_url
-
-    out = out or (Path("mismatch-report") if is_url(cache) else Path(cache) / "mismatch-report")  # the report is written locally
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "mismatch_report.json", json.dumps(rep, indent=2) + "\n")
+    written = M.write_report(rep, sections, out, png)
     typer.echo(M.render(rep))
-    typer.echo(f"\nwrote {out / 'mismatch_report.json'}" + (f" and {M.histogram_png(sections, out / 'mismatch_hist.png')}" if png else ""))
+    typer.echo("\nwrote " + " and ".join(map(str, written)))
     for line in problems:
         typer.echo(f"threshold crossed: {line}", err=True)
     if problems:

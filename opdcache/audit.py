@@ -30,6 +30,7 @@ from opdcache import shards
 from opdcache.backends import engine_for_table
 from opdcache.cache import Cache
 from opdcache.errors import ConfigError
+from opdcache.lineage import recorded_model
 
 DEFINITIONS = {
     "values": "stored values compared (per-token entries; padding slots included as stored)",
@@ -133,19 +134,6 @@ def _rows_wanted(cache: Cache, name: str, rows: int | str) -> int:
     return sum(int(s["rows"]) for s in cache.table(name)["shards"]) if rows == "all" else rows
 
 
-def _model_path(record: dict, override: Path | None, flag: str, table: str) -> Path:
-    from opdcache.fingerprint import model_fingerprint
-
-    path = Path(override) if override is not None else Path(record.get("name_or_path") or "")
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"audit of {table} needs the model {record.get('name_or_path')!r} (fingerprint {str(record.get('fingerprint'))[:12]}), "
-                          f"which is not at {str(path)!r}; pass {flag} PATH")
-    if record.get("fingerprint") and model_fingerprint(path) != record["fingerprint"]:
-        raise ConfigError(f"{flag} {path} is not the model that wrote {table} (fingerprint {record['fingerprint'][:12]}); "
-                          "pass the same weights")
-    return path
-
-
 ROLLOUT_COLUMNS = ("response_ids", "sampling_logprobs", "ref_logprobs", "ref_topk_ids", "ref_topk_logprobs", "mc_ids", "mc_sampling_logprobs")
 
 
@@ -174,7 +162,7 @@ def _audit_base(cache: Cache, name: str, cfg: AuditConfig) -> dict:
 
     entry = cache.table(name)
     record = entry.get("model") or {}
-    path = _model_path(record, cfg.model, "--model", name)
+    path = recorded_model(record, cfg.model, "--model", f"the {name} table")
     exact = bool(record.get("exact"))
     dtype = _recorded_dtype(record)
     backend = engine_for_table(record, path, name, dtype=dtype)
@@ -211,7 +199,7 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
 
     entry = cache.table(name)
     record = entry.get("model") or {}
-    path = _model_path(record, cfg.teacher, "--teacher", name)
+    path = recorded_model(record, cfg.teacher, "--teacher", f"the {name} table")
     exact = bool(record.get("exact"))
     dtype = _recorded_dtype(record)
     params = cache.params(name)

@@ -128,9 +128,9 @@ class TableJob:
             done = M.load(self.root)["tables"].get(self.table)
             if done is not None:
                 self._refuse_if_changed(done["config"], done["config_fingerprint"], "the finished cache")
-        job_file = self.dir / JOB_FILE
+        job_file = storage.confined_write(self.root, self.dir / JOB_FILE)  # no folder of the table leads outside the cache
         if job_file.is_file():
-            old = read_json(job_file, str(job_file), ManifestError)
+            old = read_json(storage.confined(self.root, job_file), str(job_file), ManifestError)
             self._refuse_if_changed(old["config"], old["config_fingerprint"], "the partial run")
         else:
             storage.write_text_atomic(job_file, json.dumps(self._job_record(), indent=2, sort_keys=True) + "\n")
@@ -171,7 +171,7 @@ class TableJob:
         """Re-read every shard's size and hash from disk (the manifest never trusts memory)."""
         infos = []
         for i in range(self.num_shards):
-            path = self.shard_path(i)
+            path = storage.confined(self.root, self.shard_path(i))  # a planted link is never hashed as a shard
             meta = shards.open_parquet(path).metadata
             rows = meta.num_rows
             tokens = shards.table_tokens(shards.read_table(path, [_token_column(self.kind)]))
@@ -341,6 +341,7 @@ class Cache:
             return None
         from transformers import AutoTokenizer
 
+        storage.confined_tree(self.root, path)  # no tokenizer file read through a link out of the cache
         try:  # a cache is untrusted input: never run code it carries (auto_map), and a bad folder is one line, not a traceback
             with storage.local_copy(path) as local:  # read whole: the copy of a remote cache's folder goes at the block's end
                 return AutoTokenizer.from_pretrained(local, trust_remote_code=False)
@@ -384,7 +385,7 @@ class Cache:
 
     def read_shard(self, table: str, index: int, columns=None, max_row_tokens: int | None = None):
         """Shard ``index`` of ``table`` (some columns), its footer checked against the manifest's rows and tokens before
-        anything is decoded (opdcache/shards.py, check_footer): the reading layer every command goes through."""
+        anything is decoded (opdcache/shardcheck.py, check_footer): the reading layer every command goes through."""
         info = self.table(table)["shards"][index]
         return shards.read_table(self.shard_paths(table)[index], columns, rows=info["rows"], tokens=info["tokens"],
                                  max_row_tokens=max_row_tokens, where=info["path"])
@@ -414,7 +415,7 @@ def _table_records(root) -> dict[str, dict]:
     for table_dir in [root / "sft", root / "rollouts"] + (sorted((root / "teachers").iterdir()) if (root / "teachers").is_dir() else []):
         path = table_dir / TABLE_RECORD
         if path.is_file():
-            rec = read_json(path, str(path), ManifestError)
+            rec = read_json(storage.confined(root, path), str(path), ManifestError)
             records[rec["table"]] = rec["entry"]
     return records
 
@@ -446,7 +447,7 @@ def finalize_table(job: TableJob, tokenizer: dict | None = None, lineage: dict |
         entry_extra["svd"] = read_metadata(svd_file)["info"]
     if job.kind == "teacher" and not M.exists(job.root):
         raise ManifestError(f"{job.root} has no manifest: score a finished rollouts or sft cache")
-    storage.write_text_atomic(job.dir / TABLE_RECORD, json.dumps({"table": job.table, "entry": job.table_entry(**entry_extra)},
+    storage.write_text_atomic(storage.confined_write(job.root, job.dir / TABLE_RECORD), json.dumps({"table": job.table, "entry": job.table_entry(**entry_extra)},
                                                                  indent=2, sort_keys=True) + "\n")
     for _ in range(100):
         if M.exists(job.root):

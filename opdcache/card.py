@@ -123,8 +123,8 @@ SAMPLED_RECIPE = ("import numpy as np\n"
 
 
 def write(root, manifest: dict):
-    from opdcache.storage import as_path
+    from opdcache.storage import as_path, confined_write
 
-    path = as_path(root) / "README.md"
+    path = confined_write(as_path(root), as_path(root) / "README.md")
     write_text_atomic(path, render(manifest))
     return path

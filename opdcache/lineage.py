@@ -131,3 +131,35 @@ def tokenizer_difference(a, b) -> str:
     if not parts:
         parts.append("normaliser, pre-tokeniser or merges differ")
     return "; ".join(parts)
+
+
+def recorded_model(record: dict, override: "str | Path | None", flag: str, what: str) -> Path:
+    """The weights to re-compute ``what`` with. ``override`` (the user's ``flag``) must carry the recorded fingerprint
+    when the record has one. Without it, the path the manifest records is a hint from an untrusted file, used only
+    when it holds a model whose weights are safetensors (nothing loaded through pickle) and whose fingerprint is the
+    recorded one; the caller is told which model was taken. Anything else is refused in one line asking for ``flag``."""
+    from opdcache.fingerprint import WEIGHT_SUFFIXES
+
+    fingerprint = record.get("fingerprint")
+    short = str(fingerprint)[:12]
+    if override is not None:
+        path = Path(override)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{flag} {path} is not a local Hugging Face model directory (no config.json)")
+        if fingerprint and model_fingerprint(path) != fingerprint:
+            raise ConfigError(f"{flag} {path} (fingerprint {model_fingerprint(path)[:12]}) is not the model that wrote {what} "
+                              f"({short}); pass the same weights")
+        return path
+    hint = str(record.get("name_or_path") or "")
+    ask = f"pass {flag} PATH (the model {hint[:200]!r}, fingerprint {short})"
+    path = Path(hint)
+    if not fingerprint or not hint or not (path / "config.json").is_file():
+        raise ConfigError(f"{what}'s model is not at the path the cache records; {ask}")
+    pickled = sorted(p.name for p in path.rglob("*") if p.suffix in WEIGHT_SUFFIXES and p.suffix != ".safetensors")
+    if pickled:
+        raise ConfigError(f"the recorded model folder {hint[:200]!r} holds weights that load through pickle ({', '.join(pickled[:3])}); "
+                          f"a cache's recorded path is only a hint: {ask}")
+    if model_fingerprint(path) != fingerprint:
+        raise ConfigError(f"the model at the recorded path {hint[:200]!r} does not carry the recorded fingerprint {short}; {ask}")
+    print(f"note: {what}: using the model at the recorded path {hint[:200]} (its weights carry the recorded fingerprint {short})")
+    return path

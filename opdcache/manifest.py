@@ -211,14 +211,18 @@ def load(root: str | Path) -> dict:
             f"{root} has no {MANIFEST_NAME}: the cache is incomplete (a job is still running or was stopped; "
             "rerun it to resume) or this is not an opdcache cache"
         )
+    from opdcache.storage import as_path, confined
     from opdcache.untrusted import read_json
 
+    confined(as_path(root), path)
     return check(read_json(path, str(path), ManifestError), str(path))
 
 
 def save(root: str | Path, manifest: dict) -> None:
+    from opdcache.storage import as_path, confined_write
+
     check(manifest)
-    write_text_atomic(manifest_path(root), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(confined_write(as_path(root), manifest_path(root)), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 def content_view(manifest: dict) -> str:

@@ -19,6 +19,7 @@ histogram; :func:`crossed` which thresholds a report crosses (``mismatch-report`
 
 from __future__ import annotations
 
+import json
 from contextlib import closing
 from dataclasses import dataclass
 from itertools import combinations
@@ -138,19 +139,13 @@ def rollout_section(cache: Cache, model: str | Path | None = None, device: str =
     runs in the rollouts' recorded low-bit scheme, as ``train --rollout-aligned``'s learner does; ``exact``: it runs in
     the exact arithmetic (train --exact's learner), in the rollouts' recorded dtype and scheme."""
     from opdcache.backends import EngineConfig, make_backend
-    from opdcache.lineage import model_info
+    from opdcache.lineage import recorded_model
     from opdcache.scoring import score_requests
 
     if cache.kind != "rollouts":
         raise ConfigError(f"{cache.root} is a {cache.kind} cache; the rollout mismatch needs pi_ref rollouts (ref_logprobs)")
     recorded = cache.table("rollouts").get("model") or {}
-    path = Path(model) if model is not None else Path(recorded.get("name_or_path", ""))
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"pi_ref's weights are not at {str(path)!r} (the path the cache recorded); pass --model PI_REF")
-    fp = model_info(path)["fingerprint"]
-    if recorded.get("fingerprint") and fp != recorded["fingerprint"]:
-        raise ConfigError(f"--model {path} (fingerprint {fp[:12]}) is not the model that generated the rollouts "
-                          f"({recorded['fingerprint'][:12]}); the mismatch is only meaningful for the same weights")
+    path = recorded_model(recorded, model, "--model", "the rollouts table")  # the mismatch is only meaningful for the same weights
     params = cache.params("rollouts")
     deltas, flips, ids, responses, stored_all = [], [] if params.ref_top_k else None, [], [], []
     scheme = None
@@ -236,13 +231,12 @@ def teacher_section(cache: Cache, a: str, b: str) -> Section:
 def exact_teacher_section(cache: Cache, slug: str, teacher: str | Path | None = None) -> Section:
     """A teacher table's stored log-probs against the exact arithmetic's recompute of the same teacher weights."""
     from opdcache.backends import EngineConfig, make_backend
+    from opdcache.lineage import recorded_model
     from opdcache.scoring import score_requests
 
     table = cache.teacher_table(slug)
     recorded = cache.table(table).get("model") or {}
-    path = Path(teacher) if teacher is not None else Path(recorded.get("name_or_path", ""))
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"the teacher of {table} is not at {str(path)!r} (the path the cache recorded); pass --teacher-model PATH")
+    path = recorded_model(recorded, teacher, "--teacher-model", f"the {table} table")
     backend = make_backend(path, EngineConfig(backend="exact", dtype=recorded.get("dtype") or "float32",
                                               quantize=recorded_spec(recorded.get("quantization")) if recorded.get("engine") == "exact" else None))
     deltas, ids, responses = [], [], []
@@ -366,8 +360,36 @@ def histogram_png(sections: list[Section], path: str | Path) -> Path:
     ax.set_title("training-inference mismatch per token")
     ax.legend(fontsize=8)
     fig.tight_layout()
+    from opdcache import storage
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # the whole x-axis label, not cut at the figure's edge
+    with storage.staged(path) as tmp:  # a new file renamed onto the name: never written through a link planted there
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")  # the whole x-axis label, not cut at the figure's edge
     plt.close(fig)
     return path
+
+
+REPORT_FILE, HIST_FILE = "mismatch_report.json", "mismatch_hist.png"
+
+
+def report_folder(cache: str | Path, out: Path | None) -> Path:
+    """Where the report goes: ``out``, else CACHE/mismatch-report (./mismatch-report for a cache at a URL: the report is
+    written locally). Checked before anything is recomputed: a folder inside the cache must not lead the writes outside
+    it through a link (refused in one line naming the link)."""
+    from opdcache.storage import confined_write, is_url
+
+    if out is None:
+        out = Path("mismatch-report") if is_url(cache) else Path(cache) / "mismatch-report"
+    if not is_url(cache) and Path(out).absolute().is_relative_to(Path(cache).absolute()):
+        for name in (REPORT_FILE, HIST_FILE):
+            confined_write(Path(cache), Path(out) / name)
+    return Path(out)
+
+
+def write_report(rep: dict, sections: list[Section], out: Path, png: bool) -> list[Path]:
+    """The JSON report and, with ``png``, the histogram, each written whole under its final name."""
+    from opdcache.storage import write_text_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / REPORT_FILE, json.dumps(rep, indent=2) + "\n")
+    return [out / REPORT_FILE] + ([histogram_png(sections, out / HIST_FILE)] if png else [])

@@ -17,6 +17,7 @@ only for strings.
 
 from __future__ import annotations
 
+import io
 import os
 
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import pyarrow.parquet as pq
 from opdcache import schema as S
 from opdcache import storage
 from opdcache.errors import SchemaError
+from opdcache.shardcheck import MAX_ROW_TOKENS, check_footer, check_nulls, check_types  # noqa: F401 (the reading layer's checks)
 
 COMPRESSION = "zstd"
 COMPRESSION_LEVEL = 3
@@ -231,7 +233,7 @@ def write_table_atomic(table: pa.Table, path, root) -> ShardInfo:
     disk, one upload on an object store); return what the manifest needs."""
     encodings = _encodings(table.schema)
     dict_cols = [f.name for f in table.schema if f.type == pa.string()]
-    with storage.staged(path) as tmp:
+    with storage.staged(storage.confined_write(root, path)) as tmp:
         pq.write_table(
             table, str(tmp),
             row_group_size=_row_group_rows(table),
@@ -260,61 +262,6 @@ def read_schema(path) -> pa.Schema:
     return pq.read_schema(source, filesystem=fs)
 
 
-MAX_ROW_TOKENS = 1 << 20  # list entries per row and column a reader accepts when it knows no model context (1M tokens)
-ROWS_PER_BYTE = 8  # an honest row takes bytes (its id alone is a unique hash); more rows than 8 per byte is a size bomb
-
-
-def _list_width(field: pa.Field) -> int | None:
-    """Entries per token of a list column (1 for list<x>, k for list<fixed_size_list<x, k>>); None for other columns."""
-    t = field.type
-    if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
-        return None
-    width, inner = 1, t.value_type
-    while pa.types.is_fixed_size_list(inner):
-        width, inner = width * inner.list_size, inner.value_type
-    return width
-
-
-def check_footer(pf: pq.ParquetFile, nbytes: int | None, columns: Iterable[str] | None, where: str,
-                 rows: int | None = None, max_row_tokens: int | None = None, tokens: int | None = None) -> None:
-    """Refuse, from the footer alone and before anything is decoded, a shard whose row count differs from ``rows`` (the
-    manifest's) or exceeds ROWS_PER_BYTE x its bytes, or whose list columns hold more entries than rows x
-    ``max_row_tokens`` (the model's context; default MAX_ROW_TOKENS) x the column's width, or (``tokens``: the
-    manifest's response tokens) whose per-token columns hold more than tokens x width. So what a reader decodes is
-    bounded by the shard's own declared size, whatever its bytes claim. One line naming the shard."""
-    from opdcache.errors import SchemaError
-
-    md = pf.metadata
-    n = md.num_rows
-    if rows is not None and n != rows:
-        raise SchemaError(f"{where}: the file holds {n:,} rows, the manifest says {rows:,} (a replaced or damaged shard); "
-                          "run `opdcache validate` and rebuild it")
-    if nbytes is not None and n > ROWS_PER_BYTE * nbytes + 1024:
-        raise SchemaError(f"{where}: {n:,} rows in {nbytes:,} bytes, more than {ROWS_PER_BYTE} rows a byte: refused before decoding "
-                          "(a size bomb, not a shard opdcache wrote)")
-    limit = max_row_tokens or MAX_ROW_TOKENS
-    wanted = None if columns is None else set(columns)
-    schema = pf.schema_arrow
-    leaves: dict[str, int] = {}
-    for g in range(md.num_row_groups):
-        group = md.row_group(g)
-        for j in range(group.num_columns):
-            col = group.column(j)
-            top = col.path_in_schema.split(".", 1)[0]
-            leaves[top] = leaves.get(top, 0) + col.num_values
-    for name, count in leaves.items():
-        if (wanted is not None and name not in wanted) or schema.get_field_index(name) < 0:
-            continue
-        width = _list_width(schema.field(name))
-        if width is not None and tokens is not None and name != "prompt_ids" and count > tokens * width + n:
-            raise SchemaError(f"{where}: column {name} holds {count:,} entries, the manifest's {tokens:,} response tokens allow "
-                              f"{tokens * width:,}: refused before decoding")
-        if width is not None and count > n * limit * width:
-            what = f"the model's context of {limit:,}" if max_row_tokens else f"the reading limit of {limit:,}"
-            raise SchemaError(f"{where}: column {name} holds {count:,} entries for {n:,} rows, more than {what} tokens a row: "
-                              "refused before decoding")
-
-
 def _open(path) -> tuple[pq.ParquetFile, int]:
     if isinstance(path, (bytes, pa.Buffer)):
         return pq.ParquetFile(pa.BufferReader(path)), len(path)
@@ -331,15 +278,38 @@ def check_shard_footer(path, rows: int | None = None, where: str | None = None, 
     check_footer(pf, nbytes, None, where or str(path), rows, max_row_tokens, tokens)
 
 
+def check_pages(path, pf: pq.ParquetFile, nbytes: int, columns: list[str] | None, where: str) -> None:
+    """:func:`opdcache.pagecheck.check_pages` of a shard's columns: its pages agree with its footer and decompress to a
+    size bounded by its bytes on disk. One line naming the shard."""
+    from opdcache.pagecheck import PageError, check_pages as check
+
+    if isinstance(path, (bytes, pa.Buffer)):
+        source = io.BytesIO(bytes(path))
+    else:
+        src, fs = storage.arrow_source(path)
+        source = open(src, "rb") if fs is None else fs.open(src, "rb")
+    try:
+        with source:
+            check(source, pf.metadata, nbytes, columns)
+    except PageError as exc:
+        raise SchemaError(f"{where}: {exc}: refused before decoding (a shard opdcache did not write, or a damaged one)") from None
+
+
 def read_table(path, columns: Iterable[str] | None = None, rows: int | None = None, max_row_tokens: int | None = None,
                where: str | None = None, tokens: int | None = None) -> pa.Table:
     """A shard (or some of its columns): memory-mapped on a local disk, ranged reads on an object store, or parsed from
-    bytes already in memory. Its footer is checked first (:func:`check_footer`): sizes are bounded before any column
-    is decoded. ``rows``: the manifest's row count; ``max_row_tokens``: the model's context."""
+    bytes already in memory. Its footer is checked first (:func:`check_footer`), then its pages' headers against the
+    footer and its bytes on disk (:func:`check_pages`): sizes are bounded before any column is decoded. ``rows``: the
+    manifest's row count; ``max_row_tokens``: the model's context."""
     cols = list(columns) if columns is not None else None
     pf, nbytes = _open(path)
-    check_footer(pf, nbytes, cols, where or str(getattr(path, "name", "a shard")), rows, max_row_tokens, tokens)
-    return pf.read(columns=cols)
+    where = where or str(getattr(path, "name", "a shard"))
+    check_footer(pf, nbytes, cols, where, rows, max_row_tokens, tokens)
+    check_pages(path, pf, nbytes, cols, where)
+    nullable = check_types(pf.schema_arrow, cols, where)
+    table = pf.read(columns=cols)
+    check_nulls(table, nullable, where)
+    return table
 
 
 def open_parquet(path) -> pq.ParquetFile:

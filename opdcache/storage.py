@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -66,22 +67,83 @@ def as_path(root: str | os.PathLike) -> AnyPath:
         raise ConfigError(f"{text}: not a storage URL opdcache can open ({exc})") from None
 
 
+def _hf_blobs(root_real: Path) -> Path | None:
+    """For a cache read from inside a Hugging Face cache snapshot (``<repo>/snapshots/<revision>/...``, where every file
+    is a link into ``<repo>/blobs/``), that repository's blobs folder; else None."""
+    for parent in root_real.parents:
+        if parent.name == "snapshots" and (parent.parent / "blobs").is_dir():
+            return parent.parent / "blobs"
+    return None
+
+
+def _leads_outside(root: AnyPath, path: AnyPath, what: str, action: str, fix: str):
+    from opdcache.errors import ManifestError
+
+    return ManifestError(f"{path} leads outside the cache (to {what}); refusing to {action} through it. {fix}")
+
+
 def confined(root: AnyPath, path: AnyPath) -> AnyPath:
     """``path`` if it lies inside ``root`` once symlinks are followed; otherwise a ManifestError naming where it leads.
-    A cache is untrusted input: a symlinked shard or side file must not make a reader open a file outside it. (Object
-    stores have no symlinks; their keys are checked lexically by the manifest.)"""
+    A cache is untrusted input: a symlinked shard, manifest, tokenizer file or side file must not make a reader open a
+    file outside it. The one layout allowed besides: a cache inside a Hugging Face cache snapshot, whose files are links
+    into that repository's ``blobs/`` folder. (Object stores have no symlinks; their keys are checked lexically by the
+    manifest.)"""
     if is_remote(path):
         return path
     try:
+        root_real = Path(root).resolve()
         target = Path(path).resolve()
-        inside = target.is_relative_to(Path(root).resolve())
+        blobs = _hf_blobs(root_real)
+        inside = target.is_relative_to(root_real) or (blobs is not None and target.parent == blobs)
     except (OSError, RuntimeError):  # a symlink loop
         target, inside = Path(path), False
     if not inside:
+        raise _leads_outside(root, path, str(target), "read", "Replace it with the real file (opdcache pull, or rebuild the shard)")
+    return path
+
+
+def confined_tree(root: AnyPath, folder: AnyPath) -> AnyPath:
+    """:func:`confined` for a folder and every file and folder in it (a cache's tokenizer), links not followed while
+    listing."""
+    if is_remote(folder):
+        return folder
+    confined(root, folder)
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+        for name in dirnames + filenames:
+            confined(root, Path(dirpath) / name)
+    return folder
+
+
+def confined_write(root: AnyPath, path: AnyPath) -> AnyPath:
+    """``path`` if writing it (a temporary file in its folder, then a rename onto it) stays inside ``root``: every
+    existing folder between ``root`` and ``path`` that is a symlink resolves inside root's real path, and an existing
+    file at ``path`` is neither a symlink nor a hard link to a file elsewhere. Otherwise a ManifestError naming the
+    link, before anything is written."""
+    if is_remote(path):
+        return path
+    root = Path(root)
+    root_real = root.resolve()
+    path = Path(path)
+    try:
+        rel = path.relative_to(root)
+    except ValueError:
+        rel = path.resolve().relative_to(root_real) if path.resolve().is_relative_to(root_real) else None
+        if rel is None:
+            raise _leads_outside(root, path, str(path.resolve()), "write", "Write inside the cache folder") from None
+    probe = root
+    for part in rel.parts[:-1]:
+        probe = probe / part
+        if probe.is_symlink():
+            target = probe.resolve()
+            if not target.is_relative_to(root_real) or not target.is_dir():
+                raise _leads_outside(root, probe, str(target), "write", "Remove the link (the command recreates the folder)")
+    if path.is_symlink():
+        raise _leads_outside(root, path, str(path.resolve()), "write", "Remove the link (the command writes the file anew)")
+    if path.is_file() and path.stat().st_nlink > 1:
         from opdcache.errors import ManifestError
 
-        raise ManifestError(f"{path} leads outside the cache (to {target}); refusing to read it. Replace it with the real "
-                            "file (opdcache pull, or rebuild the shard)")
+        raise ManifestError(f"{path} is a hard link shared with {path.stat().st_nlink - 1} other name(s), possibly outside the "
+                            "cache; refusing to write through it. Remove it (the command writes the file anew)")
     return path
 
 
@@ -108,7 +170,9 @@ def staged(path: AnyPath) -> Iterator[Path]:
             tmp.unlink(missing_ok=True)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    # created here, new and not through a link: a planted link at the temporary name cannot redirect the write
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644))
     try:
         yield tmp
         with open(tmp, "rb+") as f:

@@ -20,7 +20,7 @@ exactly that thing (tests/test_validate.py unless named):
 | shard | readable Parquet; kind, store parameters and Arrow schema as declared | ``unreadable shard`` / ``shard declares kind`` / ``schema differs`` | test_unreadable_shard, test_shard_with_another_schema |
 | shard | the shard's own config fingerprint is its table's (not a shard of another run) | ``(a shard from another run)`` | test_shard_from_another_run |
 | shard | row count and response-token count as in the manifest | ``N rows, the manifest says`` / ``response tokens, the manifest says`` | test_wrong_row_count, test_token_counts_and_config_fingerprint_are_checked_against_the_manifest |
-| shard | the footer's sizes before decoding: at most 8 rows a byte, list entries within the declared tokens (opdcache/shards.py check_footer) | ``rows a byte: refused before decoding`` / ``refused before decoding`` | tests/test_hostile2.py test_a_rows_bomb_agreed_by_footer_and_manifest_is_one_line |
+| shard | the footer's sizes before decoding: at most 8 rows a byte, list entries within the declared tokens (opdcache/shardcheck.py check_footer) | ``rows a byte: refused before decoding`` / ``refused before decoding`` | tests/test_hostile2.py test_a_rows_bomb_agreed_by_footer_and_manifest_is_one_line |
 | rows | response, top-k and MC ids inside the vocabulary; finish_reason known | ``token id outside the vocabulary`` / ``finish_reason must be one of`` | test_out_of_vocabulary_ids_and_unknown_finish_reasons |
 | rows | every per-token column as long as the response (hidden included, streamed) | ``per-token column length differs`` | test_hidden_rows_of_the_wrong_length_are_found_while_streaming |
 | rows | log-probs finite and not above 0; logsumexp finite | ``non-finite log-prob`` / ``log-prob above 0`` / ``non-finite logsumexp`` | test_row_level_problems_name_row_and_column, test_non_finite_values |
@@ -45,7 +45,7 @@ import numpy as np
 import pyarrow as pa
 
 from opdcache import manifest as M
-from opdcache import rowrules, shards, storage
+from opdcache import rowrules, shardcheck, shards, storage
 from opdcache.fidelity import check_record
 from opdcache.sidefiles import SIDE_FILE_TENSORS, safetensors_problem
 from opdcache import schema as S
@@ -132,7 +132,7 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
             if quick:
                 continue
             # every column but the hidden states, which _check_hidden streams one row group at a time; the footer's sizes
-            # are checked before anything is decoded (opdcache/shards.py, check_footer)
+            # are checked before anything is decoded (opdcache/shardcheck.py, check_footer)
             try:
                 table = shards.read_table(path, [c.name for c in S.columns(entry["kind"], params) if c.name != "hidden"],
                                           rows=info["rows"], tokens=info["tokens"], where=info["path"])
@@ -303,7 +303,7 @@ def _check_file(path: Path, info: dict, entry: dict, params: S.StoreParams, out:
         out.add(rel, f"{pf.metadata.num_rows} rows, the manifest says {info['rows']}")
         return False
     try:
-        shards.check_footer(pf, size, None, rel, info["rows"], tokens=info["tokens"])  # sizes bounded before any column is decoded
+        shardcheck.check_footer(pf, size, None, rel, info["rows"], tokens=info["tokens"])  # sizes bounded before any column is decoded
     except SchemaError as exc:
         out.add(rel, str(exc).split(": ", 1)[-1])
         return False
