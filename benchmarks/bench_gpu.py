@@ -33,6 +33,13 @@ minus what was allocated just before it: the model and inputs are not counted):
    in bf16, temperature 1, for each batch in ``--gen-batches`` and length in ``--gen-lengths`` (prompts of 64 tokens;
    the end-of-sequence id is unset for both sides, so every row generates the full length and the token counts are
    equal). Both sides in one process per shape, interleaved as in 1 (``--gen-rounds`` rounds).
+6. ``async``: ``opdcache async --staleness 2`` against the strict synchronous run (``--staleness 0``, every stage in
+   turn on the same GPU, colocated) on the qwen3 model as both student and teacher: ``--async-steps`` steps of
+   ``--gen-batches[0]`` prompts x ``--gen-lengths[0]`` new tokens; the run's own throughput figure (response tokens a
+   second over the whole run), sides alternating over ``--gen-rounds`` rounds, each a fresh ``opdcache async``.
+7. ``quantize``: ``opdcache build-rollouts --quantize w4a16:g128`` against the bf16 engine, end to end (CLI, Parquet
+   written), the same prompts and lengths, alternating over ``--gen-rounds`` rounds: the emulated low-bit scheme's cost
+   (quantize, dequantize, compute: the numbers are int4's, the speed is not an int4 kernel's).
 5. ``write``: ``opdcache score-teacher`` end to end on an 8-shard cache (8 x ``--train-batch`` prompts), each shard
    written behind the next one's scoring (the default) against inline (``OPDCACHE_WRITE_BEHIND=0``).
 
@@ -267,8 +274,9 @@ def main() -> None:
     ap.add_argument("--block-mib", type=int, nargs="*", default=[64, 256], help="logit block sizes tried beside the shipped one")
     ap.add_argument("--train-batch", type=int, default=4)
     ap.add_argument("--train-response", type=int, default=1024)
-    ap.add_argument("--sections", default="generate,cli,train,divergence,score,write",
-                    help="which of generate, cli, train, divergence, score, write to run, in this order")
+    ap.add_argument("--sections", default="generate,cli,train,async,quantize,divergence,score,write",
+                    help="which of generate, cli, train, async, quantize, divergence, score, write to run, in this order")
+    ap.add_argument("--async-steps", type=int, default=6)
     ap.add_argument("--gen-batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--gen-lengths", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--gen-rounds", type=int, default=3)
@@ -281,7 +289,7 @@ def main() -> None:
     vocab, hidden = (1024, 64) if args.smoke else (V, 4096)
     if args.smoke:
         args.sequences, args.prompt, args.response, args.train_response, args.qwen3_layers = 4, 8, 16, 16, 1
-        args.gen_batches, args.gen_lengths, args.gen_rounds = [2], [8], 1
+        args.gen_batches, args.gen_lengths, args.gen_rounds, args.async_steps = [2], [8], 1, 2
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench-gpu-"))
     models = {}
     for name in ("smollm2", "qwen3"):
@@ -309,7 +317,7 @@ def main() -> None:
     load = {}  # the host's one-minute load average before and after each section
     for section in sections:
         before = os.getloadavg()[0]
-        {"generate": run_generate_section, "score": run_score_section, "cli": run_cli_section, "train": run_train_section,
+        {"generate": run_generate_section, "async": run_async_section, "quantize": run_quantize_section, "score": run_score_section, "cli": run_cli_section, "train": run_train_section,
          "divergence": run_divergence_section, "write": run_write_section}[section](args, models, root, add, rows)
         load[section] = [before, os.getloadavg()[0]]
         if args.out:  # after every section: a run cut short by its lease keeps what it measured
@@ -318,6 +326,70 @@ def main() -> None:
                                                                "rows": rows}, indent=2))
             (args.out / "table.md").write_text(render(rows, args) + "\n")
     print("\n" + render(rows, args))
+
+
+def _alternate(args, sides: dict, measure) -> dict:
+    """``measure(side) -> (tokens, seconds, cpu_seconds)`` for each side in turn over ``--gen-rounds`` rounds (the order
+    alternating), after a warm-up of each; per side the median and every run, as :func:`interleaved` returns them."""
+    import statistics
+
+    runs: dict = {name: [] for name in sides}
+    for r in range(args.gen_rounds + 1):  # round 0 warms up
+        for name in (list(sides) if r % 2 else list(sides)[::-1]):
+            result = measure(sides[name])
+            if r:
+                runs[name].append(result)
+    return {name: {"tokens": v[0][0], "seconds": statistics.median(x[1] for x in v), "min_seconds": min(x[1] for x in v),
+                   "runs": [x[1] for x in v], "cpu_seconds": statistics.median(x[2] for x in v), "peak_bytes": 0}
+            for name, v in runs.items()}
+
+
+def run_async_section(args, models, root, add, rows) -> None:
+    """opdcache async at staleness 2 against K = 0 (strict synchronous, the stages in turn on one GPU)."""
+    env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
+    q = models["qwen3"]
+    batch, length = args.gen_batches[0], args.gen_lengths[0]
+    prompts = root / "prompts-async.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (17 * i + 3 * j) % 5000}" for j in range(16))}) + "\n"
+                               for i in range(batch * args.async_steps)))
+
+    def measure(k: int):
+        out = root / f"async-k{k}"
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+        wall, cpu = cli_usage("async", "--model", q, "--teacher", q, "--prompts", prompts, "--no-chat-template", "--staleness", k,
+                              "--steps", args.async_steps, "--batch-size", batch, "--max-new-tokens", length, "--temperature", "1.0",
+                              "--lr", "1e-6", "--device", args.device, "--out", out, env=env, timeout=args.cli_timeout)
+        ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines() if line.strip()]
+        return sum(int(e["tokens"]) for e in ledger), wall, cpu  # the response tokens the learner consumed
+
+    res = _alternate(args, {"sync K=0 (colocated)": 0, "async K=2": 2}, measure)
+    add("async", "qwen3", f"sync K=0, {args.async_steps} steps of {batch} x {length}", res["sync K=0 (colocated)"], res["sync K=0 (colocated)"])
+    add("async", "qwen3", f"async K=2, {args.async_steps} steps of {batch} x {length}", res["async K=2"], res["sync K=0 (colocated)"])
+
+
+def run_quantize_section(args, models, root, add, rows) -> None:
+    """build-rollouts with the emulated w4a16:g128 scheme against the bf16 engine, end to end."""
+    env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
+    q = models["qwen3"]
+    batch, length = args.gen_batches[0], args.gen_lengths[0]
+    prompts = root / "prompts-quant.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (19 * i + 7 * j) % 5000}" for j in range(16))}) + "\n"
+                               for i in range(batch)))
+
+    def measure(scheme: str):
+        out = root / f"quant-{scheme or 'bf16'}".replace(":", "-")
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+        extra = ["--quantize", scheme] if scheme else []
+        wall, cpu = cli_usage("build-rollouts", "--model", q, "--prompts", prompts, "--out", out, "--no-chat-template", "--num-shards", 1,
+                              "--batch-size", batch, "--max-new-tokens", length, "--temperature", "1.0", *extra, env=env,
+                              timeout=args.cli_timeout)
+        manifest = json.loads((out / "opdcache.json").read_text())
+        return sum(int(sh["tokens"]) for sh in manifest["tables"]["rollouts"]["shards"]), wall, cpu
+
+    scheme = "w4a16:g32" if args.smoke else "w4a16:g128"  # the smoke model's width (64) holds no group of 128
+    res = _alternate(args, {"bf16": "", scheme: scheme}, measure)
+    add("quantize", "qwen3", f"build-rollouts bf16, {batch} x {length}", res["bf16"], res["bf16"])
+    add("quantize", "qwen3", f"build-rollouts --quantize {scheme}, {batch} x {length}", res[scheme], res["bf16"])
 
 
 def run_generate_section(args, models, root, add, rows) -> None:

@@ -44,6 +44,7 @@ def async_(
     prompt_field: O.PromptField = "prompt",
     messages_field: O.MessagesField = None,
     system_prompt: O.SystemPrompt = None,
+    chat_template: O.ChatTemplate = True,
     limit: O.Limit = None,
     as_json: O.JsonOut = False,
     progress: O.Progress = None,
@@ -71,7 +72,8 @@ def async_(
         raise ConfigError(f"--gpus-per-stage takes three numbers (rollout,teacher,learner), got {gpus!r}")
     cfg = AsyncConfig(
         model=Path(model), teacher=Path(teacher), out=out, cache=cache, staleness=None if no_refresh else staleness,
-        prompts=PromptConfig(prompts, prompt_field=prompt_field, messages_field=messages_field, system_prompt=system_prompt, limit=limit),
+        prompts=PromptConfig(prompts, prompt_field=prompt_field, messages_field=messages_field, system_prompt=system_prompt, limit=limit,
+                             chat_template=chat_template),
         steps=steps, batch_size=batch_size, loss=loss, importance_weights=importance_weights, top_k=top_k,
         sampling=SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, mc_samples=mc_samples, seed=seed),
         lr=lr, tau=tau, ppo_clip=ppo_clip, checkpoint_every=checkpoint_every, keep_snapshots=keep_snapshots, executor=executor,
@@ -97,4 +99,4 @@ def _ordinal(n: int) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("async")(async_)
+    app.command("async", short_help="AsyncOPD: rollout, teacher and learner at once.")(async_)

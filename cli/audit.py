@@ -37,4 +37,4 @@ def audit(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("audit")(audit)
+    app.command("audit", short_help="Re-compute sampled rows; compare per column.")(audit)

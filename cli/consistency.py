@@ -29,4 +29,4 @@ def check_consistency(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("check-consistency")(check_consistency)
+    app.command("check-consistency", short_help="Which teacher pi_ref is consistent with.")(check_consistency)

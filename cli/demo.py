@@ -37,4 +37,4 @@ def demo(
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(demo)
+    app.command(short_help="The whole pipeline on the embedded task (CPU).")(demo)

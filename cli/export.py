@@ -31,4 +31,4 @@ def export(
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(export)
+    app.command(short_help="Write a cache in another trainer's format.")(export)

@@ -113,5 +113,5 @@ def build_rollouts(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("build-sft")(build_sft)
-    app.command("build-rollouts")(build_rollouts)
+    app.command("build-sft", short_help="Sample teacher trajectories for SFT.")(build_sft)
+    app.command("build-rollouts", short_help="Sample pi_ref rollouts with their log-probs.")(build_rollouts)

@@ -30,5 +30,5 @@ def pull(repo_id: RepoId, out: Annotated[Path, typer.Argument(help="Local direct
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(push)
-    app.command()(pull)
+    app.command(short_help="Upload a validated cache to the Hub.")(push)
+    app.command(short_help="Download a cache from the Hub and validate it.")(pull)

@@ -18,4 +18,4 @@ def info(cache: CachePath, as_json: JsonOut = False) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(info)
+    app.command(short_help="Rows, tokens, stores, bytes per token, lineage.")(info)

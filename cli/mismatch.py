@@ -49,4 +49,4 @@ def mismatch_report(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("mismatch-report")(mismatch_report)
+    app.command("mismatch-report", short_help="Training-inference mismatch per token.")(mismatch_report)

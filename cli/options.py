@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-CachePath = Annotated[str, typer.Argument(help="Cache: the folder holding opdcache.json, or a URL (s3://bucket/prefix, gs://..., hf://datasets/org/name).", show_default=False)]
+CachePath = Annotated[str, typer.Argument(metavar="CACHE", help="Cache: the folder holding opdcache.json, or a URL (s3://bucket/prefix, gs://..., hf://datasets/org/name).", show_default=False)]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only problems and the final line.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
 Token = Annotated[Optional[str], typer.Option("--token", help="Hub token; defaults to HF_TOKEN or your `hf auth login`. Never printed.", show_default=False)]

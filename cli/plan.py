@@ -37,4 +37,4 @@ def plan(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("plan")(plan)
+    app.command("plan", short_help="Bytes per token against error, per teacher store.")(plan)

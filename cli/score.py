@@ -131,6 +131,6 @@ def upgrade(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("score-teacher")(score_teacher)
-    app.command()(upgrade)
-    app.command()(finalize)
+    app.command("score-teacher", short_help="Score a rollouts cache with a teacher, once.")(score_teacher)
+    app.command(short_help="Re-encode an exact top-k table as a compact one.")(upgrade)
+    app.command(short_help="Write the manifest once every worker is done.")(finalize)

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from opdcache.cli import options as O
+from opdcache.estimators import ESTIMATORS
 
 
 def sft(
@@ -44,7 +45,7 @@ def train(
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (resumed if it holds a checkpoint). Required (here or in --config).", show_default=False)] = None,
     config: Annotated[Optional[Path], typer.Option("--config", help="YAML file of TrainConfig fields; flags override it (default: none).", show_default=False)] = None,
     teacher: Annotated[Optional[str], typer.Option("--teacher", help="Teacher table name in the cache (default: the only one).", show_default=False)] = None,
-    loss: Annotated[Optional[str], typer.Option("--loss", help="lightning, is, mc, ppo, topk-fkl, topk-rkl, sampled-fkl, full-fkl, full-rkl, jsd (default lightning).", show_default=False)] = None,
+    loss: Annotated[Optional[str], typer.Option("--loss", help=f"{', '.join(ESTIMATORS)} (default lightning; opdcache/estimators.py says what each reads).", show_default=False)] = None,
     tail: Annotated[Optional[bool], typer.Option("--topk-tail/--no-topk-tail", help="topk-*: the teacher mass outside the support as one more bin (a compact store's stored tail; default off).", show_default=False)] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="Optimizer steps (default 150, papers/000 Table 6).", show_default=False)] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per micro-batch (default 16).", show_default=False)] = None,
@@ -58,6 +59,8 @@ def train(
     reject_threshold: Annotated[Optional[float], typer.Option("--reject-threshold", help="--reject-k: drop a sequence whose summed K exceeds this (default 1.0).", show_default=False)] = None,
     trust_band: Annotated[Optional[bool], typer.Option("--trust-band/--no-trust-band", help="Sequence-level trust band with dual clipping (default off).", show_default=False)] = None,
     checkpoint_every: Annotated[Optional[int], typer.Option("--checkpoint-every", help="Checkpoint every N steps (default 0: at the end only).", show_default=False)] = None,
+    checkpoint: Annotated[Optional[str], typer.Option("--checkpoint", help="What to write: full (model and a resumable checkpoint with AdamW's state, 16 bytes a parameter), model (the final model only) or none (default full).", show_default=False)] = None,
+    save_dtype: Annotated[Optional[str], typer.Option("--save-dtype", help="The final model's dtype: auto (the training compute dtype), float32 or bfloat16 (default auto).", show_default=False)] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of the data order and initialisation (default 0).", show_default=False)] = None,
     deterministic: Annotated[Optional[bool], typer.Option("--deterministic/--no-deterministic", help="Deterministic kernels: bit-reproducible CPU runs (default off).", show_default=False)] = None,
     tensorboard: Annotated[Optional[bool], typer.Option("--tensorboard/--no-tensorboard", help="Also write TensorBoard events (default off).", show_default=False)] = None,
@@ -96,7 +99,7 @@ def train(
     if not isinstance(values, dict):
         raise ConfigError(f"--config {config} must hold a mapping of TrainConfig fields")
     flags = dict(model=model, cache=cache, out=out, teacher=teacher, loss=loss, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
-                 lr=lr, tau=tau, ppo_clip=ppo_clip, importance_weights=importance_weights, checkpoint_every=checkpoint_every, seed=seed, deterministic=deterministic, tensorboard=tensorboard,
+                 lr=lr, tau=tau, ppo_clip=ppo_clip, importance_weights=importance_weights, checkpoint_every=checkpoint_every, checkpoint=checkpoint, save_dtype=save_dtype, seed=seed, deterministic=deterministic, tensorboard=tensorboard,
                  online=online, teacher_model=teacher_model, allow_other_model=allow_other_model, stop_after=stop_after, progress=progress, lr_schedule=lr_schedule,
                  warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, kl_coef=kl_coef, kl_estimator=kl_estimator, kl_cap=kl_cap, rollout_aligned=rollout_aligned, chunk=chunk, dtype=dtype, exact=exact,
                  gradient_checkpointing=gradient_checkpointing, fsdp=fsdp, tail=tail)
@@ -129,14 +132,19 @@ def train(
         typer.echo(f"{cfg.out}: stopped at step {result['stopped_at']} ({how}); checkpoint in {cfg.out / 'checkpoint'}")
         return
     loss = f"final loss {last['loss']:.4f}" if "loss" in last else "no step run"
+    wrote = f"model in {cfg.out / 'model'}, " if cfg.checkpoint != "none" else "no model (--checkpoint none), "
     typer.echo(f"{cfg.out}: {result['steps']} steps of {cfg.loss} ({how}) in {result['seconds']:.1f} s, {loss}; "
-               f"model in {cfg.out / 'model'}, metrics in {cfg.out / 'metrics.jsonl'}")
+               f"{wrote}metrics in {cfg.out / 'metrics.jsonl'}")
     if result.get("allocator"):
         typer.echo(f"{cfg.out}: --gradient-checkpointing on a CPU: {result['allocator']}")
     sizes = {name: _bytes(cfg.out / name) for name in ("model", "checkpoint")}
-    typer.echo(f"{cfg.out}: {_human(sum(sizes.values()))} on disk: the model {_human(sizes['model'])}, the checkpoint "
-               f"{_human(sizes['checkpoint'])} (float32 weights and AdamW's two moments, to resume or add steps; delete "
-               f"{cfg.out / 'checkpoint'} once the run is final)")
+    if cfg.checkpoint == "full":
+        typer.echo(f"{cfg.out}: {_human(sum(sizes.values()))} on disk: the model {_human(sizes['model'])} ({result['save_dtype']}), the "
+                   f"checkpoint {_human(sizes['checkpoint'])} (float32 weights and AdamW's two moments, to resume or add steps; "
+                   f"delete {cfg.out / 'checkpoint'} once the run is final, or train with --checkpoint model)")
+    elif cfg.checkpoint == "model":
+        typer.echo(f"{cfg.out}: {_human(sizes['model'])} on disk: the model ({result['save_dtype']}); no checkpoint "
+                   "(--checkpoint model): the run cannot be resumed or extended")
 
 
 def _bytes(path: Path) -> int:
@@ -151,5 +159,5 @@ def _human(n: int) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(sft)
-    app.command()(train)
+    app.command(short_help="Fine-tune a base model on teacher trajectories.")(sft)
+    app.command(short_help="Train a student from a cache (OPD estimators).")(train)

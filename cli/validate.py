@@ -31,4 +31,4 @@ def validate(
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(validate)
+    app.command(short_help="Check a cache against its manifest and schema.")(validate)

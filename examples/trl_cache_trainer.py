@@ -28,6 +28,7 @@ from opdcache.cache import Cache
 from opdcache.data import CacheLoader, CacheLoaderConfig
 from opdcache.heads import load_head
 from opdcache.student import StudentForward
+from opdcache.estimators import ESTIMATORS, FULL_VOCABULARY
 from opdcache.train import stores_for
 
 
@@ -35,8 +36,8 @@ class CacheTrainer(SFTTrainer):
     """A TRL trainer over an opdcache cache with one of opdcache's estimators (lightning or a full-vocabulary one)."""
 
     def __init__(self, model, args: SFTConfig, cache: Path, loss: str = "full-rkl", tau: float = 5.0, teacher: str | None = None):
-        if loss != "lightning" and loss not in L.FULL_VOCABULARY:
-            raise ValueError(f"this example supports lightning, {', '.join(L.FULL_VOCABULARY)}; got {loss!r}")
+        if loss != "lightning" and loss not in FULL_VOCABULARY:
+            raise ValueError(f"this example supports lightning, {', '.join(FULL_VOCABULARY)}; got {loss!r}")
         table = Cache(cache).teacher_table(teacher)
         stores, rollout_stores = stores_for(loss)
         self.loader = CacheLoader(CacheLoaderConfig(cache=cache, teacher=table.split("/", 1)[1], stores=stores, rollout_stores=rollout_stores,
@@ -58,7 +59,7 @@ class CacheTrainer(SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mask = inputs["response_mask"]
         sel = mask.bool()
-        full = self.loss_name.replace("full-", "") if self.loss_name in L.FULL_VOCABULARY else None
+        full = ESTIMATORS[self.loss_name].full_vocabulary  # fkl, rkl or jsd; None for lightning
         lp, _, div = self.forward(inputs["input_ids"], inputs["attention_mask"], inputs["logit_positions"], sel,
                                   inputs["response_ids"][sel][:, None], full,
                                   inputs["teacher_hidden"][sel].float() if full else None,

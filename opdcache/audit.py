@@ -50,7 +50,8 @@ def tolerance_for(dtype: str, spread: float, floor: float) -> float:
     """A column's tolerance for a table computed in ``dtype``: max(``floor``, ROUNDING_UNITS x the dtype's unit
     roundoff, SPREAD_FACTOR x the measured ``spread``). float32 keeps ``floor`` (1e-4 by default) unless its own
     spread is larger; a bfloat16 table gets at least 8 x 2^-8 = 0.031."""
-    return max(floor, ROUNDING_UNITS * UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"]), SPREAD_FACTOR * spread)
+    measured = SPREAD_FACTOR * spread if np.isfinite(spread) else 0.0  # no re-computation may widen it without bound
+    return max(floor, ROUNDING_UNITS * UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"]), measured)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 from opdcache.errors import ConfigError
 
 STATE_FILE = "trainer_state.json"
-IGNORED_ON_RESUME = {"stop_after", "steps", "progress", "checkpoint_every", "tensorboard", "num_loader_workers"}
+IGNORED_ON_RESUME = {"stop_after", "steps", "progress", "checkpoint_every", "tensorboard", "num_loader_workers", "save_dtype"}
 """Settings a resumed run may change: they decide when to stop, what to print and how often to save, not the numbers."""
 
 
@@ -75,6 +75,16 @@ def _full_state(trainer) -> tuple[dict | None, dict[str, torch.Tensor], list[dic
                for i, st in per_param.items() for k, v in st.items()}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.opt.param_groups]
     return model_sd, tensors, groups
+
+
+def full_model_state(trainer) -> dict | None:
+    """The whole model's state on rank 0's CPU under FSDP (every rank calls it), None otherwise (save the live model)."""
+    if not trainer.cfg.fsdp:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k.removeprefix("model."): v for k, v in get_model_state_dict(trainer.forward, options=options).items()}
 
 
 def save(trainer) -> dict | None:

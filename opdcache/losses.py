@@ -51,9 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-ESTIMATORS = ("lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "sampled-fkl", "full-fkl", "full-rkl", "jsd")
-FULL_VOCABULARY = ("full-fkl", "full-rkl", "jsd")
-"""Estimators computed exactly over the vocabulary from the teacher's final hidden states and unembedding."""
+# the estimators by name, what each reads and how a batch becomes its terms: opdcache/estimators.py
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")

@@ -13,6 +13,7 @@ import torch
 
 from opdcache import losses as L
 from opdcache.errors import SchemaError
+from opdcache.estimators import ESTIMATORS
 from opdcache.errortokens import error_token_mask
 from opdcache.schema import PAD_ID
 from opdcache.shards import PADDED
@@ -62,50 +63,21 @@ def prepare_batch(batch: dict, device, cache) -> dict:
 
 def support_ids(cfg, batch: dict, sel: torch.Tensor) -> torch.Tensor | None:
     """[N, K] ids besides the sampled token at which the estimator needs the student's log-probs (mc, topk-*, sampled)."""
-    if cfg.loss == "mc":
-        return batch["mc_ids"][sel]
-    if cfg.loss.startswith("topk"):
-        return (batch["teacher_topk_ids"] if cfg.topk_support == "teacher" else batch["ref_topk_ids"])[sel]
-    if cfg.loss == "sampled-fkl":
-        return batch["teacher_sampled_ids"][sel]
-    return None
+    support = ESTIMATORS[cfg.loss].support
+    return None if support is None else support(cfg, batch, sel)
 
 
 def estimator_terms(cfg, batch: dict, s: torch.Tensor, lp_NK: torch.Tensor, sel: torch.Tensor, support: torch.Tensor | None,
                     div_N: torch.Tensor | None) -> tuple[torch.Tensor, dict, dict]:
-    """(per-token loss terms [B, T], the estimator's own tensors, logged numbers) of ``cfg.loss``. ``s`` [B, T] is the
-    student's log-prob of each sampled token, ``lp_NK`` [N, 1 + K] its log-probs at the sampled token and the support,
-    ``div_N`` the per-token divergence of a full-vocabulary loss."""
-    mask = batch["response_mask"]
-    teacher = batch.get("teacher_logprobs")
-    stats: dict = {}
-    if cfg.loss == "lightning":
-        terms, st = L.lightning_terms(s, teacher, cfg.tau)
-        stats["clip_fraction"] = float((st["clipped"] * mask).sum() / mask.sum())
-    elif cfg.loss == "is":
-        terms, st = L.is_terms(s, batch["sampling_logprobs"], teacher, cfg.importance_weights)
-    elif cfg.loss == "ppo":
-        terms, st = L.ppo_terms(s, batch["sampling_logprobs"], teacher, batch["ref_logprobs"], cfg.ppo_clip)
-        stats["clip_fraction"] = float((st["clipped"] * mask).sum() / mask.sum())
-    elif support is not None:
-        B, T = mask.shape
+    """(per-token loss terms [B, T], the estimator's own tensors, logged numbers) of ``cfg.loss``
+    (opdcache/estimators.py). ``s`` [B, T] is the student's log-prob of each sampled token, ``lp_NK`` [N, 1 + K] its
+    log-probs at the sampled token and the support, ``div_N`` the per-token divergence of a full-vocabulary loss."""
+    s_K = None
+    if support is not None:
+        B, T = s.shape
         s_K = lp_NK.new_zeros(B, T, support.shape[1])
         s_K[sel] = lp_NK[:, 1:]  # [B, T, K] at the support ids
-        if cfg.loss == "mc":
-            terms, st = L.mc_terms(s_K, batch["mc_sampling_logprobs"], batch["teacher_mc_logprobs"], cfg.importance_weights)
-        elif cfg.loss == "sampled-fkl":
-            terms, st = L.sampled_fkl_terms(s_K, batch["teacher_sampled_logprobs"], batch["teacher_sampled_counts"])
-        else:
-            t_lp = batch["teacher_topk_logprobs"] if cfg.topk_support == "teacher" else batch["teacher_ref_topk_logprobs"]
-            valid_K = torch.ones_like(s_K, dtype=torch.bool)
-            valid_K[sel] = support != PAD_ID  # False at v3 padding slots
-            tail = batch.get("teacher_topk_tail") if cfg.topk_support == "teacher" else None
-            terms, st = L.topk_terms(s_K, t_lp, cfg.loss.split("-")[1], cfg.tail, valid_K, tail)
-    else:
-        terms = s.new_zeros(mask.shape)
-        terms[sel] = div_N.float()
-        st = {"kl": div_N.detach()}
-    return terms, st, stats
+    return ESTIMATORS[cfg.loss].terms(cfg, batch, s, s_K, div_N, support)
 
 
 def step_stats(batch: dict, s: torch.Tensor, st: dict, advantage: torch.Tensor, sel: torch.Tensor) -> dict:

@@ -16,7 +16,7 @@ from opdcache.backends.base import GenerateRequest, SamplingConfig, ScoreRequest
 from opdcache.backends.hf import TransformersBackend
 from opdcache.cache import Cache
 from opdcache.data import collate
-from opdcache.losses import FULL_VOCABULARY
+from opdcache.estimators import FULL_VOCABULARY
 from opdcache.models import resolve_model
 from opdcache.schedule import PromptSchedule
 

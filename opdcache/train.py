@@ -48,6 +48,7 @@ from opdcache import checkpoint
 from opdcache.allocator import map_large_buffers
 from opdcache import losses as L
 from opdcache import objective as O
+from opdcache.estimators import ESTIMATORS
 from opdcache.errors import ConfigError, OpdcacheError
 from opdcache.models import load_causal_lm, load_tokenizer, resolve_model
 from opdcache.progress import bar
@@ -145,7 +146,7 @@ class Trainer:
         ids_NK = batch["response_ids"][sel][:, None]  # column 0: the sampled token
         if support is not None:
             ids_NK = torch.cat([ids_NK, support.long().clamp(min=0)], 1)
-        full = cfg.loss.replace("full-", "") if cfg.loss in L.FULL_VOCABULARY else None
+        full = ESTIMATORS[cfg.loss].full_vocabulary  # fkl, rkl, jsd: computed with the student's forward
         inputs = (batch["input_ids"], batch["attention_mask"], batch["logit_positions"], sel)
         with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
             # without corrections every token's divergence has the same weight in the loss (L.reduce's mean), so the
@@ -247,19 +248,23 @@ class Trainer:
                             writer.add_scalar(k, v, self.step)
                 pbar.set_postfix(loss=f"{agg['loss']:.4f}")  # before update: a line printed by update shows this step's loss
                 pbar.update(1)
-                saved = bool(cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0)
+                saved = bool(cfg.checkpoint == "full" and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0)
                 if saved:
                     self.save_checkpoint()
                 if hasattr(self.source, "after_step"):  # after the checkpoint: what it publishes is never ahead of it
                     self.source.after_step(self, last, saved)
                 if cfg.stop_after is not None and done_now >= cfg.stop_after:
                     return {"stopped_at": self.step, "last": last, "resumed": resumed}
-        model_sd = self.save_checkpoint()
-        if self.rank == 0:
+        if cfg.checkpoint == "full":
+            model_sd = self.save_checkpoint()
+        elif cfg.checkpoint == "model":
+            model_sd = checkpoint.full_model_state(self)
+        if self.rank == 0 and cfg.checkpoint != "none":
             self._save_final(model_sd)
         if writer:
             writer.close()
-        result = {"steps": self.step, "last": last, "resumed": resumed, "seconds": time.perf_counter() - start}
+        result = {"steps": self.step, "last": last, "resumed": resumed, "seconds": time.perf_counter() - start,
+                  "save_dtype": str(self.save_dtype()).replace("torch.", "")}
         if self.allocator:
             result["allocator"] = self.allocator
         if cfg.online:  # wall-clock seconds of this invocation sampling the student, in the live teacher's forward, in pi_ref's (KL)
@@ -273,8 +278,21 @@ class Trainer:
         self.forward = self.model = self.ref_forward = self.opt = self.source = None
         gc.collect()
 
+    def save_dtype(self) -> torch.dtype:
+        """The final model's dtype (--save-dtype; auto: the compute dtype)."""
+        if self.cfg.save_dtype == "auto":
+            return self.autocast or torch.float32
+        return getattr(torch, self.cfg.save_dtype)
+
     def _save_final(self, model_sd: dict | None) -> None:
-        self.model.save_pretrained(self.cfg.out / "model", state_dict=model_sd)
+        dtype = self.save_dtype()
+        state = model_sd if model_sd is not None else self.model.state_dict()
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        self.model.save_pretrained(self.cfg.out / "model", state_dict=state)
+        config_path = self.cfg.out / "model" / "config.json"  # transformers writes the live model's dtype: state the weights'
+        config = json.loads(config_path.read_text())
+        config["dtype"] = str(dtype).replace("torch.", "")
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         load_tokenizer(self.model_path).save_pretrained(self.cfg.out / "model")
         from opdcache.lineage import read_sft_lineage
         from opdcache.storage import write_text_atomic

@@ -9,11 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opdcache import losses as L
+from opdcache.estimators import ESTIMATORS, ONLINE
 from opdcache.errors import ConfigError
 from opdcache.logprobs import check_chunk
 from opdcache.student import DTYPES
 
 LR_SCHEDULES = ("constant", "cosine")
+CHECKPOINTS = ("full", "model", "none")
+SAVE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class TrainConfig:
     teacher: str | None = None
     """Teacher table in the cache (default: the only one)."""
     loss: str = "lightning"
-    """lightning, is, mc, ppo, topk-fkl, topk-rkl, sampled-fkl, full-fkl, full-rkl or jsd."""
+    """The estimator (opdcache/estimators.py): lightning, is, mc, ppo, topk-fkl, topk-rkl, sampled-fkl, full-fkl, full-rkl or jsd."""
     steps: int = 150
     """Optimizer steps (papers/000 Table 6: 150)."""
     batch_size: int = 16
@@ -93,6 +96,12 @@ class TrainConfig:
     auto takes the exact rollouts' dtype, another is refused). Costs float64 matmuls in the forward; gradients as usual."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
+    checkpoint: str = "full"
+    """What the run writes besides metrics: full (the final model and a resumable checkpoint: float32 weights and AdamW's
+    two moments, 16 bytes a parameter), model (the final model only: the run cannot be resumed or extended) or none."""
+    save_dtype: str = "auto"
+    """dtype of the final model: auto (the training compute dtype: bfloat16 under --dtype bfloat16 or auto on a bf16 GPU,
+    else float32), float32 or bfloat16. The checkpoint keeps float32 masters whatever this says."""
     stop_after: int | None = None
     """Stop after this many steps of this invocation, leaving the checkpoint (for tests of resume)."""
     tensorboard: bool = False
@@ -113,8 +122,8 @@ class TrainConfig:
     """Progress bar (default: only on a terminal)."""
 
     def __post_init__(self) -> None:
-        if self.loss not in L.ESTIMATORS:
-            raise ConfigError(f"--loss must be one of {', '.join(L.ESTIMATORS)}, got {self.loss!r}")
+        if self.loss not in ESTIMATORS:
+            raise ConfigError(f"--loss must be one of {', '.join(ESTIMATORS)}, got {self.loss!r}")
         for name in ("steps", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -138,6 +147,12 @@ class TrainConfig:
         if self.rollout_aligned and self.online:
             raise ConfigError("--rollout-aligned aligns the learner to cached low-bit rollouts; --online samples the student in full precision")
         check_chunk(self.chunk)
+        if self.checkpoint not in CHECKPOINTS:
+            raise ConfigError(f"--checkpoint must be one of {', '.join(CHECKPOINTS)}, got {self.checkpoint!r}")
+        if self.checkpoint != "full" and (self.checkpoint_every or self.stop_after is not None):
+            raise ConfigError(f"--checkpoint-every (and stopping to resume) needs --checkpoint full, got --checkpoint {self.checkpoint}")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ConfigError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.fsdp and self.online:
@@ -148,25 +163,16 @@ class TrainConfig:
             raise ConfigError("--online needs --teacher-model (the live teacher)")
         if not 0 < self.ppo_clip < 1:
             raise ConfigError(f"--ppo-clip must be in (0, 1), got {self.ppo_clip}")
-        online_losses = ("lightning", "is") + L.FULL_VOCABULARY
-        if self.online and self.loss not in online_losses:
-            raise ConfigError(f"--online supports --loss {', '.join(online_losses[:-1])} or {online_losses[-1]}, got {self.loss!r}")
+        if self.online and not ESTIMATORS[self.loss].online:
+            raise ConfigError(f"--online supports --loss {', '.join(ONLINE[:-1])} or {ONLINE[-1]}, got {self.loss!r}")
 
 
 def stores_for(loss: str, topk_support: str = "teacher", teacher_stores: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(teacher stores, rollout stores) an estimator reads: what score-teacher and build-rollouts must have stored.
-    The full-vocabulary losses rebuild the teacher's logits from its hidden states, or, where the teacher table has an
-    svd store and no hidden one (``teacher_stores``), from the rank-r vectors and the projection's decoder."""
-    if loss in L.FULL_VOCABULARY:
-        vectors = "svd" if "svd" in teacher_stores and "hidden" not in teacher_stores else "hidden"
-        return ("logprob", vectors), ("base",)
-    if loss.startswith("topk"):
-        return (("logprob", "topk"), ("base",)) if topk_support == "teacher" else (("logprob",), ("base", "ref_topk"))
-    if loss == "mc":
-        return ("logprob",), ("base", "mc")
-    if loss == "sampled-fkl":
-        return ("logprob", "sampled"), ("base",)
-    return ("logprob",), ("base",)
+    """(teacher stores, rollout stores) an estimator reads: what score-teacher and build-rollouts must have stored
+    (:meth:`opdcache.estimators.Estimator.stores`)."""
+    from types import SimpleNamespace
+
+    return ESTIMATORS[loss].stores(SimpleNamespace(topk_support=topk_support), teacher_stores)
 
 
 def learning_rate(cfg: "TrainConfig", step: int) -> float:

@@ -82,7 +82,7 @@ def test_figures_at_the_default_settings_print_the_measured_seed_range():
 
     line = _seed_range("opd", DemoConfig(workdir="anywhere", seed=7))
     lo, hi = SEED_RANGES["opd"]["accuracy"]
-    assert line.startswith("   [seeds 0-2, two CPUs: ") and f"{lo:.1%}-{hi:.1%}" in line
+    assert line.startswith("   [seeds 0-2: ") and f"{lo:.1%}-{hi:.1%}" in line
     assert _seed_range("opd", DemoConfig(opd_lr=1e-4)) == ""  # other settings: the range does not apply
     assert _seed_range("opd_teacher_carry", DemoConfig()) == ""  # a figure without a measured range
     assert {"teacher", "base", "pi_ref", "opd"} <= set(SEED_RANGES)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from opdcache.cli.main import main
 from opdcache.errors import ConfigError
-from opdcache.losses import ESTIMATORS
+from opdcache.estimators import ESTIMATORS
 from opdcache.train import TrainConfig, run_train
 
 

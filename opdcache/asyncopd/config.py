@@ -6,13 +6,12 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from opdcache import losses as L
+from opdcache.estimators import ASYNC, ESTIMATORS
 from opdcache.backends.base import SamplingConfig
 from opdcache.errors import ConfigError
 from opdcache.prompts import PromptConfig
 from opdcache.trainconfig import TrainConfig
 
-ASYNC_LOSSES = ("is", "mc", "ppo", "topk-fkl", "lightning")
 EXECUTORS = ("local", "ray")
 
 
@@ -83,8 +82,8 @@ class AsyncConfig:
     """Progress bar of the learner (default: only on a terminal)."""
 
     def __post_init__(self) -> None:
-        if self.loss not in ASYNC_LOSSES:
-            raise ConfigError(f"--loss must be one of {', '.join(ASYNC_LOSSES)} for an async run, got {self.loss!r} "
+        if self.loss not in ESTIMATORS or not ESTIMATORS[self.loss].asynchronous:
+            raise ConfigError(f"--loss must be one of {', '.join(ASYNC)} for an async run, got {self.loss!r} "
                               "(full-vocabulary losses need the teacher's hidden states per batch; train offline for them)")
         if self.staleness is not None and self.staleness < 0:
             raise ConfigError(f"--staleness must be >= 0 (or --no-refresh), got {self.staleness}")
@@ -93,10 +92,10 @@ class AsyncConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.sampling.samples != 1:
             raise ConfigError(f"an async batch holds one response per prompt; got --samples {self.sampling.samples}")
-        if self.loss == "mc" and not self.sampling.mc_samples:
-            raise ConfigError("--loss mc needs --mc-samples M (the m samples per position of papers/001 section 6.1)")
-        if self.loss == "topk-fkl" and not self.top_k:
-            raise ConfigError("--loss topk-fkl needs --top-k (the teacher's top-k store)")
+        if "mc" in self.rollout_stores() and not self.sampling.mc_samples:
+            raise ConfigError(f"--loss {self.loss} needs --mc-samples M (the m samples per position of papers/001 section 6.1)")
+        if "topk" in self.teacher_stores() and not self.top_k:
+            raise ConfigError(f"--loss {self.loss} needs --top-k (the teacher's top-k store)")
         if self.executor not in EXECUTORS:
             raise ConfigError(f"--executor must be local or ray, got {self.executor!r}")
         if self.threads is not None and self.threads < 1:
@@ -118,7 +117,12 @@ class AsyncConfig:
         return self.staleness is not None and 1 <= version <= self.steps - 1 - self.staleness
 
     def teacher_stores(self) -> tuple[str, ...]:
-        return ("logprob", "topk") if self.loss == "topk-fkl" else ("logprob",)
+        """The teacher stores the learner's loss reads (opdcache/estimators.py)."""
+        return ESTIMATORS[self.loss].teacher_stores
+
+    def rollout_stores(self) -> tuple[str, ...]:
+        """The rollout stores the learner's loss reads: its ``mc`` samples, where it has them."""
+        return ESTIMATORS[self.loss].rollout_stores
 
     def train_config(self) -> TrainConfig:
         """The learner's settings: the offline trainer's, reading batches from the queue instead of a finished cache."""
@@ -151,5 +155,3 @@ class AsyncConfig:
             skip.add("exact")
         return {k: v for k, v in self.to_json().items() if k not in skip}
 
-
-assert set(ASYNC_LOSSES) <= set(L.ESTIMATORS)

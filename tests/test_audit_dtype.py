@@ -1,0 +1,97 @@
+"""audit judges a table by its recorded arithmetic: a table computed in bfloat16 or float16 is re-scored in that dtype
+and passes within a tolerance that follows from it; one changed value still fails; --rows all audits every row."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from opdcache.audit import UNIT_ROUNDOFF, AuditConfig, audit, render, tolerance_for
+from opdcache.errors import ConfigError
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+def low_precision_cache(request, tmp_path_factory, weights, opd_prompts):
+    from opdcache.backends import EngineConfig
+    from opdcache.backends.base import SamplingConfig
+    from opdcache.prompts import PromptConfig
+    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.scoring import ScoreJob, run_score
+
+    dtype = request.param
+    out = tmp_path_factory.mktemp(dtype) / "cache"
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=out, num_shards=2,
+                             sampling=SamplingConfig(max_new_tokens=16, samples=2, ref_top_k=3), engine=EngineConfig(dtype=dtype),
+                             sft_teacher=weights / "teacher"))
+    run_score(ScoreJob(cache=out, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=4, engine=EngineConfig(dtype=dtype)))
+    return dtype, out
+
+
+def test_a_fresh_low_precision_table_passes_its_own_audit(low_precision_cache):
+    dtype, cache = low_precision_cache
+    manifest = json.loads((cache / "opdcache.json").read_text())
+    assert manifest["tables"]["rollouts"]["model"]["dtype"] == dtype
+    report = audit(AuditConfig(cache=str(cache), rows="all"))
+    assert report["passed"], render(report)
+    for table in report["tables"]:
+        assert table["dtype"] == dtype and not table["exact_claimed"]
+        assert table["rows"] == 48  # --rows all: 24 prompts x 2 samples
+        assert f"by the transformers engine in {dtype}" in table["how"] and dtype in table["reasoning"]
+        for name, col in table["columns"].items():
+            if "tolerance" in col:
+                assert col["tolerance"] >= 8 * UNIT_ROUNDOFF[dtype] and col["max_abs_delta"] <= col["tolerance"], (name, col)
+    text = render(report)
+    assert "ids differing" in text and "PASS" in text
+
+
+def test_a_float32_re_score_of_the_same_table_would_not_reproduce_it(low_precision_cache, weights):
+    """What audit did before it read the dtype: a float32 re-score of this table differs from it by far more than the
+    float32 tolerance (1e-4), so an honest low-precision table failed its own audit. In the recorded dtype it passes."""
+    from opdcache.backends import engine_for_table
+    from opdcache.cache import Cache
+    from opdcache.scoring import score_requests
+
+    dtype, cache_dir = low_precision_cache
+    cache = Cache(str(cache_dir))
+    record = cache.table("teachers/teacher")["model"]
+    rows = cache.read_shard("rollouts", 0, ["id", "prompt_ids", "response_ids"])
+    stored = cache.sequences("teachers/teacher", "logprobs")[: rows.num_rows]
+    fresh = engine_for_table(record, weights / "teacher", "t", dtype="float32").score(score_requests(rows))
+    worst = max(float(np.abs(sc.logprobs.astype(np.float64) - st.astype(np.float64)).max()) for sc, st in zip(fresh, stored))
+    assert worst > 1e-4, worst
+    assert audit(AuditConfig(cache=str(cache_dir), table="teacher", rows="all"))["passed"]
+
+
+def test_one_changed_value_still_fails(low_precision_cache, tmp_path):
+    import shutil
+
+    dtype, cache = low_precision_cache
+    root = tmp_path / "cache"
+    shutil.copytree(cache, root)
+    path = sorted((root / "teachers" / "teacher").glob("*.parquet"))[0]
+    table = pq.read_table(path)
+    lp = table["logprobs"].to_pylist()
+    lp[0][0] -= 1.0  # one nat on one value
+    table = table.set_column(table.schema.get_field_index("logprobs"), table.schema.field("logprobs"),
+                             pa.array(lp, table.schema.field("logprobs").type))
+    pq.write_table(table, path)
+    report = audit(AuditConfig(cache=str(root), table="teacher", rows="all"))
+    col = report["tables"][0]["columns"]["logprobs"]
+    assert not report["passed"] and col["max_abs_delta"] > col["tolerance"] and abs(col["max_abs_delta"] - 1.0) < 0.2
+
+
+def test_tolerance_follows_the_dtype():
+    assert tolerance_for("float32", 0.0, 1e-4) == 1e-4
+    assert tolerance_for("bfloat16", 0.0, 1e-4) == 8 * 2.0 ** -8
+    assert tolerance_for("float16", 0.0, 1e-4) == 8 * 2.0 ** -11
+    assert tolerance_for("bfloat16", 0.05, 1e-4) == pytest.approx(0.2)
+    assert tolerance_for("float32", float("inf"), 1e-4) == 1e-4  # a spread that is not a number never widens it
+
+
+@pytest.mark.parametrize("rows", [0, -3, "some", True])
+def test_rows_takes_a_positive_count_or_all(rows):
+    with pytest.raises(ConfigError, match="--rows must be a positive number of rows or all"):
+        AuditConfig(cache="c", rows=rows)
+    assert AuditConfig(cache="c", rows="7").rows == 7 and AuditConfig(cache="c", rows="all").rows == "all"
