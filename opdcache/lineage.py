@@ -161,5 +161,5 @@ def recorded_model(record: dict, override: "str | Path | None", flag: str, what:
                           f"a cache's recorded path is only a hint: {ask}")
     if model_fingerprint(path) != fingerprint:
         raise ConfigError(f"the model at the recorded path {hint[:200]!r} does not carry the recorded fingerprint {short}; {ask}")
-    print(f"note: {what}: using the model at the recorded path {hint[:200]} (its weights carry the recorded fingerprint {short})")
+    print(f"note: {what}: the recorded model, fingerprint {short}, at\n  {hint[:200]}")
     return path

@@ -198,7 +198,7 @@ def test_a_recorded_model_folder_with_pickled_weights_is_not_loaded(cache, tmp_p
 def test_a_recorded_model_with_its_fingerprint_is_used_and_named(cache, weights):
     code, out = _run(["audit", cache, "--table", "rollouts", "--rows", 2])
     assert code == 0, out[-2000:]
-    assert "using the model at the recorded path" in out and str(weights / "student") in out
+    assert "the rollouts table: the recorded model, fingerprint" in out and str(weights / "student") in out
 
 
 # ---------------------------------------------------------------- memory by the bytes on disk: pages against the footer
@@ -303,3 +303,43 @@ def test_the_page_header_parser_reads_what_pyarrow_wrote(tmp_path):
         with open(path, "rb") as f:
             total = pagecheck.check_pages(f, pf.metadata, path.stat().st_size)
         assert total > 0
+
+
+# ---------------------------------------------------------------- types and nulls, checked where every command reads
+
+
+@pytest.mark.parametrize("damage", ["int64-ids", "float64-logprobs", "null-inside-ids"])
+@pytest.mark.parametrize("command", ["validate", "export", "train"])
+def test_wrong_types_and_nulls_are_refused_by_every_command(cache, tmp_path, weights, damage, command):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from test_hostile2 import _replace
+
+    for rel in sorted(p.relative_to(cache).as_posix() for p in (cache / "rollouts").glob("part-*.parquet")):  # train reads any
+        table = pq.read_table(cache / rel)
+        if damage == "int64-ids":
+            field = pa.field("response_ids", pa.list_(pa.int64()))
+            table = table.set_column(table.schema.get_field_index("response_ids"), field, table["response_ids"].cast(field.type))
+        elif damage == "float64-logprobs":
+            field = pa.field("ref_logprobs", pa.list_(pa.float64()))
+            table = table.set_column(table.schema.get_field_index("ref_logprobs"), field, table["ref_logprobs"].cast(field.type))
+        else:
+            rows = table["response_ids"].to_pylist()
+            rows[1][2] = None
+            table = table.set_column(table.schema.get_field_index("response_ids"), table.schema.field("response_ids"),
+                                     pa.array(rows, table.schema.field("response_ids").type))
+        _replace(cache, rel, table)
+    before = _digest(cache)
+    args = {"validate": ["validate", cache], "export": ["export", cache, "--to", "jsonl", "--out", tmp_path / "x"],
+            "train": ["train", "--model", weights / "student", "--cache", cache, "--loss", "lightning", "--steps", 1, "--out",
+                      tmp_path / "run"]}[command]
+    code, out = _run(args)
+    assert code == 1 and "Traceback" not in out, out[-2000:]
+    want = {"int64-ids": "response_ids: list<element: int64>", "float64-logprobs": "ref_logprobs: list<element: double>",
+            "null-inside-ids": "column response_ids holds 1 null values inside its lists"}[damage]
+    assert want in out, out[-2000:]
+    if command != "validate":
+        line = _one_line(out)
+        assert want in line
+    assert _digest(cache) == before

@@ -109,9 +109,9 @@ def test_teacher_engine_pairs_are_found_and_compared(hf_cache, tmp_path, weights
 def test_errors_say_how_to_fix(hf_cache, tmp_path, weights):
     from opdcache.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="not the model that generated the rollouts"):
+    with pytest.raises(ConfigError, match="is not the model that wrote the rollouts table"):
         MM.report(hf_cache, model=weights / "teacher")
-    with pytest.raises(ConfigError, match="pass --model PI_REF"):
+    with pytest.raises(ConfigError, match="--model .* is not a local Hugging Face model directory"):
         MM.report(hf_cache, model=tmp_path)
     with pytest.raises(ConfigError, match="nothing to compare"):
         MM.report(hf_cache, rollouts=False)
