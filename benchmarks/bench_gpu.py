@@ -344,14 +344,19 @@ def _alternate(args, sides: dict, measure) -> dict:
             for name, v in runs.items()}
 
 
+def _word_prompts(path: Path, n: int, stride: int) -> Path:
+    """``n`` prompts of 16 words of the qwen3 model's WordLevel vocabulary, one JSON line each."""
+    path.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (stride * i + 3 * j) % 5000}" for j in range(16))}) + "\n"
+                            for i in range(n)))
+    return path
+
+
 def run_async_section(args, models, root, add, rows) -> None:
     """opdcache async at staleness 2 against K = 0 (strict synchronous, the stages in turn on one GPU)."""
     env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
     q = models["qwen3"]
     batch, length = args.gen_batches[0], args.gen_lengths[0]
-    prompts = root / "prompts-async.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (17 * i + 3 * j) % 5000}" for j in range(16))}) + "\n"
-                               for i in range(batch * args.async_steps)))
+    prompts = _word_prompts(root / "prompts-async.jsonl", batch * args.async_steps, 17)
 
     def measure(k: int):
         out = root / f"async-k{k}"
@@ -372,9 +377,7 @@ def run_quantize_section(args, models, root, add, rows) -> None:
     env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
     q = models["qwen3"]
     batch, length = args.gen_batches[0], args.gen_lengths[0]
-    prompts = root / "prompts-quant.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (19 * i + 7 * j) % 5000}" for j in range(16))}) + "\n"
-                               for i in range(batch)))
+    prompts = _word_prompts(root / "prompts-quant.jsonl", batch, 19)
 
     def measure(scheme: str):
         out = root / f"quant-{scheme or 'bf16'}".replace(":", "-")

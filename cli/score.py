@@ -84,7 +84,8 @@ def score_teacher(
         for method, d in result["svd"]["distortion"].items():
             typer.echo(f"svd {method:<13} rank {d['rank']}: KL(teacher || rank-{d['rank']} reconstruction) {d['mean_kl']:.2e}"
                        + (f" ± {d['kl_stderr']:.1e}" if "kl_stderr" in d else "") + " nats/position "
-                       f"(mean over {d['positions']} held-out positions, temperature 1), top-1 agreement {d['top1_agreement']:.1%}")
+                       f"(mean over {d['positions']} positions of {result['svd'].get('heldout', 'held-out rows')}, temperature 1), "
+                       f"top-1 agreement {d['top1_agreement']:.1%}")
     if result.get("topk"):
         d = result["topk"]["distortion"]
         typer.echo(f"compact top-k ({result['topk']['precision']}, mass {result['topk']['mass']}): {d['mean_entries']:.1f} entries a "

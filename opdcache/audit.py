@@ -167,6 +167,7 @@ def _audit_base(cache: Cache, name: str, cfg: AuditConfig) -> dict:
     exact = bool(record.get("exact"))
     dtype = _recorded_dtype(record)
     backend = engine_for_table(record, path, name, dtype=dtype)
+    replay = not exact and record.get("engine") == "transformers" and hasattr(backend, "replay")
     stored_cols = [c for c in ROLLOUT_COLUMNS if c in shards.read_schema(cache.shard_paths(name)[0]).names]
     sampling = SamplingConfig(**entry["config"]["sampling"]) if exact else None
     stored: dict[str, list] = {c: [] for c in stored_cols}
@@ -183,14 +184,21 @@ def _audit_base(cache: Cache, name: str, cfg: AuditConfig) -> dict:
             for gen in backend.generate(reqs, sampling):
                 for c in stored_cols:
                     fresh[c].append(getattr(gen, c))
-        else:  # teacher-forced: the stored tokens' temperature-1 log-probs, batched and each row alone
+        elif replay:  # our engine wrote them while decoding: the stored tokens fed through that same path, batched and alone
+            reqs = [GenerateRequest(p, 0) for p in table["prompt_ids"].to_pylist()]
+            responses = shards.row_values(table["response_ids"])
+            fresh["ref_logprobs"] += [g.ref_logprobs for g in backend.replay(reqs, responses)]
+            alone += [backend.replay([r], [x])[0].ref_logprobs for r, x in zip(reqs, responses)]
+        else:  # another engine's: the stored tokens' temperature-1 log-probs by a full forward, batched and each row alone
             reqs = score_requests(table.select(["id", "prompt_ids", "response_ids"]))
             fresh["ref_logprobs"] += [sc.logprobs for sc in backend.score(reqs)]
             alone += [backend.score([r])[0].logprobs for r in reqs]
     if not exact:
         stored = {"ref_logprobs": stored["ref_logprobs"]} if "ref_logprobs" in stored else {}
     columns = {c: _compare(stored[c], fresh[c]) for c in stored}
-    how = "re-generated in the exact arithmetic" if exact else f"re-scored (teacher-forced) by the transformers engine in {dtype}"
+    how = ("re-generated in the exact arithmetic" if exact else
+           f"replayed through the transformers engine's generation path (its tokens fed back, KV cache) in {dtype}" if replay else
+           f"re-scored (teacher-forced, full forward) by the transformers engine in {dtype}")
     rep = {"table": name, "exact_claimed": exact, "dtype": dtype, "how": how, "rows": sum(map(len, picks.values())), "columns": columns}
     return _judge(rep, dtype, cfg.tolerance, {} if exact else {"ref_logprobs": _spread(fresh["ref_logprobs"], alone)})
 

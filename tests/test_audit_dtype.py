@@ -23,7 +23,7 @@ def low_precision_cache(request, tmp_path_factory, weights, opd_prompts):
     dtype = request.param
     out = tmp_path_factory.mktemp(dtype) / "cache"
     run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=out, num_shards=2,
-                             sampling=SamplingConfig(max_new_tokens=16, samples=2, ref_top_k=3), engine=EngineConfig(dtype=dtype),
+                             sampling=SamplingConfig(max_new_tokens=32, samples=2, ref_top_k=3), engine=EngineConfig(dtype=dtype),
                              sft_teacher=weights / "teacher"))
     run_score(ScoreJob(cache=out, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=4, engine=EngineConfig(dtype=dtype)))
     return dtype, out
@@ -38,7 +38,9 @@ def test_a_fresh_low_precision_table_passes_its_own_audit(low_precision_cache):
     for table in report["tables"]:
         assert table["dtype"] == dtype and not table["exact_claimed"]
         assert table["rows"] == 48  # --rows all: 24 prompts x 2 samples
-        assert f"by the transformers engine in {dtype}" in table["how"] and dtype in table["reasoning"]
+        assert "transformers engine" in table["how"] and dtype in table["how"] and dtype in table["reasoning"]
+        if table["table"] == "rollouts":  # written while decoding: replayed through the same path, not a full forward
+            assert table["how"].startswith("replayed through the transformers engine's generation path")
         for name, col in table["columns"].items():
             if "tolerance" in col:
                 assert col["tolerance"] >= 8 * UNIT_ROUNDOFF[dtype] and col["max_abs_delta"] <= col["tolerance"], (name, col)

@@ -132,3 +132,19 @@ def test_an_option_missing_its_value_points_to_the_commands_help(capsys):
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"see `{command} --help`" in err and "requires an argument" in err
+
+
+def test_score_teacher_says_when_the_svd_distortion_is_in_sample(tmp_path, weights, opd_prompts, capsys):
+    """On a cache so small that the svd fit takes every row, the distortion printed is in-sample, and says so."""
+    from opdcache.cli.main import main
+
+    out = tmp_path / "c"
+    for args in (["build-rollouts", "--model", weights / "student", "--prompts", opd_prompts, "--out", out, "--num-shards", 1,
+                  "--samples", 1, "--max-new-tokens", 8, "--limit", 3, "--sft-teacher", weights / "teacher"],
+                 ["score-teacher", out, "--teacher", weights / "teacher", "--store", "logprob,svd", "--svd-rank", 4,
+                  "--svd-min-positions", 1]):
+        with pytest.raises(SystemExit) as e:
+            main([str(a) for a in args])
+        assert e.value.code in (0, None)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "positions of the calibration rows (no other rows left: in-sample)" in text, text[-1500:]

@@ -230,6 +230,22 @@ class TransformersBackend:
             advance(len(idx))
         return out  # type: ignore[return-value]
 
+    @torch.no_grad()
+    def replay(self, requests: Sequence[GenerateRequest], responses: Sequence[np.ndarray]) -> list[Generation]:
+        """Each request's stored response fed through the generation path (left-padded batches of
+        ``generate_batch_size``, the KV cache, the last-position head) instead of sampled: pi_ref's temperature-1
+        log-probs as the rollout engine computed them, for audit. Batches by prompt length, as generate does."""
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        out: list[Generation | None] = [None] * len(requests)
+        for start in range(0, len(order), self.generate_batch_size):
+            idx = order[start: start + self.generate_batch_size]
+            steps = max(1, max(len(responses[i]) for i in idx))
+            gens = decode_batch(self.model, [requests[i] for i in idx], SamplingConfig(temperature=1.0, max_new_tokens=steps),
+                                self.eos_ids, f"replaying {len(idx)} sequences", forced=[responses[i] for i in idx])
+            for i, gen in zip(idx, gens):
+                out[i] = gen
+        return out  # type: ignore[return-value]
+
     # ------------------------------------------------------------ scoring
 
     def _batches(self, requests: Sequence[ScoreRequest]) -> list[list[int]]:
@@ -336,7 +352,8 @@ class TransformersBackend:
 
 
 @torch.no_grad()
-def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, eos_ids: set, where: str = "") -> list[Generation]:
+def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, eos_ids: set, where: str = "",
+                 forced: Sequence[np.ndarray] | None = None) -> list[Generation]:
     """Sample one batch on the model's device: left-padded prompts, then ``s.max_new_tokens`` decode steps, each drawing
     its token by inverse CDF from the sampling distribution with a counter-based uniform of the row's seed
     (opdcache/backends/draws.py), and storing pi_ref's temperature-1 log-probs (and top-k, MC draws) from the same
@@ -344,7 +361,9 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
     ``DONE_CHECK_EVERY`` steps on a GPU (every step on a CPU, where it costs nothing) and the results once at the end.
     ``where``: the progress detail's prefix. Memory: the KV cache, allocated once at prompt + max_new_tokens
     positions (opdcache/backends/kvcache.py), a few [batch, vocabulary] float32 buffers reused by every step and one
-    [batch, vocabulary] float64 cumulative sum per draw, and the stored values [batch, max_new_tokens, k + m]."""
+    [batch, vocabulary] float64 cumulative sum per draw, and the stored values [batch, max_new_tokens, k + m].
+    ``forced``: each row's response ids, fed step by step instead of drawn (the same decode path, teacher-forced: what
+    audit replays a table's log-probs with); a row ends with its own ids."""
     device = next(model.parameters()).device
     on_cpu = device.type == "cpu"
     B = len(requests)
@@ -382,6 +401,13 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
     draws_per_step = 1 + (s.mc_samples or 0)  # draw 0 picks the token, draws 1..m the MC samples
     u_block, u_at = None, 0
     check_every = 1 if on_cpu else DONE_CHECK_EVERY
+    if forced is not None:
+        forced_BT = torch.zeros((B, s.max_new_tokens), dtype=torch.long)
+        for b, ids in enumerate(forced):
+            forced_BT[b, : len(ids)] = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+        forced_BT = forced_BT.to(device)
+        forced_len = torch.tensor([len(ids) for ids in forced], dtype=torch.long, device=device)
+        done |= forced_len == 0
     for t in range(s.max_new_tokens):
         detail(f"{where}: token {t + 1}/{s.max_new_tokens}")
         log_softmax_into(logits, ref_logp, scratch)  # [B, V], temperature 1
@@ -402,6 +428,8 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
             picked = draws.inverse_cdf(samp_logp, u if s.temperature > 0 else u[:, 1:])  # [B, 1 + m] (or [B, m] greedy)
             if s.temperature > 0:
                 tok, picked = picked[:, 0], picked[:, 1:]
+        if forced is not None:
+            tok = forced_BT[:, t]
             if s.mc_samples:
                 steps["mid"].append(picked)
                 steps["mlp"].append(samp_logp.gather(-1, picked))
@@ -413,7 +441,7 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
             steps["kid"].append(kid)
             steps["klp"].append(klp)
         n_tokens += ~done
-        done |= torch.isin(tok, eos)
+        done |= torch.isin(tok, eos) if forced is None else forced_len <= t + 1
         if t == s.max_new_tokens - 1 or (t % check_every == check_every - 1 and bool(done.all())):
             break
         mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
