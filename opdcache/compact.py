@@ -1,4 +1,4 @@
-"""Compact top-k encodings (issue 20): what the v3 compact top-k store writes (:func:`compact_topk`, fixed width,
+"""Compact top-k encodings: what the v3 compact top-k store writes (:func:`compact_topk`, fixed width,
 padded), the distortion it records (:func:`distortion_sums`), and a ragged codec (:class:`TopkCodec`) that
 benchmarks/bench_storage.py uses to measure the alternatives the store did not take (ascending ids, q8).
 

@@ -1,4 +1,4 @@
-"""What a teacher table's stores lose against the teacher's full distribution, measured while scoring (issue 29).
+"""What a teacher table's stores lose against the teacher's full distribution, measured while scoring.
 
 The scorer streams the whole vocabulary at every position (backends/streamed.py), so it knows, besides what it stores,
 the full distribution's entropy H = -E_p[log p] and variance Var_p[log p]. From those and the stored values this module

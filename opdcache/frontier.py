@@ -1,5 +1,5 @@
 """The storage frontier of one teacher on one cache's own rollouts: for each store and setting, bytes per token as
-opdcache's writer writes them, beside the stored signal's error against the teacher's **full vocabulary** (issue 29).
+opdcache's writer writes them, beside the stored signal's error against the teacher's **full vocabulary**.
 ``opdcache plan`` (opdcache/plan.py) prints it; benchmarks/bench_storage.py measures it on SmolLM2's own rollouts.
 
 Per response position, with p the teacher's full distribution and q* the full distribution a store implies:

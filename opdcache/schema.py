@@ -31,7 +31,7 @@ that uses nothing newer than v1 is written exactly as v1 was (same bytes, same f
 reading it. v2 = v1 + the rollouts' optional ``version`` store (``student_version``: async runs). v3 = v2 + the compact
 top-k store (``topk_precision`` / ``topk_mass``: a residual-mass support padded with id -1, log-probs in float16 bits,
 and the ``topk_tail`` column) and the teacher's ``sampled`` store (RS-KD). v4 = v3 + the compact top-k precision
-``prob14`` (probabilities as uint16 codes on a 2^-14 grid, kept entries in ascending id order; issue 29)."""
+``prob14`` (probabilities as uint16 codes on a 2^-14 grid, kept entries in ascending id order)."""
 READABLE_VERSIONS = (1, 2, 3, 4)
 STORE_SINCE = {"version": 2, "sampled": 3}
 """Stores added after v1, with the format version that added them; ``schemas/format-v<N>.json`` freezes each version."""

@@ -2,7 +2,7 @@
 
 torch's default is one OpenMP thread per core, and GNU OpenMP threads *spin* while they wait for work (about 300,000
 iterations before sleeping). On a shared node whose cores other processes keep busy, spinning threads steal the
-cores from each other and from those processes: 10 demo train steps took 12-26 s instead of 1.7-2.8 s (issue 22).
+cores from each other and from those processes: 10 demo train steps took 12-26 s instead of 1.7-2.8 s.
 Two settings fix it without giving up parallelism on a quiet machine:
 
 * ``OMP_WAIT_POLICY=PASSIVE`` (unless the user set it): waiting threads sleep instead of spinning. It must be in the

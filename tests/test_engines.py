@@ -335,3 +335,19 @@ def test_the_gpu_logit_block_is_capped_by_free_device_memory(monkeypatch):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 141 << 30))
         assert streamed.block_bytes(cuda) == want
     assert streamed.block_bytes(torch.device("cpu")) == streamed.LOGIT_BLOCK_BYTES == 8 << 20
+
+
+def test_replay_feeds_stored_tokens_through_the_generation_path(student, prompts):
+    """replay (audit's re-computation of a rollouts table) gives the generation's own temperature-1 log-probs for its
+    tokens: the same path, batch and order, so bit for bit on a CPU; each row ends with its own response."""
+    s = SamplingConfig(temperature=0.9, top_p=0.95, max_new_tokens=20, ref_top_k=2, mc_samples=2)
+    reqs = [GenerateRequest(p, seed=50 + i) for i, p in enumerate(prompts)]
+    gens = student.generate(reqs, s)
+    again = student.replay(reqs, [g.response_ids for g in gens])
+    for g, r in zip(gens, again):
+        np.testing.assert_array_equal(r.response_ids, g.response_ids)
+        np.testing.assert_array_equal(r.ref_logprobs, g.ref_logprobs)
+    short = student.replay(reqs[:2], [gens[0].response_ids[:3], gens[1].response_ids[:1]])
+    assert [len(x.response_ids) for x in short] == [3, 1]
+    # another batch (2 rows, not 7): float32 rounding of batched kernels moves the last bits, nothing more
+    np.testing.assert_allclose(short[0].ref_logprobs, gens[0].ref_logprobs[:3], atol=1e-5)

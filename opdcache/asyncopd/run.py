@@ -35,7 +35,7 @@ class StageFailed(OpdcacheError, RuntimeError):
 
 def stage_threads(cfg: AsyncConfig) -> int:
     """Torch threads per stage: --threads, else the CPUs this process may use shared by the three stages (at least 1).
-    Three processes each spinning the machine's full thread count collapse on a busy machine (issue 22)."""
+    Three processes each spinning the machine's full thread count collapse on a busy machine."""
     from opdcache.threads import ENV, usable_cpus
 
     if cfg.threads:

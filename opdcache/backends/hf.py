@@ -428,11 +428,11 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
             picked = draws.inverse_cdf(samp_logp, u if s.temperature > 0 else u[:, 1:])  # [B, 1 + m] (or [B, m] greedy)
             if s.temperature > 0:
                 tok, picked = picked[:, 0], picked[:, 1:]
-        if forced is not None:
-            tok = forced_BT[:, t]
             if s.mc_samples:
                 steps["mid"].append(picked)
                 steps["mlp"].append(samp_logp.gather(-1, picked))
+        if forced is not None:
+            tok = forced_BT[:, t]
         steps["tok"].append(tok)
         steps["slp"].append(samp_logp.gather(-1, tok[:, None]).squeeze(-1))
         steps["rlp"].append(ref_logp.gather(-1, tok[:, None]).squeeze(-1))

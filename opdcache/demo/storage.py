@@ -1,4 +1,4 @@
-"""``opdcache demo --ablation storage``: the teacher's signal at fewer bytes per token (issue 20) on the embedded task.
+"""``opdcache demo --ablation storage``: the teacher's signal at fewer bytes per token on the embedded task.
 
 pi_ref's cached rollouts are scored again into three teacher tables: the exact top-16 (format v1), the compact top-16
 (float16 log-probs, residual mass 1e-3, one tail column: format v3) and the sampled store (RS-KD, 12 teacher draws a
