@@ -15,7 +15,7 @@ OPDCACHE = shutil.which("opdcache") or str(Path(sys.executable).with_name("opdca
 
 CASES = [
     ([], "usage: opdcache COMMAND [OPTIONS]; commands: "),
-    (["info"], "error: Missing argument 'cache'; see `opdcache info --help`"),
+    (["info"], "error: Missing argument 'CACHE'; see `opdcache info --help`"),
     (["bogus"], "error: No such command 'bogus'; see `opdcache --help`"),
     (["train", "--stepz", "3"], "error: No such option: --stepz"),
     (["export", "x"], "error: Missing option '--to'; see `opdcache export --help`"),

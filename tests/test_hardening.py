@@ -218,7 +218,7 @@ def test_the_last_progress_line_of_a_train_run_is_printed_once_with_its_loss(tmp
     losses = [json.loads(l)["loss"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     # what the run left on disk is said, with what to delete (issue 30: 2.1 GB on SmolLM2, unannounced)
     model = sum(p.stat().st_size for p in (tmp_path / "run" / "model").rglob("*") if p.is_file())
-    assert f"on disk: the model {model / 1024:.1f} KiB, the checkpoint" in captured.out and "run/checkpoint once the run is final" in captured.out
+    assert f"on disk: the model {model / 1024:.1f} KiB (float32), the checkpoint" in captured.out and "run/checkpoint once the run is final" in captured.out
     counts = [l.split(":")[1].split()[0] for l in lines]
     assert counts[-2:] == ["1/2", "2/2"] and len(counts) == len(set(counts)), lines  # each state once
     assert f"loss={losses[-1]:.4f}" in lines[-1] and f"loss={losses[0]:.4f}" in lines[-2]
