@@ -2,8 +2,8 @@
 in messages without echoing them whole.
 
 A manifest, a job record or ``run.json`` is parsed only if it is at most MAX_JSON_BYTES; numbers of more than
-MAX_NUMBER_CHARS characters, nesting deeper than MAX_DEPTH and strings longer than MAX_STRING_CHARS are refused in one
-line naming the file, before any command looks at the values. :func:`quote` cuts any value to QUOTE_CHARS for messages.
+MAX_NUMBER_CHARS characters, a key twice in one object (the last one would win silently), nesting deeper than MAX_DEPTH and
+strings longer than MAX_STRING_CHARS are refused in one line naming the file, before any command looks at the values. :func:`quote` cuts any value to QUOTE_CHARS for messages.
 """
 
 from __future__ import annotations
@@ -34,6 +34,16 @@ def _number(kind):
     return parse
 
 
+def _unique_keys(pairs: list) -> dict:
+    """An object whose keys are unique: a duplicate would let the last one win silently."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"the key {quote(dup)} appears twice in one object")
+    return out
+
+
 def _check_shape(value) -> None:
     """Depth and string lengths, walked without recursion."""
     stack = [(value, 1)]
@@ -59,7 +69,8 @@ def loads(data: bytes | str, where: str, error=ValueError):
     if size > MAX_JSON_BYTES:
         raise error(f"{where}: {size:,} bytes, over the {MAX_JSON_BYTES >> 20} MiB a cache's JSON may take; the file is damaged or hostile")
     try:
-        value = json.loads(data, parse_int=_number(int), parse_float=_number(float), parse_constant=_number(float))
+        value = json.loads(data, parse_int=_number(int), parse_float=_number(float), parse_constant=_number(float),
+                           object_pairs_hook=_unique_keys)
         _check_shape(value)
     except RecursionError:
         raise error(f"{where}: invalid JSON (nested too deeply to read); the file is damaged or hostile") from None

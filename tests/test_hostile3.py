@@ -343,3 +343,12 @@ def test_wrong_types_and_nulls_are_refused_by_every_command(cache, tmp_path, wei
         line = _one_line(out)
         assert want in line
     assert _digest(cache) == before
+
+
+@pytest.mark.parametrize("command", ["validate", "info"])
+def test_a_manifest_with_a_key_twice_is_one_line(cache, command):
+    text = (cache / "opdcache.json").read_text()
+    (cache / "opdcache.json").write_text(text.replace('"kind": "rollouts"', '"kind": "rollouts", "kind": "sft"', 1))
+    code, out = _run([command, cache])
+    line = _one_line(out)
+    assert code in (1, 2) and "the key 'kind' appears twice in one object" in line and "opdcache.json" in line, line
