@@ -39,7 +39,8 @@ minus what was allocated just before it: the model and inputs are not counted):
    second over the whole run), sides alternating over ``--gen-rounds`` rounds, each a fresh ``opdcache async``.
 7. ``quantize``: ``opdcache build-rollouts --quantize w4a16:g128`` against the bf16 engine, end to end (CLI, Parquet
    written), the same prompts and lengths, alternating over ``--gen-rounds`` rounds: the emulated low-bit scheme's cost
-   (quantize, dequantize, compute: the numbers are int4's, the speed is not an int4 kernel's).
+   (quantize, dequantize, compute: the numbers are int4's, the speed is not an int4 kernel's). In 6 and 7 each run is a
+   fresh CLI process (model load included on both sides), with wall and CPU-seconds; GPU memory is not compared there.
 5. ``write``: ``opdcache score-teacher`` end to end on an 8-shard cache (8 x ``--train-batch`` prompts), each shard
    written behind the next one's scoring (the default) against inline (``OPDCACHE_WRITE_BEHIND=0``).
 

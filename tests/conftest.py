@@ -27,6 +27,14 @@ def weights():
     return DEMO_WEIGHTS
 
 
+@pytest.fixture(scope="module")
+def student(weights):
+    """The demo student on the transformers engine in float32 (one per test module)."""
+    from opdcache.backends.hf import TransformersBackend
+
+    return TransformersBackend(weights / "student", dtype="float32")
+
+
 @pytest.fixture(scope="session")
 def opd_prompts(tmp_path_factory):
     from opdcache.demo.task import write_prompts

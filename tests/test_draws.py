@@ -62,13 +62,6 @@ def test_inverse_cdf_draws_follow_the_distribution():
 
 
 @pytest.fixture(scope="module")
-def student(weights):
-    from opdcache.backends.hf import TransformersBackend
-
-    return TransformersBackend(weights / "student", dtype="float32")
-
-
-@pytest.fixture(scope="module")
 def prompts(weights):
     from transformers import AutoTokenizer
 

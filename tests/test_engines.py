@@ -24,11 +24,6 @@ def _full_logits(model, prompt, response):
 
 
 @pytest.fixture(scope="module")
-def student(weights):
-    return TransformersBackend(weights / "student", dtype="float32")
-
-
-@pytest.fixture(scope="module")
 def prompts(weights):
     from transformers import AutoTokenizer
 

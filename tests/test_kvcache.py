@@ -6,7 +6,6 @@ import torch
 
 from opdcache.backends import kvcache
 from opdcache.backends.base import GenerateRequest, SamplingConfig
-from opdcache.backends.hf import TransformersBackend
 
 FIELDS = ("response_ids", "sampling_logprobs", "ref_logprobs", "ref_topk_ids", "ref_topk_logprobs", "mc_ids", "mc_sampling_logprobs")
 
@@ -56,11 +55,6 @@ def test_only_an_all_full_attention_model_gets_it():
     assert full is not None and all(isinstance(layer, kvcache.PreallocatedLayer) for layer in full.layers)
     sliding = _config(use_sliding_window=True, sliding_window=4, max_window_layers=0)
     assert kvcache.preallocated(SimpleNamespace(config=sliding), 10) is None
-
-
-@pytest.fixture(scope="module")
-def student(weights):
-    return TransformersBackend(weights / "student", dtype="float32")
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.9, top_p=0.95, ref_top_k=3), dict(temperature=1.0, mc_samples=2)])
