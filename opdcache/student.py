@@ -34,17 +34,20 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
 class StudentForward(torch.nn.Module):
     """Decoder forward, then per response token: log-probs at requested ids, log-partition, optional divergence."""
 
-    def __init__(self, model, chunk: int, exact_dtype: torch.dtype | None = None):
-        """``exact_dtype``: run the decoder and the head in the exact arithmetic (opdcache/exact/) in this dtype."""
+    def __init__(self, model, chunk: int, exact_dtype: torch.dtype | None = None, exact_arithmetic: str | None = None):
+        """``exact_dtype``: run the decoder and the head in the exact arithmetic (opdcache/exact/) in this dtype;
+        ``exact_arithmetic``: which one (a name of opdcache.exact.ARITHMETICS; default: the model's device's)."""
         super().__init__()
         self.model = model
         self.chunk = chunk
         self.scale, self.softcap = head_transform_of(model)
         self.exact = None
         if exact_dtype is not None:
+            from opdcache.exact import arithmetic_for_device, primitives
             from opdcache.exact.decoder import ExactDecoder
 
-            self.exact = ExactDecoder(model, exact_dtype)
+            name = exact_arithmetic or arithmetic_for_device(next(model.parameters()).device)
+            self.exact = ExactDecoder(model, exact_dtype, arith=primitives(name))
 
     def forward(self, input_ids_BL, attention_mask_BL, logit_positions_BT, select_BT, ids_NK, divergence: str | None = None,
                 teacher_hidden_NK=None, teacher_weight=None, teacher_bias=None, uniform: bool = False):
@@ -66,7 +69,7 @@ class StudentForward(torch.nn.Module):
 
             with torch.no_grad(), torch.autocast(h_NH.device.type, enabled=False):
                 exact_lp, exact_lse, _ = picks_and_stats(h_NH.detach(), head.weight.detach(), None if bias is None else bias.detach(),
-                                                         self.exact.dtype, ids_NK.long())
+                                                         self.exact.dtype, ids_NK.long(), arith=self.exact.arith)
             # exact + (x - x), in float32: the value is the exact one to the bit (x - x = 0), the gradient x's. In the
             # streamed head's dtype (bfloat16 when the exact decoder's hidden states are) the exact value would round
             lp_NK = exact_lp.float() + (lp_NK - lp_NK.detach()).float()

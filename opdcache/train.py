@@ -73,6 +73,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         self.ddp, self.rank, self.world, self.device, self.owns_process_group = init_distributed()
         self.autocast = autocast_dtype(self._compute_dtype(source), self.device)
+        arithmetic = self._exact_arithmetic(source) if cfg.exact else None  # checked before the model loads
         # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32
         self.model_path = resolve_model(cfg.model).path  # a local directory or a Hub id
         self.model = load_causal_lm(self.model_path, torch.float32).to(self.device)
@@ -92,8 +93,8 @@ class Trainer:
             ref = load_causal_lm(self.model_path, torch.float32).to(self.device).eval()
             if self.scheme is not None:
                 apply_scheme(ref, self.scheme, "inference")
-            self.ref_forward = StudentForward(ref, cfg.chunk, self.exact_dtype)
-        self.forward = StudentForward(self.model, cfg.chunk, self.exact_dtype)
+            self.ref_forward = StudentForward(ref, cfg.chunk, self.exact_dtype, arithmetic)
+        self.forward = StudentForward(self.model, cfg.chunk, self.exact_dtype, arithmetic)
         if cfg.fsdp:
             self.forward = shard_fsdp(self.forward, self.device, self.world)
         elif self.ddp:
@@ -127,6 +128,24 @@ class Trainer:
             raise ConfigError(f"--exact: {cfg.cache}'s rollouts were computed in the exact arithmetic in {recorded}, so the "
                               f"learner recomputes them only in {recorded}; pass --dtype {recorded} (or leave --dtype out)")
         return recorded
+
+    def _exact_arithmetic(self, source) -> str:
+        """--exact: the arithmetic the cache's exact rollouts were computed in (the learner recomputes their bits only
+        in it), else the device's (opdcache/exact/__init__.py). Refused in one line where this device cannot run it."""
+        from opdcache.exact import ARITHMETICS, arithmetic_for_device
+        from opdcache.exact import invariant
+
+        name = arithmetic_for_device(self.device)
+        if self.cfg.cache is not None and source is None:
+            name = (self._rollouts_record().get("exact") or {}).get("arithmetic") or name
+        if name not in ARITHMETICS:
+            raise ConfigError(f"--exact: {self.cfg.cache}'s rollouts were computed in {name!r}, which this opdcache does not "
+                              f"implement ({', '.join(ARITHMETICS)}); train with the opdcache version that wrote them")
+        if name == invariant.NAME and not invariant.available("cpu" if invariant.interpreted() else self.device):
+            raise ConfigError(f"--exact: {self.cfg.cache}'s rollouts were computed in {name}, the GPU's batch-invariant arithmetic: "
+                              f"the learner recomputes them on a CUDA GPU (--device cuda); here: "
+                              f"{invariant.unavailable_reason(self.device)}")
+        return name
 
     def _rollout_scheme(self):
         """The low-bit scheme the cache's rollouts were computed in (``--rollout-aligned``), from the manifest."""

@@ -93,7 +93,8 @@ class TrainConfig:
     """The exact arithmetic (opdcache/exact/, papers/003): the student's forward gives the bits an exact rollout engine
     stored (at step 0 every importance weight is exactly 1), whatever the batch, padding, thread count or device (a CPU
     or a CUDA GPU give the same bits: tests/test_gpu.py); Llama, Mistral, Qwen2, Qwen3; float32 or bfloat16 (--dtype
-    auto takes the exact rollouts' dtype, another is refused). Costs float64 matmuls in the forward; gradients as usual."""
+    auto takes the exact rollouts' dtype, another is refused). The arithmetic is the one the rollouts record (the CPU's
+    float64 matmuls, on any device; or the GPU's batch-invariant kernels, on a CUDA GPU); gradients as usual."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     checkpoint: str = "full"

@@ -205,6 +205,32 @@ def test_unsupported_models_are_refused_in_one_line():
         check_supported(SimpleNamespace(model_type="llama", rope_parameters={"rope_type": "yarn"}))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a usable GPU")
+def test_exact_on_a_gpu_without_one_is_refused_before_the_model_loads(tmp_path, opd_prompts, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    code, out = _cli(["build-rollouts", "--model", tmp_path / "no-model-here", "--prompts", opd_prompts, "--out",
+                      tmp_path / "c", "--exact", "--device", "cuda"], capsys)
+    assert code == 2 and "Traceback" not in out
+    line = out.strip().splitlines()[-1]
+    assert "--exact --device cuda runs the batch-invariant GPU kernels:" in line and "--device cpu" in line
+    assert ("triton" in line) or ("no CUDA GPU" in line)
+
+
+def test_a_table_of_the_gpu_arithmetic_is_replayed_only_on_a_gpu(tmp_path, monkeypatch):
+    from opdcache.backends import engine_for_table
+    from opdcache.errors import ConfigError
+    from opdcache.exact import GPU_ARITHMETIC
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without a GPU")
+    with pytest.raises(ConfigError, match=f"the rollouts was computed in {GPU_ARITHMETIC}, the GPU's batch-invariant arithmetic: "
+                                          "it re-computes on a CUDA GPU"):
+        engine_for_table({"exact": {"arithmetic": GPU_ARITHMETIC}}, tmp_path, "the rollouts")
+    with pytest.raises(ConfigError, match="this opdcache implements 'opdcache-exact-1', 'opdcache-invariant-1'"):
+        engine_for_table({"exact": {"arithmetic": "opdcache-exact-0"}}, tmp_path, "the rollouts")
+
+
 # ----------------------------------------------------------------------------------------------- the CLI
 def _cli(args, capsys):
     with pytest.raises(SystemExit) as e:

@@ -243,3 +243,44 @@ def test_generation_on_cuda_keeps_every_step_on_the_device_and_matches_the_cpu(w
         if np.array_equal(a.response_ids, b.response_ids):
             np.testing.assert_allclose(a.ref_logprobs, b.ref_logprobs, atol=1e-4)
             np.testing.assert_array_equal(a.mc_ids, b.mc_ids)
+
+
+# ------------------------------------------------------------------------------------------ the GPU's exact arithmetic
+@pytest.mark.parametrize("model,dtype", [("student", "float32"), ("teacher", "bfloat16"), ("student", "bfloat16")])
+def test_the_gpu_arithmetic_is_batch_invariant_on_cuda(weights, model, dtype):
+    """--exact --device cuda: rows alone, in 7 and in 64 (reversed: other positions) give the same bits; scoring and
+    the trainer's forward give back what KV-cache decoding stored (opdcache/exact/invariant.py's compiled kernels)."""
+    from exact_checks import check_engine_invariance
+
+    from opdcache.backends.exact import ExactBackend
+    from opdcache.exact import GPU_ARITHMETIC
+
+    engine = ExactBackend(weights / model, dtype=dtype, device="cuda")
+    assert engine.arithmetic == GPU_ARITHMETIC and engine.device.type == "cuda"
+    assert check_engine_invariance(engine, 64, batches=(7, 1), max_new_tokens=24, seed=3) > 500
+
+
+def test_an_exact_cache_on_cuda_trains_and_audits_on_cuda(tmp_path, weights, capsys):
+    """build-rollouts and score-teacher --exact --device cuda record the GPU arithmetic; train --exact recomputes
+    every stored log-prob (importance weights exactly 1) and audit replays the table bit for bit."""
+    from opdcache.cli.main import main
+    from opdcache.demo.task import write_prompts
+    from opdcache.exact import GPU_ARITHMETIC
+
+    prompts = write_prompts(tmp_path / "p.jsonl", "opd", 16)
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    for args in (["build-rollouts", "--model", weights / "student", "--prompts", prompts, "--out", cache, "--num-shards", 1,
+                  "--samples", 2, "--temperature", 0.9, "--top-p", 0.95, "--max-new-tokens", 12, "--exact", "--device", "cuda",
+                  "--dtype", "bfloat16"],
+                 ["score-teacher", cache, "--teacher", weights / "teacher", "--store", "logprob", "--exact", "--device", "cuda"],
+                 ["train", "--model", weights / "student", "--cache", cache, "--loss", "lightning", "--steps", 1,
+                  "--batch-size", 32, "--out", run, "--exact"],
+                 ["audit", cache, "--rows", "all"]):
+        with pytest.raises(SystemExit) as e:
+            main([str(a) for a in args])
+        out = capsys.readouterr()
+        assert e.value.code in (0, None), out.out + out.err
+    manifest = json.loads((cache / "opdcache.json").read_text())
+    assert manifest["tables"]["rollouts"]["model"]["exact"]["arithmetic"] == GPU_ARITHMETIC
+    step = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["is_weight_mean"] == 1.0 and step["is_weight_std"] == 0.0 and step["k1"] == 0.0, step

@@ -54,7 +54,8 @@ class EngineConfig:
     """transformers generation: sequences decoded together (KV-cache memory; larger is faster for small models)."""
     exact: bool = False
     """The exact arithmetic (opdcache/exact/): stored numbers equal the trainer's exact recompute bit for bit, whatever
-    the batch, padding, KV cache or thread count. CPU, transformers models of the Llama/Mistral/Qwen2/Qwen3 families.
+    the batch, padding, KV cache or thread count; transformers models of the Llama/Mistral/Qwen2/Qwen3 families. On the
+    CPU (device cpu or auto) the CPU arithmetic, on cuda the batch-invariant GPU kernels (opdcache/exact/__init__.py).
     The user's spelling of ``backend="exact"``: either sets both."""
 
     inject: str | None = None
@@ -92,9 +93,9 @@ class EngineConfig:
         view = {"backend": "transformers" if self.exact else self.backend, "dtype": self.dtype, "quantize": self.quantize,
                 "tensor_parallel_size": self.tensor_parallel_size}
         if self.exact:  # absent when off: caches built before --exact keep their fingerprints
-            from opdcache.backends.exact import ARITHMETIC
+            from opdcache.exact import arithmetic_for_device
 
-            view["exact"] = ARITHMETIC
+            view["exact"] = arithmetic_for_device(self.device)
         if self.inject:
             view["inject"] = self.inject
         return view
@@ -115,13 +116,29 @@ def engine_for_table(record: dict, path: Path, what: str, *, device: str = "cpu"
 
     quant = recorded_spec(record.get("quantization"))
     if record.get("exact"):
-        from opdcache.backends.exact import ARITHMETIC
+        from opdcache.exact import ARITHMETICS, arithmetic_for_device
 
-        if record["exact"].get("arithmetic") != ARITHMETIC:
-            raise ConfigError(f"{what} was computed in {record['exact'].get('arithmetic')!r}, this opdcache implements {ARITHMETIC!r}; "
+        name = record["exact"].get("arithmetic")
+        if name not in ARITHMETICS:
+            raise ConfigError(f"{what} was computed in {name!r}, this opdcache implements {', '.join(map(repr, ARITHMETICS))}; "
                               "re-compute it with the opdcache version that wrote it")
-        engine = EngineConfig(backend="exact", dtype=record.get("dtype") or "float32", quantize=quant, inject=record["exact"].get("inject"))
-    else:
-        emulated = quant if quant and record.get("engine") == "transformers" and not quant.startswith("int8") else None
-        engine = EngineConfig(dtype=dtype or "float32", device=device, quantize=aligned or emulated)
-    return make_backend(path, engine)
+        exact_device = "cpu" if arithmetic_for_device("cpu") == name else _invariant_device(what, name)
+        engine = EngineConfig(backend="exact", dtype=record.get("dtype") or "float32", device=exact_device, quantize=quant,
+                              inject=record["exact"].get("inject"))
+        return make_backend(path, engine, arithmetic=name)
+    emulated = quant if quant and record.get("engine") == "transformers" and not quant.startswith("int8") else None
+    return make_backend(path, EngineConfig(dtype=dtype or "float32", device=device, quantize=aligned or emulated))
+
+
+def _invariant_device(what: str, name: str) -> str:
+    """The device that replays a table of the batch-invariant GPU arithmetic: the CUDA GPU; one line where there is none."""
+    from opdcache.exact import invariant
+
+    if invariant.interpreted() and invariant.available("cpu"):
+        return "cpu"  # Triton's interpreter (the tests)
+    reason = invariant.unavailable_reason("cuda")
+    if reason is not None:
+        raise ConfigError(f"{what} was computed in {name}, the GPU's batch-invariant arithmetic: it re-computes on a CUDA GPU "
+                          f"(here: {reason}); run this on a GPU machine")
+    return "cuda"
+

@@ -19,13 +19,15 @@ import torch
 
 from opdcache.backends.base import (GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations,
                                      split_scores)
-from opdcache.backends.hf import load_model
+from opdcache.backends import draws
+from opdcache.backends.hf import DONE_CHECK_EVERY, UNIFORM_BLOCK_STEPS, load_model
 from opdcache.errors import ConfigError
+from opdcache.exact import ARITHMETICS, CPU_ARITHMETIC, arith, arithmetic_for_device, invariant, primitives
 from opdcache.exact import head as H
 from opdcache.exact.decoder import ExactDecoder
 from opdcache.progress import advance, detail
 
-ARITHMETIC = "opdcache-exact-1"  # the definition of the arithmetic (arith.py, decoder.py, head.py): bump on any change
+ARITHMETIC = CPU_ARITHMETIC
 INJECT_HELP = "logit-noise:SIGMA (Gaussian noise of scale SIGMA nats on every logit) or bf16-activations (each layer's output rounded to bfloat16)"
 
 
@@ -61,44 +63,74 @@ class Injection:
         return "bf16-activations" if self.bf16_activations else f"logit-noise:{self.logit_noise:g}"
 
 
-def arithmetic_record(dtype: str) -> dict:
-    """What fixes the arithmetic, for the manifest: its definition and the libraries whose functions it rounds
-    (torch for the float64 kernels, the C library for math's exp/log/cos/sin on the slow path)."""
+def arithmetic_record(dtype: str, name: str = CPU_ARITHMETIC, device: torch.device | None = None) -> dict:
+    """What fixes the arithmetic, for the manifest: its definition and the libraries whose functions it rounds (the
+    CPU's: torch for the float64 kernels, the C library for math's exp/log/cos/sin on the slow path; the GPU's: its
+    block constants, triton, and the device, whose tensor cores and elementwise functions give the bits)."""
     import platform
 
-    import torch
+    record = {"arithmetic": name, "dtype": dtype, "vocab_block": H.VOCAB_BLOCK, "torch": torch.__version__}
+    if name == CPU_ARITHMETIC:
+        return record | {"libc": "-".join(platform.libc_ver()) or None, "python": platform.python_version()}
+    import triton
 
-    return {"arithmetic": ARITHMETIC, "dtype": dtype, "vocab_block": H.VOCAB_BLOCK, "torch": torch.__version__,
-            "libc": "-".join(platform.libc_ver()) or None, "python": platform.python_version()}
+    gpu = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else "triton-interpreter"
+    return record | invariant.constants() | {"triton": triton.__version__, "device": gpu, "draws": "counter-triple32"}
+
+
+def _checked_arithmetic(name: str, device: str) -> str:
+    """``name`` where this opdcache implements it and ``device`` runs it; else one line saying what is missing."""
+    if name not in ARITHMETICS:
+        raise ConfigError(f"the table was computed in the exact arithmetic {name!r}; this opdcache implements "
+                          f"{', '.join(ARITHMETICS)}: re-compute it with the opdcache version that wrote it")
+    if name == invariant.NAME:
+        reason = invariant.unavailable_reason("cpu" if invariant.interpreted() else device)
+        if reason is not None:
+            raise ConfigError(f"{name} is the GPU's exact arithmetic: {reason}")
+    return name
 
 
 class ExactBackend:
     name = "exact"
 
     def __init__(self, model_path: str | Path, dtype: str = "auto", quantize: str | None = None,
-                 generate_batch_size: int = 64, max_batch_tokens: int = 2048, inject: str | None = None):
+                 generate_batch_size: int = 64, max_batch_tokens: int = 2048, inject: str | None = None,
+                 device: str = "cpu", arithmetic: str | None = None):
+        """``device``: where the model runs (``cpu``; ``cuda``/``cuda:N`` for the batch-invariant GPU arithmetic).
+        ``arithmetic``: a name of :data:`ARITHMETICS` (default: the device's, :func:`arithmetic_for_device`); the
+        batch-invariant one also runs on the CPU under Triton's interpreter (its tests)."""
         from opdcache.quant import parse_quantize
 
         spec = None if quantize is None else parse_quantize(quantize).spec()
         if dtype == "float16":
             raise ConfigError("--exact supports --dtype float32 or bfloat16, got float16")
-        self.model = load_model(model_path, "float32" if dtype == "auto" else dtype, "cpu", spec)
+        name = _checked_arithmetic(arithmetic or arithmetic_for_device(device), device)
+        self.model = load_model(model_path, "float32" if dtype == "auto" else dtype, "cpu" if device == "auto" else device, spec)
         self.path, self.quantize = Path(model_path), spec
-        self._attach(generate_batch_size, max_batch_tokens, Injection.parse(inject))
+        self._attach(generate_batch_size, max_batch_tokens, Injection.parse(inject), name)
 
     @classmethod
-    def from_model(cls, model, generate_batch_size: int = 64, max_batch_tokens: int = 2048, inject: str | None = None) -> "ExactBackend":
-        """Wrap a model in memory (an online learner's current weights)."""
+    def from_model(cls, model, generate_batch_size: int = 64, max_batch_tokens: int = 2048, inject: str | None = None,
+                   arithmetic: str | None = None) -> "ExactBackend":
+        """Wrap a model in memory (an online learner's current weights), in its device's arithmetic by default."""
         self = cls.__new__(cls)
         self.model, self.path, self.quantize = model, None, None
-        self._attach(generate_batch_size, max_batch_tokens, Injection.parse(inject))
+        device = str(next(model.parameters()).device)
+        self._attach(generate_batch_size, max_batch_tokens, Injection.parse(inject),
+                     _checked_arithmetic(arithmetic or arithmetic_for_device(device), device))
         return self
 
-    def _attach(self, generate_batch_size: int, max_batch_tokens: int, inject: Injection | None) -> None:
+    def _attach(self, generate_batch_size: int, max_batch_tokens: int, inject: Injection | None, arithmetic: str) -> None:
         import transformers
 
         self.inject = inject
-        self.decoder = ExactDecoder(self.model, round_activations=torch.bfloat16 if inject and inject.bf16_activations else None)
+        self.arithmetic = arithmetic
+        self.arith = primitives(arithmetic)
+        if inject is not None and inject.logit_noise and self.arith is not arith:
+            raise ConfigError("--inject-mismatch logit-noise draws its noise from CPU random streams: inject it on the CPU arithmetic")
+        self.decoder = ExactDecoder(self.model, round_activations=torch.bfloat16 if inject and inject.bf16_activations else None,
+                                    arith=self.arith)
+        self.device = self.decoder.base.embed_tokens.weight.device
         self.version = transformers.__version__
         self.dtype = str(self.decoder.dtype).replace("torch.", "")
         head = self.model.get_output_embeddings()
@@ -113,7 +145,7 @@ class ExactBackend:
         """Nothing to release."""
 
     def model_info(self) -> dict:
-        record = arithmetic_record(self.dtype)
+        record = arithmetic_record(self.dtype, self.arithmetic, self.device)
         if self.inject is not None:
             record["inject"] = self.inject.spec()
         return {"engine": self.name, "engine_version": self.version, "dtype": self.dtype, "quantization": self.quantize, "exact": record}
@@ -128,23 +160,53 @@ class ExactBackend:
             advance(len(batch))
         return out
 
-    def _step_logprobs(self, h_BH: torch.Tensor, s: SamplingConfig, gens: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step_logprobs(self, h_BH: torch.Tensor, s: SamplingConfig, gens: list | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(temperature-1 log-probs, sampling log-probs) [B, V] of one decode step."""
-        z = H.full_logits(h_BH, self.W, self.b, self.decoder.dtype)
+        A = self.arith
+        z = H.full_logits(h_BH, self.W, self.b, self.decoder.dtype, A)
         if self.inject is not None and self.inject.logit_noise:
             noise = torch.stack([torch.randn(z.shape[1], generator=g) for g in gens])  # [B, V] from each sample's stream
             z = z + noise * self.inject.logit_noise
-        ref = H.log_softmax(z)
+        ref = H.log_softmax(z, A)
         if s.temperature in (0, 1) and s.top_p >= 1:
             return ref, ref
         scaled = z / s.temperature
-        samp = H.log_softmax(scaled)
+        samp = H.log_softmax(scaled, A)
         if s.top_p < 1:
-            samp = H.log_softmax(scaled.masked_fill(H.top_p_mask(samp, s.top_p), float("-inf")))
+            samp = H.log_softmax(scaled.masked_fill(H.top_p_mask(samp, s.top_p, A), float("-inf")), A)
         return ref, samp
 
+    def _uniforms(self, requests: Sequence[GenerateRequest], s: SamplingConfig):
+        """Step t -> [B, 1 + m] float64 uniforms on the engine's device (draw 0 picks the token, 1..m the MC draws),
+        each row's from its own seed only. The CPU arithmetic draws them from one torch.Generator per sample (its
+        recorded streams); the GPU arithmetic from the counter-based hash of (seed, step, draw)
+        (opdcache/backends/draws.py), a block of steps at a time, on the device. Also returns the generators (None
+        on the GPU arithmetic), which the logit-noise injection draws from."""
+        m = s.mc_samples or 0
+        if self.arith is arith:
+            gens = [torch.Generator().manual_seed(r.seed) for r in requests]
+
+            def per_step(t: int) -> torch.Tensor:
+                u = (torch.stack([torch.rand(1, dtype=torch.float64, generator=g) for g in gens]) if s.temperature > 0
+                     else torch.zeros(len(gens), 1, dtype=torch.float64))  # the token's (none when greedy), then the MC draws'
+                if m:
+                    u = torch.cat([u, torch.stack([torch.rand(m, dtype=torch.float64, generator=g) for g in gens])], 1)
+                return u
+
+            return per_step, gens
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=self.device)
+        block: dict = {}
+
+        def from_block(t: int) -> torch.Tensor:
+            if "u" not in block or t - block["at"] >= block["u"].shape[1]:
+                block["at"] = t
+                block["u"] = draws.uniforms(seeds, t, min(UNIFORM_BLOCK_STEPS, s.max_new_tokens - t), 1 + m)
+            return block["u"][:, t - block["at"]]
+
+        return from_block, None
+
     def _generate_batch(self, requests: Sequence[GenerateRequest], s: SamplingConfig) -> list[Generation]:
-        B = len(requests)
+        B, device = len(requests), self.device
         lengths = torch.tensor([len(r.prompt_ids) for r in requests])
         if int(lengths.min()) == 0:
             raise ConfigError("cannot generate from an empty prompt")
@@ -152,23 +214,26 @@ class ExactBackend:
         ids = torch.zeros((B, L), dtype=torch.long)
         for b, r in enumerate(requests):  # right padding: a row's token t at position t
             ids[b, : len(r.prompt_ids)] = torch.as_tensor(r.prompt_ids)
+        ids, lengths_d = ids.to(device), lengths.to(device)
         cache = self.decoder.new_cache(B, L + s.max_new_tokens)
-        h = self.decoder.step(ids, torch.arange(L).expand(B, L), cache)[torch.arange(B), lengths - 1]  # [B, H]
-        gens = [torch.Generator().manual_seed(r.seed) for r in requests]
-        pos = lengths.clone()
-        done = torch.zeros(B, dtype=torch.bool)
-        n_tokens = torch.zeros(B, dtype=torch.long)
-        eos = torch.tensor(self.eos_ids, dtype=torch.long)
+        rows = torch.arange(B, device=device)
+        h = self.decoder.step(ids, torch.arange(L, device=device).expand(B, L), cache, end=L)[rows, lengths_d - 1]  # [B, H]
+        uniforms, gens = self._uniforms(requests, s)
+        pos = lengths_d.clone()
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        n_tokens = torch.zeros(B, dtype=torch.long, device=device)
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
+        check_every = 1 if device.type == "cpu" else DONE_CHECK_EVERY  # the one host read of a GPU loop
         steps: dict[str, list[torch.Tensor]] = {k: [] for k in ("tok", "slp", "rlp", "kid", "klp", "mid", "mlp")}
         for t in range(s.max_new_tokens):
             detail(f"decoding {B} sequences: token {t + 1}/{s.max_new_tokens}")
             ref, samp = self._step_logprobs(h, s, gens)
+            u = uniforms(t) if s.temperature > 0 or s.mc_samples else None
             if s.temperature == 0:
                 tok = ref.argmax(-1)
                 samp = torch.full_like(ref, float("-inf")).scatter(-1, tok[:, None], 0.0)
             else:
-                u = torch.stack([torch.rand(1, dtype=torch.float64, generator=g) for g in gens])  # [B, 1]
-                tok = H.draw(samp, u)[:, 0]
+                tok = H.draw(samp, u[:, :1].to(device), self.arith)[:, 0]
             steps["tok"].append(tok)
             steps["slp"].append(samp.gather(-1, tok[:, None])[:, 0])
             steps["rlp"].append(ref.gather(-1, tok[:, None])[:, 0])
@@ -177,17 +242,16 @@ class ExactBackend:
                 steps["kid"].append(kid)
                 steps["klp"].append(klp)
             if s.mc_samples:
-                u = torch.stack([torch.rand(s.mc_samples, dtype=torch.float64, generator=g) for g in gens])
-                mid = H.draw(samp, u)
+                mid = H.draw(samp, u[:, 1:].to(device), self.arith)
                 steps["mid"].append(mid)
                 steps["mlp"].append(samp.gather(-1, mid))
             n_tokens += ~done
             done |= torch.isin(tok, eos)
-            if bool(done.all()) or t == s.max_new_tokens - 1:
+            if t == s.max_new_tokens - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
                 break
-            h = self.decoder.step(tok[:, None], pos[:, None], cache)[:, 0]
+            h = self.decoder.step(tok[:, None], pos[:, None], cache, end=L + t + 1)[:, 0]
             pos = pos + 1
-        return split_generations({k: torch.stack(v, 1).numpy() for k, v in steps.items() if v}, n_tokens, done, s)
+        return split_generations({k: torch.stack(v, 1).cpu().numpy() for k, v in steps.items() if v}, n_tokens.cpu(), done.cpu(), s)
 
     # ------------------------------------------------------------ scoring
     def _batches(self, requests: Sequence[ScoreRequest]) -> list[list[int]]:
@@ -210,7 +274,7 @@ class ExactBackend:
         ids = torch.zeros((len(seqs), max(map(len, seqs))), dtype=torch.long)
         for b, seq in enumerate(seqs):
             ids[b, : len(seq)] = torch.as_tensor(seq)
-        h = self.decoder.forward(ids)
+        h = self.decoder.forward(ids.to(self.device))
         rows = [h[b, len(r.prompt_ids) - 1: len(r.prompt_ids) - 1 + len(r.response_ids)] for b, r in enumerate(requests)]
         return torch.cat(rows), [len(r.response_ids) for r in requests]
 
@@ -237,12 +301,12 @@ class ExactBackend:
                 cols.append(torch.as_tensor(np.concatenate([getattr(r, attr).astype(np.int64) for r in reqs])))
                 names.append(name)
         widths = [c.shape[1] for c in cols]
-        ids = torch.cat(cols, 1)
+        ids = torch.cat(cols, 1).to(self.device)
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "lse", "kid", "klp", "sid", "slp", "ent", "var")}
-        uniforms = None if reqs[0].uniforms is None else torch.cat([torch.as_tensor(r.uniforms, dtype=torch.float64) for r in reqs])
+        uniforms = None if reqs[0].uniforms is None else torch.cat([torch.as_tensor(r.uniforms, dtype=torch.float64) for r in reqs]).to(self.device)
         for sl in H.row_blocks(h_NH.shape[0]):
             moments: list = []
-            lp, lse, top = H.picks_and_stats(h_NH[sl], self.W, self.b, self.decoder.dtype, ids[sl], top_k, moments)
+            lp, lse, top = H.picks_and_stats(h_NH[sl], self.W, self.b, self.decoder.dtype, ids[sl], top_k, moments, self.arith)
             parts["ent"].append(moments[0])
             parts["var"].append(moments[1])
             parts["lp"].append(lp)
@@ -251,14 +315,14 @@ class ExactBackend:
                 parts["klp"].append(top[0])
                 parts["kid"].append(top[1])
             if uniforms is not None:
-                full = H.log_softmax(H.full_logits(h_NH[sl], self.W, self.b, self.decoder.dtype))
-                sid = H.draw(full, uniforms[sl])
+                full = H.log_softmax(H.full_logits(h_NH[sl], self.W, self.b, self.decoder.dtype, self.arith), self.arith)
+                sid = H.draw(full, uniforms[sl], self.arith)
                 parts["sid"].append(sid)
                 parts["slp"].append(full.gather(1, sid))
-        cat = {k: torch.cat(v) for k, v in parts.items() if v}
+        cat = {k: torch.cat(v).cpu() for k, v in parts.items() if v}
         cat.update(zip(names, torch.split(cat.pop("lp"), widths, 1)))
         cat["lp"] = cat["lp"][:, 0]
-        return split_scores(cat, lengths, top_k, h_NH if want_hidden else None)
+        return split_scores(cat, lengths, top_k, h_NH.cpu() if want_hidden else None)
 
     @torch.no_grad()
     def hidden_states(self, requests: Sequence[ScoreRequest]) -> torch.Tensor:
@@ -271,7 +335,14 @@ class ExactBackend:
 def check(engine) -> dict:
     """The exact engine's rules on an EngineConfig, before any model loads."""
     if engine.device not in ("auto", "cpu"):
-        raise ConfigError(f"--exact runs on the CPU (the GPU path is batch-invariant kernels, not built here), got --device {engine.device}")
+        if not engine.device.startswith("cuda"):
+            raise ConfigError(f"--exact runs on the CPU or a CUDA GPU (--device cpu, cuda or cuda:N), got --device {engine.device}")
+        reason = invariant.unavailable_reason(engine.device)
+        if reason is not None:
+            raise ConfigError(f"--exact --device {engine.device} runs the batch-invariant GPU kernels: {reason}; "
+                              "or run --exact on the CPU (--device cpu)")
+        if engine.inject is not None and Injection.parse(engine.inject).logit_noise:
+            raise ConfigError("--inject-mismatch logit-noise draws its noise from CPU random streams: use it with --exact on the CPU")
     if engine.dtype == "float16":
         raise ConfigError("--exact computes in float32 or bfloat16, got --dtype float16")
     if engine.quantize is not None and engine.quantize.split(":")[0] == "int8":
@@ -284,6 +355,8 @@ def check(engine) -> dict:
     return fixed
 
 
-def build(model, engine, **_extra) -> ExactBackend:
+def build(model, engine, arithmetic: str | None = None, **_extra) -> ExactBackend:
+    """``arithmetic``: the recorded arithmetic a replay must use (default: the device's)."""
     return ExactBackend(model, dtype=engine.dtype, quantize=engine.quantize, generate_batch_size=engine.generate_batch_size,
-                        max_batch_tokens=engine.max_batch_tokens or 2048, inject=engine.inject)
+                        max_batch_tokens=engine.max_batch_tokens or 2048, inject=engine.inject,
+                        device="cpu" if engine.device == "auto" else engine.device, arithmetic=arithmetic)

@@ -254,6 +254,11 @@ def unary(name: str, x: torch.Tensor) -> torch.Tensor:
     return _Unary.apply(x, name)
 
 
+def cumsum64(t: torch.Tensor) -> torch.Tensor:
+    """The float64 running sum over the last dimension, one sequential scan per row (torch's CPU cumsum)."""
+    return t.double().cumsum(-1)
+
+
 def exp(x):
     return unary("exp", x)
 

@@ -59,8 +59,9 @@ class RotaryTable:
         self.cos = torch.empty(0, head_dim)
         self.sin = torch.empty(0, head_dim)
 
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1 if positions.numel() else 0
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at ``positions``; ``end``: one past the largest position when the caller knows it."""
+        need = end if end is not None else int(positions.max()) + 1 if positions.numel() else 0
         if need > self.cos.shape[0]:
             n = max(need, 2 * self.cos.shape[0], 64)
             angles = [[p * f for f in self.freqs] for p in range(n)]
@@ -80,9 +81,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class ExactDecoder:
     """The decoder of ``model`` (a transformers causal LM of a supported family) in the exact arithmetic."""
 
-    def __init__(self, model, dtype: torch.dtype | None = None, round_activations: torch.dtype | None = None):
-        """``round_activations``: round each layer's output to this dtype (injected mismatch, opdcache/backends/exact.py)."""
+    def __init__(self, model, dtype: torch.dtype | None = None, round_activations: torch.dtype | None = None, arith=X):
+        """``round_activations``: round each layer's output to this dtype (injected mismatch, opdcache/backends/exact.py).
+        ``arith``: the arithmetic's primitives, opdcache/exact/arith.py (any CPU, the same bits everywhere) or
+        opdcache/exact/invariant.py (batch-invariant GPU kernels)."""
         cfg = model.config
+        self.arith = arith
         self.round_activations = round_activations
         check_supported(cfg)
         self.model = model
@@ -104,7 +108,7 @@ class ExactDecoder:
                 w = w + (scheme.weight(w) - w).detach()
             if scheme.quantizes_activations:
                 x = x + (scheme.activation(x) - x).detach()
-        return X.linear(x.to(self.dtype), w.to(self.dtype), module.bias).to(self.dtype)
+        return self.arith.linear(x.to(self.dtype), w.to(self.dtype), module.bias).to(self.dtype)
 
     def linears(self, modules: list, x: torch.Tensor) -> list[torch.Tensor]:
         """Several linear layers reading the same x (q, k, v; gate, up) as one exact matmul over their stacked weights:
@@ -126,14 +130,14 @@ class ExactDecoder:
                 b = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules])
                 modules[0]._opd_fused = hit = (key, w, b)
             w, b = hit[1], hit[2]
-        y = X.linear(x.to(self.dtype), w, b).to(self.dtype)
+        y = self.arith.linear(x.to(self.dtype), w, b).to(self.dtype)
         return list(torch.split(y, [m.weight.shape[0] for m in modules], dim=-1))
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm: x / sqrt(mean(x^2) + eps) in float32, then the weight in the model's dtype."""
         x32 = x.float()
-        var = X.sum_last(x32 * x32, nonnegative=True) / x32.shape[-1]
-        scaled = x32 * X.rsqrt(var + module.variance_epsilon)[..., None]
+        var = self.arith.sum_last(x32 * x32, nonnegative=True) / x32.shape[-1]
+        scaled = x32 * self.arith.rsqrt(var + module.variance_epsilon)[..., None]
         return module.weight.to(self.dtype) * scaled.to(self.dtype)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
@@ -147,17 +151,19 @@ class ExactDecoder:
         out = []
         for a in range(0, q.shape[2], QUERY_BLOCK):
             qb, pb = q[:, :, a: a + QUERY_BLOCK], qpos[:, a: a + QUERY_BLOCK]
-            s = (X.matmul(qb, k.transpose(-1, -2)).to(self.dtype) * self.scaling).float()  # [B, h, Qb, K]
+            s = (self.arith.matmul(qb, k.transpose(-1, -2)).to(self.dtype) * self.scaling).float()  # [B, h, Qb, K]
             seen = keys[None, None, :] <= pb[:, :, None]  # [B, Qb, K]
             s = s.masked_fill(~seen[:, None], float("-inf"))
-            e = X.exp(s - s.amax(-1, keepdim=True).detach())
-            p = (e / X.sum_last(e, nonnegative=True)[..., None]).to(self.dtype)
-            out.append(X.matmul(p, v).to(self.dtype))
+            e = self.arith.exp(s - s.amax(-1, keepdim=True).detach())
+            p = (e / self.arith.sum_last(e, nonnegative=True)[..., None]).to(self.dtype)
+            out.append(self.arith.matmul(p, v).to(self.dtype))
         return torch.cat(out, 2)
 
-    def layer(self, layer, h: torch.Tensor, pos: torch.Tensor, cache: tuple | None = None) -> torch.Tensor:
+    def layer(self, layer, h: torch.Tensor, pos: torch.Tensor, cache: tuple | None = None, end: int | None = None) -> torch.Tensor:
         """One decoder layer over h [B, Q, H] at positions pos [B, Q]. Without a cache the Q tokens are the whole
-        sequences (positions 0..Q-1); with one, their keys and values are written into it at ``pos`` first."""
+        sequences (positions 0..Q-1); with one, their keys and values are written into it at ``pos`` first, and
+        attention reads the cache's first ``end`` positions (default: up to the largest of ``pos``, which reads it
+        back from the device; a decode loop passes what it knows)."""
         attn, B, Q = layer.self_attn, h.shape[0], h.shape[1]
         x = self.norm(layer.input_layernorm, h)
         q, k, v = self.linears([attn.q_proj, attn.k_proj, attn.v_proj], x)
@@ -167,7 +173,7 @@ class ExactDecoder:
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q, k = self.norm(attn.q_norm, q), self.norm(attn.k_norm, k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, Q, d]
-        cos, sin = self.rope(pos, self.dtype)
+        cos, sin = self.rope(pos, self.dtype, end)
         cos, sin = cos[:, None], sin[:, None]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -176,14 +182,14 @@ class ExactDecoder:
             rows = torch.arange(B, device=h.device)[:, None]
             K_cache.transpose(1, 2)[rows, pos] = k.transpose(1, 2)
             V_cache.transpose(1, 2)[rows, pos] = v.transpose(1, 2)
-            end = int(pos.max()) + 1
+            end = int(pos.max()) + 1 if end is None else end
             k, v = K_cache[:, :, :end], V_cache[:, :, :end]
         o = self.attend(q, k, v, pos).transpose(1, 2).reshape(B, Q, self.heads * self.head_dim)
         h = h + self.linear(attn.o_proj, o)
         x = self.norm(layer.post_attention_layernorm, h)
         mlp = layer.mlp
         gate, up = self.linears([mlp.gate_proj, mlp.up_proj], x)
-        act = X.silu(gate.float()).to(self.dtype)
+        act = self.arith.silu(gate.float()).to(self.dtype)
         return h + self.linear(mlp.down_proj, act * up)
 
     # ------------------------------------------------------------------ entry points
@@ -194,7 +200,7 @@ class ExactDecoder:
         pos = torch.arange(L, device=input_ids_BL.device).expand(B, L)
         h = self.base.embed_tokens(input_ids_BL).to(self.dtype)
         for layer in self.base.layers:
-            h = self._rounded(self.layer(layer, h, pos))
+            h = self._rounded(self.layer(layer, h, pos, end=L))
         return self.norm(self.base.norm, h)
 
     def _rounded(self, h: torch.Tensor) -> torch.Tensor:
@@ -207,10 +213,12 @@ class ExactDecoder:
         return [(torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
                 for _ in self.base.layers]
 
-    def step(self, ids_BQ: torch.Tensor, pos_BQ: torch.Tensor, cache) -> torch.Tensor:
+    def step(self, ids_BQ: torch.Tensor, pos_BQ: torch.Tensor, cache, end: int | None = None) -> torch.Tensor:
         """Tokens ids_BQ at positions pos_BQ through every layer, their keys and values written into ``cache``:
-        final hidden states [B, Q, H]. A prefill is a step with Q = the longest prompt (right-padded)."""
+        final hidden states [B, Q, H]. A prefill is a step with Q = the longest prompt (right-padded). ``end``: one
+        past the largest position, when the caller knows it (no device read then)."""
         h = self.base.embed_tokens(ids_BQ).to(self.dtype)
+        end = int(pos_BQ.max()) + 1 if end is None else end
         for layer, kv in zip(self.base.layers, cache):
-            h = self._rounded(self.layer(layer, h, pos_BQ, kv))
+            h = self._rounded(self.layer(layer, h, pos_BQ, kv, end))
         return self.norm(self.base.norm, h)

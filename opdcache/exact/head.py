@@ -23,40 +23,41 @@ def row_blocks(n: int) -> list[slice]:
     return [slice(a, min(a + rows, n)) for a in range(0, n, rows)] or [slice(0, 0)]
 
 
-def logits(hidden_PH: torch.Tensor, weight_VH: torch.Tensor, bias_V, a: int, dtype: torch.dtype) -> torch.Tensor:
+def logits(hidden_PH: torch.Tensor, weight_VH: torch.Tensor, bias_V, a: int, dtype: torch.dtype, arith=X) -> torch.Tensor:
     """Exact logits of slice [a, a + VOCAB_BLOCK) as float32, rounded through the model's dtype as its head rounds them."""
     w = weight_VH[a: a + VOCAB_BLOCK]
-    return X.linear(hidden_PH.to(dtype), w.to(dtype), None if bias_V is None else bias_V[a: a + VOCAB_BLOCK]).to(dtype).float()
+    return arith.linear(hidden_PH.to(dtype), w.to(dtype), None if bias_V is None else bias_V[a: a + VOCAB_BLOCK]).to(dtype).float()
 
 
-def slice_stats(z_PC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def slice_stats(z_PC: torch.Tensor, arith=X) -> tuple[torch.Tensor, torch.Tensor]:
     """(m_b, S_b) of one slice: its largest logit and sum exp(z - m_b), exact; float32 [P] each. A slice masked whole
     (every logit -inf: outside a top-p nucleus) has m_b = -inf and S_b = 0, and adds nothing in :func:`combine`."""
     m = z_PC.amax(-1).detach()
     shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # -inf - -inf would be NaN
-    return m, X.sum_last(X.exp(z_PC - shift[:, None]), nonnegative=True)
+    return m, arith.sum_last(arith.exp(z_PC - shift[:, None]), nonnegative=True)
 
 
-def combine(m_PS: torch.Tensor, s_PS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def combine(m_PS: torch.Tensor, s_PS: torch.Tensor, arith=X) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, log s) from the slices' statistics [P, slices]: M = max m_b, s = sum_b exp(m_b - M) S_b."""
     M = m_PS.amax(-1).detach()
-    s = X.sum_last(X.exp(m_PS - M[:, None]) * s_PS, nonnegative=True)
-    return M, X.log(s)
+    s = arith.sum_last(arith.exp(m_PS - M[:, None]) * s_PS, nonnegative=True)
+    return M, arith.log(s)
 
 
-def log_softmax(z_PV: torch.Tensor) -> torch.Tensor:
+def log_softmax(z_PV: torch.Tensor, arith=X) -> torch.Tensor:
     """Exact log-softmax of whole rows [P, V] (float32), by the same slices as the streamed head."""
-    stats = [slice_stats(z_PV[:, a: a + VOCAB_BLOCK]) for a in range(0, z_PV.shape[1], VOCAB_BLOCK)]
-    M, log_s = combine(torch.stack([m for m, _ in stats], -1), torch.stack([s for _, s in stats], -1))
+    stats = [slice_stats(z_PV[:, a: a + VOCAB_BLOCK], arith) for a in range(0, z_PV.shape[1], VOCAB_BLOCK)]
+    M, log_s = combine(torch.stack([m for m, _ in stats], -1), torch.stack([s for _, s in stats], -1), arith)
     return (z_PV - M[:, None]) - log_s[:, None]
 
 
-def full_logits(hidden_PH, weight_VH, bias_V, dtype) -> torch.Tensor:
+def full_logits(hidden_PH, weight_VH, bias_V, dtype, arith=X) -> torch.Tensor:
     """[P, V] float32 exact logits (decode steps: P is the batch)."""
-    return torch.cat([logits(hidden_PH, weight_VH, bias_V, a, dtype) for a in range(0, weight_VH.shape[0], VOCAB_BLOCK)], -1)
+    return torch.cat([logits(hidden_PH, weight_VH, bias_V, a, dtype, arith) for a in range(0, weight_VH.shape[0], VOCAB_BLOCK)], -1)
 
 
-def picks_and_stats(hidden_PH, weight_VH, bias_V, dtype, ids_PK: torch.Tensor, top_k: int | None = None, moments: list | None = None):
+def picks_and_stats(hidden_PH, weight_VH, bias_V, dtype, ids_PK: torch.Tensor, top_k: int | None = None, moments: list | None = None,
+                    arith=X):
     """One pass over the vocabulary: (log-probs at ids_PK [P, K], lse [P], top-k (values, ids) or None), exact.
 
     With ``moments`` (an empty list), also appends the full distribution's entropy and Var_p[log p] per position
@@ -70,10 +71,10 @@ def picks_and_stats(hidden_PH, weight_VH, bias_V, dtype, ids_PK: torch.Tensor, t
     top_vals = torch.full((P, 0), float("-inf"), device=device)
     top_ids = torch.zeros((P, 0), dtype=torch.long, device=device)
     for a in range(0, V, VOCAB_BLOCK):
-        z = logits(hidden_PH, weight_VH, bias_V, a, dtype)
+        z = logits(hidden_PH, weight_VH, bias_V, a, dtype, arith)
         r, k = ((ids_PK >= a) & (ids_PK < a + z.shape[1])).nonzero(as_tuple=True)
         picked[r, k] = z[r, ids_PK[r, k] - a]
-        m, s = slice_stats(z)
+        m, s = slice_stats(z, arith)
         ms.append(m)
         ss.append(s)
         if moments is not None:
@@ -84,7 +85,7 @@ def picks_and_stats(hidden_PH, weight_VH, bias_V, dtype, ids_PK: torch.Tensor, t
         if top_k:  # merge the slice into the running top-k, ties in the canonical order
             cv, ci = canonical_top_k(z, top_k)
             top_vals, top_ids = canonical_top_k(torch.cat([top_vals, cv], 1), top_k, torch.cat([top_ids, ci + a], 1))
-    M, log_s = combine(torch.stack(ms, -1), torch.stack(ss, -1))
+    M, log_s = combine(torch.stack(ms, -1), torch.stack(ss, -1), arith)
     lp = (picked - M[:, None]) - log_s[:, None]
     top = None if not top_k else ((top_vals - M[:, None]) - log_s[:, None], top_ids)
     if moments is not None:  # move each slice's sums about m_b to sums about M, then E_p[z - M] and E_p[(z - M)^2]
@@ -118,18 +119,18 @@ def canonical_top_k(values_PC: torch.Tensor, k: int, ids_PC: torch.Tensor | None
     return vals[:, :k], cid.gather(1, order[:, :k])
 
 
-def draw(logprobs_PV: torch.Tensor, uniforms_PD: torch.Tensor) -> torch.Tensor:
+def draw(logprobs_PV: torch.Tensor, uniforms_PD: torch.Tensor, arith=X) -> torch.Tensor:
     """Inverse-CDF draws [P, D] from exp(logprobs) (exact float32 probabilities, cumulated in float64 in vocabulary
     order by one sequential scan per row): the token whose cumulative mass first exceeds u * total."""
-    cdf = X.exp(logprobs_PV).double().cumsum(-1)
+    cdf = arith.cumsum64(arith.exp(logprobs_PV))
     target = uniforms_PD.double() * cdf[:, -1:]
     return torch.searchsorted(cdf, target, right=True).clamp_(max=logprobs_PV.shape[1] - 1)
 
 
-def top_p_mask(logprobs_PV: torch.Tensor, top_p: float) -> torch.Tensor:
+def top_p_mask(logprobs_PV: torch.Tensor, top_p: float, arith=X) -> torch.Tensor:
     """True outside the top-p nucleus: a token is dropped when the tokens before it in (probability desc, id asc)
     order already hold top_p of the mass (float64 sequential cumulative sum of exact probabilities)."""
-    probs = X.exp(logprobs_PV).double()
+    probs = arith.exp(logprobs_PV).double()
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-    drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p
+    drop_sorted = arith.cumsum64(sorted_p) - sorted_p >= top_p
     return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)

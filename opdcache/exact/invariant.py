@@ -1,0 +1,207 @@
+"""The batch-invariant arithmetic: the exact arithmetic's contract on a GPU, through fixed-tile Triton kernels.
+
+opdcache/exact/arith.py makes every float32 result a function of the mathematics only (float64 products, a fixed
+fold, a proof that the fast path rounds alike): identical on any machine, but its float64 matmuls run at a GPU's
+float64 rate. Here the contract is narrower and cheap: each result is a function of its own inputs and this module's
+block constants only, so sampling, scoring and the trainer's recompute give the same bits whatever the batch size,
+the padding, the row's position in the batch, or KV-cache decoding against a full forward; it is not the CPU
+arithmetic's bits, and it is recorded as its own arithmetic (:data:`NAME` and its constants).
+
+* ``linear`` / ``matmul``: one kernel with fixed tiles (``MATMUL_BLOCKS``), no split-K; element (m, n) sums the
+  K dimension in blocks of BK from 0 up, each block one tensor-core dot product. bfloat16 and float16 inputs are
+  upcast to float32 in the kernel and multiplied in tf32, which holds them exactly (their significands are narrower
+  than tf32's 10 bits), so the products are exact and the accumulation is float32; float32 inputs use IEEE float32
+  products. cuBLAS, by contrast, picks its kernel (tile, split-K, stream-K) by the shape, which is the batch.
+* ``sum_last``: one program per row, BLOCK lanes each summing a strided column set in order, then a tree over the
+  lanes (the order depends on the row's own width only; appended zeros change nothing, as attention's masked keys
+  need).
+* ``cumsum64``: one program per row, a scan per block of columns plus the carry (the inverse-CDF draws, top-p).
+* ``exp``, ``log``, ``silu``, ``rsqrt``: torch's float32 elementwise kernels, which compute each element by the same
+  device function wherever it sits. Maxima, gathers, sorts and comparisons are exact in any order.
+
+Gradients are the ordinary ones (plain matmuls in the backward); only forward values carry the contract. Memory: each
+kernel's output, nothing more (no float64 weight copies, unlike the CPU arithmetic).
+
+Runs where :func:`available` says: a CUDA device of compute capability 8.0 or later (tf32 tensor cores) with triton,
+or any device under Triton's CPU interpreter (``TRITON_INTERPRET=1``), where the tests check the same invariances at
+small shapes (the interpreter's bits are numpy's, not the GPU's: the contract is invariance, not the bits).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from opdcache.exact import GPU_ARITHMETIC as NAME
+MATMUL_BLOCKS = (64, 64, 32)  # (BM, BN, BK): BK fixes the accumulation order; part of the definition
+SUM_BLOCK = 1024  # lanes of a row sum: part of the definition
+SUM_ROWS = 16  # rows per program of a row sum (each reduced alike)
+SCAN_BLOCK = 1024  # columns per scan block: part of the definition
+MIN_CAPABILITY = (8, 0)
+
+
+def constants() -> dict:
+    """What fixes the arithmetic besides its name, for the manifest's record."""
+    return {"matmul_blocks": list(MATMUL_BLOCKS), "sum_block": SUM_BLOCK, "scan_block": SCAN_BLOCK}
+
+
+@functools.cache
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def unavailable_reason(device: torch.device | str) -> str | None:
+    """None where the kernels run on ``device``; else what is missing, in words (checked before any model loads)."""
+    device = torch.device(device)
+    if _triton_version() is None:
+        return "the batch-invariant kernels need triton (pip install triton; it comes with CUDA builds of torch)"
+    if interpreted():
+        return None
+    if device.type != "cuda":
+        return f"the batch-invariant kernels run on a CUDA GPU (or under TRITON_INTERPRET=1), got device {device.type}"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible to torch"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = torch.cuda.get_device_capability(index)
+    if cap < MIN_CAPABILITY:
+        return (f"the batch-invariant kernels need compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later "
+                f"(tf32 tensor cores), got {cap[0]}.{cap[1]} on {torch.cuda.get_device_name(index)}")
+    return None
+
+
+def available(device: torch.device | str) -> bool:
+    return unavailable_reason(device) is None
+
+
+def _kernels():
+    from opdcache.exact import invariantkernels
+
+    return invariantkernels
+
+
+# ------------------------------------------------------------------------------------------- matmul
+def _matmul_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[..., M, K] x [..., K, N] (the same leading dims, or b without them) -> float32 [..., M, N]."""
+    if a.dtype != b.dtype:
+        raise ValueError(f"matmul operands must share a dtype, got {a.dtype} and {b.dtype}")
+    M, K = a.shape[-2:]
+    N = b.shape[-1]
+    lead = a.shape[:-2]
+    A = a.reshape(-1, M, K)
+    Bt = b.reshape(-1, K, N) if b.dim() > 2 else b[None]
+    if Bt.shape[0] not in (1, A.shape[0]):
+        raise ValueError(f"matmul batch shapes differ: {tuple(a.shape)} and {tuple(b.shape)}")
+    out = torch.empty((A.shape[0], M, N), dtype=torch.float32, device=a.device)
+    if out.numel():
+        BM, BN, BK = MATMUL_BLOCKS
+        sbb = Bt.stride(0) if Bt.shape[0] > 1 else 0
+        grid = (_cdiv(M, BM), _cdiv(N, BN), A.shape[0])
+        _kernels().matmul_tiles[grid](A, Bt, out, M, N, K, A.stride(0), A.stride(1), A.stride(2), sbb, Bt.stride(1),
+                                      Bt.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                                      IEEE=a.dtype == torch.float32, SPELLED=interpreted(), BM=BM, BN=BN, BK=BK)
+    return out.reshape(*lead, M, N)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return _matmul_forward(a.detach(), b.detach())
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        ga = (g.to(a.dtype) @ b.transpose(-1, -2)).to(a.dtype) if ctx.needs_input_grad[0] else None
+        gb = None
+        if ctx.needs_input_grad[1]:
+            gb = a.transpose(-1, -2) @ g.to(a.dtype)
+            if b.dim() == 2 and gb.dim() > 2:
+                gb = gb.reshape(-1, *gb.shape[-2:]).sum(0)
+            gb = gb.to(b.dtype)
+        return ga, gb
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for [..., M, K] x [..., K, N] (attention), float32 [..., M, N], each element a function of its own row
+    and column. Differentiable (ordinary gradients)."""
+    return _Matmul.apply(a, b)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias, added after the float32 result) as float32 [..., out]. Differentiable."""
+    shape = x.shape
+    y = _Matmul.apply(x.reshape(-1, shape[-1]), weight.T)
+    if bias is not None:
+        y = y + bias.float()
+    return y.reshape(*shape[:-1], weight.shape[0])
+
+
+# ------------------------------------------------------------------------------------------- reductions
+def _row_sums(t: torch.Tensor) -> torch.Tensor:
+    C = t.shape[-1]
+    rows = t.reshape(-1, C)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=t.device)
+    if rows.shape[0]:
+        R = rows.shape[0]
+        _kernels().row_sums[(_cdiv(R, SUM_ROWS),)](rows, out, R, C, rows.stride(0), ROWS=SUM_ROWS, BLOCK=SUM_BLOCK)
+    return out.reshape(t.shape[:-1])
+
+
+class _Sum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        ctx.shape, ctx.dtype = t.shape, t.dtype
+        return _row_sums(t.detach())
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.unsqueeze(-1).expand(ctx.shape).to(ctx.dtype)
+
+
+def sum_last(t: torch.Tensor, nonnegative: bool = False) -> torch.Tensor:
+    """The float32 sum over the last dimension, by the fixed lane order (invariant to appended zeros).
+    ``nonnegative`` is accepted for the CPU arithmetic's signature and changes nothing here. Differentiable."""
+    return _Sum.apply(t)
+
+
+def cumsum64(t: torch.Tensor) -> torch.Tensor:
+    """The float64 running sum over the last dimension of a 2-d tensor, by the fixed block scan."""
+    C = t.shape[-1]
+    rows = t.reshape(-1, C).contiguous()
+    out = torch.empty(rows.shape, dtype=torch.float64, device=t.device)
+    if rows.numel():
+        _kernels().row_cumsums[(rows.shape[0],)](rows, out, C, rows.stride(0), BLOCK=SCAN_BLOCK)
+    return out.reshape(t.shape)
+
+
+# ------------------------------------------------------------------------------------------- elementwise
+def exp(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x.float())
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    return torch.log(x.float())
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(x.float())
+
+
+def rsqrt(x: torch.Tensor) -> torch.Tensor:
+    return torch.rsqrt(x.float())

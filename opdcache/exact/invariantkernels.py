@@ -1,0 +1,75 @@
+"""The Triton device code of the batch-invariant arithmetic (opdcache/exact/invariant.py launches it, checks its inputs
+and states what each kernel guarantees). Imported on a kernel's first launch only: it needs triton.
+
+Each output element is computed by one fixed sequence of operations that depends on nothing but the element's own
+inputs and the kernel's block constants: never on how many rows the call has, where the row sits in its tile, or
+how many zeros follow the row. No split-K, no atomics, no shape-dependent choice of algorithm; the launcher turns
+off Triton's specialisation on the sizes that vary between a decode step and a full forward (rows, columns, the
+reduced width), so one compiled kernel serves both.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["M", "N", "K"])
+def matmul_tiles(a_ptr, b_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
+                 IEEE: tl.constexpr, SPELLED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """c[b] = a[b] @ b[b] in float32: element (m, n) is the float32 sum, over the K dimension in blocks of BK from 0
+    up, of one block dot product each (tensor-core tf32 on values that tf32 holds exactly, bfloat16 or float16
+    upcast; IEEE float32 for float32 inputs). Lanes past K load 0: appended zero terms change nothing. ``SPELLED``
+    (Triton's CPU interpreter) writes the block dot product out as products and a sum over BK: the interpreter's
+    tl.dot is numpy's BLAS, whose result for a row depends on the row's position in the tile."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    a_base = a_ptr + pid_b * s_ab
+    b_base = b_ptr + pid_b * s_bb
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(a_base + rm[:, None].to(tl.int64) * s_am + kk[None, :] * s_ak,
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0).to(tl.float32)
+        b = tl.load(b_base + kk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn,
+                    mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0).to(tl.float32)
+        if SPELLED:
+            acc += tl.sum(a[:, :, None] * b[None, :, :], 1)
+        elif IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b, input_precision="tf32")
+    c_base = c_ptr + pid_b * s_cb
+    tl.store(c_base + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["R", "C"])
+def row_sums(x_ptr, out_ptr, R, C, stride, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r] = the float32 sum of row r: lane j accumulates columns j, j + BLOCK, ... in order, then one tree sum
+    over the BLOCK lanes; ROWS rows per program, each reduced alike. Appended zeros add 0 to a lane: a row's sum
+    does not change when zeros follow it."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    base = x_ptr + rows[:, None].to(tl.int64) * stride
+    acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    for a in range(0, C, BLOCK):
+        c = a + cols
+        acc += tl.load(base + c[None, :], mask=(rows[:, None] < R) & (c[None, :] < C), other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, tl.sum(acc, 1), mask=rows < R)
+
+
+@triton.jit(do_not_specialize=["C"])
+def row_cumsums(x_ptr, out_ptr, C, stride, BLOCK: tl.constexpr):
+    """out[r] = the float64 running sum of row r: a scan within each block of BLOCK columns, plus the carry from the
+    blocks before it (the last running value, added once per block)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    carry = tl.sum(tl.zeros([BLOCK], dtype=tl.float64), 0)
+    for a in range(0, C, BLOCK):
+        c = a + cols
+        x = tl.load(x_ptr + row * stride + c, mask=c < C, other=0.0).to(tl.float64)
+        run = tl.cumsum(x, 0) + carry
+        tl.store(out_ptr + row * C + c, run, mask=c < C)
+        carry = tl.sum(tl.where(cols == BLOCK - 1, run, 0.0), 0)

@@ -1,0 +1,54 @@
+"""One check of an exact engine's contract, shared by the Triton-interpreter tests (tests/test_invariant.py) and the
+CUDA tests (tests/test_gpu.py): decoding a row alone, in batches of other sizes and at other positions gives the same
+bits; teacher-forced scoring (a full forward over rows padded together) gives back what KV-cache decoding stored; and
+the trainer's forward (opdcache/student.py) in the engine's arithmetic recomputes the stored log-probs bit for bit."""
+
+import numpy as np
+import torch
+
+from opdcache.backends.base import GenerateRequest, SamplingConfig, ScoreRequest
+
+FIELDS = ("response_ids", "sampling_logprobs", "ref_logprobs", "ref_topk_ids", "ref_topk_logprobs", "mc_ids", "mc_sampling_logprobs")
+
+
+def requests(n: int, seed: int = 0, vocab: int = 64) -> list[GenerateRequest]:
+    rng = np.random.default_rng(seed)
+    return [GenerateRequest(prompt_ids=rng.integers(2, vocab, size=int(rng.integers(2, 10))).tolist(), seed=i) for i in range(n)]
+
+
+def check_engine_invariance(engine, n: int, batches=(7, 1), max_new_tokens: int = 5, seed: int = 0) -> int:
+    """Asserts the contract on ``n`` rows (first decoded all together) and returns how many tokens were checked."""
+    from opdcache.student import StudentForward
+
+    reqs = requests(n, seed)
+    sampling = SamplingConfig(temperature=0.9, top_p=0.9, max_new_tokens=max_new_tokens, ref_top_k=4, mc_samples=2)
+    engine.generate_batch_size = n
+    base = engine.generate(reqs, sampling)
+    for batch in batches:  # reversed order: every row at another position; batch 1: the first and last rows alone
+        order = list(range(n))[::-1] if batch > 1 else [0, n - 1]
+        engine.generate_batch_size = batch
+        for i, g in zip(order, engine.generate([reqs[i] for i in order], sampling)):
+            for f in FIELDS:
+                assert np.array_equal(getattr(g, f), getattr(base[i], f)), (batch, i, f)
+    score_reqs = [ScoreRequest(r.prompt_ids, g.response_ids, ref_topk_ids=g.ref_topk_ids) for r, g in zip(reqs, base)]
+    engine.max_batch_tokens = 40  # several scoring batches, of other shapes than decoding's
+    for sc, g in zip(engine.score(score_reqs, top_k=4), base):
+        assert np.array_equal(sc.logprobs, g.ref_logprobs)
+        assert np.array_equal(sc.ref_topk_logprobs, g.ref_topk_logprobs)
+        assert np.array_equal(sc.topk_ids, g.ref_topk_ids)
+    forward = StudentForward(engine.model, chunk=64, exact_dtype=engine.decoder.dtype, exact_arithmetic=engine.arithmetic)
+    L = max(len(r.prompt_ids) + len(g.response_ids) for r, g in zip(reqs, base))
+    ids = torch.zeros(n, L, dtype=torch.long)
+    positions = torch.zeros(n, max_new_tokens, dtype=torch.long)
+    select = torch.zeros(n, max_new_tokens, dtype=torch.bool)
+    for b, (r, g) in enumerate(zip(reqs, base)):
+        P, T = len(r.prompt_ids), len(g.response_ids)
+        ids[b, :P + T] = torch.as_tensor(list(r.prompt_ids) + list(g.response_ids))
+        positions[b, :T] = torch.arange(P - 1, P - 1 + T)
+        select[b, :T] = True
+    picked = torch.as_tensor(np.concatenate([g.response_ids for g in base]).astype(np.int64))[:, None]
+    device = engine.device
+    with torch.no_grad():
+        lp, _, _ = forward(ids.to(device), (ids != 0).to(device), positions.to(device), select.to(device), picked.to(device))
+    assert np.array_equal(lp[:, 0].cpu().numpy(), np.concatenate([g.ref_logprobs for g in base]))
+    return sum(len(g.response_ids) for g in base)

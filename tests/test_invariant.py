@@ -1,0 +1,90 @@
+"""The batch-invariant GPU arithmetic (opdcache/exact/invariant.py) on the CPU, in Triton's interpreter: its kernels
+against plain float64 references, their invariance to the batch, a row's position and appended zeros, and the exact
+engine in this arithmetic: decoding alone, in a batch of 7 and of 16 (8) gives the same bits, and teacher-forced scoring
+and the trainer's recompute give back what decoding stored.
+
+Marked ``triton``: CI runs ``TRITON_INTERPRET=1 python -m pytest -m triton``; tests/test_gpu.py runs the compiled
+kernels on CUDA (the interpreter's bits are numpy's, not a GPU's: what carries over is the invariance)."""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # read at triton's first import; set by the runner (CI), never here
+    pytest.skip("the kernels run on the CPU in Triton's interpreter: TRITON_INTERPRET=1 python -m pytest -m triton",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from opdcache.backends.exact import ExactBackend  # noqa: E402
+from opdcache.exact import GPU_ARITHMETIC  # noqa: E402
+from opdcache.exact import invariant as I  # noqa: E402
+from exact_checks import check_engine_invariance  # noqa: E402
+
+pytestmark = pytest.mark.triton
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_is_close_to_the_float64_product(dtype):
+    g = torch.Generator().manual_seed(0)
+    a, w = torch.randn(70, 100, generator=g).to(dtype), torch.randn(130, 100, generator=g).to(dtype)
+    reference = a.double() @ w.double().T  # bfloat16 inputs: the products are exact, only the float32 sums round
+    y = I.linear(a, w)
+    assert y.dtype == torch.float32
+    assert (y.double() - reference).abs().max() < 100 * 2 ** -24 * reference.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_alone_in_7_and_in_64(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(64, 96, generator=g).to(dtype), torch.randn(80, 96, generator=g).to(dtype)
+    full = I.linear(x, w)
+    for rows in (slice(0, 1), slice(9, 10), slice(3, 10), slice(57, 64)):
+        assert torch.equal(I.linear(x[rows], w), full[rows])
+    moved = torch.cat([x[5:], x[:5]])  # every row at another position of its tile
+    assert torch.equal(I.linear(moved, w), torch.cat([full[5:], full[:5]]))
+
+
+def test_attention_products_ignore_masked_keys():
+    # the KV cache's t + 1 keys against the same query inside a longer, zero-weighted key set (a full forward)
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(2, 3, 1, 16, generator=g), torch.randn(2, 3, 9, 16, generator=g)
+    p, v = torch.rand(2, 3, 1, 9, generator=g), torch.randn(2, 3, 9, 16, generator=g)
+    longer_k = torch.cat([k, torch.randn(2, 3, 40, 16, generator=g)], 2)
+    longer_p = torch.nn.functional.pad(p, (0, 40))
+    longer_v = torch.cat([v, torch.randn(2, 3, 40, 16, generator=g)], 2)
+    assert torch.equal(I.matmul(q, longer_k.transpose(-1, -2))[..., :9], I.matmul(q, k.transpose(-1, -2)))
+    assert torch.equal(I.matmul(longer_p, longer_v), I.matmul(p, v))
+    assert (I.matmul(p, v).double() - p.double() @ v.double()).abs().max() < 1e-5
+
+
+def test_sums_and_scans_against_plain_references():
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(37, 3000, generator=g)
+    s = I.sum_last(x)
+    assert (s.double() - x.double().sum(-1)).abs().max() < 3000 * 2 ** -24 * s.abs().max()
+    assert torch.equal(I.sum_last(torch.nn.functional.pad(x, (0, 1500))), s)  # appended zeros
+    assert torch.equal(I.sum_last(x[4:5]), s[4:5]) and torch.equal(I.sum_last(x[20:]), s[20:])  # rows alone, elsewhere
+    c = I.cumsum64(x[:5])
+    assert torch.allclose(c, x[:5].double().cumsum(-1), rtol=1e-12, atol=0)
+    assert torch.equal(I.cumsum64(x[3:4]), c[3:4])
+
+
+def test_gradients_are_the_ordinary_ones():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 24, generator=g, requires_grad=True)
+    w = torch.randn(7, 24, generator=g, requires_grad=True)
+    (I.linear(x, w) * torch.arange(7.0)).sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    ((x @ w.T) * torch.arange(7.0)).sum().backward()
+    assert torch.allclose(gx, x.grad) and torch.allclose(gw, w.grad)
+
+
+# ----------------------------------------------------------------------------------------------- the engine
+@pytest.mark.parametrize("model,dtype", [("student", "float32"), ("teacher", "bfloat16")])
+def test_engine_rows_alone_and_batched_agree_and_scoring_and_the_trainer_give_them_back(weights, model, dtype):
+    engine = ExactBackend(weights / model, dtype=dtype, arithmetic=GPU_ARITHMETIC)
+    assert engine.model_info()["exact"]["arithmetic"] == GPU_ARITHMETIC
+    n = 16 if model == "student" else 8  # the teacher is 4x the student's width: the interpreter's time
+    assert check_engine_invariance(engine, n, batches=(7, 1), max_new_tokens=5, seed=len(model)) >= 3 * n
