@@ -33,6 +33,9 @@ minus what was allocated just before it: the model and inputs are not counted):
    in bf16, temperature 1, for each batch in ``--gen-batches`` and length in ``--gen-lengths`` (prompts of 64 tokens;
    the end-of-sequence id is unset for both sides, so every row generates the full length and the token counts are
    equal). Both sides in one process per shape, interleaved as in 1 (``--gen-rounds`` rounds).
+0b. ``exact``: the exact engine on the GPU (``--exact --device cuda``: opdcache/exact/invariant.py's batch-invariant
+   kernels) against the default engine, both in bf16 storing what a cache stores, on the qwen3 model at
+   ``--gen-batches[0]`` x ``--gen-lengths[0]`` new tokens, interleaved as in 1 (``--gen-rounds`` rounds).
 6. ``async``: ``opdcache async --staleness 2`` against the strict synchronous run (``--staleness 0``, every stage in
    turn on the same GPU, colocated) on the qwen3 model as both student and teacher: ``--async-steps`` steps of
    ``--gen-batches[0]`` prompts x ``--gen-lengths[0]`` new tokens; the run's own throughput figure (response tokens a
@@ -203,6 +206,32 @@ def generate_sides(model_path: str, device: str, batch: int, new_tokens: int, ro
     return {name: {**r, "tokens": batch * new_tokens} for name, r in res.items()}
 
 
+def exact_sides(model_path: str, device: str, batch: int, new_tokens: int, rounds: int) -> dict:
+    """The exact engine (``--exact --device cuda``: the batch-invariant kernels) against the default engine on one
+    model and shape, both generating in bf16 with what a cache stores, interleaved in this process."""
+    from opdcache.backends import hf
+    from opdcache.backends.base import GenerateRequest, SamplingConfig
+    from opdcache.backends.exact import ExactBackend
+
+    backend = hf.TransformersBackend(model_path, dtype="bfloat16", device=device, generate_batch_size=batch)
+    exact = ExactBackend(model_path, dtype="bfloat16", device=device, generate_batch_size=batch)
+    for b in (backend, exact):  # every row runs the full length on both sides
+        b.model.generation_config.eos_token_id = None
+        b.eos_ids = [] if b is exact else set()
+    vocab = backend.vocab_size
+    reqs = [GenerateRequest([3 + (97 * b + 13 * j) % (vocab - 3) for j in range(64)], seed=b) for b in range(batch)]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
+
+    def side(engine):
+        def run():
+            out = engine.generate(reqs, sampling)
+            assert all(len(g.response_ids) == new_tokens for g in out)
+        return run
+
+    res = interleaved({"opdcache": side(backend), "opdcache --exact": side(exact)}, device, rounds)
+    return {name: {**r, "tokens": batch * new_tokens, "arithmetic": exact.arithmetic} for name, r in res.items()}
+
+
 def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: int, rounds: int) -> dict:
     """One train step, opdcache's fused step against the full-logits step, on one trainer (the same weights,
     optimizer and batch), interleaved."""
@@ -275,8 +304,8 @@ def main() -> None:
     ap.add_argument("--block-mib", type=int, nargs="*", default=[64, 256], help="logit block sizes tried beside the shipped one")
     ap.add_argument("--train-batch", type=int, default=4)
     ap.add_argument("--train-response", type=int, default=1024)
-    ap.add_argument("--sections", default="generate,cli,train,async,quantize,divergence,score,write",
-                    help="which of generate, cli, train, async, quantize, divergence, score, write to run, in this order")
+    ap.add_argument("--sections", default="generate,exact,cli,train,async,quantize,divergence,score,write",
+                    help="which of generate, exact, cli, train, async, quantize, divergence, score, write to run, in this order")
     ap.add_argument("--async-steps", type=int, default=6)
     ap.add_argument("--gen-batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--gen-lengths", type=int, nargs="+", default=[256, 1024])
@@ -318,7 +347,7 @@ def main() -> None:
     load = {}  # the host's one-minute load average before and after each section
     for section in sections:
         before = os.getloadavg()[0]
-        {"generate": run_generate_section, "async": run_async_section, "quantize": run_quantize_section, "score": run_score_section, "cli": run_cli_section, "train": run_train_section,
+        {"generate": run_generate_section, "exact": run_exact_section, "async": run_async_section, "quantize": run_quantize_section, "score": run_score_section, "cli": run_cli_section, "train": run_train_section,
          "divergence": run_divergence_section, "write": run_write_section}[section](args, models, root, add, rows)
         load[section] = [before, os.getloadavg()[0]]
         if args.out:  # after every section: a run cut short by its lease keeps what it measured
@@ -402,6 +431,13 @@ def run_generate_section(args, models, root, add, rows) -> None:
             res = child("generate", models["qwen3"], args.device, batch, length, args.gen_rounds)
             for side in ("model.generate", "opdcache"):
                 add("generate", "qwen3", f"{side}, batch {batch} x {length} new tokens", res.get(side, res), res.get("model.generate", res))
+
+
+def run_exact_section(args, models, root, add, rows) -> None:
+    batch, length = args.gen_batches[0], args.gen_lengths[0]
+    res = child("exact", models["qwen3"], args.device, batch, length, args.gen_rounds)
+    for side in ("opdcache", "opdcache --exact"):
+        add("exact", "qwen3", f"{side}, batch {batch} x {length} new tokens", res.get(side, res), res.get("opdcache", res))
 
 
 def run_score_section(args, models, root, add, rows) -> None:
@@ -540,6 +576,9 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "_generate":
         path, device, batch, length, rounds = sys.argv[2:7]
         print(json.dumps(generate_sides(path, device, int(batch), int(length), int(rounds))))
+    elif len(sys.argv) > 1 and sys.argv[1] == "_exact":
+        path, device, batch, length, rounds = sys.argv[2:7]
+        print(json.dumps(exact_sides(path, device, int(batch), int(length), int(rounds))))
     elif len(sys.argv) > 1 and sys.argv[1] == "_train":
         path, cache, loss, out, bs, rounds = sys.argv[2:8]
         print(json.dumps(train_sides(path, cache, loss, out, int(bs), int(rounds))))

@@ -3,7 +3,8 @@
 # Packages opdcache needs that such a machine may lack travel as wheels in .whl/ (see BENCHMARKS.md for the list);
 # SmolLM2's config and tokenizer in .gpu/smollm2/ (copied from a converted model directory, no weights).
 # First the gpu-marked tests (tests/test_gpu.py), while the cli section builds the train step's cache; then, with nothing
-# else on the GPU, the generate (the rollout engine against model.generate), train, async (K = 2 against K = 0),
+# else on the GPU, the generate (the rollout engine against model.generate), exact (--exact --device cuda against the
+# default engine), train, async (K = 2 against K = 0),
 # quantize (w4a16 rollouts against bf16), divergence, scoring and write sections, in the order of what they decide
 # (SECTIONS=generate,train: a subset); results.json is rewritten as each section ends, so a run cut short keeps what
 # it measured. Extra arguments go to those sections.
@@ -39,5 +40,5 @@ wait $cli
 clirc=$?
 set -e
 echo "gpu tests: exit $tests; cli section: exit $clirc"
-python3 "$REPO/benchmarks/bench_gpu.py" --device cuda "${smollm2[@]}" --workdir "$WORK" --sections "${SECTIONS:-generate,train,async,quantize,divergence,score,write}" --out "$OUT/gpu" "$@" 2>&1 | tee "$OUT/bench_gpu.log"
+python3 "$REPO/benchmarks/bench_gpu.py" --device cuda "${smollm2[@]}" --workdir "$WORK" --sections "${SECTIONS:-generate,exact,train,async,quantize,divergence,score,write}" --out "$OUT/gpu" "$@" 2>&1 | tee "$OUT/bench_gpu.log"
 exit $(( tests != 0 || clirc != 0 ))
