@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
+import math
 import re
 from pathlib import Path
 
@@ -169,6 +170,47 @@ def _check_paths(manifest: dict, where: str) -> None:
                                     "refusing a manifest that points outside its table")
 
 
+INTEGER_SETTINGS = ("vocab_size", "num_shards", "hidden_size", "mc_samples", "ref_top_k", "top_k", "svd_rank",
+                    "generate_batch_size", "max_new_tokens", "samples", "seed", "format_version")  # in params and config
+RANGES = {"temperature": (0.0, 1e6), "top_p": (0.0, 1.0), "vocab_size": (1, 1 << 31)}  # inclusive bounds of a setting
+
+
+def _check_numbers(manifest: dict, where: str) -> None:
+    """Numbers a reader acts on are typed: counts are integers (JSON Schema's "integer" also admits 16.0), settings
+    finite and in range (json reads NaN and Infinity). One line naming the field."""
+    def refuse(path: str, value, why: str):
+        raise ManifestError(f"{where}: {path}: {quote(value)} {why}; the manifest is damaged or was not written by opdcache "
+                            "(rebuild the cache)")
+
+    def settings(tree, path: str):
+        if isinstance(tree, dict):
+            for key, value in tree.items():
+                here = f"{path}/{key}"
+                if key in INTEGER_SETTINGS and value is not None and (type(value) is not int):
+                    refuse(here, value, "is not an integer")
+                if key in RANGES and value is not None:
+                    lo, hi = RANGES[key]
+                    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+                        refuse(here, value, f"is not a number in [{lo:g}, {hi:g}]")
+                settings(value, here)
+        elif isinstance(tree, list):
+            for i, value in enumerate(tree):
+                settings(value, f"{path}/{i}")
+        elif isinstance(tree, float) and not math.isfinite(tree):
+            refuse(path, tree, "is not a finite number")
+
+    for name, entry in manifest["tables"].items():
+        for i, shard in enumerate(entry["shards"]):
+            for key in ("rows", "tokens", "bytes"):
+                if type(shard[key]) is not int:
+                    refuse(f"tables/{name}/shards/{i}/{key}", shard[key], "is not an integer")
+        for rel, info in (entry.get("files") or {}).items():
+            if type(info["bytes"]) is not int:
+                refuse(f"tables/{name}/files/{rel}/bytes", info["bytes"], "is not an integer")
+        for part in ("params", "config"):
+            settings(entry.get(part), f"tables/{name}/{part}")
+
+
 def check(manifest: dict, where: str = MANIFEST_NAME) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != S.FORMAT_NAME:
         raise ManifestError(f"{where}: not an opdcache manifest (no \"format\": \"{S.FORMAT_NAME}\")")
@@ -183,6 +225,7 @@ def check(manifest: dict, where: str = MANIFEST_NAME) -> dict:
         path = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
         raise ManifestError(f"{where}: {quote(path)}: {quote(exc.message, 400)}")
     _check_paths(manifest, where)
+    _check_numbers(manifest, where)
     return manifest
 
 

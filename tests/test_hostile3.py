@@ -352,3 +352,25 @@ def test_a_manifest_with_a_key_twice_is_one_line(cache, command):
     code, out = _run([command, cache])
     line = _one_line(out)
     assert code in (1, 2) and "the key 'kind' appears twice in one object" in line and "opdcache.json" in line, line
+
+
+@pytest.mark.parametrize("damage,want", [
+    (("shards", "rows", 16.0), "tables/rollouts/shards/0/rows: 16.0 is not an integer"),
+    (("sampling", "temperature", float("nan")), "tables/rollouts/config/sampling/temperature: nan is not a number in [0, 1e+06]"),
+    (("config", "vocab_size", float("-inf")), "tables/rollouts/config/vocab_size: -inf is not an integer"),
+])
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_manifest_numbers_are_typed_and_finite_for_every_command(cache, tmp_path, weights, damage, want, command):
+    manifest = json.loads((cache / "opdcache.json").read_text())
+    entry = manifest["tables"]["rollouts"]
+    where, key, value = damage
+    target = {"shards": entry["shards"][0], "sampling": entry["config"]["sampling"], "config": entry["config"]}[where]
+    target[key] = value
+    (cache / "opdcache.json").write_text(json.dumps(manifest, indent=2))
+    before = _digest(cache)
+    args = {"validate": ["validate", cache],
+            "train": ["train", "--model", weights / "student", "--cache", cache, "--loss", "lightning", "--steps", 1, "--out", tmp_path / "run"]}
+    code, out = _run(args[command])
+    line = _one_line(out)
+    assert code in (1, 2) and want in line and "rebuild the cache" in line, line
+    assert _digest(cache) == before
