@@ -49,14 +49,19 @@ def load_head(path: str | Path) -> Head:
 
     from opdcache.errors import SchemaError
 
+    from opdcache.sidefiles import tensors_problem
+
     try:
         with local_copy(as_path(path)) as local:
             tensors = load_file(str(local))
-        return Head(tensors["weight"], tensors.get("bias"))
     except Exception as exc:  # noqa: BLE001 (safetensors raises its own error type for a truncated or foreign file)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise SchemaError(f"{path} is not a readable unembedding (safetensors with a 'weight' tensor): "
                           f"{type(exc).__name__}: {first}; run `opdcache validate` on the cache") from None
+    problem = tensors_problem(tensors, {"weight": ("V", "H"), "bias": ("?", "V")})
+    if problem is not None:
+        raise SchemaError(f"{path} is not a usable unembedding: {problem}; score the teacher again, or run `opdcache validate` on the cache")
+    return Head(tensors["weight"], tensors.get("bias"))
 
 
 def token_logprobs_from_hidden(hidden_NH: torch.Tensor, head: Head, ids_N: torch.Tensor) -> torch.Tensor:

@@ -36,3 +36,32 @@ def safetensors_problem(path, size: int, required: tuple[str, ...]) -> str | Non
         if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b <= size - 8 - n):
             return f"tensor {name!r} lies outside the file (data_offsets {a}..{b})"
     return None
+
+
+def tensors_problem(tensors: dict, shapes: dict[str, tuple]) -> str | None:
+    """What is wrong with a side file's loaded tensors, or None: each named tensor has the rank and the sizes
+    ``shapes`` asks (a name: a tuple of ints, or of names bound on first sight and equal after; a missing optional
+    tensor is one whose shape starts with "?"), a floating dtype and only finite values (a NaN head would turn every
+    rebuilt log-prob into NaN, which no comparison catches)."""
+    import torch
+
+    bound: dict[str, int] = {}
+    for name, shape in shapes.items():
+        optional = bool(shape) and shape[0] == "?"
+        shape = shape[1:] if optional else shape
+        t = tensors.get(name)
+        if t is None:
+            if optional:
+                continue
+            return f"no tensor {name!r}"
+        if t.dim() != len(shape):
+            return f"tensor {name!r} has {t.dim()} dimensions, {len(shape)} expected"
+        for size, want in zip(t.shape, shape):
+            want = bound.setdefault(want, size) if isinstance(want, str) else want
+            if size != want:
+                return f"tensor {name!r} is [{', '.join(map(str, t.shape))}], its sizes disagree with the file's other tensors"
+        if not t.is_floating_point():
+            return f"tensor {name!r} is {str(t.dtype).replace('torch.', '')}, not a floating-point tensor"
+        if not bool(torch.isfinite(t).all()):
+            return f"tensor {name!r} holds {int((~torch.isfinite(t)).sum()):,} NaN or infinite values"
+    return None

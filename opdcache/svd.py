@@ -232,4 +232,10 @@ def load(path) -> SVDProjection:
     with local_copy(as_path(path)) as local, safe_open(str(local), "pt") as f:  # one download for both
         method = _metadata(f)["method"]
         t = {k: f.get_tensor(k) for k in f.keys()}
+    from opdcache.errors import SchemaError
+    from opdcache.sidefiles import tensors_problem
+
+    problem = tensors_problem(t, {"encoder": ("H", "R"), "decoder": ("V", "R"), "bias": ("?", "V")})
+    if problem is not None:
+        raise SchemaError(f"{path} is not a usable svd projection: {problem}; score the teacher again, or run `opdcache validate` on the cache")
     return SVDProjection(method, t["encoder"], t["decoder"], t.get("bias"))

@@ -16,6 +16,7 @@ exactly that thing (tests/test_validate.py unless named):
 | files | every listed shard exists, with the manifest's size and sha256 | ``missing shard`` / ``size is`` / ``sha256 ... (corrupted)`` | test_deleted_shard, test_truncated_shard, test_flipped_byte |
 | files | side files (head.safetensors, svd.safetensors) exist for their stores, with the manifest's size and sha256 | ``missing: the svd store needs it`` / ``sha256 does not match`` | test_side_files_are_hashed_and_checked |
 | files | side files are safetensors holding their tensors (header parsed within limits, nothing loaded) | ``not a safetensors file`` | tests/test_hostile2.py test_a_pickle_in_place_of_the_svd_file_is_found_even_with_its_hash_updated |
+| files | side files' tensors agree in shape with each other and the table, and are finite | ``holds 1 NaN or infinite values`` / ``holds a [64, 129] matrix where`` | tests/test_hostile3.py test_a_head_of_nan_or_of_the_wrong_width_is_one_line |
 | files | no unlisted shard in a table directory (error), none of an unknown table or left from an interrupted write (warnings) | ``extra shard`` / ``unfinished or abandoned job`` / ``leftover temporary file`` | test_extra_shard, test_stray_and_temporary_files_are_warnings |
 | shard | readable Parquet; kind, store parameters and Arrow schema as declared | ``unreadable shard`` / ``shard declares kind`` / ``schema differs`` | test_unreadable_shard, test_shard_with_another_schema |
 | shard | the shard's own config fingerprint is its table's (not a shard of another run) | ``(a shard from another run)`` | test_shard_from_another_run |
@@ -214,6 +215,13 @@ def _check_side_files(root: Path, name: str, entry: dict, params: S.StoreParams,
             problem = safetensors_problem(path, size, SIDE_FILE_TENSORS[fname])
             if problem:
                 out.add(rel, problem)
+            elif fname == "svd.safetensors":  # shapes and finiteness (the head's are checked with the hidden store's rows)
+                from opdcache import svd
+
+                try:
+                    svd.load(path)
+                except SchemaError as exc:
+                    out.add(rel, str(exc))
 
 
 def _check_tokenizer(root, manifest: dict, out: _Collector) -> None:
@@ -466,6 +474,11 @@ def _check_hidden(root: Path, file: str, entry: dict, response: np.ndarray, logp
         head = load_head(head_path)
     except SchemaError as exc:
         out.add(file, f"cannot check the hidden states: {exc}")
+        return
+    width, vocab = entry["params"].get("hidden_size"), entry["config"].get("vocab_size")
+    if (width is not None and head.weight.shape[1] != width) or (vocab is not None and head.vocab_size != vocab):
+        out.add(file, f"head.safetensors holds a [{head.vocab_size}, {head.weight.shape[1]}] matrix where the table's vocabulary "
+                      f"and hidden states need [{vocab}, {width}]; score the teacher again")
         return
     pf = shards.open_parquet(root / file)
     dtype = shards.hidden_dtype_of(pf.schema_arrow.field("hidden"))

@@ -374,3 +374,64 @@ def test_manifest_numbers_are_typed_and_finite_for_every_command(cache, tmp_path
     line = _one_line(out)
     assert code in (1, 2) and want in line and "rebuild the cache" in line, line
     assert _digest(cache) == before
+
+
+def _rewrite_side_file(cache, name: str, tensors: dict) -> None:
+    """Replace a teacher side file with ``tensors`` (valid safetensors) and make the manifest's size and hash agree."""
+    from safetensors.torch import save_file
+
+    path = cache / "teachers" / "teacher" / name
+    save_file(tensors, str(path))
+    manifest = json.loads((cache / "opdcache.json").read_text())
+    manifest["tables"]["teachers/teacher"]["files"][name].update(bytes=path.stat().st_size,
+                                                                  sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    (cache / "opdcache.json").write_text(json.dumps(manifest, indent=2))
+
+
+@pytest.mark.parametrize("damage,want", [
+    ("nan", "tensor 'weight' holds 1 NaN or infinite values"),
+    ("wide", "head.safetensors holds a [64, 129] matrix where the table's vocabulary and hidden states need [64, 128]"),
+])
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_head_of_nan_or_of_the_wrong_width_is_one_line(cache, tmp_path, weights, damage, want, command):
+    import torch
+    from safetensors.torch import load_file
+
+    weight = load_file(str(cache / "teachers" / "teacher" / "head.safetensors"))["weight"].clone()
+    if damage == "nan":
+        weight[3, 5] = float("nan")
+    else:
+        weight = torch.cat([weight, torch.zeros(weight.shape[0], 1, dtype=weight.dtype)], 1)
+    _rewrite_side_file(cache, "head.safetensors", {"weight": weight.contiguous()})
+    before = _digest(cache)
+    args = {"validate": ["validate", cache],
+            "train": ["train", "--model", weights / "student", "--cache", cache, "--loss", "full-rkl", "--steps", 1, "--out", tmp_path / "run"]}
+    code, out = _run(args[command])
+    assert code in (1, 2) and "Traceback" not in out, out[-2000:]
+    if command == "train" and damage == "wide":
+        want = "holds a [64, 129] matrix, where the student's vocabulary and the stored vectors need [64, 128]"
+    assert want in (out if command == "validate" else _one_line(out)), out[-2000:]
+    assert "--lr" not in out
+    assert _digest(cache) == before
+
+
+def test_an_svd_file_of_nan_is_one_line(cache):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = cache / "teachers" / "teacher" / "svd.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(path))
+    tensors["decoder"] = tensors["decoder"].clone()
+    tensors["decoder"][0, 0] = float("inf")
+    save_file(tensors, str(path), metadata=metadata)
+    manifest = json.loads((cache / "opdcache.json").read_text())
+    manifest["tables"]["teachers/teacher"]["files"]["svd.safetensors"].update(bytes=path.stat().st_size,
+                                                                              sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    (cache / "opdcache.json").write_text(json.dumps(manifest, indent=2))
+    code, out = _run(["validate", cache])
+    assert code == 1 and "Traceback" not in out and "tensor 'decoder' holds 1 NaN or infinite values" in out, out[-2000:]
+    assert torch.isinf(load_file(str(path))["decoder"]).any()
