@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from opdcache.cache import Cache
-from opdcache.errors import ConfigError
+from opdcache.errors import ConfigError, SchemaError
 
 BOOTSTRAP = 1000
 MAX_GAP_VS_UNIFORM = 0.25
@@ -69,6 +69,12 @@ def check(cache_root: str | Path, teachers: list[str] | None = None, train_teach
     ref = [r.astype(np.float64) for r in cache.sequences("rollouts", "ref_logprobs")]
     lengths = np.array([len(r) for r in ref], dtype=np.float64)
     scores = {n: [t.astype(np.float64) for t in cache.sequences(cache.teacher_table(n), "logprobs")] for n in names}
+    for name, rows in scores.items():  # the same refusal as the loader's (opdcache/data.py) and export's
+        bad = next((i for i, (r, t) in enumerate(zip(ref, rows)) if len(r) != len(t)), None)
+        if bad is not None or len(rows) != len(ref):
+            where = f"row {bad}" if bad is not None else f"{len(rows)} rows against {len(ref)}"
+            raise SchemaError(f"{cache.teacher_table(name)}: teacher column logprobs is not as long as the responses ({where}: "
+                              "shifted or truncated rows); run `opdcache validate` on the cache")
     vocab = cache.table("rollouts")["config"].get("vocab_size")
     # an untrained baseline: a uniform teacher gives log(1/V) to every token, so its gap is mean(r) + log V
     uniform_gap = float(np.concatenate(ref).mean() + np.log(vocab)) if vocab else None

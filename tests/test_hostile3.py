@@ -435,3 +435,27 @@ def test_an_svd_file_of_nan_is_one_line(cache):
     code, out = _run(["validate", cache])
     assert code == 1 and "Traceback" not in out and "tensor 'decoder' holds 1 NaN or infinite values" in out, out[-2000:]
     assert torch.isinf(load_file(str(path))["decoder"]).any()
+
+
+@pytest.mark.parametrize("command", ["check-consistency", "validate"])
+def test_a_teacher_row_one_position_longer_is_one_line(cache, command):
+    from test_hostile2 import _replace, _set_list_column, _teacher_shard
+
+    rel, table = _teacher_shard(cache)
+    rows = table["logprobs"].to_pylist()
+    rows[2] = rows[2] + [-1.0]
+    _replace(cache, rel, _set_list_column(table, "logprobs", rows), tokens=None)
+    manifest = json.loads((cache / "opdcache.json").read_text())
+    for s in manifest["tables"]["teachers/teacher"]["shards"]:  # keep the recorded token count an integer
+        if s["tokens"] is None:
+            s["tokens"] = sum(len(r) for r in rows)
+    (cache / "opdcache.json").write_text(json.dumps(manifest))
+    before = _digest(cache)
+    code, out = _run([command, cache])
+    assert code in (1, 2) and "Traceback" not in out, out[-2000:]
+    assert "logprobs" in out, out[-2000:]
+    if command == "check-consistency":
+        assert "not as long as the responses (row 2" in _one_line(out)
+    else:
+        assert "row 2 column logprobs: per-token column length differs from the number of response tokens" in out
+    assert _digest(cache) == before
