@@ -459,3 +459,22 @@ def test_a_teacher_row_one_position_longer_is_one_line(cache, command):
     else:
         assert "row 2 column logprobs: per-token column length differs from the number of response tokens" in out
     assert _digest(cache) == before
+
+
+def test_an_async_ledger_with_lines_that_are_not_entries_is_one_line(tmp_path):
+    from opdcache.asyncopd import queue as Q
+    from opdcache.errors import OpdcacheError
+
+    ledger = tmp_path / Q.LEDGER
+    ledger.write_text('{"batch": 0, "staleness": 0}\n{"batch": 1, "staleness": 1}\n{"batch": 2, "stal')  # cut by a crash
+    assert [e["batch"] for e in Q.read_jsonl(ledger)] == [0, 1]
+    for bad in ('[1, 2]', '"text"', '{"staleness": 0}', '{"batch": "zero"}', '{"batch": true}', 'not json'):
+        ledger.write_text('{"batch": 0}\n' + bad + '\n{"batch": 2}\n')
+        with pytest.raises(OpdcacheError) as e:
+            Q.read_jsonl(ledger)
+        assert str(e.value).startswith(f"{ledger}: line 2 is not an entry of the run (a JSON object with numeric batch)")
+        assert "\n" not in str(e.value)
+    busy = tmp_path / "rollout.busy.jsonl"
+    busy.write_text('{"batch": 0, "start": 1.5}\n')
+    with pytest.raises(OpdcacheError, match="numeric batch, start, end"):
+        Q.read_jsonl(busy)

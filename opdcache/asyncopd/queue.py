@@ -98,13 +98,29 @@ def append_busy(out: Path, stage: str, batch: int, start: float, end: float) -> 
         f.write(json.dumps({"batch": batch, "start": start, "end": end}) + "\n")
 
 
+JSONL_NUMBERS = {"ledger.jsonl": ("batch",), "attempts.jsonl": ("start",)}  # fields every line must hold as numbers
+BUSY_NUMBERS = ("batch", "start", "end")
+
+
 def read_jsonl(path: Path) -> list[dict]:
+    """The entries of one of the run's own jsonl files. A line cut by a crash ends the file (everything before it is
+    whole); any other line that is not a JSON object with its numeric fields is refused in one line: the run
+    directory was written by something else."""
     if not path.is_file():
         return []
+    numbers = BUSY_NUMBERS if path.name.endswith(".busy.jsonl") else JSONL_NUMBERS.get(path.name, ())
+    lines = path.read_text().splitlines()
     out = []
-    for line in path.read_text().splitlines():
+    for i, line in enumerate(lines):
         try:
-            out.append(json.loads(line))
+            entry = json.loads(line)
         except ValueError:
-            break  # a line cut by a crash: everything before it is whole
+            if i == len(lines) - 1:
+                break  # a line cut by a crash
+            entry = None
+        if not isinstance(entry, dict) or any(isinstance(entry.get(k), bool) or not isinstance(entry.get(k), (int, float))
+                                              for k in numbers):
+            raise OpdcacheError(f"{path}: line {i + 1} is not an entry of the run (a JSON object with numeric "
+                                f"{', '.join(numbers) or 'fields'}); the run directory is damaged: start the run again in a new --out")
+        out.append(entry)
     return out
