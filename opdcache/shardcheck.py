@@ -16,6 +16,7 @@ from opdcache import schema as S
 from opdcache.errors import SchemaError
 
 MAX_ROW_TOKENS = 1 << 20  # list entries per row and column a reader accepts when it knows no model context (1M tokens)
+MAX_STRING_BYTES = 16 << 20  # bytes of one string value (a task field): far above any task, far below a memory bomb
 ROWS_PER_BYTE = 8  # an honest row takes bytes (its id alone is a unique hash); more rows than 8 per byte is a size bomb
 
 
@@ -117,3 +118,40 @@ def check_nulls(table: pa.Table, nullable: set[str], where: str) -> None:
         if rows or inside:
             what = f"{rows:,} null rows" if rows else f"{inside:,} null values inside its lists"
             raise SchemaError(f"{where}: column {name} holds {what}, which the format never has; run `opdcache validate`")
+
+
+def _row_lengths(array: pa.Array):
+    """Per-row lengths of a list, string or binary array, from its offsets (nothing is copied)."""
+    import numpy as np
+
+    if pa.types.is_large_list(array.type) or pa.types.is_large_string(array.type) or pa.types.is_large_binary(array.type):
+        dtype = np.int64
+    else:
+        dtype = np.int32
+    offsets = np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array) + 1, offset=array.offset * np.dtype(dtype).itemsize)
+    return np.diff(offsets)
+
+
+def check_rows(table: pa.Table, where: str, max_row_tokens: int | None = None) -> None:
+    """Refuse, row by row, a list column with more than ``max_row_tokens`` (the model's context; default MAX_ROW_TOKENS)
+    tokens in one row, or a string longer than MAX_STRING_BYTES: the footer bounds a shard's total, this bounds each
+    row, so one huge row cannot hide among short ones. One line naming the row."""
+    limit = max_row_tokens or MAX_ROW_TOKENS
+    for name in table.column_names:
+        t = table.schema.field(name).type
+        is_list = pa.types.is_list(t) or pa.types.is_large_list(t)
+        is_text = pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
+        if not (is_list or is_text):
+            continue
+        cap = limit if is_list else MAX_STRING_BYTES
+        first = 0
+        for chunk in table[name].chunks:
+            lengths = _row_lengths(chunk)
+            if len(lengths) and int(lengths.max()) > cap:
+                row = first + int(lengths.argmax())
+                bound = "the model's context of" if max_row_tokens else "the reading limit of"
+                what = (f"{int(lengths.max()):,} tokens, more than {bound} {cap:,}" if is_list
+                        else f"a {int(lengths.max()):,}-byte string, more than the reading limit of {cap:,} bytes")
+                raise SchemaError(f"{where}: row {row} of column {name} holds {what}: refused (a shard opdcache did not write, "
+                                  "or a damaged one); run `opdcache validate`")
+            first += len(chunk)

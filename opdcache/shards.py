@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from opdcache import schema as S
 from opdcache import storage
 from opdcache.errors import SchemaError
-from opdcache.shardcheck import MAX_ROW_TOKENS, check_footer, check_nulls, check_types  # noqa: F401 (the reading layer's checks)
+from opdcache.shardcheck import MAX_ROW_TOKENS, check_footer, check_nulls, check_rows, check_types  # noqa: F401 (the reading layer's checks)
 
 COMPRESSION = "zstd"
 COMPRESSION_LEVEL = 3
@@ -309,6 +309,7 @@ def read_table(path, columns: Iterable[str] | None = None, rows: int | None = No
     nullable = check_types(pf.schema_arrow, cols, where)
     table = pf.read(columns=cols)
     check_nulls(table, nullable, where)
+    check_rows(table, where, max_row_tokens)
     return table
 
 

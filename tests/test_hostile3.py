@@ -478,3 +478,49 @@ def test_an_async_ledger_with_lines_that_are_not_entries_is_one_line(tmp_path):
     busy.write_text('{"batch": 0, "start": 1.5}\n')
     with pytest.raises(OpdcacheError, match="numeric batch, start, end"):
         Q.read_jsonl(busy)
+
+
+@pytest.mark.parametrize("command", ["validate", "export", "check-consistency", "train"])
+def test_one_huge_row_among_short_ones_is_refused_row_by_row(cache, tmp_path, weights, command):
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from opdcache.shardcheck import MAX_ROW_TOKENS
+    from test_hostile2 import _replace, _set_list_column
+
+    rel = sorted(p.relative_to(cache).as_posix() for p in (cache / "rollouts").glob("part-*.parquet"))[0]
+    table = pq.read_table(cache / rel)
+    column = "ref_logprobs" if command == "check-consistency" else "prompt_ids"  # one it reads
+    rows = table[column].to_pylist()
+    rows[2] = np.full(MAX_ROW_TOKENS + 10, -1.0 if column == "ref_logprobs" else 7)  # the shard's total stays far below rows x the limit
+    extra = {"tokens": int(sum(len(r) for r in table["response_ids"].to_pylist())) + MAX_ROW_TOKENS} if column == "ref_logprobs" else {}
+    _replace(cache, rel, _set_list_column(table, column, rows), **extra)
+    before = _digest(cache)
+    args = {"validate": ["validate", cache], "export": ["export", cache, "--to", "jsonl", "--out", tmp_path / "x"],
+            "check-consistency": ["check-consistency", cache],
+            "train": ["train", "--model", weights / "student", "--cache", cache, "--loss", "lightning", "--steps", 1, "--out", tmp_path / "run"]}
+    code, out = _run(args[command])
+    assert code in (1, 2) and "Traceback" not in out, out[-2000:]
+    want = f"row 2 of column {column} holds 1,048,586 tokens, more than the reading limit of 1,048,576"
+    if command == "train":  # the loader knows the model's context (128): the footer's total is refused before decoding
+        want = f"column {column} holds 1,048,721 entries for 16 rows, more than the model's context of 128 tokens a row"
+    assert want in (out if command == "validate" else _one_line(out)), out[-2000:]
+    assert _digest(cache) == before
+
+
+def test_a_huge_string_is_refused_row_by_row(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from opdcache import shardcheck
+    from opdcache.errors import SchemaError
+
+    monkeypatch.setattr(shardcheck, "MAX_STRING_BYTES", 1000)
+    table = pa.table({"task": pa.array(["short", "x" * 1001, "short"]), "ids": pa.array([[1], [2, 3], []], pa.list_(pa.int32()))})
+    with pytest.raises(SchemaError, match="row 1 of column task holds a 1,001-byte string, more than the reading limit of 1,000 bytes"):
+        shardcheck.check_rows(table, "t.parquet")
+    with pytest.raises(SchemaError, match="row 1 of column ids holds 2 tokens, more than the model's context of 1"):
+        shardcheck.check_rows(table.drop_columns(["task"]), "t.parquet", max_row_tokens=1)
+    shardcheck.check_rows(table.slice(2), "t.parquet", max_row_tokens=1)  # an offset slice: rows counted from its start
+    pq.write_table(table, tmp_path / "t.parquet")
