@@ -104,8 +104,9 @@ def test_ddp_with_two_cpu_processes(hf_cache, weights, tmp_path):
 
 @pytest.mark.parametrize("loss", ["lightning", "full-rkl"])
 def test_online_baseline_samples_from_the_current_student_with_a_live_teacher(hf_cache, weights, tmp_path, loss):
+    # no KL penalty: with one, the reference column is the frozen pi_ref's scores and the weights below measure the drift
     run_train(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss=loss, steps=3, batch_size=6, lr=1e-3, online=True,
-                          teacher_model=weights / "teacher", max_new_tokens=24, temperature=1.0))
+                          teacher_model=weights / "teacher", max_new_tokens=24, temperature=1.0, kl_coef=0.0))
     metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
     # fresh rollouts every step: the student's log-probs equal the sampling engine's at every step, even after updates

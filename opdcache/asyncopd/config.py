@@ -47,8 +47,8 @@ class AsyncConfig:
     """topk-fkl: width of the teacher's top-k store."""
     lr: float = 1e-5
     """Learner AdamW learning rate (constant)."""
-    tau: float = 5.0
-    """lightning: advantage clip."""
+    tau: float = TrainConfig.tau
+    """lightning: advantage clip (train's default)."""
     ppo_clip: float = 0.2
     """ppo: clip range of the ratio."""
     max_grad_norm: float = 1.0
