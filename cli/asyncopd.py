@@ -29,7 +29,7 @@ def async_(
     top_p: O.TopP = 1.0,
     max_new_tokens: O.MaxNewTokens = 64,
     lr: Annotated[float, typer.Option("--lr", help="Learner learning rate (AdamW, constant).")] = 1e-5,
-    tau: Annotated[float, typer.Option("--tau", help="lightning: advantage clip.")] = 5.0,
+    tau: Annotated[float, typer.Option("--tau", help="lightning: advantage clip, nats (train's default).")] = 1.0,
     ppo_clip: Annotated[float, typer.Option("--ppo-clip", help="ppo: clip range of the old-to-current ratio.")] = 0.2,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Learner checkpoint every N steps.")] = 1,
     keep_snapshots: Annotated[bool, typer.Option("--keep-snapshots", help="Keep every published student snapshot in the cache.")] = False,

@@ -35,7 +35,7 @@ from opdcache.train import stores_for
 class CacheTrainer(SFTTrainer):
     """A TRL trainer over an opdcache cache with one of opdcache's estimators (lightning or a full-vocabulary one)."""
 
-    def __init__(self, model, args: SFTConfig, cache: Path, loss: str = "full-rkl", tau: float = 5.0, teacher: str | None = None):
+    def __init__(self, model, args: SFTConfig, cache: Path, loss: str = "full-rkl", tau: float = 1.0, teacher: str | None = None):
         if loss != "lightning" and loss not in FULL_VOCABULARY:
             raise ValueError(f"this example supports lightning, {', '.join(FULL_VOCABULARY)}; got {loss!r}")
         table = Cache(cache).teacher_table(teacher)
