@@ -16,15 +16,16 @@ prepare_environment()  # before anything imports torch: OpenMP reads its wait po
 
 import typer  # noqa: E402
 
-from opdcache.errors import (ConfigError, ConsistencyError, InputError, MissingDependencyError, OpdcacheError,
-                             ResumeError, TokenizerMismatchError)
+from opdcache.errors import (ConfigError, ConsistencyError, InputError, MissingDependencyError, NotACacheError,
+                             OpdcacheError, ResumeError, TokenizerMismatchError)
 
 app = typer.Typer(
     name="opdcache", no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False, rich_markup_mode=None,
     help="Offline on-policy distillation caches: build, score, check, share, and train from them.",
 )
 
-USAGE_ERRORS = (ConfigError, ResumeError, InputError, TokenizerMismatchError, ConsistencyError, MissingDependencyError)
+USAGE_ERRORS = (ConfigError, ResumeError, InputError, TokenizerMismatchError, ConsistencyError, MissingDependencyError,
+                NotACacheError)
 
 
 INTERRUPTED = "interrupted: finished shards and checkpoints are kept; rerun the same command to resume"

@@ -18,8 +18,13 @@ def validate(
     Memory: one shard's columns at a time, hidden states one row group at a time, a [1,024, 8,192] float32
     logit block for rebuilding log-probs from them; never tokens x vocabulary. A cache on an object store (s3://...)
     is read in place: each shard is streamed once for its sha256, then read again by columns."""
+    from opdcache.errors import NotACacheError
+    from opdcache.manifest import not_a_cache
     from opdcache.validate import validate as run
 
+    why = not_a_cache(cache)
+    if why is not None:  # not a cache at all: a usage error (exit 2), not a cache that fails its checks
+        raise NotACacheError(why)
     problems = run(cache, quick=quick)
     for p in problems:
         typer.echo(str(p))

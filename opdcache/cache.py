@@ -27,7 +27,7 @@ from opdcache import manifest as M
 from opdcache import schema as S
 from opdcache import shards, storage
 from opdcache.untrusted import loads, read_json
-from opdcache.errors import ConfigError, ManifestError, ResumeError
+from opdcache.errors import ConfigError, ManifestError, NotACacheError, ResumeError
 from opdcache.fingerprint import config_fingerprint, sha256_file
 from opdcache.workers import shards_for_worker
 
@@ -310,6 +310,9 @@ class Cache:
 
     def __init__(self, root: str | os.PathLike):
         self.root = storage.as_path(root)
+        why = M.not_a_cache(self.root)
+        if why is not None:
+            raise NotACacheError(why)
         if not self.root.is_dir():
             raise ManifestError(f"{self.root} does not exist or is not a directory")
         self.manifest = M.load(self.root)

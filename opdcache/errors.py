@@ -24,6 +24,10 @@ class ManifestError(OpdcacheError, ValueError):
     """The manifest `opdcache.json` is missing, unreadable or inconsistent."""
 
 
+class NotACacheError(ManifestError):
+    """The path given as a cache is not one (no such folder, a file, a model directory, an empty folder)."""
+
+
 class ResumeError(OpdcacheError, ValueError):
     """A job was restarted with settings that differ from the partial cache on disk."""
 

@@ -18,7 +18,7 @@ import jsonschema
 
 from opdcache import __version__
 from opdcache import schema as S
-from opdcache.errors import ManifestError
+from opdcache.errors import ManifestError, NotACacheError
 from opdcache.fingerprint import canonical_json
 from opdcache.storage import write_text_atomic
 from opdcache.untrusted import quote
@@ -247,9 +247,33 @@ def exists(root: str | Path) -> bool:
     return manifest_path(root).is_file()
 
 
+def not_a_cache(root) -> str | None:
+    """Why the local path ``root`` is not a cache at all (no such folder, a file, a model directory, an empty folder),
+    or None where it may be one (a cache, or one being built). Object-store roots: None."""
+    from opdcache.storage import is_remote
+
+    if is_remote(root):
+        return None
+    p = Path(root)
+    if not p.exists():
+        return f"{root}: no such directory (a cache is a folder holding {MANIFEST_NAME})"
+    if not p.is_dir():
+        return f"{root} is a file, not a cache (a cache is a folder holding {MANIFEST_NAME})"
+    if (p / MANIFEST_NAME).exists():
+        return None
+    if (p / "config.json").is_file():
+        return f"{root} is a model directory (config.json), not an opdcache cache; build a cache from it with `opdcache build-rollouts`"
+    if not any(p.iterdir()):
+        return f"{root} is an empty folder, not an opdcache cache"
+    return None
+
+
 def load(root: str | Path) -> dict:
     path = manifest_path(root)
     if not path.is_file():
+        why = not_a_cache(root)
+        if why is not None:
+            raise NotACacheError(why)
         raise ManifestError(
             f"{root} has no {MANIFEST_NAME}: the cache is incomplete (a job is still running or was stopped; "
             "rerun it to resume) or this is not an opdcache cache"

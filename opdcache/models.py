@@ -60,6 +60,9 @@ def resolve_model(spec: str | os.PathLike, revision: str | None = None, what: st
         return ModelRef(local)
     if local.exists() or not is_hub_id(text):
         raise ConfigError(f"{what} {text}: no such model directory (and not a Hub id of the form org/name); check the path")
+    if local.parent.is_dir() and local.parent != Path("."):  # models/pi_ref with a models/ folder here: a mistyped path
+        raise ConfigError(f"{what} {text}: no such directory ({local.parent}/ exists here, so this is read as a local path, "
+                          "not a Hub id); check the path")
     path = hub_snapshot(text, revision, what)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{what} {text}: the Hub snapshot {path} has no config.json; it is not a transformers model")

@@ -104,13 +104,18 @@ MAX_LINE_BYTES = 16 << 20  # a prompt line longer than this is skipped as malfor
 
 
 def check_local_prompts(path: Path) -> None:
-    """Refuse, before any model loads, a --prompts that is neither a directory nor a regular file: a FIFO would block
-    forever and a device such as /dev/zero never ends. A path that does not exist may still be a Hub dataset id."""
+    """Refuse, before any model loads, a --prompts that does not exist (unless it is a Hub dataset id, org/name, whose
+    org is no folder here) or is neither a directory nor a regular file: a FIFO would block forever and a device such
+    as /dev/zero never ends."""
     import stat
+
+    from opdcache.models import is_hub_id
 
     try:
         mode = path.stat().st_mode
     except OSError:
+        if not is_hub_id(str(path)) or path.parent.is_dir() and path.parent != Path("."):  # a local path, not a dataset id
+            raise InputError(f"prompt file {path} does not exist; check --prompts") from None
         return
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file"

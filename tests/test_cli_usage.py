@@ -4,6 +4,7 @@ Run as a user runs it (a subprocess of the console script), so the typer/click v
 one under test: typer >= 0.29 raises its vendored click exceptions, which an ``isinstance`` check on ``click`` misses.
 """
 
+import os
 import shutil
 import subprocess
 import sys
@@ -148,3 +149,21 @@ def test_score_teacher_says_when_the_svd_distortion_is_in_sample(tmp_path, weigh
         assert e.value.code in (0, None)
     text = " ".join(capsys.readouterr().out.split())
     assert "positions of the calibration rows (no other rows left: in-sample)" in text, text[-1500:]
+
+
+def test_missing_local_paths_are_said_before_any_hub_lookup(tmp_path):
+    """A missing --prompts is refused before the model (here a Hub id, which would be a network lookup) is resolved,
+    and a path shaped like org/name whose first part is a folder here is a mistyped local path, never a Hub id."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([OPDCACHE, "build-rollouts", "--model", "someorg/somemodel", "--prompts", str(tmp_path / "nope.jsonl"),
+                           "--out", str(tmp_path / "c")], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"error: prompt file {tmp_path / 'nope.jsonl'} does not exist; check --prompts"]
+    (tmp_path / "models").mkdir()
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1"}\n')
+    proc = subprocess.run([OPDCACHE, "build-rollouts", "--model", "models/pi_ref", "--prompts", "p.jsonl", "--out", "c"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0] == ("error: --model models/pi_ref: no such directory (models/ exists here, so this is read as a local path, "
+                        "not a Hub id); check the path")
+    assert not (tmp_path / "c").exists()

@@ -204,7 +204,7 @@ def test_cli_chain_build_sft_rollouts_score(tmp_path, weights, opd_prompts, caps
     sft = _rows(tmp_path / "sft", "sft")
     assert all(r["reward"] == 1.0 for r in sft)  # the teacher solves the task
     code, out = run("score-teacher", tmp_path / "nope", "--teacher", weights / "teacher")
-    assert code == 1 and "nope does not exist or is not a directory" in out
+    assert code == 2 and "nope: no such directory (a cache is a folder holding opdcache.json)" in out
     code, out = run("score-teacher", tmp_path / "sft", "--teacher", weights / "teacher", "--store", "logprob,bogus")
     assert code == 2 and "--store takes logprob, topk, hidden, svd, sampled; got bogus" in out
 

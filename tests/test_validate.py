@@ -121,7 +121,18 @@ def test_hidden_state_reconstruction_is_checked(synth_cache):
     assert "row 0 column hidden: log-prob rebuilt from hidden state and head differs" in text
 
 
+def _cli_all(args, capsys):
+    """Exit code and stdout + stderr (a refusal goes to stderr)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    captured = capsys.readouterr()
+    return exit_.value.code, captured.out + captured.err
+
+
 def test_missing_or_foreign_manifest(tmp_path, capsys):
+    code, out = _cli_all(["validate", str(tmp_path)], capsys)
+    assert code == 2 and "is an empty folder, not an opdcache cache" in out
+    (tmp_path / "rollouts").mkdir()  # a job's folder without its manifest: an unfinished cache, which fails its check
     code, out = _cli(["validate", str(tmp_path)], capsys)
     assert code == 1 and "has no opdcache.json: the cache is incomplete" in out
     (tmp_path / "opdcache.json").write_text(json.dumps({"format": "opdcache", "format_version": 9}))
@@ -292,3 +303,16 @@ def test_logprob_and_topk_stores_must_agree(synth_cache):
         rows[row]["logprobs"][pos] = rows[row]["topk_logprobs"][pos][k] - 0.25
     _rewrite_shard(synth_cache, "teachers/synth", 0, damage)
     assert f"row {row} column logprobs: log-prob of the sampled token disagrees with its top-k entry" in _texts(synth_cache)
+
+
+@pytest.mark.parametrize("command", ["validate", "info", "score-teacher", "export"])
+def test_what_is_not_a_cache_is_said_in_one_line_with_exit_2(tmp_path, capsys, weights, command):
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    extra = {"score-teacher": ["--teacher", str(weights / "teacher")], "export": ["--to", "jsonl", "--out", str(tmp_path / "x")]}.get(command, [])
+    for target, want in ((tmp_path / "nope", "nope: no such directory"), (text, "notes.txt is a file, not a cache"),
+                         (weights / "student", "student is a model directory (config.json), not an opdcache cache; build a cache "
+                                               "from it with `opdcache build-rollouts`")):
+        code, out = _cli_all([command, str(target), *extra], capsys)
+        lines = out.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and want in lines[0] and "Traceback" not in out, out
