@@ -9,6 +9,8 @@ from pathlib import Path
 
 from opdcache.frontier import Model, Setting, choose, default_settings, measure
 
+DEFAULT_MAX_ERROR = 1e-2  # nats: the error budget plan recommends within when given neither --max-error nor --max-bytes
+
 
 @dataclass(frozen=True)
 class PlanConfig:
@@ -39,6 +41,32 @@ class PlanConfig:
             raise ConfigError(f"--max-bytes must be positive, got {self.max_bytes}")
 
 
+def _settings_of(params) -> list[Setting]:
+    """The frontier settings a teacher table's stores correspond to."""
+    p, out = params, []
+    if "topk" in p.stores and p.top_k:
+        out.append(Setting("topk", k=p.top_k, precision=p.topk_precision, mass=p.topk_mass))
+    if "sampled" in p.stores and p.samples_per_position:
+        out.append(Setting("sampled", m=p.samples_per_position))
+    if "hidden" in p.stores and (p.hidden_dtype or "float32") in ("float32", "bfloat16"):
+        out.append(Setting("hidden", dtype=p.hidden_dtype or "float32"))
+    if "svd" in p.stores and p.svd_rank:
+        out.append(Setting("svd", rank=p.svd_rank, dtype=p.svd_dtype or "float32"))
+    return out
+
+
+def scored_settings(cache) -> dict[str, tuple[Setting, list[str]]]:
+    """The frontier settings of the stores already scored in ``cache``: {label: (setting, [teacher tables])}."""
+    from opdcache import schema as S
+
+    out: dict[str, tuple[Setting, list[str]]] = {}
+    for table in cache.teachers:
+        name = cache.teacher_table(table)
+        for setting in _settings_of(S.StoreParams.from_dict(cache.table(name)["params"])):
+            out.setdefault(setting.label, (setting, []))[1].append(name)
+    return out
+
+
 def run_plan(cfg: PlanConfig, settings: list[Setting] | None = None) -> dict:
     """Load the teacher (and students), sample the rows, measure; the frontier plus the pick for --max-error/--max-bytes."""
     from opdcache.backends import EngineConfig, make_backend
@@ -61,16 +89,24 @@ def run_plan(cfg: PlanConfig, settings: list[Setting] | None = None) -> dict:
         row_ids += table["id"].to_pylist()
     models = {name: Model(make_backend(ref.path, EngineConfig(dtype=cfg.dtype)), name) for name, ref in refs.items()}
     teacher = models.pop("teacher")
-    settings = settings or default_settings(teacher.hidden_size, int(teacher.W.shape[0]))
+    if settings is None:  # the defaults, and each already-scored setting the teacher's shapes allow, as rows of its own
+        settings = default_settings(teacher.hidden_size, int(teacher.W.shape[0]))
+        have = {x.label for x in settings}
+        settings += [x for label, (x, _) in scored_settings(cache).items() if label not in have
+                     and (x.k or 0) < teacher.W.shape[0] and (x.rank or 0) < teacher.hidden_size]
     from opdcache.progress import bar
 
     with bar(len(requests) - (len(requests) // 2 if any(s.store == "svd" for s in settings) and len(requests) > 1 else 0),
              desc="plan", unit="row") as progress:
         report = measure(teacher, requests, row_ids, settings, models, cfg.seed, progress.update)
     report["teacher"] = str(cfg.teacher)
-    if cfg.max_error is not None or cfg.max_bytes is not None:
-        report["choice"] = choose(report, cfg.max_error, cfg.max_bytes)
-        report["choice_against"] = "KL(teacher || what the store implies)"
+    report["scored"] = {label: tables for label, (_, tables) in scored_settings(cache).items() if label in report["settings"]}
+    budget = cfg.max_error if cfg.max_error is not None or cfg.max_bytes is not None else DEFAULT_MAX_ERROR
+    report["choice"] = choose(report, budget, cfg.max_bytes)
+    report["choice_against"] = "KL(teacher || what the store implies)"
+    report["choice_rule"] = (f"the most accurate within {cfg.max_bytes:g} B/token" if cfg.max_bytes is not None else
+                             f"the cheapest with max kl <= {budget:g} nats a position"
+                             + (", the default budget: --max-error or --max-bytes to choose another" if cfg.max_error is None else ""))
     return report
 
 
@@ -79,16 +115,21 @@ def render(report: dict) -> str:
     students = sorted({n for r in report["settings"].values() for n in r["students"]})
     lines = [f"{report['rows']} rows, {report['tokens']:,} response tokens; vocabulary {report['vocab_size']:,}, hidden "
              f"{report['hidden_size']:,}; teacher entropy {report['teacher_entropy']:.3f} nats a position", "",
-             "kl: KL(teacher || the full distribution the store implies), nats a position (sampled: the standard error of",
-             "its forward-KL estimate's teacher term)."]
+             "B/token: the store's bytes on disk per response token, measured by writing the sampled rows.",
+             "kl max / kl mean: KL(teacher || the full distribution the store implies), nats, the largest and the mean over",
+             "the sampled rows' response positions (sampled m: not a bias but the standard error of its forward-KL",
+             "estimate's teacher term, on the sampled rows; never chosen without a --student).",
+             "*: a setting this cache already holds (its table named below)."]
     for n in students:
-        lines.append(f"{n}: |forward-KL estimate - exact| and ||gradient - exact||_1 on the student's logits, a position.")
+        lines.append(f"{n} fkl max / mean: |forward-KL estimate - exact| a position; grad max / mean: ||gradient - exact||_1 "
+                     "on the student's logits, a position.")
     header = f"{'setting':<26} {'B/token':>9} {'kl max':>9} {'kl mean':>9}"
     for n in students:
         header += f" {(n + ' fkl max')[:16]:>16} {'mean':>9} {'grad max':>9} {'mean':>9}"
     lines += ["", header, "-" * len(header)]
+    scored = report.get("scored") or {}
     for label, r in report["settings"].items():
-        line = f"{label:<26} {r['bytes_per_token']:>9.1f} {r['kl']['max']:>9.2e} {r['kl']['mean']:>9.2e}"
+        line = f"{(label + (' *' if label in scored else '')):<26} {r['bytes_per_token']:>9.1f} {r['kl']['max']:>9.2e} {r['kl']['mean']:>9.2e}"
         for n in students:
             st = r["students"][n]
             line += f" {st['fkl_error']['max']:>16.2e} {st['fkl_error']['mean']:>9.2e} {st['grad_l1_error']['max']:>9.2e} {st['grad_l1_error']['mean']:>9.2e}"
@@ -98,9 +139,11 @@ def render(report: dict) -> str:
         lines += ["", f"svd rows: fitted on the first half of the sample ({n:,} positions), where score-teacher fits on "
                       "max(32 x rank, 2,048) drawn over every shard; a small sample overstates their kl (SmolLM2, rank 512: "
                       "6.7e-3 at 2,048 positions, 4.8e-3 at 16,384; BENCHMARKS.md). More --rows measures them closer."]
+    for label, tables in scored.items():
+        lines.append(f"* {label}: in {', '.join(tables)}")
     if "choice" in report:
         c = report["choice"]
         lines.append("")
-        lines.append("no setting qualifies" if c is None else
-                     f"choice: {c['label']} ({c['bytes_per_token']:.1f} B/token, max kl {c['max_error']:.2e}): score-teacher {c['flags']}")
+        lines.append(f"recommended ({report.get('choice_rule', 'the rule given')}): " + ("no setting qualifies" if c is None else
+                     f"{c['label']} ({c['bytes_per_token']:.1f} B/token, max kl {c['max_error']:.2e}): score-teacher {c['flags']}"))
     return "\n".join(lines)

@@ -111,6 +111,11 @@ def test_plan_command_prints_the_frontier_and_refuses_bad_options(hf_cache, weig
     code, out, err = cli("plan", hf_cache, "--teacher", weights / "teacher", "--rows", 4)
     n = f"{report['svd_calibration_positions']:,}"
     assert code == 0 and f"svd rows: fitted on the first half of the sample ({n} positions)" in out, out  # the same seeded sample
+    # by default: a recommendation within the stated budget, and the settings this cache already holds as marked rows
+    assert "recommended (the cheapest with max kl <= 0.01 nats a position, the default budget: --max-error or --max-bytes" in out
+    assert any(line.startswith("top-6 exact *") for line in out.splitlines()), out
+    assert "* top-6 exact: in teachers/teacher" in out and "* sampled m=4: in teachers/teacher" in out
+    assert "B/token: the store's bytes on disk per response token" in out and "kl max / kl mean:" in out
     code, out, err = cli("plan", hf_cache, "--teacher", weights / "teacher", "--max-error", 1e-2, "--max-bytes", 100)
     assert code == 2 and "--max-error and --max-bytes each pick a setting; pass one of them" in err and "Traceback" not in err
     code, out, err = cli("plan", hf_cache, "--teacher", weights / "teacher", "--rows", 0)
