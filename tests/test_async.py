@@ -46,6 +46,7 @@ def reference(tmp_path_factory, weights, opd_prompts):
     return cfg, run_async(cfg)
 
 
+@pytest.mark.slow
 def test_k0_equals_the_synchronous_online_trainer_step_for_step(tmp_path, weights, opd_prompts):
     from opdcache.rollouts import GenerateJob, run_generate
     from opdcache.train import TrainConfig, run_train
@@ -65,6 +66,7 @@ def test_k0_equals_the_synchronous_online_trainer_step_for_step(tmp_path, weight
     assert [m["staleness"] for m in a] == [0, 0, 0, 0]
 
 
+@pytest.mark.slow
 def test_a_run_validates_and_records_each_shards_snapshot_and_staleness(reference, capsys):
     from opdcache.cli.main import main
     from opdcache.validate import validate
@@ -88,6 +90,7 @@ def test_a_run_validates_and_records_each_shards_snapshot_and_staleness(referenc
     assert figures["updates"] == 6 and 0 < figures["overlap"] <= 3 and figures["throughput_tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_logged_importance_weights_equal_pi_theta_over_pi_old_recomputed(tmp_path, weights, opd_prompts):
     """Batch 3 at K = 1 is sampled by snapshot v2 and consumed by the learner after 3 updates (snapshot v3): the logged
     rho_mean must be exp(log pi_v3 - log pi_v2) over its tokens, recomputed here with a plain full-logits forward."""
@@ -132,6 +135,7 @@ def _cli_args(weights, prompts, steps=6):
             "--lr", "1e-4", "--device", "cpu", "--threads", "1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,after", [("rollout", 2), ("teacher", 3), ("learner", 2)])
 def test_a_killed_stage_resumes_to_the_uninterrupted_run(tmp_path, weights, opd_prompts, reference, stage, after):
     """SIGKILL one stage once ``after`` learner updates are in the ledger: the run stops with one line and keeps everything;
@@ -167,6 +171,7 @@ def test_resume_with_other_settings_is_refused_with_the_difference(reference, we
     assert len(proc.stderr.strip().splitlines()) == 1  # one line: the difference and the fix
 
 
+@pytest.mark.slow
 def test_a_stage_that_cannot_start_stops_the_run_in_one_line(tmp_path, weights, opd_prompts, capsys):
     from opdcache.cli.main import main
 

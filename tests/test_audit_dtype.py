@@ -29,6 +29,7 @@ def low_precision_cache(request, tmp_path_factory, weights, opd_prompts):
     return dtype, out
 
 
+@pytest.mark.slow
 def test_a_fresh_low_precision_table_passes_its_own_audit(low_precision_cache):
     dtype, cache = low_precision_cache
     manifest = json.loads((cache / "opdcache.json").read_text())

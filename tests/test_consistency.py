@@ -35,6 +35,7 @@ def _cli(args, capsys):
     return e.value.code, capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_lineage_and_probe_agree_and_flag_teacher_2(two_teacher_cache, capsys):
     report = check(two_teacher_cache)
     t1, t2 = report["teachers"]["teacher"], report["teachers"]["teacher_carry"]

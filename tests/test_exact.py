@@ -138,6 +138,7 @@ def _same_generations(a, b):
             assert np.array_equal(getattr(x, f), getattr(y, f)), f
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,dtype,quantize", [("student", "float32", None), ("teacher", "float32", None),
                                                   ("teacher", "bfloat16", None), ("student", "float32", "w4a16:g32")])
 def test_generation_is_invariant_and_equals_scoring(weights, model, dtype, quantize):
@@ -399,6 +400,7 @@ def test_a_consumed_batch_that_cannot_be_sampled_again_is_refused(tmp_path, weig
         _check_regenerable(cfg)
 
 
+@pytest.mark.slow
 def test_async_exact_at_staleness_zero_has_weights_of_exactly_one(tmp_path, weights, opd_prompts, capsys):
     """async --exact: the rollout, teacher and learner stages share one arithmetic, so at K = 0 the learner's recompute of
     the snapshot that sampled each batch gives old-to-current weights of exactly 1 (papers/001's rho), at every step."""

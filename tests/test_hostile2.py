@@ -21,6 +21,8 @@ import pytest
 
 from opdcache import shards
 
+pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), not by the README's test command
+
 MEMORY_BOUND = 3 << 30  # the CLI with torch loaded runs in ~1 GiB of address space; the bombs of issue 28 needed 2.4-4.3 GB more
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from test_hostile2 import _digest, _one_line, _run
 
+pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), not by the README's test command
+
 
 @pytest.fixture
 def cache(hf_cache, tmp_path):

@@ -14,7 +14,7 @@ from opdcache.backends import EngineConfig
 from opdcache.rollouts import GenerateJob, run_generate
 from opdcache.scoring import ScoreJob, run_score
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # slow: run by .ci/run, not the README's test command
 TESTS = str(Path(__file__).parent)
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), not by the README's test command
+
 README = Path(__file__).parent.parent / "README.md"
 
 

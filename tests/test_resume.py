@@ -44,6 +44,7 @@ def reference(tmp_path_factory):
     return root, {p.name: sha256_file(p) for p in _final_shards(root)}, time.perf_counter() - start
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_then_resume_gives_identical_shards(tmp_path, reference):
     ref_root, ref_hashes, _ = reference
     root = tmp_path / "cache"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.s3
+pytestmark = [pytest.mark.s3, pytest.mark.slow]  # slow: run by .ci/run, not the README's test command
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 

@@ -14,6 +14,8 @@ from opdcache import losses as L
 from opdcache.errors import ConfigError
 from opdcache.train import TrainConfig, Trainer, learning_rate, run_train
 
+pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), not by the README's test command
+
 
 def _batch(trainer):
     return trainer.source.next_batch()
