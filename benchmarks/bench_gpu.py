@@ -240,7 +240,8 @@ def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: in
     from opdcache.train import TrainConfig, Trainer
 
     torch.manual_seed(0)
-    trainer = Trainer(TrainConfig(model=Path(model_path), cache=Path(cache), out=Path(out), loss=loss, batch_size=batch_size, lr=1e-5))
+    trainer = Trainer(TrainConfig(model=Path(model_path), cache=Path(cache), out=Path(out), loss=loss, batch_size=batch_size, lr=1e-5,
+                                  kl_coef=0.0))  # the main loss alone, as the full-logits baseline computes it
     batch = trainer.source.next_batch()
     device = str(trainer.device)
     losses: dict = {}

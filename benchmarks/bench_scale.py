@@ -141,7 +141,7 @@ def child_train(student: str, cache: str, loss: str, path: str, out: str, batch:
     from opdcache.train import TrainConfig, Trainer
 
     torch.manual_seed(0)
-    trainer = Trainer(TrainConfig(model=Path(student), cache=Path(cache), out=Path(out), loss=loss, batch_size=int(batch), lr=1e-5,
+    trainer = Trainer(TrainConfig(model=Path(student), cache=Path(cache), out=Path(out), loss=loss, batch_size=int(batch), lr=1e-5, kl_coef=0.0,  # the main loss alone, as the baseline
                                   gradient_checkpointing=path.endswith("+ckpt")))
     batch = trainer.source.next_batch()
 

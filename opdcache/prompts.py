@@ -103,10 +103,10 @@ class PromptSet:
 MAX_LINE_BYTES = 16 << 20  # a prompt line longer than this is skipped as malformed, never read whole
 
 
-def check_local_prompts(path: Path) -> None:
-    """Refuse, before any model loads, a --prompts that does not exist (unless it is a Hub dataset id, org/name, whose
-    org is no folder here) or is neither a directory nor a regular file: a FIFO would block forever and a device such
-    as /dev/zero never ends."""
+def check_local_prompts(path: Path, must_exist: bool = False) -> None:
+    """Refuse, before any model loads, a --prompts that is neither a directory nor a regular file (a FIFO would block
+    forever and a device such as /dev/zero never ends), and with ``must_exist`` (a job about to start) one that does not
+    exist, unless it is a Hub dataset id (org/name, whose org is no folder here)."""
     import stat
 
     from opdcache.models import is_hub_id
@@ -114,7 +114,7 @@ def check_local_prompts(path: Path) -> None:
     try:
         mode = path.stat().st_mode
     except OSError:
-        if not is_hub_id(str(path)) or path.parent.is_dir() and path.parent != Path("."):  # a local path, not a dataset id
+        if must_exist and (not is_hub_id(str(path)) or path.parent.is_dir() and path.parent != Path(".")):  # a local path
             raise InputError(f"prompt file {path} does not exist; check --prompts") from None
         return
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):

@@ -37,7 +37,7 @@ from opdcache.errors import ConfigError
 from opdcache.fingerprint import row_id, tokenizer_fingerprint
 from opdcache.lineage import check_vocab_sizes, model_info, resolve_sft_teacher, undecodable_reason
 from opdcache.models import load_tokenizer, resolve_model
-from opdcache.prompts import PromptConfig, PromptSet, read_prompts, write_errors
+from opdcache.prompts import PromptConfig, PromptSet, check_local_prompts, read_prompts, write_errors
 
 QUARANTINE_FILE = "quarantine.jsonl"
 VERIFIER_ERRORS_FILE = "verifier_errors.jsonl"  # rows whose verifier failed (reward left empty), with the reason
@@ -171,6 +171,7 @@ def generation_groups(items_per_shard: Sequence[int], batch_size: int) -> list[l
 def run_generate(job: GenerateJob) -> GenerateResult:
     """Run (or resume) a build-sft / build-rollouts job; the last worker to finish writes the manifest."""
     num_workers, worker_index = worker_from_env(job.num_workers, job.worker_index)
+    check_local_prompts(Path(job.prompts.path), must_exist=True)  # before the model: its lookup may be minutes (or the Hub)
     ref = resolve_model(job.model, job.revision, "--model" if job.kind == "rollouts" else "--teacher")
     tokenizer = load_tokenizer(ref.path)
     backend = make_backend(ref.path, job.engine, max_logprobs=max(job.sampling.ref_top_k or 0, 1))

@@ -69,10 +69,10 @@ def _check_inputs(cfg: AsyncConfig) -> None:
 
     if cfg.out.exists() and not cfg.out.is_dir():
         raise ConfigError(f"--out {cfg.out} is a file; the run directory must be a directory (new or a run's to resume)")
+    if not Path(cfg.prompts.path).exists() and not is_hub_id(str(cfg.prompts.path)):  # before the models' lookups
+        raise ConfigError(f"prompt file {cfg.prompts.path} does not exist; check --prompts")
     resolve_model(cfg.model, what="--model")
     resolve_model(cfg.teacher, what="--teacher")
-    if not Path(cfg.prompts.path).exists() and not is_hub_id(str(cfg.prompts.path)):
-        raise ConfigError(f"prompt file {cfg.prompts.path} does not exist; check --prompts")
     storage.as_path(cfg.cache_root)  # a URL whose filesystem package is missing fails here
 
 
