@@ -131,7 +131,8 @@ class AsyncConfig:
             batch_size=self.batch_size, lr=self.lr, tau=self.tau, ppo_clip=self.ppo_clip, max_grad_norm=self.max_grad_norm,
             weight_decay=self.weight_decay, chunk=self.chunk, seed=self.seed, deterministic=self.deterministic,
             importance_weights=self.importance_weights, checkpoint_every=self.checkpoint_every, progress=self.progress,
-            dtype="float32" if self.device == "cpu" or self.exact else "auto", exact=self.exact)
+            dtype="float32" if self.device == "cpu" or self.exact else "auto", exact=self.exact,
+            kl_coef=0.0)  # papers/001's learner has no penalty to pi_ref (a batch's ref_logprobs are its sampling snapshot's)
 
     # ---- run.json
 
