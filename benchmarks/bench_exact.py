@@ -1,5 +1,5 @@
 """What --exact costs: tokens/s of generation (build-rollouts), scoring (score-teacher) and a train step, the exact
-engine against the default transformers engine on the same work, interleaved over rounds (issue 27).
+engine against the default transformers engine on the same work, interleaved over rounds.
 
 Baseline (what a user runs without --exact): opdcache's transformers engine, batched (generation batch 64, scoring's
 default token budget), and the trainer's default forward. The work: the demo's pi_ref samples --prompts x 4 responses

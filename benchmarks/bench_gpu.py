@@ -1,4 +1,4 @@
-"""The GPU suite (issue 22, item 8): score-teacher, the fused train step and the full-vocabulary divergence on a CUDA
+"""The GPU suite: score-teacher, the fused train step and the full-vocabulary divergence on a CUDA
 device in bf16, each against its plain baseline in the same run, written as one table. benchmarks/gpu_suite.sh runs it.
 
 Models, built here with random weights (nothing is fetched; throughput does not depend on the weights' values):

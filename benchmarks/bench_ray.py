@@ -1,5 +1,5 @@
 """--executor ray against a local run with the same total threads: the demo's build-rollouts + score-teacher, on the
-harness (issue 31).
+harness.
 
 Work: the demo's OPD stage at its settings (pi_ref = the shipped student with the demo teacher's lineage, 512 prompts
 x 4 samples, 48 new tokens, ref top-k 8, MC 4; score-teacher with logprob, topk k=8, hidden, svd rank 32), 8 shards

@@ -16,13 +16,13 @@ Each command runs in its own process, started by a parent that never imports tor
 anonymous RSS (``RssAnon`` of /proc/PID/status, sampled by the parent every millisecond: the model, the work and the
 allocator's kept memory, not the page cache of the model file that ``ru_maxrss`` also counts; ``ru_maxrss`` is kept in
 the JSON beside it). The growth per extra response token is (peak at the longest R - peak at the shortest R) / (extra
-response tokens the command holds: 16 x dR for the cache commands, 4 x dR for a train step). Acceptance (issue 10):
+response tokens the command holds: 16 x dR for the cache commands, 4 x dR for a train step). Acceptance:
 every growth below a quarter of one float32 vocabulary row (151,936 x 4 / 4 = 152 KB), and the fused train step's
 peak at least 5x below the full-logits path's at R = 1,024, at no more than 1.3x its time. The full-logits step runs
 where it fits this machine's 24 GiB (``PLAIN_MAX``). Run:
 
     python benchmarks/bench_scale.py [--lengths 256 1024 4096] [--hidden 1024] [--json out.json]
-    python benchmarks/bench_scale.py --train-memory --hidden 1024 --layers 8 --lengths 128 512 2048   # issue 31: train memory vs length
+    python benchmarks/bench_scale.py --train-memory --hidden 1024 --layers 8 --lengths 128 512 2048   # train memory vs length
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def child_train(student: str, cache: str, loss: str, path: str, out: str, batch:
 
 
 def train_memory(args) -> None:
-    """issue 31, item 4: the train step's own peak (anonymous memory) at hidden ``--hidden`` against response length,
+    """The train step's own peak (anonymous memory) at hidden ``--hidden`` against response length,
     with and without activation checkpointing, for lightning and full-fkl; the per-token slope between each pair of
     lengths (a quadratic term shows as a slope that grows with length)."""
     global HIDDEN
@@ -245,7 +245,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--workdir", type=Path)
-    ap.add_argument("--train-memory", action="store_true", help="only the train step's memory against length (issue 31)")
+    ap.add_argument("--train-memory", action="store_true", help="only the train step's memory against length")
     ap.add_argument("--train-only", action="store_true",
                     help="only the train steps, on the caches an earlier run left in --workdir (same --hidden and --lengths)")
     ap.add_argument("--hidden", type=int, default=1024, help="the models' hidden size")

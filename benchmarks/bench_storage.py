@@ -159,7 +159,7 @@ def rank_ordered(codec, enc: dict) -> dict:
 
 
 def topk_frontier(rows, n_tokens: int) -> None:
-    """Bytes/token beside measured error for every top-k setting at k=128: the frontier (issue 20)."""
+    """Bytes/token beside measured error for every top-k setting at k=128: the frontier."""
     import pyarrow as pa
 
     from opdcache.compact import TopkCodec, distortion

@@ -1,4 +1,4 @@
-"""The storage ablation trained on a real teacher (issue 29, item 1): does a smaller store cost what training learns?
+"""The storage ablation trained on a real teacher: does a smaller store cost what training learns?
 
 Setting (QaRL-style, as README "Your first real model"): SmolLM2-135M-Instruct in full precision is the teacher; the
 same model served in w4a16 (group 64, the compressed-tensors grid) is pi_ref and samples the rollouts; training

@@ -1,5 +1,4 @@
 """The svd store on a real model: held-out distortion against rank and calibration size, and the bytes it costs
-(issue 29, item 6).
 
 Data: SmolLM2-135M-Instruct's post-norm hidden states (the head's input) on its own temperature-1 responses to
 ``--prompts`` chat-template math word problems (opdcache/demo/real.py, seed 7, the math tutor system prompt, up to
@@ -8,7 +7,7 @@ kept under ``~/.cache/opdcache/bench/svd-math`` (``--data``).
 
 Held out: every position of the last 32 prompts: other prompts than any calibration position, as a table's rows
 are to the sample its projection was fitted on. Calibration: N positions drawn at random (seed 0) over the other
-prompts, as score-teacher draws its rows over every shard; and, as session 12's frontier fitted it, all positions of
+prompts, as score-teacher draws its rows over every shard; and, as an earlier frontier fitted it, all positions of
 32 prompts only. Distortion: mean KL(true || reconstructed) per held-out position with z rounded to bfloat16 as the
 store keeps it, with its standard error over the held-out positions, and top-1 agreement (opdcache/svd.py). Bytes: the svd column as opdcache's writer stores it
 (BYTE_STREAM_SPLIT + zstd), per token. A measurement of error and bytes: nothing is timed, so no harness rounds.

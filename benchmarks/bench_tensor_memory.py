@@ -1,5 +1,5 @@
 """Training memory as torch allocates it: the live tensor bytes of one lightning forward + backward, with and without
-activation checkpointing, at two response lengths, from torch's memory profiler (issue 31, item 4).
+activation checkpointing, at two response lengths, from torch's memory profiler.
 
 bench_scale.py --train-memory measures the process's anonymous RSS, as a user sees it. On a CPU that includes what
 glibc's malloc keeps after torch frees it: checkpointing's recomputed activations are allocated and freed once per

@@ -1,5 +1,5 @@
 """The demo's train stage on a machine kept busy by two other processes: torch's own thread defaults against opdcache's
-choice, on the harness (issues 22 and 31).
+choice, on the harness.
 
 Each run is ``opdcache train`` (the demo's Lightning settings, --steps N on the demo work directory's cache) in its
 own process. Sides:
@@ -10,7 +10,7 @@ own process. Sides:
   may use (opdcache/threads.py).
 
 The load is two Python processes spinning on the CPU for the whole comparison. A third comparison runs opdcache's
-choice on the quiet machine, for the ratio loaded / quiet (issue 22's goal: within 2x). benchmarks/harness.py
+choice on the quiet machine, for the ratio loaded / quiet (the goal: within 2x). benchmarks/harness.py
 interleaves the loaded sides over rounds (each run a fresh process; wall and CPU seconds, the trainer's included).
 The final losses are printed too: the thread policy must not change them beyond float rounding.
 

@@ -1,5 +1,5 @@
 """The compact top-128's value codes and layout on a real teacher: bytes against the error they add to the exact
-top-128, for the levers issue 29 (item 4) names. Goal there: <= 200 B/token at a compact-vs-exact error <= 5e-4.
+top-128, for the levers of a smaller top-k store. Goal there: <= 200 B/token at a compact-vs-exact error <= 5e-4.
 
 Data: the storage frontier's (benchmarks/realdata.py, bench_storage.py): SmolLM2-135M-Instruct as teacher on its own
 temperature-1 responses to 64 chat-template math prompts; the second half of the rows (32 sequences, 4,011 positions).
@@ -146,7 +146,7 @@ def hybrid(d: Data, step: float, ratio: float, floor: float = 1e-6):
 
 
 def budget_grid(d: Data, budget: float, lo: int = 12, hi: int = 16):
-    """A grid sized per position by an error budget (issue 29's "value codes on a grid sized by the error budget"):
+    """A grid sized per position by an error budget (value codes on a grid sized by the error budget):
     position t's step is 2^-e_t with e_t the smallest exponent in [lo, hi] for which sqrt(n_t) x 2^-e_t <= ``budget``,
     n_t its kept entries (the rounding error of a sum of n_t independent roundings grows as sqrt(n_t) x step). The
     exponent is stored per position (one uint8 column); the codes are prob14's with that step. Returns prob14's
@@ -231,7 +231,7 @@ def writer_bytes(d: Data) -> float:
 
 
 def id_levers(d: Data) -> dict:
-    """B/token of prob14's kept ids (the ids column alone, zstd 9, 8 MiB pages) under the id codings issue 29 names,
+    """B/token of prob14's kept ids (the ids column alone, zstd 9, 8 MiB pages) under several id codings,
     beside the layout opdcache writes (ascending, PLAIN int32): Parquet's other encodings of that column; a dictionary
     per column chunk (a per-shard id table); each position's gaps between its ascending ids (uint16, split by byte);
     and ids coded against the previous position's set (a 128-bit mask over the previous kept ids, then only the ids

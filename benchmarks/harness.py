@@ -1,4 +1,4 @@
-"""How a comparison is measured here (issue 31): sides interleaved over rounds, each run in its own process.
+"""How a comparison is measured here: sides interleaved over rounds, each run in its own process.
 
 A benchmark declares its sides (opdcache, and the code a competent user would write for the same work, said in one
 line), each a function ``name(state)`` in the benchmark's module with an optional ``setup`` function whose cost is

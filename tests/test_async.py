@@ -211,7 +211,7 @@ def test_figures_count_every_update_and_time_the_last_attempt_alone(tmp_path):
 
 
 def test_the_supervisor_reports_progress_at_once_and_from_the_stages_files(tmp_path, capsys, monkeypatch):
-    """issue 30: the README's async printed one line, after 497 s. With --progress the supervisor reports at once, then
+    """The README's async printed one line, after 497 s. With --progress the supervisor reports at once, then
     the learner's updates (ledger) and the batches the other stages finished (their busy intervals)."""
     from opdcache.asyncopd.run import _Watch
     from opdcache.progress import bar

@@ -81,7 +81,7 @@ def test_a_torchrun_worker_leaves_without_interpreter_shutdown_and_keeps_its_out
 
 
 def test_checks_made_from_arguments_and_configs_come_before_any_model_loads(tmp_path, weights, opd_prompts, monkeypatch):
-    """Issue 30: a missing --model, a w4a16 group that the model's config says cannot divide its layers, and a math
+    """A missing --model, a w4a16 group that the model's config says cannot divide its layers, and a math
     verifier whose package is missing are refused before torch is imported or any model loads (one line, exit 2)."""
     import importlib.util
     import subprocess

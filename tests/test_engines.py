@@ -233,7 +233,7 @@ def test_streamed_stats_match_the_plain_full_logits_reference(P, V, k, softcap, 
 
 
 def test_float32_scorer_log_probs_round_at_the_logit_not_at_the_partition():
-    """log p = (z - m) - log s: against float64, the mean error is well below that of z - (m + log s) (issue 11)."""
+    """log p = (z - m) - log s: against float64, the mean error is well below that of z - (m + log s)."""
     import torch
 
     from opdcache.backends.streamed import streamed_logit_stats

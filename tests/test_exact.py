@@ -1,4 +1,4 @@
-"""The exact arithmetic (issue 27, papers/003): primitives against plain references, the engine's invariance to batch,
+"""The exact arithmetic (papers/003): primitives against plain references, the engine's invariance to batch,
 padding, KV cache and threads, and the CLI's --exact caches reproduced bit for bit by train, mismatch-report and audit."""
 
 import json

@@ -1,4 +1,4 @@
-"""The error against the full vocabulary that every teacher table records (opdcache/fidelity.py, issue 29): the streamed
+"""The error against the full vocabulary that every teacher table records (opdcache/fidelity.py): the streamed
 moments and the closed forms against plain full-vocabulary references, the record through score-teacher, info, the
 card and validate, and --hidden-dtype."""
 

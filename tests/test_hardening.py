@@ -204,7 +204,7 @@ def test_a_url_whose_filesystem_is_not_installed_is_one_line_exit_2(capsys):
 
 
 def test_the_last_progress_line_of_a_train_run_is_printed_once_with_its_loss(tmp_path, weights, hf_cache, capsys, monkeypatch):
-    """issue 30: the final line came twice, the first with the previous step's loss."""
+    """The final line came twice, the first with the previous step's loss."""
     import json
 
     from opdcache.cli.main import main
@@ -216,7 +216,7 @@ def test_the_last_progress_line_of_a_train_run_is_printed_once_with_its_loss(tmp
     captured = capsys.readouterr()
     lines = [l for l in captured.err.splitlines() if l.startswith("train lightning:")]
     losses = [json.loads(l)["loss"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    # what the run left on disk is said, with what to delete (issue 30: 2.1 GB on SmolLM2, unannounced)
+    # what the run left on disk is said, with what to delete (2.1 GB on SmolLM2, unannounced)
     model = sum(p.stat().st_size for p in (tmp_path / "run" / "model").rglob("*") if p.is_file())
     assert f"on disk: the model {model / 1024:.1f} KiB (float32), the checkpoint" in captured.out and "run/checkpoint once the run is final" in captured.out
     counts = [l.split(":")[1].split()[0] for l in lines]

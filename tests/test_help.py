@@ -63,7 +63,7 @@ def test_info_fits_80_columns(hf_cache, capsys):
 
 
 def test_every_option_of_every_command_states_its_default_or_that_it_is_required():
-    """issue 30: `train --help` gave no default for 18 of 37 options; the other commands for 29. An option is silent
+    """`train --help` gave no default for 18 of 37 options; the other commands for 29. An option is silent
     when its help says neither a default nor required, Typer shows no default for it, and it is not marked required
     (Typer prints "[required]")."""
     from typer.core import TyperArgument

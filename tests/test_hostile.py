@@ -1,4 +1,4 @@
-"""A cache from a stranger is untrusted input (issue 21): each hostile cache or input the review built, and its outcome.
+"""A cache from a stranger is untrusted input: each hostile cache or input the review built, and its outcome.
 
 No code from a cache runs; nothing outside the cache is read or disclosed; every tool answers in one line with the
 right exit code; concurrent writers lose nothing; a crash never orphans a checkpoint.

@@ -1,4 +1,4 @@
-"""Untrusted input, round two (issue 28): each hostile cache or input, and its outcome.
+"""Untrusted input, round two: each hostile cache or input, and its outcome.
 
 Every case runs the installed CLI in a child whose address space is capped (RLIMIT_AS, MEMORY_BOUND) and asserts one
 line naming the problem, the exit code, and that no file of the cache changed.
@@ -23,7 +23,7 @@ from opdcache import shards
 
 pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), not by the README's test command
 
-MEMORY_BOUND = 3 << 30  # the CLI with torch loaded runs in ~1 GiB of address space; the bombs of issue 28 needed 2.4-4.3 GB more
+MEMORY_BOUND = 3 << 30  # the CLI with torch loaded runs in ~1 GiB of address space; the bombs needed 2.4-4.3 GB more
 
 
 def _run(args, limit: int = MEMORY_BOUND, timeout: int = 300):

@@ -78,7 +78,7 @@ def test_cli_writes_json_and_png_and_exits_1_on_a_crossed_threshold(int8_cache, 
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "rollouts" in out and "worst sequences" in out
-    assert max(len(line) for line in out.splitlines() if str(tmp_path) not in line) <= 80  # issue 30: the table was 134 columns
+    assert max(len(line) for line in out.splitlines() if str(tmp_path) not in line) <= 80  # the table was 134 columns
     rep = json.loads((tmp_path / "r" / "mismatch_report.json").read_text())
     assert rep["crossed"] == []
     assert (tmp_path / "r" / "mismatch_hist.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,5 +1,5 @@
 """QaRL (papers/004) on the demo models: low-bit rollouts recorded exactly, the learner aligned to them
-(``train --rollout-aligned``), error tokens counted, and the KL-penalty and loss mends of issue 19."""
+(``train --rollout-aligned``), error tokens counted, and the KL-penalty and loss mends."""
 
 import json
 
@@ -79,7 +79,7 @@ def test_vllm_fp8_rollouts_are_refused_alike_by_train_and_mismatch_report(hf_cac
 
 
 def test_the_aligned_learner_reproduces_the_rollout_engine(w4_cache, weights, tmp_path):
-    """Issue 19's acceptance: pi_ref's forward under alignment reproduces the cached sampling log-probs of w4a16
+    """pi_ref's forward under alignment reproduces the cached sampling log-probs of w4a16
     rollouts (temperature 1) to <= 1e-5; the unaligned forward differs by >= 1e-2 on average."""
     aligned, stored = _student_logprobs(w4_cache, weights, tmp_path, True)
     plain, stored2 = _student_logprobs(w4_cache, weights, tmp_path, False)
