@@ -1,4 +1,4 @@
-"""The svd store on a real model: held-out distortion against rank and calibration size, and the bytes it costs
+"""The svd store on a real model: held-out distortion against rank and calibration size, and the bytes it costs.
 
 Data: SmolLM2-135M-Instruct's post-norm hidden states (the head's input) on its own temperature-1 responses to
 ``--prompts`` chat-template math word problems (opdcache/demo/real.py, seed 7, the math tutor system prompt, up to
