@@ -52,3 +52,29 @@ def check_engine_invariance(engine, n: int, batches=(7, 1), max_new_tokens: int 
         lp, _, _ = forward(ids.to(device), (ids != 0).to(device), positions.to(device), select.to(device), picked.to(device))
     assert np.array_equal(lp[:, 0].cpu().numpy(), np.concatenate([g.ref_logprobs for g in base]))
     return sum(len(g.response_ids) for g in base)
+
+
+def check_grouped_query_decoder(family: str, arith) -> None:
+    """A random Llama or Qwen3 with four query heads on two key heads (the demo's models have one each), in the
+    arithmetic ``arith``: the exact forward is transformers' maths (to 1e-4), a row alone and KV-cache decoding
+    give the full forward's bits."""
+    import transformers
+
+    from opdcache.exact.decoder import ExactDecoder
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    cfg = transformers.LlamaConfig(**common) if family == "llama" else transformers.Qwen3Config(**common)
+    model = (transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen3ForCausalLM)(cfg).eval()
+    dec = ExactDecoder(model, arith=arith)
+    ids = torch.randint(2, 64, (3, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = dec.forward(ids)
+        assert (full - model.model(input_ids=ids).last_hidden_state).abs().max() < 1e-4
+        assert torch.equal(dec.forward(ids[1:2]), full[1:2])
+        cache = dec.new_cache(3, 19)
+        steps = [dec.step(ids[:, :7], torch.arange(7).expand(3, 7), cache)]
+        for t in range(7, 19):
+            steps.append(dec.step(ids[:, t: t + 1], torch.full((3, 1), t), cache))
+    assert torch.equal(torch.cat(steps, 1), full)

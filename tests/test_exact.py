@@ -412,3 +412,12 @@ def test_async_exact_at_staleness_zero_has_weights_of_exactly_one(tmp_path, weig
     assert all(s["rho_mean"] == 1.0 and s["rho_std"] == 0.0 and s["rho_max"] == 1.0 and s["k1"] == 0.0 for s in steps)
     record = json.loads((tmp_path / "run" / "cache" / "opdcache.json").read_text())["tables"]["rollouts"]["model"]
     assert record["engine"] == "exact"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_grouped_query_attention_is_the_models_maths_and_decodes_as_it_forwards(family):
+    """Four query heads on two key heads (the demo's models have one each): the exact forward is transformers' maths,
+    and KV-cache decoding and a row alone give the full forward's bits."""
+    from exact_checks import check_grouped_query_decoder
+
+    check_grouped_query_decoder(family, X)

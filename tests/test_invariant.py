@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from opdcache.backends.exact import ExactBackend  # noqa: E402
 from opdcache.exact import GPU_ARITHMETIC  # noqa: E402
 from opdcache.exact import invariant as I  # noqa: E402
-from exact_checks import check_engine_invariance  # noqa: E402
+from exact_checks import check_engine_invariance, check_grouped_query_decoder  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -88,3 +88,8 @@ def test_engine_rows_alone_and_batched_agree_and_scoring_and_the_trainer_give_th
     engine = ExactBackend(weights / "student", dtype=dtype, arithmetic=GPU_ARITHMETIC)
     assert engine.model_info()["exact"]["arithmetic"] == GPU_ARITHMETIC
     assert check_engine_invariance(engine, n, batches=(7, 1), max_new_tokens=5, seed=n) >= 3 * n
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_grouped_query_attention_in_the_gpu_arithmetic(family):
+    check_grouped_query_decoder(family, I)

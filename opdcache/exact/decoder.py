@@ -10,7 +10,8 @@ thread count. Activations are rounded to the model's dtype where transformers' o
 bfloat16), so an exact bfloat16 run is a bfloat16 run.
 
 Memory: the model's activations for one forward ([B, L, hidden] per layer, and [B, heads, QUERY_BLOCK, L] attention
-scores per block of queries, so nothing grows with L^2), a float64 copy of each weight (8 bytes per parameter, kept
+scores per block of queries, so nothing grows with L^2; the key/value cache is read in place, never repeated per
+query head), a float64 copy of each weight (8 bytes per parameter, kept
 while the weights do not change), and for decoding a KV cache of [B, kv heads, capacity, head dim] per layer.
 """
 
@@ -142,21 +143,26 @@ class ExactDecoder:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
         """Causal attention of queries q [B, h, Q, d] at positions qpos [B, Q] over keys k, v [B, kv, K, d] held at
-        positions 0..K-1; key j is seen by a query at position p iff j <= p. Returns [B, h, Q, d] in the model's dtype."""
-        rep = self.heads // self.kv_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        positions 0..K-1; key j is seen by a query at position p iff j <= p. Returns [B, h, Q, d] in the model's dtype.
+        The query heads that share a key head are stacked as rows of one product with it (grouped-query attention
+        without repeating the cache: every score is the same dot product, so the same bits, at 1 / rep of the copies)."""
+        B, h, Q, d = q.shape
+        kv = self.kv_heads
+        rep = h // kv
         K = k.shape[2]
         keys = torch.arange(K, device=q.device)
+        kT = k.transpose(-1, -2)
         out = []
-        for a in range(0, q.shape[2], QUERY_BLOCK):
+        for a in range(0, Q, QUERY_BLOCK):
             qb, pb = q[:, :, a: a + QUERY_BLOCK], qpos[:, a: a + QUERY_BLOCK]
-            s = (self.arith.matmul(qb, k.transpose(-1, -2)).to(self.dtype) * self.scaling).float()  # [B, h, Qb, K]
-            seen = keys[None, None, :] <= pb[:, :, None]  # [B, Qb, K]
-            s = s.masked_fill(~seen[:, None], float("-inf"))
+            Qb = qb.shape[2]
+            qg = qb.reshape(B, kv, rep * Qb, d)  # head g * rep + r reads key head g: rows (r, query) of group g
+            s = (self.arith.matmul(qg, kT).to(self.dtype) * self.scaling).float()  # [B, kv, rep x Qb, K]
+            seen = (keys[None, None, :] <= pb[:, :, None])[:, None, None].expand(B, 1, rep, Qb, K).reshape(B, 1, rep * Qb, K)
+            s = s.masked_fill(~seen, float("-inf"))
             e = self.arith.exp(s - s.amax(-1, keepdim=True).detach())
             p = (e / self.arith.sum_last(e, nonnegative=True)[..., None]).to(self.dtype)
-            out.append(self.arith.matmul(p, v).to(self.dtype))
+            out.append(self.arith.matmul(p, v).to(self.dtype).reshape(B, h, Qb, d))
         return torch.cat(out, 2)
 
     def layer(self, layer, h: torch.Tensor, pos: torch.Tensor, cache: tuple | None = None, end: int | None = None) -> torch.Tensor:
