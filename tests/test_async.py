@@ -280,3 +280,13 @@ def test_the_python_default_temperature_is_the_clis():
     from opdcache.asyncopd.config import AsyncConfig
 
     assert AsyncConfig.__dataclass_fields__["sampling"].default_factory().temperature == 1.0  # the README's K = 0 weight of 1
+
+
+def test_the_learner_has_no_kl_penalty_whatever_trains_default(weights, opd_prompts, tmp_path):
+    """papers/001's learner has no penalty to pi_ref, and a queued batch's ref_logprobs are its sampling snapshot's, not
+    pi_ref's: the learner's settings turn the penalty off although `train` defaults to one."""
+    from opdcache.trainconfig import TrainConfig
+
+    learner = _cfg(weights, opd_prompts, tmp_path / "run").train_config()
+    assert TrainConfig.kl_coef > 0 and learner.kl_coef == 0.0
+    assert learner.tau == TrainConfig.tau
