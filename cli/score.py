@@ -20,8 +20,8 @@ def score_teacher(
         "BENCHMARKS.md). Default: none (and no --topk-mass): the exact v1 store.", show_default=False)] = None,
     topk_mass: Annotated[Optional[float], typer.Option(
         "--topk-mass", help="Compact top-k (format v3): keep entries until the teacher mass left out is at most this (at "
-        "most --top-k), the rest kept as one tail column. 1e-4 keeps the exact top-128's forward-KL fidelity at ~210 "
-        "B/token; 1e-3 is the fast path (~110 B/token); float16 log-probs, bench_storage.py's data, BENCHMARKS.md. Default: none (every entry of --top-k).", show_default=False)] = None,
+        "most --top-k), the rest kept as one tail column: a smaller mass keeps more entries. What each setting costs and "
+        "loses on your teacher's rollouts: `opdcache plan` (measured figures: BENCHMARKS.md, Storage). Default: none (every entry of --top-k).", show_default=False)] = None,
     samples_per_position: Annotated[Optional[int], typer.Option(
         "--samples-per-position", help="The sampled store (RS-KD): teacher draws per position (1-255), kept as distinct "
         "ids and counts; an unbiased forward KL (train --loss sampled-fkl). Costs the head rows of the drawn slices "
