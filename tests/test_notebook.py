@@ -5,8 +5,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), not by the README's test command
-
 NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "quickstart.ipynb"
 
 
