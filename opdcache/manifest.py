@@ -252,7 +252,7 @@ def not_a_cache(root) -> str | None:
     or None where it may be one (a cache, or one being built). Object-store roots: None."""
     from opdcache.storage import is_remote
 
-    if is_remote(root):
+    if is_remote(root) or "://" in str(root):
         return None
     p = Path(root)
     if not p.exists():
