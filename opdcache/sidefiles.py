@@ -65,3 +65,19 @@ def tensors_problem(tensors: dict, shapes: dict[str, tuple]) -> str | None:
         if not bool(torch.isfinite(t).all()):
             return f"tensor {name!r} holds {int((~torch.isfinite(t)).sum()):,} NaN or infinite values"
     return None
+
+
+def side_file_problem(path, size: int, name: str) -> str | None:
+    """What is wrong with side file ``name`` (a key of SIDE_FILE_TENSORS) at ``path``, or None: its safetensors header,
+    and for the svd projection its tensors' shapes and finiteness, loaded (bounded by the file's own bytes). The head's
+    tensors are checked where validate loads it to rebuild the hidden store's log-probs."""
+    problem = safetensors_problem(path, size, SIDE_FILE_TENSORS[name])
+    if problem is None and name == "svd.safetensors":
+        from opdcache import svd
+        from opdcache.errors import SchemaError
+
+        try:
+            svd.load(path)
+        except SchemaError as exc:
+            return str(exc)
+    return problem
