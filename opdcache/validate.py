@@ -23,7 +23,7 @@ exactly that thing (tests/test_validate.py unless named):
 | shard | row count and response-token count as in the manifest | ``N rows, the manifest says`` / ``response tokens, the manifest says`` | test_wrong_row_count, test_token_counts_and_config_fingerprint_are_checked_against_the_manifest |
 | shard | the footer's sizes before decoding: at most 8 rows a byte, list entries within the declared tokens (opdcache/shardcheck.py check_footer) | ``rows a byte: refused before decoding`` / ``refused before decoding`` | tests/test_hostile2.py test_a_rows_bomb_agreed_by_footer_and_manifest_is_one_line |
 | rows | response, top-k and MC ids inside the vocabulary; finish_reason known | ``token id outside the vocabulary`` / ``finish_reason must be one of`` | test_out_of_vocabulary_ids_and_unknown_finish_reasons |
-| rows | every per-token column as long as the response (hidden included, streamed) | ``per-token column length differs`` | test_hidden_rows_of_the_wrong_length_are_found_while_streaming |
+| rows | every per-token column as long as the response (hidden included, streamed) | ``not as long as the responses`` | test_hidden_rows_of_the_wrong_length_are_found_while_streaming |
 | rows | log-probs finite and not above 0; logsumexp finite | ``non-finite log-prob`` / ``log-prob above 0`` / ``non-finite logsumexp`` | test_row_level_problems_name_row_and_column, test_non_finite_values |
 | rows | top-k: unique ids, sorted descending, total probability at most 1 | ``duplicate token ids`` / ``not sorted descending`` / ``sum to more than 1`` | test_row_level_problems_name_row_and_column |
 | rows | v3 compact top-k: padding only in trailing slots, tail in [0, 1], kept mass + tail = 1 | ``padding (id -1, log-prob -inf)`` / ``tail outside [0, 1]`` | tests/test_compact.py test_validate_finds_damaged_compact_and_sampled_rows |
@@ -402,7 +402,7 @@ def _check_lengths(file: str, name: str, table: pa.Table, offsets: np.ndarray, o
     got = np.diff(shards.list_offsets(table[name]))
     bad = np.flatnonzero(got != want)
     if len(bad):
-        out.rows(file, name, bad, "per-token column length differs from the number of response tokens")
+        out.rows(file, name, bad, "not as long as the responses (per-token column length differs from the number of response tokens)")
 
 
 def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, params: S.StoreParams, base, base_path, out: _Collector) -> None:
@@ -485,7 +485,7 @@ def _check_hidden(root: Path, file: str, entry: dict, response: np.ndarray, logp
         got = np.diff(shards.list_offsets(column))
         bad = np.flatnonzero(got != lengths[row: row + len(got)])
         if len(bad):
-            out.rows(file, "hidden", bad + row, "per-token column length differs from the number of response tokens")
+            out.rows(file, "hidden", bad + row, "not as long as the responses (per-token column length differs from the number of response tokens)")
             return
         row += len(got)
         hidden = shards.hidden_to_torch(shards.token_values(column), dtype)

@@ -456,10 +456,10 @@ def test_a_teacher_row_one_position_longer_is_one_line(cache, command):
     code, out = _run([command, cache])
     assert code in (1, 2) and "Traceback" not in out, out[-2000:]
     assert "logprobs" in out, out[-2000:]
-    if command == "check-consistency":
-        assert "not as long as the responses (row 2" in _one_line(out)
+    if command == "check-consistency":  # the loader's and export's words, which validate's line also carries
+        assert "teacher column logprobs is not as long as the responses (row 2" in _one_line(out)
     else:
-        assert "row 2 column logprobs: per-token column length differs from the number of response tokens" in out
+        assert "row 2 column logprobs: not as long as the responses" in out
     assert _digest(cache) == before
 
 
