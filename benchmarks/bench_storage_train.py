@@ -142,7 +142,8 @@ def main() -> None:
         t0 = time.perf_counter()
         if not (run / "model" / "config.json").is_file():
             cli("train", "--model", str(model), "--cache", str(cache), "--teacher", table, *flags, "--rollout-aligned", "--steps", str(args.steps),
-                "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--out", str(run), "--no-progress")
+                "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--kl-coef", "0",  # as recorded: no penalty
+                "--out", str(run), "--no-progress")
             seconds = time.perf_counter() - t0
         else:  # a run kept from an earlier invocation: its train time is the one that invocation recorded
             seconds = earlier.get(name, {}).get("train_seconds")
