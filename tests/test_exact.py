@@ -421,3 +421,16 @@ def test_grouped_query_attention_is_the_models_maths_and_decodes_as_it_forwards(
     from exact_checks import check_grouped_query_decoder
 
     check_grouped_query_decoder(family, X)
+
+
+def test_the_canonical_top_k_by_one_sort_equals_the_candidate_path():
+    """The GPU's path (one stable sort, no host read) and the CPU's (top-k, then the tied candidates ordered by id) give
+    the same values and ids, ties included (bfloat16 logits tie often)."""
+    from opdcache.exact.head import canonical_top_k, canonical_top_k_by_sort
+
+    g = torch.Generator().manual_seed(0)
+    for values in (torch.randn(9, 300, generator=g), torch.randint(-3, 3, (9, 300), generator=g).float(),
+                   torch.randn(9, 300, generator=g).bfloat16().float()):
+        for k in (1, 5, 64, 300):
+            a, b = canonical_top_k(values, k), canonical_top_k_by_sort(values, k)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), k

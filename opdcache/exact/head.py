@@ -107,6 +107,8 @@ def canonical_top_k(values_PC: torch.Tensor, k: int, ids_PC: torch.Tensor | None
     (common in bfloat16 logits) resolve alike in a [B, V] decode row and in slice-by-slice merges. ``ids_PC``: the
     columns' ids (default 0..C-1)."""
     k = min(k, values_PC.shape[1])
+    if ids_PC is None and values_PC.is_cuda:
+        return canonical_top_k_by_sort(values_PC, k)
     if ids_PC is None:
         ids_PC = torch.arange(values_PC.shape[1], device=values_PC.device).expand_as(values_PC)
     kth = values_PC.topk(k, -1).values[:, -1:]
@@ -117,6 +119,14 @@ def canonical_top_k(values_PC: torch.Tensor, k: int, ids_PC: torch.Tensor | None
     cand, cid = cand.gather(1, by_id), cid.gather(1, by_id)
     vals, order = cand.sort(dim=-1, descending=True, stable=True)
     return vals[:, :k], cid.gather(1, order[:, :k])
+
+
+def canonical_top_k_by_sort(values_PC: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`canonical_top_k` of rows whose columns are the ids 0..C-1, by one stable descending sort (ties keep
+    ascending id order): the same result with no read back to the host (the candidate count the topk path needs),
+    which on a GPU would be one host round trip per decode step."""
+    vals, order = values_PC.sort(dim=-1, descending=True, stable=True)
+    return vals[:, :k], order[:, :k]
 
 
 def draw(logprobs_PV: torch.Tensor, uniforms_PD: torch.Tensor, arith=X) -> torch.Tensor:
