@@ -132,19 +132,12 @@ class Trainer:
     def _exact_arithmetic(self, source) -> str:
         """--exact: the arithmetic the cache's exact rollouts were computed in (the learner recomputes their bits only
         in it), else the device's (opdcache/exact/__init__.py). Refused in one line where this device cannot run it."""
-        from opdcache.exact import ARITHMETICS, arithmetic_for_device
-        from opdcache.exact import invariant
+        from opdcache.exact import arithmetic_for_device, require
 
         name = arithmetic_for_device(self.device)
         if self.cfg.cache is not None and source is None:
             name = (self._rollouts_record().get("exact") or {}).get("arithmetic") or name
-        if name not in ARITHMETICS:
-            raise ConfigError(f"--exact: {self.cfg.cache}'s rollouts were computed in {name!r}, which this opdcache does not "
-                              f"implement ({', '.join(ARITHMETICS)}); train with the opdcache version that wrote them")
-        if name == invariant.NAME and not invariant.available("cpu" if invariant.interpreted() else self.device):
-            raise ConfigError(f"--exact: {self.cfg.cache}'s rollouts were computed in {name}, the GPU's batch-invariant arithmetic: "
-                              f"the learner recomputes them on a CUDA GPU (--device cuda); here: "
-                              f"{invariant.unavailable_reason(self.device)}")
+        require(name, self.device, f"--exact: {self.cfg.cache}'s rollouts", "train with the opdcache version that wrote them")
         return name
 
     def _rollout_scheme(self):

@@ -434,3 +434,22 @@ def test_the_canonical_top_k_by_one_sort_equals_the_candidate_path():
         for k in (1, 5, 64, 300):
             a, b = canonical_top_k(values, k), canonical_top_k_by_sort(values, k)
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), k
+
+
+def test_train_exact_on_rollouts_of_the_gpu_arithmetic_without_a_gpu_is_one_line(hf_cache, weights, tmp_path, monkeypatch):
+    from opdcache.errors import ConfigError
+    from opdcache.exact import GPU_ARITHMETIC
+    from opdcache.train import TrainConfig, run_train
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without a GPU")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cache = tmp_path / "cache"
+    shutil.copytree(hf_cache, cache)
+    manifest = json.loads((cache / "opdcache.json").read_text())
+    manifest["tables"]["rollouts"]["model"]["exact"] = {"arithmetic": GPU_ARITHMETIC, "dtype": "float32"}
+    (cache / "opdcache.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=f"--exact: {cache}'s rollouts was computed in {GPU_ARITHMETIC}, the GPU's "
+                                          "batch-invariant arithmetic: it re-computes on a CUDA GPU"):
+        run_train(TrainConfig(model=weights / "student", cache=cache, out=tmp_path / "run", loss="lightning", steps=1, exact=True))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

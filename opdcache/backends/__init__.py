@@ -116,29 +116,14 @@ def engine_for_table(record: dict, path: Path, what: str, *, device: str = "cpu"
 
     quant = recorded_spec(record.get("quantization"))
     if record.get("exact"):
-        from opdcache.exact import ARITHMETICS, arithmetic_for_device
+        from opdcache.exact import GPU_ARITHMETIC, invariant, require
 
         name = record["exact"].get("arithmetic")
-        if name not in ARITHMETICS:
-            raise ConfigError(f"{what} was computed in {name!r}, this opdcache implements {', '.join(map(repr, ARITHMETICS))}; "
-                              "re-compute it with the opdcache version that wrote it")
-        exact_device = "cpu" if arithmetic_for_device("cpu") == name else _invariant_device(what, name)
+        require(name, "cuda", what, "re-compute it with the opdcache version that wrote it")
+        exact_device = "cuda" if name == GPU_ARITHMETIC and not invariant.interpreted() else "cpu"  # the interpreter: tests
         engine = EngineConfig(backend="exact", dtype=record.get("dtype") or "float32", device=exact_device, quantize=quant,
                               inject=record["exact"].get("inject"))
         return make_backend(path, engine, arithmetic=name)
     emulated = quant if quant and record.get("engine") == "transformers" and not quant.startswith("int8") else None
     return make_backend(path, EngineConfig(dtype=dtype or "float32", device=device, quantize=aligned or emulated))
-
-
-def _invariant_device(what: str, name: str) -> str:
-    """The device that replays a table of the batch-invariant GPU arithmetic: the CUDA GPU; one line where there is none."""
-    from opdcache.exact import invariant
-
-    if invariant.interpreted() and invariant.available("cpu"):
-        return "cpu"  # Triton's interpreter (the tests)
-    reason = invariant.unavailable_reason("cuda")
-    if reason is not None:
-        raise ConfigError(f"{what} was computed in {name}, the GPU's batch-invariant arithmetic: it re-computes on a CUDA GPU "
-                          f"(here: {reason}); run this on a GPU machine")
-    return "cuda"
 

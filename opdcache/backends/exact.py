@@ -22,7 +22,7 @@ from opdcache.backends.base import (GenerateRequest, Generation, SamplingConfig,
 from opdcache.backends import draws
 from opdcache.backends.hf import DONE_CHECK_EVERY, UNIFORM_BLOCK_STEPS, load_model
 from opdcache.errors import ConfigError
-from opdcache.exact import ARITHMETICS, CPU_ARITHMETIC, arith, arithmetic_for_device, invariant, primitives
+from opdcache.exact import CPU_ARITHMETIC, arith, arithmetic_for_device, invariant, primitives, require
 from opdcache.exact import head as H
 from opdcache.exact.decoder import ExactDecoder
 from opdcache.progress import advance, detail
@@ -80,13 +80,7 @@ def arithmetic_record(dtype: str, name: str = CPU_ARITHMETIC, device: torch.devi
 
 def _checked_arithmetic(name: str, device: str) -> str:
     """``name`` where this opdcache implements it and ``device`` runs it; else one line saying what is missing."""
-    if name not in ARITHMETICS:
-        raise ConfigError(f"the table was computed in the exact arithmetic {name!r}; this opdcache implements "
-                          f"{', '.join(ARITHMETICS)}: re-compute it with the opdcache version that wrote it")
-    if name == invariant.NAME:
-        reason = invariant.unavailable_reason("cpu" if invariant.interpreted() else device)
-        if reason is not None:
-            raise ConfigError(f"{name} is the GPU's exact arithmetic: {reason}")
+    require(name, device, "the table", "re-compute it with the opdcache version that wrote it")
     return name
 
 

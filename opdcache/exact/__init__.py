@@ -24,3 +24,19 @@ def primitives(name: str):
     import importlib
 
     return importlib.import_module(ARITHMETICS[name])
+
+
+def require(name, device, what: str, fix: str) -> None:
+    """Refuse in one line an exact arithmetic this opdcache does not implement, or one ``device`` cannot run (the GPU's
+    without a usable CUDA GPU and triton; Triton's interpreter stands in for the tests). ``what`` names the table."""
+    from opdcache.errors import ConfigError
+
+    if name not in ARITHMETICS:
+        raise ConfigError(f"{what} was computed in {name!r}, this opdcache implements {', '.join(map(repr, ARITHMETICS))}; {fix}")
+    if name == GPU_ARITHMETIC:
+        from opdcache.exact import invariant
+
+        reason = invariant.unavailable_reason(device)
+        if reason is not None:
+            raise ConfigError(f"{what} was computed in {name}, the GPU's batch-invariant arithmetic: it re-computes on a CUDA "
+                              f"GPU (here: {reason}); run this on a GPU machine")

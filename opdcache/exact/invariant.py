@@ -22,7 +22,7 @@ arithmetic's bits, and it is recorded as its own arithmetic (:data:`NAME` and it
 Gradients are the ordinary ones (plain matmuls in the backward); only forward values carry the contract. Memory: each
 kernel's output, nothing more (no float64 weight copies, unlike the CPU arithmetic).
 
-Runs where :func:`available` says: a CUDA device of compute capability 8.0 or later (tf32 tensor cores) with triton,
+Runs where :func:`unavailable_reason` finds nothing missing: a CUDA device of compute capability 8.0 or later (tf32 tensor cores) with triton,
 or any device under Triton's CPU interpreter (``TRITON_INTERPRET=1``), where the tests check the same invariances at
 small shapes (the interpreter's bits are numpy's, not the GPU's: the contract is invariance, not the bits).
 """
@@ -77,10 +77,6 @@ def unavailable_reason(device: torch.device | str) -> str | None:
         return (f"the batch-invariant kernels need compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later "
                 f"(tf32 tensor cores), got {cap[0]}.{cap[1]} on {torch.cuda.get_device_name(index)}")
     return None
-
-
-def available(device: torch.device | str) -> bool:
-    return unavailable_reason(device) is None
 
 
 def _kernels():
