@@ -316,6 +316,7 @@ def main() -> None:
     ap.add_argument("--cli-timeout", type=float, default=300, help="seconds each CLI command may take")
     ap.add_argument("--out", type=Path, help="folder for results.json and table.md")
     ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--append", action="store_true", help="keep the rows already in --out's results.json (a suite run in phases)")
     args = ap.parse_args()
     vocab, hidden = (1024, 64) if args.smoke else (V, 4096)
     if args.smoke:
@@ -332,6 +333,10 @@ def main() -> None:
             subprocess.run([sys.executable, __file__, "_build", name, str(models[name]), str(vocab), str(hidden), str(args.qwen3_layers),
                             args.device, str(args.smollm2), "2" if args.smoke else "0"], check=True)
     rows: list[dict] = []
+    load = {}  # the host's one-minute load average before and after each section
+    if args.append and args.out and (args.out / "results.json").exists():  # an earlier phase of the same suite run
+        earlier = json.loads((args.out / "results.json").read_text())
+        rows, load = earlier["rows"], earlier["load"]
 
     def add(section: str, model: str, variant: str, res: dict, base: dict | None) -> None:
         row = {**res, "section": section, "model": model, "variant": variant}
@@ -345,7 +350,6 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     sections = args.sections.split(",")
-    load = {}  # the host's one-minute load average before and after each section
     for section in sections:
         before = os.getloadavg()[0]
         {"generate": run_generate_section, "exact": run_exact_section, "async": run_async_section, "quantize": run_quantize_section, "score": run_score_section, "cli": run_cli_section, "train": run_train_section,
@@ -473,7 +477,15 @@ def run_cli_section(args, models, root, add, rows) -> None:
         rows.append({"section": "cli", "model": "qwen3", "variant": "build-rollouts", "tokens": tokens, "seconds": s, "peak_bytes": 0})
         s = cli("score-teacher", cache, "--teacher", q, "--store", "logprob,hidden", "--progress", env=env, timeout=args.cli_timeout)
         rows.append({"section": "cli", "model": "qwen3", "variant": "score-teacher logprob,hidden", "tokens": tokens, "seconds": s, "peak_bytes": 0})
-        for r in rows[-2:]:
+        # the table scored in bf16 on this device, audited here by its recorded arithmetic (every row): its verdict and
+        # its tolerance's reasoning line go to the log; a failing audit is a finding, not a reason to stop the suite
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "-m", "opdcache.cli.main", "audit", str(cache), "--rows", "all"], env=env,
+                             capture_output=True, text=True, timeout=args.cli_timeout)
+        print(out.stdout + out.stderr[-2000:], flush=True)
+        rows.append({"section": "cli", "model": "qwen3", "variant": f"audit --rows all: exit {out.returncode}", "tokens": tokens,
+                     "seconds": time.perf_counter() - t0, "peak_bytes": 0})
+        for r in rows[-3:]:
             print(json.dumps(r), flush=True)
 
 

@@ -2,12 +2,12 @@
 # The GPU suite (issues 22 and 31): one command on a CUDA machine with torch and transformers, no network.
 # Packages opdcache needs that such a machine may lack travel as wheels in .whl/ (see BENCHMARKS.md for the list);
 # SmolLM2's config and tokenizer in .gpu/smollm2/ (copied from a converted model directory, no weights).
-# First the gpu-marked tests (tests/test_gpu.py), while the cli section builds the train step's cache; then, with nothing
-# else on the GPU, the generate (the rollout engine against model.generate), exact (--exact --device cuda against the
-# default engine), train, async (K = 2 against K = 0),
-# quantize (w4a16 rollouts against bf16), divergence, scoring and write sections, in the order of what they decide
-# (SECTIONS=generate,train: a subset); results.json is rewritten as each section ends, so a run cut short keeps what
-# it measured. Extra arguments go to those sections.
+# In the order of what they decide: first, with nothing else on the GPU, the generate (the rollout engine against
+# model.generate) and exact (--exact --device cuda against the default engine) sections; then the gpu-marked tests
+# (tests/test_gpu.py) while the cli section builds the train step's cache and audits it; then the train, async (K = 2
+# against K = 0), quantize (w4a16 rollouts against bf16), divergence, scoring and write sections (SECTIONS=generate,train:
+# a subset). results.json is rewritten as each section ends, so a run cut short keeps what it measured. Extra arguments
+# go to the sections.
 # Writes $OUT/tests.log, $OUT/cli.log, $OUT/bench_gpu.log and $OUT/gpu/{results.json,table.md,divergence.txt}
 # (OUT defaults to ./gpu-results).
 #
@@ -31,14 +31,22 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm 
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 python3 -c "import opdcache.cli.main" || { echo "opdcache does not import here: carry the missing packages as wheels in .whl/"; exit 2; }
 WORK=$(mktemp -d /tmp/bench-gpu-XXXXXX)
-python3 "$REPO/benchmarks/bench_gpu.py" --device cuda "${smollm2[@]}" --workdir "$WORK" --sections cli "$@" > "$OUT/cli.log" 2>&1 &
-cli=$!
+# the sections that need no cache and decide the most run first, with nothing else on the GPU; then the tests beside the
+# cli section (which builds the train step's cache and audits its bf16 tables); then the rest, appended to results.json
+all=${SECTIONS:-generate,exact,train,async,quantize,divergence,score,write}
+first=$(echo "$all" | tr , '\n' | grep -E '^(generate|exact)$' | paste -sd, || true)
+rest=$(echo "$all" | tr , '\n' | grep -vE '^(generate|exact)$' | paste -sd, || true)
+bench() { python3 "$REPO/benchmarks/bench_gpu.py" --device cuda "${smollm2[@]}" --workdir "$WORK" "$@"; }
 set +e
+: > "$OUT/bench_gpu.log"
+[ -n "$first" ] && bench --sections "$first" --out "$OUT/gpu" "$@" 2>&1 | tee -a "$OUT/bench_gpu.log"
+bench --sections cli "$@" > "$OUT/cli.log" 2>&1 &
+cli=$!
 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests/test_gpu.py" 2>&1 | tee "$OUT/tests.log"
 tests=${PIPESTATUS[0]}
 wait $cli
 clirc=$?
-set -e
 echo "gpu tests: exit $tests; cli section: exit $clirc"
-python3 "$REPO/benchmarks/bench_gpu.py" --device cuda "${smollm2[@]}" --workdir "$WORK" --sections "${SECTIONS:-generate,exact,train,async,quantize,divergence,score,write}" --out "$OUT/gpu" "$@" 2>&1 | tee "$OUT/bench_gpu.log"
+[ -n "$rest" ] && bench --sections "$rest" --out "$OUT/gpu" --append "$@" 2>&1 | tee -a "$OUT/bench_gpu.log"
+set -e
 exit $(( tests != 0 || clirc != 0 ))
