@@ -19,6 +19,7 @@ def audit(
     model: Annotated[Optional[Path], typer.Option("--model", help="pi_ref (the rollout table's model) when it is not at the path the manifest records. Default: the recorded path.", show_default=False)] = None,
     teacher: Annotated[Optional[Path], typer.Option("--teacher", help="The teacher of the teacher tables when it is not at the recorded path. Default: the recorded path.", show_default=False)] = None,
     tolerance: Annotated[float, typer.Option("--tolerance", help="Tables not computed with --exact: the floor of each float column's tolerance; the tolerance grows with the table's dtype and its measured batch-to-batch spread (see the report's reasoning line).")] = 1e-4,
+    device: Annotated[str, typer.Option("--device", help="Where tables not computed with --exact are re-computed: auto (a CUDA GPU when there is one), cpu, cuda, cuda:N. An exact table re-computes where its recorded arithmetic runs.")] = "auto",
     as_json: O.JsonOut = False,
 ) -> None:
     """Re-compute a seeded sample of rows in each table's recorded arithmetic and dtype; per column, bit-exact
@@ -30,7 +31,7 @@ def audit(
     O.announce_threads()
     from opdcache.audit import AuditConfig, audit as run, render
 
-    report = run(AuditConfig(cache=cache, table=table, rows=rows, seed=seed, model=model, teacher=teacher, tolerance=tolerance))
+    report = run(AuditConfig(cache=cache, table=table, rows=rows, seed=seed, model=model, teacher=teacher, tolerance=tolerance, device=device))
     typer.echo(json.dumps(report, indent=2) if as_json else render(report))
     if not report["passed"]:
         raise typer.Exit(1)

@@ -72,6 +72,9 @@ class AuditConfig:
     """The teacher for teacher tables, when it is not at the path the manifest records."""
     tolerance: float = 1e-4
     """Largest allowed max |delta| (nats) for tables that do not claim the exact arithmetic."""
+    device: str = "auto"
+    """Where tables not computed with --exact are re-computed: auto (a CUDA GPU when there is one), cpu, cuda, cuda:N.
+    An exact table is re-computed where its arithmetic runs (the CPU's, or a CUDA GPU's)."""
 
     def __post_init__(self) -> None:
         rows = self.rows
@@ -126,6 +129,11 @@ def _spread(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return worst
 
 
+def _where(backend) -> str:
+    """The device an engine computes on, as the report names it."""
+    return str(getattr(backend, "device", "cpu"))
+
+
 def _recorded_dtype(record: dict) -> str:
     dtype = str(record.get("dtype") or "float32").replace("torch.", "")
     return dtype if dtype in UNIT_ROUNDOFF else "float32"
@@ -166,7 +174,7 @@ def _audit_base(cache: Cache, name: str, cfg: AuditConfig) -> dict:
     path = recorded_model(record, cfg.model, "--model", f"the {name} table")
     exact = bool(record.get("exact"))
     dtype = _recorded_dtype(record)
-    backend = engine_for_table(record, path, name, dtype=dtype)
+    backend = engine_for_table(record, path, name, device=cfg.device, dtype=dtype)
     replay = not exact and record.get("engine") == "transformers" and hasattr(backend, "replay")
     stored_cols = [c for c in ROLLOUT_COLUMNS if c in shards.read_schema(cache.shard_paths(name)[0]).names]
     sampling = SamplingConfig(**entry["config"]["sampling"]) if exact else None
@@ -197,8 +205,8 @@ def _audit_base(cache: Cache, name: str, cfg: AuditConfig) -> dict:
         stored = {"ref_logprobs": stored["ref_logprobs"]} if "ref_logprobs" in stored else {}
     columns = {c: _compare(stored[c], fresh[c]) for c in stored}
     how = ("re-generated in the exact arithmetic" if exact else
-           f"replayed through the transformers engine's generation path (its tokens fed back, KV cache) in {dtype}" if replay else
-           f"re-scored (teacher-forced, full forward) by the transformers engine in {dtype}")
+           f"replayed through the transformers engine's generation path (its tokens fed back, KV cache) in {dtype} on {_where(backend)}" if replay else
+           f"re-scored (teacher-forced, full forward) by the transformers engine in {dtype} on {_where(backend)}")
     rep = {"table": name, "exact_claimed": exact, "dtype": dtype, "how": how, "rows": sum(map(len, picks.values())), "columns": columns}
     return _judge(rep, dtype, cfg.tolerance, {} if exact else {"ref_logprobs": _spread(fresh["ref_logprobs"], alone)})
 
@@ -212,7 +220,7 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
     exact = bool(record.get("exact"))
     dtype = _recorded_dtype(record)
     params = cache.params(name)
-    backend = engine_for_table(record, path, name, dtype=dtype)
+    backend = engine_for_table(record, path, name, device=cfg.device, dtype=dtype)
     seed = int(entry["config"].get("sample_seed", 0))
     want_hidden = "hidden" in params.stores
     base = cache.base_table
@@ -245,7 +253,7 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
             for c in names:
                 alone[c] += shards.row_values(built[c])
     columns = {c: _compare(stored[c], fresh[c]) for c in names}
-    how = ("re-scored in the exact arithmetic" if exact else f"re-scored by the transformers engine in {dtype}") + \
+    how = ("re-scored in the exact arithmetic" if exact else f"re-scored by the transformers engine in {dtype} on {_where(backend)}") + \
         ", with the table's store settings and encodings"
     rep = {"table": name, "exact_claimed": exact, "dtype": dtype, "how": how, "rows": sum(map(len, picks.values())), "columns": columns}
     spreads = {} if exact else {c: _spread(fresh[c], alone[c]) for c in names if "differing" not in columns[c]}
@@ -255,6 +263,9 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
 def audit(cfg: AuditConfig) -> dict:
     """The report: per table and column, values compared, bit-exact matches and max |delta| (float columns: their
     spread and tolerance; id columns: how many differ); ``passed`` and its reasoning per table."""
+    from opdcache.backends.hf import resolve_device
+
+    resolve_device(cfg.device)  # a device this machine lacks is refused before any model loads
     cache = Cache(cfg.cache)
     tables = [cache.base_table] + [f"teachers/{t}" for t in cache.teachers]
     if cfg.table is not None:

@@ -78,3 +78,28 @@ def check_grouped_query_decoder(family: str, arith) -> None:
         for t in range(7, 19):
             steps.append(dec.step(ids[:, t: t + 1], torch.full((3, 1), t), cache))
     assert torch.equal(torch.cat(steps, 1), full)
+
+
+def primitives_that_vary(A, device, dtype=torch.float32) -> list[str]:
+    """The names of the arithmetic ``A``'s primitives (and the sampler's steps built on them) whose result for a row
+    changes with the batch it sits in or its position there: [64, C] against its first 7 rows and row 61 alone."""
+    from opdcache.exact import head as H
+
+    g = torch.Generator().manual_seed(11)
+    z = (torch.randn(64, 503, generator=g) * 5).to(device)
+    x, w = torch.randn(64, 200, generator=g).to(device, dtype), torch.randn(96, 200, generator=g).to(device, dtype)
+    p, v = torch.rand(64, 2, 1, 40, generator=g).to(device, dtype), torch.randn(64, 2, 40, 16, generator=g).to(device, dtype)
+    ops = {
+        "linear": (x, lambda t: A.linear(t, w)),
+        "matmul": (p, lambda t: A.matmul(t, v[: t.shape[0]] if t.shape[0] > 1 else v[61:62])),
+        "sum_last": (z, A.sum_last), "cumsum64": (z, A.cumsum64),
+        "exp": (z, A.exp), "log": (z.abs() + 1e-3, A.log), "rsqrt": (z.abs() + 1e-3, A.rsqrt), "silu": (z, A.silu),
+        "temperature": (z, lambda t: t / 0.9), "log_softmax": (z, lambda t: H.log_softmax(t, A)),
+        "top_p_mask": (H.log_softmax(z, A), lambda t: H.top_p_mask(t, 0.9, A)),
+    }
+    varying = []
+    for name, (t, f) in ops.items():
+        full = f(t)
+        if not (torch.equal(f(t[:7]), full[:7]) and torch.equal(f(t[61:62]), full[61:62])):
+            varying.append(name)
+    return varying

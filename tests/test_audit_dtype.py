@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from opdcache.audit import UNIT_ROUNDOFF, AuditConfig, audit, render, tolerance_for
 from opdcache.errors import ConfigError
@@ -40,6 +41,7 @@ def test_a_fresh_low_precision_table_passes_its_own_audit(low_precision_cache):
         assert table["dtype"] == dtype and not table["exact_claimed"]
         assert table["rows"] == 48  # --rows all: 24 prompts x 2 samples
         assert "transformers engine" in table["how"] and dtype in table["how"] and dtype in table["reasoning"]
+        assert f"in {dtype} on {'cuda:0' if torch.cuda.is_available() else 'cpu'}" in table["how"]  # --device auto
         if table["table"] == "rollouts":  # written while decoding: replayed through the same path, not a full forward
             assert table["how"].startswith("replayed through the transformers engine's generation path")
         for name, col in table["columns"].items():

@@ -217,6 +217,16 @@ def test_exact_on_a_gpu_without_one_is_refused_before_the_model_loads(tmp_path, 
     assert ("triton" in line) or ("no CUDA GPU" in line)
 
 
+def test_exact_float32_on_a_gpu_is_refused_before_the_model_loads(tmp_path, opd_prompts, capsys):
+    from opdcache.backends.exact import FLOAT32_ON_GPU
+
+    code, out = _cli(["build-rollouts", "--model", tmp_path / "no-model-here", "--prompts", opd_prompts, "--out",
+                      tmp_path / "c", "--exact", "--device", "cuda", "--dtype", "float32"], capsys)
+    assert code == 2 and "Traceback" not in out
+    assert out.strip().splitlines()[-1].endswith(FLOAT32_ON_GPU)
+    assert "--dtype bfloat16" in FLOAT32_ON_GPU and "--exact on the CPU" in FLOAT32_ON_GPU
+
+
 def test_a_table_of_the_gpu_arithmetic_is_replayed_only_on_a_gpu(tmp_path, monkeypatch):
     from opdcache.backends import engine_for_table
     from opdcache.errors import ConfigError

@@ -246,7 +246,20 @@ def test_generation_on_cuda_keeps_every_step_on_the_device_and_matches_the_cpu(w
 
 
 # ------------------------------------------------------------------------------------------ the GPU's exact arithmetic
-@pytest.mark.parametrize("model,dtype", [("student", "float32"), ("teacher", "bfloat16"), ("student", "bfloat16")])
+def test_the_gpu_arithmetic_refuses_float32_on_cuda(weights):
+    from opdcache.backends.exact import FLOAT32_ON_GPU, ExactBackend
+    from opdcache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not yet batch-invariant"):
+        ExactBackend(weights / "student", dtype="float32", device="cuda")
+    model = ExactBackend(weights / "student", device="cuda").model  # auto: bfloat16 on a GPU
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ConfigError) as e:
+        ExactBackend.from_model(model.float())
+    assert str(e.value) == FLOAT32_ON_GPU
+
+
+@pytest.mark.parametrize("model,dtype", [("teacher", "bfloat16"), ("student", "bfloat16")])
 def test_the_gpu_arithmetic_is_batch_invariant_on_cuda(weights, model, dtype):
     """--exact --device cuda: rows alone, in 7 and in 64 (reversed: other positions) give the same bits; scoring and
     the trainer's forward give back what KV-cache decoding stored (opdcache/exact/invariant.py's compiled kernels)."""
@@ -258,6 +271,17 @@ def test_the_gpu_arithmetic_is_batch_invariant_on_cuda(weights, model, dtype):
     engine = ExactBackend(weights / model, dtype=dtype, device="cuda")
     assert engine.arithmetic == GPU_ARITHMETIC and engine.device.type == "cuda"
     assert check_engine_invariance(engine, 64, batches=(7, 1), max_new_tokens=24, seed=3) > 500
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_invariant_primitive_gives_a_row_the_same_bits_in_any_batch_on_cuda(dtype):
+    """Each primitive of the batch-invariant arithmetic and each sampler step, compiled on CUDA: a row alone, among 7
+    and among 64 gets the same bits (names the ones that do not)."""
+    from exact_checks import primitives_that_vary
+
+    from opdcache.exact import invariant
+
+    assert primitives_that_vary(invariant, CUDA, dtype) == []
 
 
 def test_an_exact_cache_on_cuda_trains_and_audits_on_cuda(tmp_path, weights, capsys):

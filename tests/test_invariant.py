@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from opdcache.backends.exact import ExactBackend  # noqa: E402
 from opdcache.exact import GPU_ARITHMETIC  # noqa: E402
 from opdcache.exact import invariant as I  # noqa: E402
-from exact_checks import check_engine_invariance, check_grouped_query_decoder  # noqa: E402
+from exact_checks import check_engine_invariance, check_grouped_query_decoder, primitives_that_vary  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -43,6 +43,13 @@ def test_a_row_gets_the_same_bits_alone_in_7_and_in_64(dtype):
         assert torch.equal(I.linear(x[rows], w), full[rows])
     moved = torch.cat([x[5:], x[:5]])  # every row at another position of its tile
     assert torch.equal(I.linear(moved, w), torch.cat([full[5:], full[:5]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_primitive_gives_a_row_the_same_bits_in_any_batch(dtype):
+    """Each primitive and sampler step, row by row: torch's CPU elementwise kernels alone would fail this (silu's
+    vectorised body and scalar tail round differently), hence the exact functions on the CPU."""
+    assert primitives_that_vary(I, "cpu", dtype) == []
 
 
 def test_attention_products_ignore_masked_keys():

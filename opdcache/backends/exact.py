@@ -84,6 +84,17 @@ def _checked_arithmetic(name: str, device: str) -> str:
     return name
 
 
+FLOAT32_ON_GPU = ("--exact --device cuda computes in bfloat16: its float32 path is not yet batch-invariant on a GPU (a row's "
+                  "sampling log-probs changed with its batch on an H200); use --dtype bfloat16, or --exact on the CPU for float32")
+
+
+def _refuse_float32_on_gpu(model) -> None:
+    """The GPU arithmetic's float32 path failed its batch-invariance test on CUDA: refused there, in one line."""
+    p = next(model.parameters())
+    if p.device.type == "cuda" and p.dtype == torch.float32:
+        raise ConfigError(FLOAT32_ON_GPU)
+
+
 class ExactBackend:
     name = "exact"
 
@@ -99,7 +110,11 @@ class ExactBackend:
         if dtype == "float16":
             raise ConfigError("--exact supports --dtype float32 or bfloat16, got float16")
         name = _checked_arithmetic(arithmetic or arithmetic_for_device(device), device)
-        self.model = load_model(model_path, "float32" if dtype == "auto" else dtype, "cpu" if device == "auto" else device, spec)
+        on_gpu = str(device).startswith("cuda")
+        if on_gpu and dtype == "float32":
+            raise ConfigError(FLOAT32_ON_GPU)
+        dtype = ("bfloat16" if on_gpu else "float32") if dtype == "auto" else dtype
+        self.model = load_model(model_path, dtype, "cpu" if device == "auto" else device, spec)
         self.path, self.quantize = Path(model_path), spec
         self._attach(generate_batch_size, max_batch_tokens, Injection.parse(inject), name)
 
@@ -110,6 +125,7 @@ class ExactBackend:
         self = cls.__new__(cls)
         self.model, self.path, self.quantize = model, None, None
         device = str(next(model.parameters()).device)
+        _refuse_float32_on_gpu(model)
         self._attach(generate_batch_size, max_batch_tokens, Injection.parse(inject),
                      _checked_arithmetic(arithmetic or arithmetic_for_device(device), device))
         return self
@@ -331,6 +347,8 @@ def check(engine) -> dict:
     if engine.device not in ("auto", "cpu"):
         if not engine.device.startswith("cuda"):
             raise ConfigError(f"--exact runs on the CPU or a CUDA GPU (--device cpu, cuda or cuda:N), got --device {engine.device}")
+        if engine.dtype == "float32":
+            raise ConfigError(FLOAT32_ON_GPU)
         reason = invariant.unavailable_reason(engine.device)
         if reason is not None:
             raise ConfigError(f"--exact --device {engine.device} runs the batch-invariant GPU kernels: {reason}; "

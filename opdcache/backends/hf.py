@@ -36,9 +36,22 @@ SCORE_BATCH_TOKENS = {"cpu": 1024, "cuda": 16384}  # default padded tokens per s
 
 
 def resolve_device(device: str) -> torch.device:
+    """``--device`` as a torch device (auto: a CUDA GPU when torch sees one, else the CPU); refused in one line when it
+    is no device name or names a CUDA GPU this torch cannot use."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"--device {device}: no CUDA GPU is visible to this torch ({torch.__version__}); "
+                              "use --device cpu (or auto)")
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
+    return dev
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -457,7 +470,8 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
 
 def check(engine) -> dict:
     """The transformers engine's rules on an EngineConfig (before any model loads): its quantization schemes, in
-    their canonical spelling (what the manifest records)."""
+    their canonical spelling (what the manifest records); the device exists."""
+    resolve_device(engine.device)
     if engine.quantize is None:
         return {}
     from opdcache.quant import QuantScheme

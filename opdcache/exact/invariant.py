@@ -16,8 +16,9 @@ arithmetic's bits, and it is recorded as its own arithmetic (:data:`NAME` and it
   lanes (the order depends on the row's own width only; appended zeros change nothing, as attention's masked keys
   need).
 * ``cumsum64``: one program per row, a scan per block of columns plus the carry (the inverse-CDF draws, top-p).
-* ``exp``, ``log``, ``silu``, ``rsqrt``: torch's float32 elementwise kernels, which compute each element by the same
-  device function wherever it sits. Maxima, gathers, sorts and comparisons are exact in any order.
+* ``exp``, ``log``, ``silu``, ``rsqrt``: on CUDA torch's float32 elementwise kernels, which compute each element by
+  the same device function wherever it sits (on the CPU, under the interpreter, the exact arithmetic's functions:
+  torch's CPU kernels round a tensor's tail differently from its vectorised body). Maxima, gathers, sorts and comparisons are exact in any order.
 
 Gradients are the ordinary ones (plain matmuls in the backward); only forward values carry the contract. Memory: each
 kernel's output, nothing more (no float64 weight copies, unlike the CPU arithmetic).
@@ -35,6 +36,7 @@ import os
 import torch
 
 from opdcache.exact import GPU_ARITHMETIC as NAME
+from opdcache.exact import arith as X
 MATMUL_BLOCKS = (64, 64, 32)  # (BM, BN, BK): BK fixes the accumulation order; part of the definition
 SUM_BLOCK = 1024  # lanes of a row sum: part of the definition
 SUM_ROWS = 16  # rows per program of a row sum (each reduced alike)
@@ -187,17 +189,26 @@ def cumsum64(t: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------- elementwise
+def _elementwise(name: str, f, x: torch.Tensor) -> torch.Tensor:
+    """f(x) in float32. On CUDA, torch's kernel computes every element by one device function wherever it sits. torch's
+    CPU kernels do not (a vectorised body and a scalar tail that can round differently, so a value depends on its
+    offset in the tensor): on the CPU (Triton's interpreter) the exact arithmetic's correctly rounded function."""
+    if x.device.type == "cpu":
+        return X.unary(name, x)
+    return f(x.float())
+
+
 def exp(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp(x.float())
+    return _elementwise("exp", torch.exp, x)
 
 
 def log(x: torch.Tensor) -> torch.Tensor:
-    return torch.log(x.float())
+    return _elementwise("log", torch.log, x)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.silu(x.float())
+    return _elementwise("silu", torch.nn.functional.silu, x)
 
 
 def rsqrt(x: torch.Tensor) -> torch.Tensor:
-    return torch.rsqrt(x.float())
+    return _elementwise("rsqrt", torch.rsqrt, x)
