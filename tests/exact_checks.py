@@ -103,3 +103,22 @@ def primitives_that_vary(A, device, dtype=torch.float32) -> list[str]:
         if not (torch.equal(f(t[:7]), full[:7]) and torch.equal(f(t[61:62]), full[61:62])):
             varying.append(name)
     return varying
+
+
+def log_softmax_slice_by_slice(z_PV, A):
+    """The plain reference of opdcache.exact.head.log_softmax: each vocabulary slice's statistics by its own call."""
+    from opdcache.exact import head as H
+
+    stats = [H.slice_stats(z_PV[:, a: a + H.VOCAB_BLOCK], A) for a in range(0, z_PV.shape[1], H.VOCAB_BLOCK)]
+    M, log_s = H.combine(torch.stack([m for m, _ in stats], -1), torch.stack([s for _, s in stats], -1), A)
+    return (z_PV - M[:, None]) - log_s[:, None]
+
+
+def wide_logits(seed: int = 5):
+    """[3, 3 slices + 17] logits with a slice masked whole in every row and one more in row 1 (top-p leaves such)."""
+    from opdcache.exact import head as H
+
+    z = torch.randn(3, 3 * H.VOCAB_BLOCK + 17, generator=torch.Generator().manual_seed(seed)) * 3
+    z[:, H.VOCAB_BLOCK: 2 * H.VOCAB_BLOCK] = float("-inf")
+    z[1, : H.VOCAB_BLOCK] = float("-inf")
+    return z

@@ -123,6 +123,15 @@ def test_log_softmax_over_slices_with_a_slice_masked_whole():
     assert torch.isfinite(lp.gather(1, drawn)).all()
 
 
+def test_log_softmax_in_one_call_equals_slice_by_slice():
+    from exact_checks import log_softmax_slice_by_slice, wide_logits
+
+    from opdcache.exact import head as H
+
+    for z in (wide_logits(), wide_logits(7)[[0, 2], : H.VOCAB_BLOCK - 5], wide_logits(8)[[0, 2], : 2 * H.VOCAB_BLOCK]):
+        assert torch.equal(H.log_softmax(z), log_softmax_slice_by_slice(z, X))
+
+
 # ----------------------------------------------------------------------------------------------- the engine
 def _requests(n, seed=0, vocab=64):
     rng = np.random.default_rng(seed)

@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 from opdcache.backends.exact import ExactBackend  # noqa: E402
 from opdcache.exact import GPU_ARITHMETIC  # noqa: E402
 from opdcache.exact import invariant as I  # noqa: E402
-from exact_checks import check_engine_invariance, check_grouped_query_decoder, primitives_that_vary  # noqa: E402
+from exact_checks import (check_engine_invariance, check_grouped_query_decoder, log_softmax_slice_by_slice,  # noqa: E402
+                          primitives_that_vary, wide_logits)
 
 pytestmark = pytest.mark.triton
 
@@ -50,6 +51,19 @@ def test_every_primitive_gives_a_row_the_same_bits_in_any_batch(dtype):
     """Each primitive and sampler step, row by row: torch's CPU elementwise kernels alone would fail this (silu's
     vectorised body and scalar tail round differently), hence the exact functions on the CPU."""
     assert primitives_that_vary(I, "cpu", dtype) == []
+
+
+def test_the_heads_one_call_paths_equal_slice_by_slice():
+    """log_softmax's statistics in one call, and the logits in one matmul over the whole vocabulary, give the bits of
+    the slice-by-slice computation (what scoring streams)."""
+    from opdcache.exact import head as H
+
+    z = wide_logits()
+    assert torch.equal(H.log_softmax(z, I), log_softmax_slice_by_slice(z, I))
+    g = torch.Generator().manual_seed(3)
+    h, W = torch.randn(5, 32, generator=g).bfloat16(), torch.randn(2 * H.VOCAB_BLOCK + 9, 32, generator=g).bfloat16()
+    by_slice = torch.cat([H.logits(h, W, None, a, torch.bfloat16, I) for a in range(0, W.shape[0], H.VOCAB_BLOCK)], -1)
+    assert torch.equal(H.full_logits(h, W, None, torch.bfloat16, I), by_slice)
 
 
 def test_attention_products_ignore_masked_keys():

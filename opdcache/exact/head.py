@@ -45,14 +45,22 @@ def combine(m_PS: torch.Tensor, s_PS: torch.Tensor, arith=X) -> tuple[torch.Tens
 
 
 def log_softmax(z_PV: torch.Tensor, arith=X) -> torch.Tensor:
-    """Exact log-softmax of whole rows [P, V] (float32), by the same slices as the streamed head."""
-    stats = [slice_stats(z_PV[:, a: a + VOCAB_BLOCK], arith) for a in range(0, z_PV.shape[1], VOCAB_BLOCK)]
-    M, log_s = combine(torch.stack([m for m, _ in stats], -1), torch.stack([s for _, s in stats], -1), arith)
+    """Exact log-softmax of whole rows [P, V] (float32), by the same slices as the streamed head: every slice's
+    statistics in one call, the last slice padded with -inf (terms exp(-inf) = 0 appended to its sum, which change
+    nothing), so a decode step runs a fixed handful of kernels whatever the number of slices."""
+    P, V = z_PV.shape
+    slices = max(1, -(-V // VOCAB_BLOCK))
+    z_RC = torch.nn.functional.pad(z_PV, (0, slices * VOCAB_BLOCK - V), value=float("-inf")).reshape(P * slices, VOCAB_BLOCK)
+    m, s = slice_stats(z_RC, arith)
+    M, log_s = combine(m.reshape(P, slices), s.reshape(P, slices), arith)
     return (z_PV - M[:, None]) - log_s[:, None]
 
 
 def full_logits(hidden_PH, weight_VH, bias_V, dtype, arith=X) -> torch.Tensor:
-    """[P, V] float32 exact logits (decode steps: P is the batch)."""
+    """[P, V] float32 exact logits (decode steps: P is the batch). The batch-invariant arithmetic's matmul computes
+    each element from its own row and column alone, so one call over the whole vocabulary gives the slices' bits."""
+    if arith is not X:
+        return arith.linear(hidden_PH.to(dtype), weight_VH.to(dtype), bias_V).to(dtype).float()
     return torch.cat([logits(hidden_PH, weight_VH, bias_V, a, dtype, arith) for a in range(0, weight_VH.shape[0], VOCAB_BLOCK)], -1)
 
 
