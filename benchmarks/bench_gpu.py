@@ -228,8 +228,30 @@ def exact_sides(model_path: str, device: str, batch: int, new_tokens: int, round
             assert all(len(g.response_ids) == new_tokens for g in out)
         return run
 
-    res = interleaved({"opdcache": side(backend), "opdcache --exact": side(exact)}, device, rounds)
-    return {name: {**r, "tokens": batch * new_tokens, "arithmetic": exact.arithmetic} for name, r in res.items()}
+    sides = {"opdcache": side(backend), "opdcache --exact": side(exact)}
+    res = interleaved(sides, device, rounds)
+    out = {name: {**r, "tokens": batch * new_tokens, "arithmetic": exact.arithmetic} for name, r in res.items()}
+    for name, run in sides.items():  # after the timed rounds: what one generate call launches, and where its time goes
+        out[name]["profile"] = kernel_profile(run, device, new_tokens)
+    return out
+
+
+def kernel_profile(run, device: str, steps: int, top: int = 8) -> dict:
+    """One call of ``run`` under torch.profiler: kernels launched per decode step and the ``top`` kernels by device time
+    (on a CPU: the operators and their CPU time). Diagnostic, never a timed figure."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        run()
+    kernels = [e for e in prof.events() if (e.device_type.name == "CUDA") == cuda and (cuda or e.name.startswith("aten::"))]
+    totals: dict = {}
+    for e in kernels:
+        us = e.device_time_total if cuda else e.cpu_time_total
+        totals[e.name] = totals.get(e.name, 0.0) + us
+    busy = sum(totals.values())
+    return {"kernels_per_step": len(kernels) / max(steps, 1), "busy_ms": busy / 1e3,
+            "top": [[name[:80], round(us / 1e3, 3)] for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:top]]}
 
 
 def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: int, rounds: int) -> dict:
@@ -443,6 +465,8 @@ def run_exact_section(args, models, root, add, rows) -> None:
     res = child("exact", models["qwen3"], args.device, batch, length, args.gen_rounds)
     for side in ("opdcache", "opdcache --exact"):
         add("exact", "qwen3", f"{side}, batch {batch} x {length} new tokens", res.get(side, res), res.get("opdcache", res))
+        if "profile" in res.get(side, {}):
+            print(f"exact section, {side}: {json.dumps(res[side]['profile'])}", flush=True)
 
 
 def run_score_section(args, models, root, add, rows) -> None:
