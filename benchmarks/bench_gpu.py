@@ -327,12 +327,13 @@ def main() -> None:
     ap.add_argument("--block-mib", type=int, nargs="*", default=[64, 256], help="logit block sizes tried beside the shipped one")
     ap.add_argument("--train-batch", type=int, default=4)
     ap.add_argument("--train-response", type=int, default=1024)
-    ap.add_argument("--sections", default="generate,exact,cli,train,async,quantize,divergence,score,write",
-                    help="which of generate, exact, cli, train, async, quantize, divergence, score, write to run, in this order")
+    ap.add_argument("--sections", default="generate,exact,cli,train,async,quantize",
+                    help="which of generate, exact, cli, train, async, quantize, divergence, score, write to run, in this order "
+                         "(default: the first six; divergence, score and write on request)")
     ap.add_argument("--async-steps", type=int, default=6)
     ap.add_argument("--gen-batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--gen-lengths", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--gen-rounds", type=int, default=3)
+    ap.add_argument("--gen-rounds", type=int, default=2, help="timed rounds of generate, exact, async and quantize, after a warm-up")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds of every side in turn, after a warm-up of each")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: checks the code, measures nothing")
     ap.add_argument("--cli-timeout", type=float, default=300, help="seconds each CLI command may take")
@@ -356,9 +357,10 @@ def main() -> None:
                             args.device, str(args.smollm2), "2" if args.smoke else "0"], check=True)
     rows: list[dict] = []
     load = {}  # the host's one-minute load average before and after each section
+    took = {}  # each section's wall seconds, model builds and child processes included (the suite's time budget)
     if args.append and args.out and (args.out / "results.json").exists():  # an earlier phase of the same suite run
         earlier = json.loads((args.out / "results.json").read_text())
-        rows, load = earlier["rows"], earlier["load"]
+        rows, load, took = earlier["rows"], earlier["load"], earlier.get("section_seconds", {})
 
     def add(section: str, model: str, variant: str, res: dict, base: dict | None) -> None:
         row = {**res, "section": section, "model": model, "variant": variant}
@@ -373,14 +375,16 @@ def main() -> None:
 
     sections = args.sections.split(",")
     for section in sections:
-        before = os.getloadavg()[0]
+        before, started = os.getloadavg()[0], time.perf_counter()
         {"generate": run_generate_section, "exact": run_exact_section, "async": run_async_section, "quantize": run_quantize_section, "score": run_score_section, "cli": run_cli_section, "train": run_train_section,
          "divergence": run_divergence_section, "write": run_write_section}[section](args, models, root, add, rows)
         load[section] = [before, os.getloadavg()[0]]
+        took[section] = round(time.perf_counter() - started, 1)
+        print(f"section {section}: {took[section]} s", flush=True)
         if args.out:  # after every section: a run cut short by its lease keeps what it measured
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "load": load,
-                                                               "rows": rows}, indent=2))
+                                                               "section_seconds": took, "rows": rows}, indent=2))
             (args.out / "table.md").write_text(render(rows, args) + "\n")
     print("\n" + render(rows, args))
 
