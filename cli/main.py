@@ -1,7 +1,9 @@
 """The ``opdcache`` command: a thin Typer adapter over the library.
 
 Each command lives in its own module and calls one library function. Library errors become one-line
-messages here, with exit codes 0 (ok), 1 (a check failed), 2 (bad usage or input). Tracebacks never show
+messages here, with exit codes 0 (ok), 1 (a check failed -- validate's and pull's findings on a damaged cache, audit's,
+check-consistency's and mismatch-report's verdicts -- or the run failed: a stage stopped, the network, the storage),
+2 (bad usage or input, and a damaged cache given to any other command). Tracebacks never show
 local variables (they may hold tokens or data).
 """
 
@@ -16,8 +18,8 @@ prepare_environment()  # before anything imports torch: OpenMP reads its wait po
 
 import typer  # noqa: E402
 
-from opdcache.errors import (ConfigError, ConsistencyError, InputError, MissingDependencyError, NotACacheError,
-                             OpdcacheError, ResumeError, TokenizerMismatchError)
+from opdcache.errors import (ConfigError, ConsistencyError, InputError, ManifestError, MissingDependencyError, NotACacheError,
+                             OpdcacheError, ResumeError, SchemaError, TokenizerMismatchError)
 
 app = typer.Typer(
     name="opdcache", no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False, rich_markup_mode=None,
@@ -26,6 +28,8 @@ app = typer.Typer(
 
 USAGE_ERRORS = (ConfigError, ResumeError, InputError, TokenizerMismatchError, ConsistencyError, MissingDependencyError,
                 NotACacheError)
+DATA_ERRORS = (SchemaError, ManifestError)  # a damaged or hostile cache
+VERDICT_COMMANDS = ("validate", "pull")  # a damaged cache is what these commands report (exit 1); to any other it is bad input (2)
 
 
 INTERRUPTED = "interrupted: finished shards and checkpoints are kept; rerun the same command to resume"
@@ -100,6 +104,11 @@ def _usage_line(exc: Exception, argv: list[str] | None = None) -> str:
     return f"error: {message}; see `{command} --help`"
 
 
+def _command(argv: list[str] | None) -> str | None:
+    """The command this invocation runs (the first argument that names one)."""
+    return next((a for a in (sys.argv[1:] if argv is None else argv) if a in app_commands()), None)
+
+
 def app_commands() -> list[str]:
     return [c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands]
 
@@ -131,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=argv, standalone_mode=False)  # click returns a typer.Exit's code here
     except OpdcacheError as exc:
         typer.echo(f"error: {_one_line(str(exc))}", err=True)
-        _exit(2 if isinstance(exc, USAGE_ERRORS) else 1)
+        bad_input = isinstance(exc, USAGE_ERRORS) or (isinstance(exc, DATA_ERRORS) and _command(argv) not in VERDICT_COMMANDS)
+        _exit(2 if bad_input else 1)
     except typer.Exit as exc:
         _exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):

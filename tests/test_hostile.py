@@ -77,7 +77,7 @@ def test_a_planted_auto_map_runs_nothing_and_copies_nothing(cache, tmp_path, con
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300, env=env)
     assert "Traceback" not in proc.stderr and "[y/N]" not in proc.stdout + proc.stderr
     if config_file == "tokenizer_config.json":  # the class it names exists only in the planted code: refused in one line
-        assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
         assert "without running code from the cache" in proc.stderr
     else:  # transformers loads the declared tokenizer class and ignores config.json's auto_map: the export works
         assert proc.returncode == 0, proc.stderr
@@ -110,9 +110,9 @@ def test_a_manifest_path_that_leaves_its_table_is_refused_without_opening_it(cac
     assert code == 1 and "refusing a manifest that points outside its table" in out and "size is" not in out
     for args in (["info", cache], ["export", cache, "--to", "jsonl", "--out", tmp_path / "x"], ["check-consistency", cache]):
         code, out = _cli(args, capsys)
-        assert code == 1 and "points outside its table" in _one_line(out), args
+        assert code == 2 and "points outside its table" in _one_line(out), args
     code, out = _train(cache, weights, tmp_path, capsys)
-    assert code == 1 and "points outside its table" in _one_line(out)
+    assert code == 2 and "points outside its table" in _one_line(out)
 
 
 def test_a_symlinked_shard_leading_outside_is_reported_not_read(cache, tmp_path, weights, capsys):
@@ -125,9 +125,9 @@ def test_a_symlinked_shard_leading_outside_is_reported_not_read(cache, tmp_path,
     assert code == 1 and "symlink that leads outside the cache; not read" in out
     assert "size is" not in out and "1220" not in out  # nothing about the target is disclosed
     code, out = _train(cache, weights, tmp_path, capsys)
-    assert code == 1 and "leads outside the cache" in _one_line(out)
+    assert code == 2 and "leads outside the cache" in _one_line(out)
     code, out = _cli(["export", cache, "--to", "jsonl", "--out", tmp_path / "x"], capsys)
-    assert code == 1 and "leads outside the cache" in _one_line(out)
+    assert code == 2 and "leads outside the cache" in _one_line(out)
 
 
 # ---------------------------------------------------------------- 3. concurrent finalizes lose nothing
@@ -201,7 +201,7 @@ def test_a_damaged_head_is_a_reported_problem_and_train_refuses_it(cache, tmp_pa
     code, out = _cli(["validate", cache, "--quick"], capsys)
     assert code == 1 and "teachers/teacher/head.safetensors" in out
     code, out = _train(cache, weights, tmp_path, capsys, "--loss", "full-rkl")
-    assert code == 1 and "head.safetensors does not match the manifest's size and sha256" in _one_line(out)
+    assert code == 2 and "head.safetensors does not match the manifest's size and sha256" in _one_line(out)
 
 
 # ---------------------------------------------------------------- 6. a disk-full tokenizer never validates
@@ -240,10 +240,10 @@ def test_teacher_rows_shifted_by_one_stop_training(cache, tmp_path, weights, cap
     path = _rewrite_shard(cache, "teachers/teacher", 0, shift_values)
     code, out = _train(cache, weights, tmp_path, capsys)
     line = _one_line(out)
-    assert code == 1 and "not as long as the responses" in line and "opdcache validate" in line
+    assert code == 2 and "not as long as the responses" in line and "opdcache validate" in line
     path = _rewrite_shard(cache, "teachers/teacher", 0, lambda rows: rows[1:] + rows[:1])  # whole rows rolled: ids differ
     code, out = _train(cache, weights, tmp_path, capsys)
-    assert code == 1 and "teacher rows are not aligned with the rollout rows (ids differ)" in _one_line(out)
+    assert code == 2 and "teacher rows are not aligned with the rollout rows (ids differ)" in _one_line(out)
     del path
 
 
@@ -257,7 +257,7 @@ def test_a_row_longer_than_the_models_context_stops_training_before_padding_to_i
 
     _rewrite_shard(cache, "rollouts", 0, huge)
     code, out = _train(cache, weights, tmp_path, capsys)
-    assert code == 1 and "more than the model's context of 128" in _one_line(out)
+    assert code == 2 and "more than the model's context of 128" in _one_line(out)
 
 
 def test_a_manifest_declaring_a_trillion_rows_is_refused_before_allocating(cache, tmp_path, weights, capsys):
@@ -265,7 +265,7 @@ def test_a_manifest_declaring_a_trillion_rows_is_refused_before_allocating(cache
     manifest["tables"]["rollouts"]["shards"][0]["rows"] = 10 ** 12
     (cache / "opdcache.json").write_text(json.dumps(manifest))
     code, out = _train(cache, weights, tmp_path, capsys)
-    assert code == 1 and "the manifest says 1,000,000,000,000" in _one_line(out)
+    assert code == 2 and "the manifest says 1,000,000,000,000" in _one_line(out)
 
 
 # ---------------------------------------------------------------- 8. one bad line or verifier never kills a job
