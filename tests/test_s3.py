@@ -265,7 +265,7 @@ def test_a_missing_bucket_is_one_line(s3, capsys):
     code, out = _cli(["validate", url], capsys)
     assert code == 1 and "Traceback" not in out and f"{url} has no opdcache.json" in out
     code, out = _cli(["info", url], capsys)
-    assert code == 1 and "Traceback" not in out and "does not exist" in out
+    assert code == 2 and "Traceback" not in out and "does not exist" in out  # bad input to info; validate's finding above
 
 
 def test_push_reads_a_remote_cache(s3_cache, monkeypatch, tmp_path):
