@@ -171,8 +171,8 @@ def test_missing_local_paths_are_said_before_any_hub_lookup(tmp_path):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusals on a machine without a GPU")
 def test_a_device_this_machine_lacks_is_one_line_before_any_model_loads(tmp_path, weights, opd_prompts, capsys, monkeypatch):
-    """--device nonsense and --device cuda without a GPU: one line and exit 2 from the generating, scoring and auditing
-    commands, before any model loads (the model path here does not exist: loading it would fail otherwise)."""
+    """--device nonsense and --device cuda without a GPU: one line and exit 2 from the generating, auditing and async
+    commands, before any model loads or stage starts."""
     import opdcache.backends.hf as hf
     from opdcache.cli.main import main
 
@@ -182,10 +182,12 @@ def test_a_device_this_machine_lacks_is_one_line_before_any_model_loads(tmp_path
     for device, words in (("nonsense", "--device must be auto, cpu, cuda or cuda:N, got 'nonsense'"),
                           ("cuda:1", "--device cuda:1: no CUDA GPU is visible to this torch")):
         for args in (["build-rollouts", "--model", weights / "student", "--prompts", opd_prompts, "--out", cache, "--device", device],
-                     ["audit", tmp_path, "--device", device]):
+                     ["audit", tmp_path, "--device", device],
+                     ["async", "--model", weights / "student", "--teacher", weights / "teacher", "--prompts", opd_prompts,
+                      "--out", tmp_path / "run", "--device", device]):  # before any stage starts
             with pytest.raises(SystemExit) as e:
                 main([str(a) for a in args])
             out = capsys.readouterr()
             lines = (out.out + out.err).strip().splitlines()
             assert e.value.code == 2 and len(lines) == 1 and words in lines[0], (args, lines)
-    assert loads == [] and not cache.exists()
+    assert loads == [] and not cache.exists() and not (tmp_path / "run").exists()
