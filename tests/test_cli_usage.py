@@ -173,11 +173,12 @@ def test_missing_local_paths_are_said_before_any_hub_lookup(tmp_path):
 def test_a_device_this_machine_lacks_is_one_line_before_any_model_loads(tmp_path, weights, opd_prompts, capsys, monkeypatch):
     """--device nonsense and --device cuda without a GPU: one line and exit 2 from the generating, auditing and async
     commands, before any model loads or stage starts."""
-    import opdcache.backends.hf as hf
+    import transformers
+
     from opdcache.cli.main import main
 
     loads = []
-    monkeypatch.setattr(hf, "load_model", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loads.append(a))
     cache = tmp_path / "c"
     for device, words in (("nonsense", "--device must be auto, cpu, cuda or cuda:N, got 'nonsense'"),
                           ("cuda:1", "--device cuda:1: no CUDA GPU is visible to this torch")):

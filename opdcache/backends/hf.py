@@ -35,15 +35,22 @@ DONE_CHECK_EVERY = 16  # generation on a GPU: steps between reads of the "all ro
 SCORE_BATCH_TOKENS = {"cpu": 1024, "cuda": 16384}  # default padded tokens per scoring batch (the GPU's: 8.9x faster, bench_gpu.py)
 
 
-def resolve_device(device: str) -> torch.device:
+def parse_device(device: str) -> torch.device:
     """``--device`` as a torch device (auto: a CUDA GPU when torch sees one, else the CPU); refused in one line when it
-    is no device name or names a CUDA GPU this torch cannot use."""
+    is no device name. Whether this machine has it is :func:`resolve_device`'s question: a configuration may be
+    checked on a machine that only dispatches the work (a Ray driver without GPUs)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        dev = torch.device(device)
+        return torch.device(device)
     except RuntimeError:
         raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}") from None
+
+
+def resolve_device(device: str) -> torch.device:
+    """:func:`parse_device`, refused in one line when it names a CUDA GPU this process's torch cannot use (called before
+    a model loads)."""
+    dev = parse_device(device)
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -470,8 +477,8 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
 
 def check(engine) -> dict:
     """The transformers engine's rules on an EngineConfig (before any model loads): its quantization schemes, in
-    their canonical spelling (what the manifest records); the device exists."""
-    resolve_device(engine.device)
+    their canonical spelling (what the manifest records); the device is a device's name."""
+    parse_device(engine.device)
     if engine.quantize is None:
         return {}
     from opdcache.quant import QuantScheme
