@@ -237,8 +237,10 @@ def exact_sides(model_path: str, device: str, batch: int, new_tokens: int, round
 
 
 def kernel_profile(run, device: str, steps: int, top: int = 8) -> dict:
-    """One call of ``run`` under torch.profiler: kernels launched per decode step and the ``top`` kernels by device time
-    (on a CPU: the operators and their CPU time). Diagnostic, never a timed figure."""
+    """One call of ``run`` under torch.profiler, after the timed rounds. ``kernels_per_step``: every device kernel the
+    call launched (prefill included) divided by its ``steps`` decode steps; ``busy_ms``: those kernels' summed device
+    time; ``top``: the ``top`` kernel names by summed device time, ms. On a CPU the same over aten operators (nested
+    ones counted too) and their CPU time, so the CPU numbers are not kernel counts. Diagnostic, never a timed figure."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.startswith("cuda")
@@ -333,7 +335,7 @@ def main() -> None:
     ap.add_argument("--async-steps", type=int, default=6)
     ap.add_argument("--gen-batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--gen-lengths", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--gen-rounds", type=int, default=2, help="timed rounds of generate, exact, async and quantize, after a warm-up")
+    ap.add_argument("--gen-rounds", type=int, default=3, help="timed rounds of generate, exact, async and quantize, after a warm-up")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds of every side in turn, after a warm-up of each")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: checks the code, measures nothing")
     ap.add_argument("--cli-timeout", type=float, default=300, help="seconds each CLI command may take")

@@ -6,8 +6,9 @@
 # model.generate) and exact (--exact --device cuda against the default engine) sections; then the gpu-marked tests
 # (tests/test_gpu.py) while the cli section builds the train step's cache and audits it; then the train, async (K = 2
 # against K = 0) and quantize (w4a16 rollouts against bf16) sections. The divergence, scoring and write sections run on
-# request (SECTIONS=divergence,score,write; their figures in BENCHMARKS.md stand), so the default fits a lease of about
-# 6-8 minutes on an H200 (estimated from the 2026-11-28 run; each section's seconds are in results.json). results.json
+# request (SECTIONS=divergence,score,write; their figures in BENCHMARKS.md stand); the default's time on an H200 is
+# estimated at 7-9 minutes from the 2026-11-28 run, not measured (each section's seconds are now in results.json;
+# --gen-rounds 2 shortens it, below BENCHMARKING.md's 3 rounds, and a table measured so must say it). results.json
 # is rewritten as each section ends, so a run cut short keeps what it measured. Extra arguments go to the sections.
 # Writes $OUT/tests.log, $OUT/cli.log, $OUT/bench_gpu.log and $OUT/gpu/{results.json,table.md,divergence.txt}
 # (OUT defaults to ./gpu-results).
