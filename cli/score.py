@@ -7,12 +7,15 @@ from typing import Annotated, Optional
 import typer
 
 from opdcache.cli import options as O
+from opdcache.stores import REGISTRY
+
+STORE_HELP = "Comma-separated teacher stores: " + "; ".join(store.summary for store in REGISTRY.values()) + "."
 
 
 def score_teacher(
     cache: O.CachePath,
     teacher: O.TeacherModel, revision: O.ModelRevision = None,
-    store: Annotated[str, typer.Option("--store", help="Comma-separated stores: logprob (always), topk, hidden, svd, sampled.")] = "logprob",
+    store: Annotated[str, typer.Option("--store", help=STORE_HELP)] = "logprob",
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Width of the teacher's top-k store. Default: none (required with --store topk).", show_default=False)] = None,
     topk_precision: Annotated[Optional[str], typer.Option(
         "--topk-precision", help="Compact top-k: float32, float16 (|error| <= |log-prob| x 2^-11; format v3), or prob14 "

@@ -29,6 +29,7 @@ import torch
 from opdcache import rowrules, shards, storage
 from opdcache.cache import Cache
 from opdcache.errors import ConfigError
+from opdcache.stores import REGISTRY
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class CacheLoaderConfig:
     teacher: str | None = None
     """Teacher table name (teachers/<name>); None loads rollouts only."""
     stores: tuple[str, ...] = ("logprob",)
-    """Teacher stores to load: logprob, topk, hidden, svd."""
+    """Teacher stores to load (opdcache/stores/: logprob, topk, hidden, svd, sampled, entropy, ...)."""
     rollout_stores: tuple[str, ...] = ("base",)
     """Rollout stores to load besides the base columns: ref_topk, mc."""
     batch_size: int = 16
@@ -159,6 +160,10 @@ class DecodedShard:
         if "teacher_sampled_ids" in c:
             out += rowrules.sampled_rules(c["teacher_sampled_ids"], c["teacher_sampled_counts"], c["teacher_sampled_logprobs"],
                                           samples or 0, vocab)
+        for store in REGISTRY.values():  # the stores that declare their own rules
+            names = [col.name for col in store.columns]
+            if store.rules is not None and all("teacher_" + n in c for n in names):
+                out += [v for v in store.rules({n: c["teacher_" + n] for n in names}, vocab) if v[1] is not None]
         return out
 
     @property

@@ -16,7 +16,8 @@ Each row holds the rollout's columns (ids, token ids, ``finish_reason``, ``sampl
 ``reward``, ``answer``), its prompt and response decoded with the cache's own tokenizer beside the ids (the ids
 stay the truth: text is for reading, never for re-tokenising), and one teacher's per-token columns prefixed
 ``teacher_`` (``logprobs``, ``logsumexp`` and, when stored, ``topk_ids`` / ``topk_logprobs``, a compact top-k's
-``topk_tail``, the sampled store's ``sampled_ids`` / ``sampled_counts`` / ``sampled_logprobs``). v3 values are
+``topk_tail``, the sampled store's ``sampled_ids`` / ``sampled_counts`` / ``sampled_logprobs``, and any
+other store's columns it declares flat: opdcache/stores/). v3 values are
 decoded to plain numbers: float16 log-probs to floats, and padding slots (id -1) dropped, so each position lists
 only its entries. Hidden and svd
 states are not exported (kilobytes per token; read them from the cache). Shards are converted one at a time, each
@@ -36,11 +37,13 @@ from opdcache import schema as S
 from opdcache import shards, storage
 from opdcache.cache import Cache
 from opdcache.errors import ConfigError, SchemaError
+from opdcache.stores import REGISTRY
 
 FORMATS = ("jsonl", "parquet-flat", "lightning-opd")
 ROLLOUT_COLUMNS = ("id", "prompt_index", "sample_index", "prompt_ids", "response_ids", "finish_reason", "sampling_logprobs",
                    "ref_logprobs", "reward", "answer")
-TEACHER_COLUMNS = ("logprobs", "logsumexp", "topk_ids", "topk_logprobs", "topk_tail", "sampled_ids", "sampled_counts", "sampled_logprobs")
+TEACHER_COLUMNS = tuple(c.name for store in REGISTRY.values() for c in store.columns if store.flat is None or c.name in store.flat)
+"""The teacher columns flat exports carry: each store's ``flat`` columns (opdcache/stores/)."""
 
 
 def export(cache_root: str | Path, to: str, out: str | Path, teacher: str | None = None, ref_logprobs: bool = False) -> dict:

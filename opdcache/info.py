@@ -8,6 +8,7 @@ from pathlib import Path
 from opdcache import schema as S
 from opdcache import shards
 from opdcache.cache import Cache
+from opdcache.stores import REGISTRY
 
 
 def store_bytes(cache: Cache, table: str) -> dict[str, int]:
@@ -57,6 +58,8 @@ def summary(root: str | Path) -> dict:
             "topk": entry.get("topk"),
             "fidelity": entry.get("fidelity") if entry["kind"] == "teacher" else None,
             "samples_per_position": entry["params"].get("samples_per_position"),
+            "store_notes": [note for store in entry["params"]["stores"] if store in REGISTRY
+                            and (note := REGISTRY[store].info(entry["params"])) is not None] if entry["kind"] == "teacher" else [],
         }
     out = {
         "path": str(root), "kind": m["kind"], "format_version": m["format_version"], "opdcache_version": m["opdcache_version"],
@@ -110,8 +113,8 @@ def render(info: dict) -> str:
             from opdcache.fidelity import describe
 
             lines += _wrap("against the full vocabulary (measured while scoring): " + "; ".join(describe(t.get("fidelity") or {})))
-        if t.get("samples_per_position"):
-            lines += _wrap(f"sampled store: {t['samples_per_position']} teacher draws a position (RS-KD; train --loss sampled-fkl)")
+        for note in t.get("store_notes", []):
+            lines += _wrap(note)
         if t.get("reward_mean") is not None:
             lines += _wrap(f"reward mean {t['reward_mean']:.3f} (over the rows that have one)")
     if "async" in info:

@@ -22,36 +22,35 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from opdcache import stores as store_registry
 from opdcache.errors import ConfigError, SchemaError
+from opdcache.stores import REGISTRY as TEACHER_REGISTRY
+from opdcache.stores import hidden as hidden_store
+from opdcache.stores import topk as topk_store
+from opdcache.stores.base import PAD_ID, Column  # noqa: F401 (the format's names, declared with the stores)
 
 FORMAT_NAME = "opdcache"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """The newest format. A shard (and a manifest) declares the lowest version that holds every column it uses, so a cache
 that uses nothing newer than v1 is written exactly as v1 was (same bytes, same fingerprints) and older readers keep
 reading it. v2 = v1 + the rollouts' optional ``version`` store (``student_version``: async runs). v3 = v2 + the compact
 top-k store (``topk_precision`` / ``topk_mass``: a residual-mass support padded with id -1, log-probs in float16 bits,
 and the ``topk_tail`` column) and the teacher's ``sampled`` store (RS-KD). v4 = v3 + the compact top-k precision
-``prob14`` (probabilities as uint16 codes on a 2^-14 grid, kept entries in ascending id order)."""
-READABLE_VERSIONS = (1, 2, 3, 4)
-STORE_SINCE = {"version": 2, "sampled": 3}
+``prob14`` (probabilities as uint16 codes on a 2^-14 grid, kept entries in ascending id order). v5 = v4 + the teacher's
+``entropy`` store. Each teacher store declares the version that added it (opdcache/stores/)."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+STORE_SINCE = {"version": 2} | {s.name: s.since for s in TEACHER_REGISTRY.values() if s.since > 1}
 """Stores added after v1, with the format version that added them; ``schemas/format-v<N>.json`` freezes each version."""
 
 TABLE_KINDS = ("sft", "rollouts", "teacher")
 ROLLOUT_STORES = ("base", "ref_topk", "mc", "task", "version")
-TEACHER_STORES = ("logprob", "topk", "hidden", "svd", "sampled")
-TOPK_PRECISIONS = ("float32", "float16", "prob14")
-"""Precisions of the compact top-k store's values: float32 or float16 log-probs (v3), or ``prob14`` (v4): each kept
-entry's probability as a uint16 code c = round(p x 2^14), decoded p = c x 2^-14 (|error| <= 2^-15), entries whose code
-would be 0 (p < 2^-15) moved into the tail, the kept entries in ascending id order (their ids then compress to half:
-bench_storage.py, BENCHMARKS.md). opdcache/compact.py measures q8 too: on bench_storage.py's data, 44x float16's
-forward-KL error for 6 B/token less at mass 1e-3, so it is not offered."""
+TEACHER_STORES = tuple(TEACHER_REGISTRY)
+TOPK_PRECISIONS = topk_store.PRECISIONS
 PROB14_STEP = 2.0 ** -14
-TOPK_PRECISION_SINCE = {"float32": 3, "float16": 3, "prob14": 4}
-PAD_ID = -1
-"""Padding of a compact top-k or sampled entry that holds no token (its log-prob is -inf, its count 0)."""
+TOPK_PRECISION_SINCE = topk_store.PRECISION_SINCE
 PADDED_BY = {"topk_ids": ("topk_logprobs",), "sampled_ids": ("sampled_counts", "sampled_logprobs")}
 """The v3 id columns whose slots may be padding (PAD_ID), with the columns that share their slots."""
-HIDDEN_DTYPES = ("float32", "bfloat16", "float16")
+HIDDEN_DTYPES = hidden_store.DTYPES
 FINISH_REASONS = ("stop", "length")
 
 # Parquet key-value metadata keys carried by every shard, so a lone shard is self-describing.
@@ -62,21 +61,6 @@ META_PARAMS = b"opdcache.params"
 META_CONFIG_FP = b"opdcache.config_fingerprint"
 # Field metadata key recording the logical dtype of a column stored as raw bits (bf16 as uint16).
 FIELD_DTYPE = b"opdcache.dtype"
-
-
-@dataclass(frozen=True)
-class Column:
-    """One column of one table kind."""
-
-    name: str
-    shape: str  # "row": one value per sequence; "token": a list aligned with response_ids; "token_vector": a list of fixed-width vectors
-    dtype: str  # int32, int64, float32, string, bool, or "hidden" (the teacher's compute dtype)
-    store: str  # the store that writes it; a table holds a column only when its store is enabled
-    doc: str
-    width: str | None = None  # StoreParams field giving the vector width ("top_k", "ref_top_k", ...)
-    requires: tuple[str, ...] = ()  # StoreParams fields that must be set for the column to exist
-    nullable: bool = False  # whether a row may hold null (task fields only)
-    since: int = 1  # the format version that added the column (a newer column of an older store); not in describe()
 
 
 _ID = Column("id", "row", "string", "base", "Stable row id: sha256 of the prompt token ids (hex, 16 chars) and the sample index, '<hash>-<sample_index>'.")
@@ -122,41 +106,7 @@ ROLLOUT_COLUMNS: tuple[Column, ...] = (
 
 TEACHER_COLUMNS: tuple[Column, ...] = (
     Column("id", "row", "string", "base", "Row id of the rollout row this row scores (row-aligned 1:1 with the rollout shard of the same index)."),
-    Column("logprobs", "token", "float32", "logprob",
-           "T_t: teacher log-prob of each sampled response token at temperature 1 (log_softmax of the raw logits)."),
-    Column("logsumexp", "token", "float32", "logprob",
-           "Teacher log-partition log(sum_v exp(logit_v)) at each position, temperature 1; logprob_v = logit_v - logsumexp."),
-    Column("ref_topk_logprobs", "token_vector", "float32", "logprob",
-           "Teacher temperature-1 log-probs at the rollout's ref_topk_ids (same order).", width="ref_top_k", requires=("ref_top_k",)),
-    Column("mc_logprobs", "token_vector", "float32", "logprob",
-           "Teacher temperature-1 log-probs at the rollout's mc_ids (same order).", width="mc_samples", requires=("mc_samples",)),
-    Column("topk_ids", "token_vector", "int32", "topk", "Teacher's own k most likely next tokens at temperature 1, most likely first.", width="top_k", requires=("top_k",)),
-    Column("topk_logprobs", "token_vector", "topk", "topk", "Teacher temperature-1 log-probs of topk_ids, descending.", width="top_k", requires=("top_k",)),
-    Column("topk_tail", "token", "float32", "topk",
-           "Compact top-k (v3): the teacher's probability outside the kept entries, 1 - sum(exp(topk_logprobs over ids "
-           "!= -1)), summed in float64 from the float32 log-probs before any rounding; an estimator with one extra tail "
-           "bin sums to 1 on what is kept.", requires=("topk_compact",), since=3),
-    Column("hidden", "token_vector", "hidden", "hidden",
-           "Teacher final hidden state after the final norm: the exact input of the unembedding in head.safetensors, so "
-           "logits = hidden @ weight.T (+ bias). Stored bit-exact in the teacher's compute dtype: float32 as float32; "
-           "bfloat16 and float16 as their raw 16-bit patterns in uint16 (field metadata opdcache.dtype names which).",
-           width="hidden_size", requires=("hidden_size",)),
-    Column("svd", "token_vector", "svd", "svd",
-           "Teacher final hidden state projected to rank r by the encoder in svd.safetensors (z = hidden @ encoder); "
-           "approximate logits = z @ decoder.T (+ bias).", width="svd_rank", requires=("svd_rank",)),
-    Column("sampled_ids", "token_vector", "int32", "sampled",
-           "RS-KD (arXiv 2503.16870): the distinct tokens among m draws from the teacher's temperature-1 distribution at "
-           "this position (m = samples_per_position), most drawn first (ties: smaller id first), padded with -1.",
-           width="samples_per_position", requires=("samples_per_position",)),
-    Column("sampled_counts", "token_vector", "int32", "sampled",
-           "How many of the m draws gave each sampled_ids entry (0 for padding); a position's counts sum to m.",
-           width="samples_per_position", requires=("samples_per_position",)),
-    Column("sampled_logprobs", "token_vector", "float16", "sampled",
-           "Teacher temperature-1 log-prob of each sampled_ids entry (-inf for padding), as IEEE float16 bits in uint16 "
-           "(field metadata opdcache.dtype = float16; |error| <= |log-prob| x 2^-11): the estimator's gradient needs only "
-           "ids and counts, the log-probs give its value.",
-           width="samples_per_position", requires=("samples_per_position",)),
-)
+) + store_registry.columns()
 
 _COLUMNS = {"sft": SFT_COLUMNS, "rollouts": ROLLOUT_COLUMNS, "teacher": TEACHER_COLUMNS}
 
@@ -202,30 +152,11 @@ class StoreParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.hidden_dtype is not None and self.hidden_dtype not in HIDDEN_DTYPES:
-            raise ConfigError(f"hidden_dtype must be one of {', '.join(HIDDEN_DTYPES)}, got {self.hidden_dtype!r}")
-        if "hidden" in self.stores and (self.hidden_size is None or self.hidden_dtype is None):
-            raise ConfigError("the hidden store needs hidden_size and hidden_dtype")
-        if "topk" in self.stores and self.top_k is None:
-            raise ConfigError("the topk store needs top_k (--top-k)")
-        if "svd" in self.stores and self.svd_rank is None:
-            raise ConfigError("the svd store needs svd_rank (--svd-rank)")
         if "ref_topk" in self.stores and self.ref_top_k is None:
             raise ConfigError("the ref_topk store needs ref_top_k (--ref-top-k)")
         if "mc" in self.stores and self.mc_samples is None:
             raise ConfigError("the mc store needs mc_samples (--mc-samples)")
-        if self.topk_precision is not None and self.topk_precision not in TOPK_PRECISIONS:
-            raise ConfigError(f"--topk-precision must be one of {', '.join(TOPK_PRECISIONS)}, got {self.topk_precision!r}")
-        if self.topk_mass is not None and not (isinstance(self.topk_mass, (int, float)) and 0 <= self.topk_mass < 1):
-            raise ConfigError(f"--topk-mass must be in [0, 1), got {self.topk_mass!r}")
-        if (self.topk_precision is not None or self.topk_mass is not None) and "topk" not in self.stores:
-            raise ConfigError("--topk-precision and --topk-mass shape the topk store: add --store topk")
-        if self.samples_per_position is not None and not (isinstance(self.samples_per_position, int) and 1 <= self.samples_per_position <= 255):
-            raise ConfigError(f"--samples-per-position must be an integer in [1, 255], got {self.samples_per_position!r}")
-        if self.svd_dtype not in (None, "bfloat16"):
-            raise ConfigError(f"svd_dtype must be bfloat16 or unset (float32), got {self.svd_dtype!r}")
-        if "sampled" in self.stores and self.samples_per_position is None:
-            raise ConfigError("the sampled store needs samples_per_position (--samples-per-position)")
+        store_registry.check_params(self)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self) | {"stores": list(self.stores)}

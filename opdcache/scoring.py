@@ -18,6 +18,7 @@ from pathlib import Path
 
 from opdcache import schema as S
 from opdcache import shards, threads
+from opdcache import stores as store_registry
 from opdcache.backends.base import ScoreRequest
 from opdcache.cache import Cache, TableJob, run_table_job
 from opdcache.workers import worker_from_env
@@ -93,32 +94,11 @@ class ScoreJob:
         unknown = set(stores) - set(S.TEACHER_STORES)
         if unknown:
             raise ConfigError(f"--store takes {', '.join(S.TEACHER_STORES)}; got {', '.join(sorted(unknown))}")
-        if "topk" in stores and not (self.top_k and 1 <= self.top_k <= 1024):
-            raise ConfigError(f"--top-k must be between 1 and 1024 with --store topk, got {self.top_k}")
-        if (self.topk_precision is not None or self.topk_mass is not None) and "topk" not in stores:
-            raise ConfigError("--topk-precision and --topk-mass shape the topk store: add --store topk")
-        if self.topk_precision is not None and self.topk_precision not in S.TOPK_PRECISIONS:
-            raise ConfigError(f"--topk-precision must be one of {', '.join(S.TOPK_PRECISIONS)}, got {self.topk_precision!r}")
-        if self.topk_mass is not None and not 0 <= self.topk_mass < 1:
-            raise ConfigError(f"--topk-mass must be in [0, 1), got {self.topk_mass}")
-        if "sampled" in stores and not (isinstance(self.samples_per_position, int) and 1 <= self.samples_per_position <= 255):
-            raise ConfigError(f"--samples-per-position must be between 1 and 255 with --store sampled, got {self.samples_per_position}")
-        if self.samples_per_position is not None and "sampled" not in stores:
-            raise ConfigError("--samples-per-position sets the sampled store: add --store sampled")
-        if self.hidden_dtype is not None and self.hidden_dtype not in S.HIDDEN_DTYPES:
-            raise ConfigError(f"--hidden-dtype must be one of {', '.join(S.HIDDEN_DTYPES)}, got {self.hidden_dtype!r}")
-        if self.hidden_dtype is not None and "hidden" not in stores:
-            raise ConfigError("--hidden-dtype sets the hidden store's precision: add --store hidden")
-        if self.svd_dtype not in ("bfloat16", "float32"):
-            raise ConfigError(f"--svd-dtype must be bfloat16 or float32, got {self.svd_dtype!r}")
-        if "svd" in stores and not (self.svd_rank and self.svd_rank >= 1):
-            raise ConfigError(f"--svd-rank must be a positive integer with --store svd, got {self.svd_rank}")
-        if self.svd_min_positions is not None and ("svd" not in stores or self.svd_min_positions < 1):
-            raise ConfigError(f"--svd-min-positions sets the svd fit's minimum calibration size: a positive integer with --store svd, got {self.svd_min_positions}")
-        from opdcache.svd import METHODS
-
-        if self.svd_method not in METHODS:
-            raise ConfigError(f"--svd-method must be one of {', '.join(METHODS)}, got {self.svd_method!r}")
+        store_registry.check_job(self, stores)
+        needs_all = [name for name in stores if store_registry.REGISTRY[name].full_distribution]
+        if needs_all and self.engine.backend == "vllm":
+            raise ConfigError(f"--store {needs_all[0]} needs the teacher's whole distribution at every position, which vLLM's "
+                              "scoring does not return: use --backend transformers for this table")
         if self.slug is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.slug):
             raise ConfigError(f"--name must be letters, digits, '.', '_' or '-', got {self.slug!r}")
 
@@ -186,23 +166,16 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
     import torch
 
     from opdcache import compact, fidelity
-    from opdcache.sampled import store_columns
 
+    enabled = [store_registry.REGISTRY[name] for name in params.stores]
     records, sums, errors = shards.Records(), [], []
     for row_id, sc in zip(ids, scores):
-        rec = {"id": row_id, "logprobs": sc.logprobs, "logsumexp": sc.logsumexp}
-        if params.top_k:
-            rec["topk_ids"], rec["topk_logprobs"] = sc.topk_ids, sc.topk_logprobs
-        if params.ref_top_k:
-            rec["ref_topk_logprobs"] = sc.ref_topk_logprobs
-        if params.mc_samples:
-            rec["mc_logprobs"] = sc.mc_logprobs
-        if "hidden" in params.stores:
-            rec["hidden"] = shards.hidden_to_numpy(sc.hidden.to(getattr(torch, params.hidden_dtype)))
+        rec = {"id": row_id}
+        for store in enabled:
+            if store.encode is not None:
+                rec.update(store.encode(sc, params))
         if proj is not None:
             rec["svd"] = proj.encode(sc.hidden).numpy()
-        if params.samples_per_position:
-            rec["sampled_logprobs"] = sc.sampled_logprobs
         reason = shards.first_non_finite(rec)  # on the exact values, before any padding
         if reason:
             raise SchemaError(f"teacher produced {reason} for rollout row {row_id} ({where}); "
@@ -214,8 +187,9 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
             sums.append(compact.distortion_sums(enc))
         if vocab_size:
             errors.append(fidelity.row_sums(sc, enc, params, vocab_size))
-        if params.samples_per_position:
-            rec.update(store_columns(sc.sampled_ids, sc.sampled_logprobs))
+        for store in enabled:
+            if store.pack is not None:
+                rec.update(store.pack(sc, params))
         if proj is not None and params.svd_dtype == "bfloat16":  # rounded after the finiteness check, as its bits
             rec["svd"] = shards.hidden_to_numpy(torch.from_numpy(rec["svd"]).to(torch.bfloat16))
         records.append(rec)

@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from opdcache import schema as S
 from opdcache import storage
 from opdcache.errors import SchemaError
+from opdcache.stores.base import hidden_to_numpy  # noqa: F401 (the writers' bit view of hidden states, declared with the stores)
 from opdcache.shardcheck import MAX_ROW_TOKENS, check_footer, check_nulls, check_rows, check_types  # noqa: F401 (the reading layer's checks)
 
 COMPRESSION = "zstd"
@@ -409,13 +410,3 @@ def hidden_to_torch(values, hidden_dtype: str):
             return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         target = {"bfloat16": torch.bfloat16, "float16": torch.float16}[hidden_dtype]
         return torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).view(target)
-
-
-def hidden_to_numpy(tensor) -> np.ndarray:
-    """A torch hidden-state tensor -> what the hidden column stores (float32, or raw 16-bit patterns)."""
-    import torch
-
-    tensor = tensor.detach().cpu()
-    if tensor.dtype in (torch.bfloat16, torch.float16):
-        return tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
-    return tensor.to(torch.float32).numpy()

@@ -52,6 +52,7 @@ from opdcache.sidefiles import side_file_problem
 from opdcache import schema as S
 from opdcache.errors import ManifestError, SchemaError
 from opdcache.fingerprint import config_fingerprint, sha256_file
+from opdcache.stores import REGISTRY
 
 MAX_ROWS_LISTED = 5  # per (file, column, check); the rest are counted
 LOGPROB_TOL = 1e-4  # agreement between two stores of the same float32 log-prob
@@ -443,6 +444,10 @@ def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, par
                             prob_tol=S.PROB14_STEP / 2 + 1e-6 if order == "ids" else None)
     if "sampled_ids" in table.column_names:
         _check_sampled(file, table, params, offsets, vocab, out)
+    for store in REGISTRY.values():  # the stores that declare their own rules
+        if store.rules is not None and store.name in params.stores and all(c.name in table.column_names for c in store.columns):
+            found = store.rules({c.name: shards.token_values(table[c.name]) for c in store.columns}, vocab)
+            _report(file, offsets, [v for v in found if v[1] is not None], out)
     for name in ("ref_topk_logprobs", "mc_logprobs"):
         if name in table.column_names:
             _check_logprobs(file, name, shards.token_values(table[name]), offsets, out)

@@ -1,0 +1,44 @@
+"""The teacher stores, one file each; this registry is the only list of them.
+
+A new store is one file in this folder filling in :class:`opdcache.stores.base.Store` and one line below. The format
+(opdcache/schema.py), score-teacher's checks and encoding (opdcache/scoring.py), validate's row rules, the loader and
+``info`` read this registry.
+"""
+
+from __future__ import annotations
+
+from opdcache.stores import entropy, hidden, logprob, sampled, svd, topk
+from opdcache.stores.base import Column, Store, Violation
+
+REGISTRY: dict[str, Store] = {s.name: s for s in (
+    logprob.STORE,
+    topk.STORE,
+    hidden.STORE,
+    svd.STORE,
+    sampled.STORE,
+    entropy.STORE,
+)}
+"""Every teacher store by name, in the order their columns are written."""
+
+__all__ = ["Column", "REGISTRY", "Store", "Violation", "columns", "check_job", "check_params", "names"]
+
+
+def names() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
+def columns() -> tuple[Column, ...]:
+    """Every teacher store's columns, in registry order."""
+    return tuple(c for store in REGISTRY.values() for c in store.columns)
+
+
+def check_job(job, enabled: tuple[str, ...]) -> None:
+    """Every store's checks of a score-teacher job's settings (ConfigError, one line)."""
+    for store in REGISTRY.values():
+        store.check_job(job, store.name in enabled)
+
+
+def check_params(params) -> None:
+    """Every store's checks of a table's recorded parameters (ConfigError, one line)."""
+    for store in REGISTRY.values():
+        store.check_params(params)

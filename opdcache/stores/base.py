@@ -1,0 +1,91 @@
+"""What a teacher store is: the one small spec that every file in ``opdcache/stores/`` fills in.
+
+A store is a set of columns in a teacher table, the score-teacher settings that shape them and their checks, what it
+asks of the engine, how a row's values are made from the engine's scores (encode), the rules a stored row must meet,
+and the line ``info`` prints for it. Schema, scoring, validate, the loader and ``info`` loop over the registry
+(``opdcache/stores/__init__.py``) instead of naming stores.
+
+This module imports nothing of opdcache, so that the format (opdcache/schema.py) can be built from the registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+PAD_ID = -1
+"""Padding of a compact top-k or sampled entry that holds no token (its log-prob is -inf, its count 0)."""
+
+Violation = tuple[str, "np.ndarray | None", str]
+"""One row rule that some tokens break: (column, bad tokens [tokens] bool or None, message)."""
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of one table kind."""
+
+    name: str
+    shape: str  # "row": one value per sequence; "token": a list aligned with response_ids; "token_vector": a list of fixed-width vectors
+    dtype: str  # int32, int64, float32, string, bool, or "hidden" (the teacher's compute dtype)
+    store: str  # the store that writes it; a table holds a column only when its store is enabled
+    doc: str
+    width: str | None = None  # StoreParams field giving the vector width ("top_k", "ref_top_k", ...)
+    requires: tuple[str, ...] = ()  # StoreParams fields that must be set for the column to exist
+    nullable: bool = False  # whether a row may hold null (task fields only)
+    since: int = 1  # the format version that added the column (a newer column of an older store); not in describe()
+
+
+def _nothing(*_args: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Store:
+    """One teacher store."""
+
+    name: str
+    """What ``score-teacher --store`` and ``train``'s loader call it."""
+    summary: str
+    """What it holds, in a few words (score-teacher's --store help)."""
+    columns: tuple[Column, ...]
+    """Its columns in a teacher table, in the order they are written."""
+    since: int = 1
+    """The format version that added it."""
+    check_job: Callable[[Any, bool], None] = _nothing
+    """Checks a score-teacher job's settings that shape this store: ``check_job(job, enabled)``, raising ConfigError with
+    one line (called before any model loads)."""
+    check_params: Callable[[Any], None] = _nothing
+    """Checks a table's recorded store parameters (``schema.StoreParams``) for this store, raising ConfigError."""
+    full_distribution: bool = False
+    """Whether it needs the teacher's whole distribution at every position (an engine that streams the vocabulary: the
+    transformers and exact engines; vLLM's scoring returns only a few top log-probs)."""
+    encode: Callable[[Any, Any], Mapping[str, np.ndarray]] | None = None
+    """``encode(scores, params)``: the row's columns from the engine's ``Scores``, before the finiteness check (None: the
+    scoring module writes it, for stores whose encoding spans rows)."""
+    pack: Callable[[Any, Any], Mapping[str, np.ndarray]] | None = None
+    """``pack(scores, params)``: the stored form of columns whose exact values ``encode`` gave (checked finite first),
+    e.g. draws collapsed to distinct ids and float16 bits (None: stored as encoded)."""
+    rules: Callable[[Mapping[str, np.ndarray], int | None], list] | None = None
+    """``rules(values, vocab)``: the row rules (Violations) on a shard's decoded per-token values {column: [tokens, ...]};
+    validate reports them and the loader refuses a shard that breaks one."""
+    flat: tuple[str, ...] | None = None
+    """The columns flat exports (``opdcache export``) carry, decoded to plain numbers (None: all of them)."""
+    card: Callable[[str, Mapping], list[str]] = lambda config, entry: []
+    """``card(config, entry)``: a section of the dataset card for a table holding it (its Markdown lines), e.g. how to
+    decode its columns from what ``datasets`` returns."""
+    info: Callable[[Mapping], str | None] = _nothing
+    """``info(params)``: the line ``opdcache info`` prints for a table holding it (None: nothing beyond its bytes)."""
+    doc: str = field(default="", compare=False)
+    """The store's module docstring, for the docs."""
+
+
+def hidden_to_numpy(tensor) -> np.ndarray:
+    """A torch tensor of hidden states -> what a hidden or svd column stores (float32, or raw 16-bit patterns)."""
+    import torch
+
+    tensor = tensor.detach().cpu()
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        return tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
+    return tensor.to(torch.float32).numpy()

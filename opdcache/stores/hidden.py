@@ -1,0 +1,70 @@
+"""The hidden store: the teacher's final hidden state at every position, bit-exact in its compute dtype (or rounded to
+a narrower one, with the rounding's KL recorded), and the unembedding beside it in ``head.safetensors``, so that the
+trainer recomputes the teacher's full distribution."""
+
+from __future__ import annotations
+
+from opdcache.errors import ConfigError
+from opdcache.stores.base import Column, Store, hidden_to_numpy
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_job(job, enabled: bool) -> None:
+    if job.hidden_dtype is not None and job.hidden_dtype not in DTYPES:
+        raise ConfigError(f"--hidden-dtype must be one of {', '.join(DTYPES)}, got {job.hidden_dtype!r}")
+    if job.hidden_dtype is not None and not enabled:
+        raise ConfigError("--hidden-dtype sets the hidden store's precision: add --store hidden")
+
+
+def _check_params(params) -> None:
+    if params.hidden_dtype is not None and params.hidden_dtype not in DTYPES:
+        raise ConfigError(f"hidden_dtype must be one of {', '.join(DTYPES)}, got {params.hidden_dtype!r}")
+    if "hidden" in params.stores and (params.hidden_size is None or params.hidden_dtype is None):
+        raise ConfigError("the hidden store needs hidden_size and hidden_dtype")
+
+
+def _encode(sc, params) -> dict:
+    import torch
+
+    return {"hidden": hidden_to_numpy(sc.hidden.to(getattr(torch, params.hidden_dtype)))}
+
+
+RECIPES = {
+    "bfloat16": "import numpy as np, torch\n"
+                "bits = np.asarray(row['hidden'], dtype=np.uint16)  # [tokens, hidden] raw bfloat16 bits\n"
+                "hidden = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)",
+    "float16": "import numpy as np\n"
+               "hidden = np.asarray(row['hidden'], dtype=np.uint16).view(np.float16)  # [tokens, hidden]",
+}
+"""How to turn a row's 16-bit ``hidden`` bit patterns back into numbers, per stored dtype (shown in the card, run by a test)."""
+
+
+def _card(config: str, entry: dict) -> list[str]:
+    dtype = entry["params"].get("hidden_dtype")
+    if dtype not in RECIPES:
+        return []
+    return [f"### Decoding `hidden` in `{config}` ({dtype})", "",
+            f"The column stores the teacher's {dtype} hidden states bit-exact, as their raw 16-bit patterns in `uint16` "
+            "(Parquet has no bfloat16): every client (datasets, DuckDB, Polars, pandas) returns integers, and the field's "
+            "`opdcache.dtype` metadata is lost once loaded. Decode a row like this:", "",
+            "```python", RECIPES[dtype], "```", ""]
+
+
+STORE = Store(
+    name="hidden",
+    summary="hidden: the teacher's final hidden states (the full distribution, recomputed)",
+    columns=(
+        Column("hidden", "token_vector", "hidden", "hidden",
+               "Teacher final hidden state after the final norm: the exact input of the unembedding in head.safetensors, so "
+               "logits = hidden @ weight.T (+ bias). Stored bit-exact in the teacher's compute dtype: float32 as float32; "
+               "bfloat16 and float16 as their raw 16-bit patterns in uint16 (field metadata opdcache.dtype names which).",
+               width="hidden_size", requires=("hidden_size",)),
+    ),
+    check_job=_check_job,
+    check_params=_check_params,
+    encode=_encode,
+    card=_card,
+    flat=(),
+    doc=__doc__,
+)

@@ -1,0 +1,43 @@
+"""The svd store: the teacher's final hidden state projected to rank r (papers/002), with the projection and decoder
+fitted on calibration positions and kept in ``svd.safetensors``, its measured distortion in the manifest. The scoring
+module writes its column (the projection is fitted over the whole table first: opdcache/svd.py)."""
+
+from __future__ import annotations
+
+from opdcache.errors import ConfigError
+from opdcache.stores.base import Column, Store
+
+
+def _check_job(job, enabled: bool) -> None:
+    if job.svd_dtype not in ("bfloat16", "float32"):
+        raise ConfigError(f"--svd-dtype must be bfloat16 or float32, got {job.svd_dtype!r}")
+    if enabled and not (job.svd_rank and job.svd_rank >= 1):
+        raise ConfigError(f"--svd-rank must be a positive integer with --store svd, got {job.svd_rank}")
+    if job.svd_min_positions is not None and (not enabled or job.svd_min_positions < 1):
+        raise ConfigError(f"--svd-min-positions sets the svd fit's minimum calibration size: a positive integer with --store svd, got {job.svd_min_positions}")
+    from opdcache.svd import METHODS  # torch: imported only when a job is checked
+
+    if job.svd_method not in METHODS:
+        raise ConfigError(f"--svd-method must be one of {', '.join(METHODS)}, got {job.svd_method!r}")
+
+
+def _check_params(params) -> None:
+    if "svd" in params.stores and params.svd_rank is None:
+        raise ConfigError("the svd store needs svd_rank (--svd-rank)")
+    if params.svd_dtype not in (None, "bfloat16"):
+        raise ConfigError(f"svd_dtype must be bfloat16 or unset (float32), got {params.svd_dtype!r}")
+
+
+STORE = Store(
+    name="svd",
+    summary="svd: the teacher's hidden states at rank r (--svd-rank)",
+    columns=(
+        Column("svd", "token_vector", "svd", "svd",
+               "Teacher final hidden state projected to rank r by the encoder in svd.safetensors (z = hidden @ encoder); "
+               "approximate logits = z @ decoder.T (+ bias).", width="svd_rank", requires=("svd_rank",)),
+    ),
+    check_job=_check_job,
+    check_params=_check_params,
+    flat=(),
+    doc=__doc__,
+)
