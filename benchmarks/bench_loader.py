@@ -2,8 +2,9 @@
 
 Cache: synthetic, written with opdcache's writer -- ROWS rollouts of 64-token prompts and 100-400-token
 responses (vocabulary 151,936), with one teacher's logprob and top-k (k=20) stores.
-Both sides deliver the same padded tensors per batch (input ids, masks, response ids, teacher log-probs,
-teacher top-k ids and log-probs) for one full epoch with batch size 32 and no worker processes:
+The padded sides deliver the same padded tensors per batch (input ids, masks, response ids, teacher log-probs,
+teacher top-k ids and log-probs) for one full epoch with batch size 32 and no worker processes; the packed side the
+same rows and values without padding (``pack=True``: what a padding-free trainer reads, the same information):
 
 * opdcache: ``CacheLoader`` (flat numpy buffers per shard, sliced per row; each shard's sha256, id alignment and
   lengths checked once per process; decoded shards kept across epochs up to ``keep_decoded_bytes``, 1 GiB);
@@ -178,8 +179,8 @@ class DatasetsLoader:
 def make(root: str, bs: int, side: str):
     from opdcache.data import CacheLoader, CacheLoaderConfig
 
-    if side == "opdcache":
-        return CacheLoader(CacheLoaderConfig(cache=root, teacher="t", stores=("logprob", "topk"), batch_size=bs))
+    if side in ("opdcache", "packed"):
+        return CacheLoader(CacheLoaderConfig(cache=root, teacher="t", stores=("logprob", "topk"), batch_size=bs, pack=side == "packed"))
     return HandLoader(Path(root), bs) if side == "hand" else DatasetsLoader(Path(root), bs)
 
 
@@ -213,7 +214,7 @@ def run_epoch(st: dict) -> dict:
     loader = st.get("loader") or make(st["root"], st["bs"], st["side"])
     tokens = 0
     for b in loader:
-        tokens += int(b["response_mask"].sum())
+        tokens += int(b["response_mask"].sum()) if "response_mask" in b else len(b["response_ids"])  # packed: no padding
     return {"tokens": tokens}
 
 
@@ -240,12 +241,14 @@ def main() -> None:
             common = {"root": str(root), "bs": args.batch_size, "warm": temp == "warm", "trained": not args.loader_only_process}
             sides = [Side("opdcache CacheLoader", "run_epoch", "setup", common | {"side": "opdcache"},
                           note="checks each shard (sha256, id alignment, lengths, row rules) once, keeps decoded shards"),
+                     Side("opdcache CacheLoader, packed", "run_epoch", "setup", common | {"side": "packed"},
+                          note="the same rows and values as one flat sequence a batch (pack=True): no padding, one gather a column"),
                      Side("hand-written pyarrow (competent)", "run_epoch", "setup", common | {"side": "hand"}, baseline=True,
                           note="pq.read_table, numpy values + offsets kept across epochs, numpy padding; checks nothing"),
                      Side("datasets + DataLoader", "run_epoch", "setup", common | {"side": "datasets"},
-                          note="load_dataset of both configs, with_format('torch'), DataLoader, padding collate")][: 2 if args.no_datasets else 3]
+                          note="load_dataset of both configs, with_format('torch'), DataLoader, padding collate")][: 3 if args.no_datasets else 4]
             if temp == "cold":
-                sides.insert(2, Side("hand-written, pandas imported first", "run_epoch", "setup", common | {"side": "hand", "pandas": True},
+                sides.insert(3, Side("hand-written, pandas imported first", "run_epoch", "setup", common | {"side": "hand", "pandas": True},
                                      note="the baseline in a process that has imported pandas already (its to_numpy then costs no import)"))
             result = compare(f"one {temp} epoch, {args.rows} rows, batch {args.batch_size}, top-k {K}"
                              + (" (loader built inside the timer)" if temp == "cold" else " (after one untimed epoch)"),

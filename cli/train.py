@@ -78,6 +78,7 @@ def train(
     chunk: Annotated[Optional[int], typer.Option("--chunk", help="Vocabulary slice width of the fused head pass on a CPU (default 8192; a GPU takes whole vocabulary rows in blocks of up to 1 GiB).", show_default=False)] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="auto, float32 or bfloat16 (autocast over float32 master weights; default auto: bfloat16 on a GPU that has it).", show_default=False)] = None,
     gradient_checkpointing: Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute layer activations in the backward (default off).", show_default=False)] = None,
+    pack: Annotated[Optional[bool], typer.Option("--pack/--no-pack", help="Packed batches: the student's forward on the batch's sequences end to end, no compute on padding; the same losses (default off; not with --exact or --online).", show_default=False)] = None,
     fsdp: Annotated[Optional[bool], typer.Option("--fsdp/--no-fsdp", help="Shard the student over torchrun's processes (FSDP2; default off).", show_default=False)] = None,
     stop_after: Annotated[Optional[int], typer.Option("--stop-after", hidden=True)] = None,
     progress: O.Progress = None,
@@ -85,7 +86,7 @@ def train(
     """Lightning OPD (or another estimator) from a cache: no teacher runs during training.
 
     Memory grows with the model (16 bytes per parameter in float32 with AdamW, split over processes with --fsdp),
-    batch x length x hidden activations (one layer's with --gradient-checkpointing) and [rows, --chunk] logit blocks (64 MiB; 1 GiB of [rows, vocabulary] on a GPU);
+    batch x length x hidden activations (with --pack the batch's tokens x hidden; one layer's with --gradient-checkpointing) and [rows, --chunk] logit blocks (64 MiB; 1 GiB of [rows, vocabulary] on a GPU);
     never with tokens x vocabulary (measured at hidden 1,024, 8 layers, float32: ~85 KiB a token per layer; with
     --gradient-checkpointing 70 KiB a token in all, on a CPU with glibc's mmap threshold fixed so that freed recompute
     buffers leave the RSS, for ~5% more time; the full-vocabulary losses add 256 MiB of blocks at vocabulary 151,936). A --cache on an object store holds one verified shard's bytes in memory while it
@@ -102,7 +103,7 @@ def train(
                  lr=lr, tau=tau, ppo_clip=ppo_clip, importance_weights=importance_weights, checkpoint_every=checkpoint_every, checkpoint=checkpoint, save_dtype=save_dtype, seed=seed, deterministic=deterministic, tensorboard=tensorboard,
                  online=online, teacher_model=teacher_model, allow_other_model=allow_other_model, stop_after=stop_after, progress=progress, lr_schedule=lr_schedule,
                  warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, kl_coef=kl_coef, kl_estimator=kl_estimator, kl_cap=kl_cap, rollout_aligned=rollout_aligned, chunk=chunk, dtype=dtype, exact=exact,
-                 gradient_checkpointing=gradient_checkpointing, fsdp=fsdp, tail=tail)
+                 gradient_checkpointing=gradient_checkpointing, pack=pack, fsdp=fsdp, tail=tail)
     values.update({k: v for k, v in flags.items() if v is not None})
     corr = dict(values.pop("corrections", {}) or {})
     corr.update({k: v for k, v in dict(tis_cap=tis_cap, reject_k=reject_k, reject_threshold=reject_threshold, trust_band=trust_band).items() if v is not None})

@@ -51,6 +51,29 @@ def check_finite(batch: dict, cache) -> None:
                               f"run `opdcache validate {cache}` to find the rows, then rebuild those shards")
 
 
+PACKED_INPUTS = ("input_ids", "position_ids", "cu_seqlens", "logit_positions", "sequence_index", "cu_response")
+"""A packed batch's model inputs and layout (opdcache/data.py collate_packed); its other columns are per token."""
+
+
+def split_packed(batch: dict) -> tuple[dict, dict | None]:
+    """(the per-token columns as [B, T, ...] with their response_mask, the packed model inputs) of a packed batch; a
+    padded batch is returned as it is, with None. The losses then read the same [B, T] numbers either way; only the
+    student's forward sees the packing. Memory: the per-token columns at [B, T], no [B, L] model inputs."""
+    if "cu_seqlens" not in batch:
+        return batch, None
+    from opdcache.data import BIT_COLUMNS, unpack
+
+    cu = batch["cu_response"]
+    n = cu[1:] - cu[:-1]
+    T = max(1, int(n.max()) if len(n) else 1)
+    out = {name: unpack(batch, name) for name in batch if name not in PACKED_INPUTS}
+    for name, v in out.items():  # ids as the padded batch has them (int64); hidden and svd bits keep their dtype
+        if not v.is_floating_point() and name not in BIT_COLUMNS:
+            out[name] = v.long()
+    out["response_mask"] = (torch.arange(T)[None] < n[:, None]).float()
+    return out, {k: batch[k] for k in PACKED_INPUTS}
+
+
 def prepare_batch(batch: dict, device, cache) -> dict:
     """The batch on the device, v3 padding slots finite with no mass, checked finite, zero outside the responses."""
     batch = {k: v.to(device) for k, v in batch.items()}

@@ -77,7 +77,7 @@ def open_source(cfg, model, model_path, device):
     source = CacheSource(CacheLoaderConfig(cache=cfg.cache, teacher=table.split("/", 1)[1], stores=stores, rollout_stores=rstores,
                                            batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers,
                                            max_length=getattr(model.config, "max_position_embeddings", None),
-                                           vocab_size=vocab))
+                                           vocab_size=vocab, pack=cfg.pack))
     if "svd" in stores:  # teacher logits = z D^T + bias: the projection's decoder stands in for the head
         from opdcache import svd
         from opdcache.heads import Head

@@ -31,6 +31,33 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if dtype == "bfloat16" else None
 
 
+PACKED_ATTENTION = "opdcache_packed"
+"""The attention a packed batch's forward runs (registered with transformers' AttentionInterface): each sequence
+attends causally within itself, one scaled_dot_product_attention call per sequence (flash or memory-efficient kernels
+on a GPU, no mask), so memory grows with the sum of the sequences' squared lengths at most, never with the packed
+length squared as a block-diagonal mask over the whole batch would."""
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """query [1, heads, N, d], key and value [1, kv_heads, N, d] of sequences laid end to end at the host-side offsets
+    ``packed_offsets`` (a tuple: no device sync) -> [1, N, heads, d], each sequence attending causally to itself."""
+    offsets = kwargs["packed_offsets"]
+    groups = getattr(module, "num_key_value_groups", 1)
+    parts = [torch.nn.functional.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
+                                                              dropout_p=dropout if module.training else 0.0, scale=scaling,
+                                                              enable_gqa=groups > 1)
+             for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
+    return torch.cat(parts, 2).transpose(1, 2).contiguous(), None
+
+
+def enable_packed_attention(model) -> None:
+    """Make ``model`` run :func:`packed_attention` (its forwards then take packed batches only)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    model.set_attn_implementation(PACKED_ATTENTION)
+
+
 class StudentForward(torch.nn.Module):
     """Decoder forward, then per response token: log-probs at requested ids, log-partition, optional divergence."""
 
@@ -50,17 +77,27 @@ class StudentForward(torch.nn.Module):
             self.exact = ExactDecoder(model, exact_dtype, arith=primitives(name))
 
     def forward(self, input_ids_BL, attention_mask_BL, logit_positions_BT, select_BT, ids_NK, divergence: str | None = None,
-                teacher_hidden_NK=None, teacher_weight=None, teacher_bias=None, uniform: bool = False):
+                teacher_hidden_NK=None, teacher_weight=None, teacher_bias=None, uniform: bool = False, position_ids_1L=None,
+                packed_offsets: tuple[int, ...] | None = None):
         """(log-probs [N, K] at ``ids_NK``, log-partition [N], divergence [N] or None) for the N selected tokens.
-        ``uniform``: the caller reduces the divergence with one weight per token (opdcache.divergence's fast path)."""
+        ``uniform``: the caller reduces the divergence with one weight per token (opdcache.divergence's fast path).
+        ``position_ids_1L``: a packed batch (opdcache/data.py collate_packed): ``input_ids_BL`` is [1, L], the sequences
+        end to end with these position ids, starting at ``packed_offsets`` (host-side ints; the model runs
+        :func:`packed_attention`: :func:`enable_packed_attention`), and ``logit_positions_BT`` is [N], the selected
+        tokens' positions in it, in ``select_BT``'s row-major order."""
         base = getattr(self.model, self.model.base_model_prefix)
-        if self.exact is not None:  # right-padded rows (opdcache/data.py): the exact forward needs no mask
-            with torch.autocast(input_ids_BL.device.type, enabled=False):
-                h_BLH = self.exact.forward(input_ids_BL)
+        if position_ids_1L is not None:
+            offsets = tuple(packed_offsets)
+            h_LH = base(input_ids=input_ids_BL, position_ids=position_ids_1L, use_cache=False, packed_offsets=offsets).last_hidden_state[0]
+            h_NH = h_LH[logit_positions_BT]
         else:
-            h_BLH = base(input_ids=input_ids_BL, attention_mask=attention_mask_BL).last_hidden_state
-        rows, cols = select_BT.nonzero(as_tuple=True)
-        h_NH = h_BLH[rows, logit_positions_BT[rows, cols]]
+            if self.exact is not None:  # right-padded rows (opdcache/data.py): the exact forward needs no mask
+                with torch.autocast(input_ids_BL.device.type, enabled=False):
+                    h_BLH = self.exact.forward(input_ids_BL)
+            else:
+                h_BLH = base(input_ids=input_ids_BL, attention_mask=attention_mask_BL).last_hidden_state
+            rows, cols = select_BT.nonzero(as_tuple=True)
+            h_NH = h_BLH[rows, logit_positions_BT[rows, cols]]
         head = self.model.get_output_embeddings()
         bias = getattr(head, "bias", None)
         lp_NK, lse_N = chunked_logprobs(h_NH, head.weight, ids_NK, bias, self.chunk, self.scale, self.softcap)

@@ -54,7 +54,8 @@ from opdcache.models import load_causal_lm, load_tokenizer, resolve_model
 from opdcache.progress import bar
 from opdcache.quant import apply_scheme
 from opdcache.sources import open_source
-from opdcache.student import StudentForward, autocast_dtype, enable_activation_checkpointing, full_tensor, init_distributed, shard_fsdp
+from opdcache.student import (StudentForward, autocast_dtype, enable_activation_checkpointing, enable_packed_attention, full_tensor,
+                              init_distributed, shard_fsdp)
 from opdcache.trainconfig import LR_SCHEDULES, TrainConfig, learning_rate, stores_for  # noqa: F401 (the public names live here too)
 
 
@@ -93,7 +94,11 @@ class Trainer:
             ref = load_causal_lm(self.model_path, torch.float32).to(self.device).eval()
             if self.scheme is not None:
                 apply_scheme(ref, self.scheme, "inference")
+            if cfg.pack:
+                enable_packed_attention(ref)
             self.ref_forward = StudentForward(ref, cfg.chunk, self.exact_dtype, arithmetic)
+        if cfg.pack:  # every forward of this run takes packed batches (opdcache/data.py collate_packed)
+            enable_packed_attention(self.model)
         self.forward = StudentForward(self.model, cfg.chunk, self.exact_dtype, arithmetic)
         if cfg.fsdp:
             self.forward = shard_fsdp(self.forward, self.device, self.world)
@@ -150,6 +155,7 @@ class Trainer:
 
     def loss_and_stats(self, batch: dict) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
+        batch, packed = O.split_packed(batch)
         batch = O.prepare_batch(batch, self.device, cfg.cache)
         mask = batch["response_mask"]
         sel = mask.bool()
@@ -159,14 +165,18 @@ class Trainer:
         if support is not None:
             ids_NK = torch.cat([ids_NK, support.long().clamp(min=0)], 1)
         full = ESTIMATORS[cfg.loss].full_vocabulary  # fkl, rkl, jsd: computed with the student's forward
-        inputs = (batch["input_ids"], batch["attention_mask"], batch["logit_positions"], sel)
+        if packed is None:
+            inputs, packing = (batch["input_ids"], batch["attention_mask"], batch["logit_positions"], sel), {}
+        else:  # the forward on the sequences end to end (no padding); the losses on the same [B, T] numbers
+            inputs = (packed["input_ids"].to(self.device), None, packed["logit_positions"].to(self.device), sel)
+            packing = {"position_ids_1L": packed["position_ids"].to(self.device), "packed_offsets": tuple(packed["cu_seqlens"].tolist())}
         with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
             # without corrections every token's divergence has the same weight in the loss (L.reduce's mean), so the
             # divergence's gradient is computed in its forward (4 head matmuls, not 6; opdcache/divergence.py)
             # the teacher's vectors: hidden states with its head, or an svd store's rank-r z with the projection's decoder
             vectors = batch["teacher_hidden" if "teacher_hidden" in batch else "teacher_svd"][sel] if full else None
             lp_NK, _, div_N = self.forward(*inputs, ids_NK, full, vectors, self.teacher_w, self.teacher_b,
-                                           uniform=not cfg.corrections.active)
+                                           uniform=not cfg.corrections.active, **packing)
         lp_NK = lp_NK.float()
         s = lp_NK.new_zeros(B, T)
         s[sel] = lp_NK[:, 0]  # the student's log-prob of each sampled token, [B, T]
@@ -177,7 +187,7 @@ class Trainer:
         if cfg.corrections.active:
             with torch.no_grad():
                 r_train = s.new_zeros(B, T)
-                r_train[sel] = self.ref_forward(*inputs, ids_NK[:, :1])[0][:, 0].float()
+                r_train[sel] = self.ref_forward(*inputs, ids_NK[:, :1], **packing)[0][:, 0].float()
             weights, cstats = L.correction_weights(cfg.corrections, s, r_train, batch["ref_logprobs"], advantage, mask)
             stats.update({k: float(v) for k, v in cstats.items()})
         loss = L.reduce(terms, mask, weights)

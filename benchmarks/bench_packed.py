@@ -1,0 +1,125 @@
+"""Train steps on packed batches (``train --pack``) against padded ones (the default), same rows, on the harness.
+
+Two length spreads, each a real cache written by opdcache (build-rollouts, score-teacher --store logprob):
+
+* ``demo``: the demo student's own rollouts of the demo's OPD prompts (4 samples a prompt, up to 96 new tokens) and the
+  demo student trained on them (the demo's shapes);
+* ``wide``: the same rollouts trained by a wider random-weight Llama (hidden 512, 4 layers, 8 heads, the demo's
+  vocabulary), where the decoder, not the head, is most of a step, as at papers/000's proportions on a GPU.
+
+Both sides run ``Trainer.fit`` for ``--steps`` Lightning steps (batch ``--batch-size`` rows, float32, no checkpoint
+written), each in a fresh process, interleaved over ``--rounds`` rounds after a warm-up; a step's tokens are its response
+tokens. The padded side is what train does without --pack (and what a trainer without padding-free support does): every
+row of a batch padded to its longest. The padding share of the batches is printed beside the figures: packing can gain
+at most 1 / (1 - that share) on the decoder's work.
+
+    python benchmarks/bench_packed.py [--steps 12 --batch-size 16 --rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+DEMO = Path(__file__).parent.parent / "opdcache" / "demo" / "weights"
+
+
+def build(root: Path, prompts: int) -> Path:
+    from opdcache.backends.base import SamplingConfig
+    from opdcache.demo.task import write_prompts
+    from opdcache.prompts import PromptConfig
+    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.scoring import ScoreJob, run_score
+
+    cache = root / "cache"
+    path = write_prompts(root / "opd.jsonl", "opd", prompts)
+    run_generate(GenerateJob(model=DEMO / "student", prompts=PromptConfig(path), out=cache, num_shards=4, progress=False,
+                             sampling=SamplingConfig(temperature=1.0, max_new_tokens=96, samples=4), sft_teacher=DEMO / "teacher"))
+    run_score(ScoreJob(cache=cache, teacher=DEMO / "teacher", progress=False))
+    return cache
+
+
+def wide_model(root: Path) -> Path:
+    """A random-weight Llama at hidden 512 on the demo student's tokenizer and vocabulary: a copy of the demo student's
+    directory with new weights (build-rollouts recorded the demo student, so train runs with --allow-other-model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = root / "wide"
+    shutil.copytree(DEMO / "student", out)
+    cfg = AutoConfig.from_pretrained(out)
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 512, 1408, 4
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 8, 8, 64
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return out
+
+
+def padding_share(cache: str, batch_size: int) -> float:
+    from opdcache.data import CacheLoader, CacheLoaderConfig
+
+    real = padded = 0
+    for b in CacheLoader(CacheLoaderConfig(cache=cache, teacher="teacher", batch_size=batch_size, seed=0)):
+        real += int(b["attention_mask"].sum())
+        padded += b["attention_mask"].numel()
+    return 1 - real / padded
+
+
+def setup(cache: str, model: str, steps: int, batch_size: int, pack: bool, out: str) -> dict:
+    from opdcache.train import TrainConfig, Trainer
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    cfg = TrainConfig(model=Path(model), cache=cache, out=Path(tempfile.mkdtemp(prefix="bench-packed-", dir=out)), steps=steps,
+                      batch_size=batch_size, dtype="float32", checkpoint="none", pack=pack, allow_other_model=True, progress=False)
+    return {"trainer": Trainer(cfg)}
+
+
+def run_fit(st: dict) -> dict:
+    trainer = st["trainer"]
+    trainer.fit()
+    lines = (trainer.cfg.out / "metrics.jsonl").read_text().splitlines()
+    return {"tokens": sum(json.loads(line)["tokens"] for line in lines)}
+
+
+def main() -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from harness import Side, compare, report
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "packed.json")
+    args = parser.parse_args()
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        cache = str(build(root, args.prompts))
+        share = padding_share(cache, args.batch_size)
+        for label, model in (("demo", DEMO / "student"), ("wide", wide_model(root))):
+            common = {"cache": cache, "model": str(model), "steps": args.steps, "batch_size": args.batch_size, "out": tmp}
+            result = compare(f"{args.steps} Lightning steps, batch {args.batch_size}, {label} model; padding {share:.0%} of the "
+                             f"padded batches' tokens", [
+                                 Side("train --pack", "run_fit", "setup", common | {"pack": True},
+                                      note="the rows end to end with position ids; the losses on the same numbers"),
+                                 Side("train (padded)", "run_fit", "setup", common | {"pack": False}, baseline=True,
+                                      note="every row padded to the batch's longest (train's default)")],
+                             __file__, rounds=args.rounds,
+                             meta={"command": f"python benchmarks/bench_packed.py --steps {args.steps} --batch-size {args.batch_size} "
+                                              f"--rounds {args.rounds}", "padding_share": share})
+            report(result)
+            out[label] = result
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

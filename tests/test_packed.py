@@ -1,0 +1,167 @@
+"""Packed batches (opdcache/data.py collate_packed): the same rows and values as the padded batches, no padding, zero-copy
+views of the decoded shard where the rows are consecutive, and a model attending within each packed sequence only."""
+
+import numpy as np
+import pytest
+import torch
+
+from opdcache.data import CacheLoader, CacheLoaderConfig, _ranges, collate_decoded, collate_packed, unpack
+
+ROLLOUT_STORES = ("ref_topk", "mc")
+TEACHER_STORES = ("logprob", "topk", "hidden", "svd", "sampled")
+
+
+def _loaders(cache, **kw):
+    common = dict(cache=cache, teacher="teacher", stores=TEACHER_STORES, rollout_stores=ROLLOUT_STORES, batch_size=5) | kw
+    return CacheLoader(CacheLoaderConfig(**common)), CacheLoader(CacheLoaderConfig(**common, pack=True))
+
+
+def test_ranges_is_the_concatenation_of_aranges():
+    starts, lengths = np.array([5, 0, 9, 3]), np.array([2, 0, 3, 1])
+    assert _ranges(starts, lengths).tolist() == [5, 6, 9, 10, 11, 3]
+    assert _ranges(np.array([], np.int64), np.array([], np.int64)).tolist() == []
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_packed_batches_hold_the_padded_batches_values_without_padding(hf_cache, shuffle):
+    padded_loader, packed_loader = _loaders(hf_cache, shuffle=shuffle)
+    batches = 0
+    for padded, packed in zip(padded_loader, packed_loader, strict=True):
+        batches += 1
+        mask = padded["response_mask"].bool()
+        n = mask.sum(1)
+        assert torch.equal(packed["cu_response"], torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)]))
+        assert torch.equal(packed["response_ids"], padded["response_ids"][mask])
+        assert torch.equal(packed["sequence_index"], torch.arange(len(n)).repeat_interleave(n))
+        seq = padded["attention_mask"].sum(1)
+        assert torch.equal(packed["cu_seqlens"].long(), torch.cat([torch.zeros(1, dtype=torch.long), seq.cumsum(0)]))
+        assert torch.equal(packed["input_ids"][0], padded["input_ids"][padded["attention_mask"].bool()])
+        assert torch.equal(packed["position_ids"][0], torch.cat([torch.arange(int(s)) for s in seq]))
+        # a logit position points at the same token in the packed sequence as in the padded row
+        starts = packed["cu_seqlens"].long()[packed["sequence_index"]]
+        assert torch.equal(packed["logit_positions"] - starts, padded["logit_positions"][mask])
+        names = [k for k in padded if k not in ("input_ids", "attention_mask", "response_ids", "response_mask", "logit_positions")]
+        assert set(names) <= set(packed) and any(k.startswith("teacher_hidden") for k in names)
+        for name in names:
+            want = padded[name][mask]
+            got = packed[name]
+            assert got.dtype == want.dtype or (got.dtype == torch.int32 and want.dtype == torch.int64), name
+            assert torch.equal(got.to(want.dtype), want), name
+            assert torch.equal(unpack(packed, name).to(want.dtype)[mask], want) and unpack(packed, name).shape[:2] == mask.shape
+    assert batches == len(padded_loader) > 1
+
+
+def test_a_batch_of_consecutive_rows_is_a_view_of_the_decoded_shard(hf_cache):
+    """Rows in order from one shard: every per-token column of the packed batch shares memory with the shard's decoded
+    buffers (no copy); a shuffled batch gathers, and the two agree."""
+    _, packed_loader = _loaders(hf_cache, shuffle=False, prefetch=False)
+    dataset = packed_loader.dataset
+    decoded = dataset._decode(0)
+    rows = [(decoded, r) for r in range(3)]
+    packed = collate_packed(rows)
+    for name in ("sampling_logprobs", "teacher_logprobs", "teacher_topk_ids", "teacher_hidden", "teacher_sampled_counts"):
+        assert np.shares_memory(packed[name].view(torch.int16).numpy() if packed[name].dtype == torch.bfloat16 else packed[name].numpy(),
+                                decoded.cols[name]), name
+    scattered = collate_packed([(decoded, 2), (decoded, 0), (decoded, 1)])
+    assert not np.shares_memory(scattered["teacher_logprobs"].numpy(), decoded.cols["teacher_logprobs"])
+    back = {r: i for i, r in enumerate([2, 0, 1])}
+    for name in ("teacher_logprobs", "teacher_topk_ids"):
+        for r in range(3):
+            i = back[r]
+            a, b = packed["cu_response"][r], packed["cu_response"][r + 1]
+            c, d = scattered["cu_response"][i], scattered["cu_response"][i + 1]
+            assert torch.equal(packed[name][a:b], scattered[name][c:d])
+    padded = collate_decoded(rows)
+    assert torch.equal(packed["teacher_logprobs"], padded["teacher_logprobs"][padded["response_mask"].bool()])
+
+
+def test_a_model_given_packed_position_ids_attends_within_each_sequence(hf_cache, weights):
+    """The demo student on a packed batch (position_ids, no attention mask) gives every response position the logits
+    it gives in the padded batch: attention never crosses a sequence boundary (transformers' packed-sequence mask)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float64, attn_implementation="sdpa").eval()
+    padded_loader, packed_loader = _loaders(hf_cache, shuffle=True)
+    padded, packed = next(iter(padded_loader)), next(iter(packed_loader))
+    mask = padded["response_mask"].bool()
+    with torch.no_grad():
+        want = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
+        got = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits[0]
+    want = want[torch.arange(len(mask))[:, None].expand_as(mask)[mask], padded["logit_positions"][mask]]
+    got = got[packed["logit_positions"]]
+    assert torch.allclose(got, want, atol=1e-10, rtol=0), (got - want).abs().max()
+    crossed = model(input_ids=packed["input_ids"], attention_mask=torch.ones_like(packed["input_ids"]), use_cache=False).logits[0]
+    assert not torch.allclose(crossed[packed["logit_positions"]], want, atol=1e-6)  # one causal mask over all would differ
+
+
+@pytest.mark.parametrize("loss", ["lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "sampled-fkl", "full-fkl", "full-rkl", "jsd"])
+def test_a_packed_train_step_equals_the_padded_one(hf_cache, weights, tmp_path, loss):
+    """Every loss: the same rows packed and padded give the same loss and the same gradient of every parameter (float32,
+    to its rounding: the attention sums run over differently masked rows), and the same logged numbers."""
+    from opdcache.estimators import ESTIMATORS
+    from opdcache.losses import Corrections
+    from opdcache.train import TrainConfig, Trainer
+
+    assert set(ESTIMATORS) == {"lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "sampled-fkl", "full-fkl", "full-rkl", "jsd"}
+    common = dict(model=weights / "student", cache=hf_cache, steps=1, batch_size=6, seed=1, loss=loss, dtype="float32",
+                  corrections=Corrections(tis_cap=2.0) if loss == "is" else Corrections())
+    results = []
+    for pack in (False, True):
+        torch.manual_seed(0)
+        trainer = Trainer(TrainConfig(out=tmp_path / str(pack), pack=pack, **common))
+        batch = trainer.source.next_batch()
+        assert ("cu_seqlens" in batch) == pack
+        loss_value, stats = trainer.loss_and_stats(batch)
+        loss_value.backward()
+        results.append((float(loss_value.detach()), stats, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}))
+    (a, sa, ga), (b, sb, gb) = results
+    assert a != 0 and b == pytest.approx(a, rel=1e-5, abs=1e-7)
+    assert ga.keys() == gb.keys() and len(ga) > 10
+    for name in ga:
+        relative = float((gb[name] - ga[name]).norm() / ga[name].norm().clamp_min(1e-30))
+        assert relative < 1e-5, (name, relative)  # float32's rounding, summed over a parameter's entries
+    assert sb.keys() == sa.keys() and sb["tokens"] == sa["tokens"]
+    for key in sa:
+        assert sb[key] == pytest.approx(sa[key], rel=1e-4, abs=1e-6), key
+
+
+def test_pack_is_refused_with_exact_and_online():
+    from pathlib import Path
+
+    from opdcache.errors import ConfigError
+    from opdcache.train import TrainConfig
+
+    with pytest.raises(ConfigError, match="--pack lays a cache's rows end to end for the student's forward; --exact's decoder"):
+        TrainConfig(model=Path("m"), cache="c", out=Path("o"), pack=True, exact=True)
+
+
+def test_packed_attention_runs_each_sequence_alone_and_gives_the_padded_logits(hf_cache, weights, monkeypatch):
+    """The trainer's packed attention (opdcache/student.py): the padded batch's logits at every response position
+    (float64), from one attention call per sequence of at most that sequence's length: nothing [N, N] over the batch."""
+    from transformers import AutoModelForCausalLM
+
+    from opdcache.student import enable_packed_attention
+
+    padded_loader, packed_loader = _loaders(hf_cache, shuffle=True)
+    padded, packed = next(iter(padded_loader)), next(iter(packed_loader))
+    mask = padded["response_mask"].bool()
+    reference = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float64).eval()
+    model = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float64).eval()
+    enable_packed_attention(model)
+    lengths = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kw):
+        lengths.append((q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, **kw)
+
+    with torch.no_grad():
+        want = reference(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+        offsets = tuple(packed["cu_seqlens"].tolist())
+        got = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False, packed_offsets=offsets).logits[0]
+    want = want[torch.arange(len(mask))[:, None].expand_as(mask)[mask], padded["logit_positions"][mask]]
+    assert torch.allclose(got[packed["logit_positions"]], want, atol=1e-10, rtol=0)
+    seq = np.diff(offsets)
+    layers = model.config.num_hidden_layers
+    assert sorted(lengths) == sorted([(int(n), int(n)) for n in seq] * layers)  # one call a sequence a layer, none wider
