@@ -270,12 +270,12 @@ def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: in
     device = str(trainer.device)
     losses: dict = {}
 
-    def step(name, loss_of):
+    def step(name, loss_of, owner=trainer):
         def run():
             value = loss_of()
             value.backward()
-            trainer.opt.step()
-            trainer.opt.zero_grad(set_to_none=True)
+            owner.opt.step()
+            owner.opt.zero_grad(set_to_none=True)
             losses[name] = float(value)
         return run
 
@@ -283,9 +283,16 @@ def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: in
            "fused": step("fused", lambda: trainer.loss_and_stats(batch)[0])}
     if loss.startswith("full-"):  # the uniform divergence's kernel (opdcache/kernels.py) off: its torch ops
         fns["fused, torch ops"] = kernels_off(step("fused, torch ops", lambda: trainer.loss_and_stats(batch)[0]))
+    padding = 1 - float(batch["attention_mask"].float().mean())
+    if loss == "lightning":  # the same rows packed (train --pack): its own trainer, since its model runs the packed attention
+        torch.manual_seed(0)
+        packed_trainer = Trainer(TrainConfig(model=Path(model_path), cache=Path(cache), out=Path(out) / "packed", loss=loss,
+                                             batch_size=batch_size, lr=1e-5, kl_coef=0.0, pack=True))
+        packed = packed_trainer.source.next_batch()
+        fns["fused, packed"] = step("fused, packed", lambda: packed_trainer.loss_and_stats(packed)[0], packed_trainer)
     res = interleaved(fns, device, rounds)
     tokens = int(batch["response_mask"].sum())
-    return {name: {**r, "tokens": tokens, "loss": losses[name]} for name, r in res.items()}
+    return {name: {**r, "tokens": tokens, "loss": losses[name], "padding_share": padding} for name, r in res.items()}
 
 
 # ---------------------------------------------------------------------------------------------------- driving
@@ -559,7 +566,7 @@ def run_train_section(args, models, root, add, rows) -> None:
     q, cache = models["qwen3"], root / "cache"
     for loss in ("lightning", "full-rkl", "full-fkl"):
         res = child("train", q, cache, loss, root / f"run-{loss}", args.train_batch, args.rounds)
-        for side in ("full logits", "fused") + (("fused, torch ops",) if loss.startswith("full-") else ()):
+        for side in ("full logits", "fused") + (("fused, torch ops",) if loss.startswith("full-") else ("fused, packed",) if loss == "lightning" else ()):
             add("train", "qwen3", f"{loss} {side}", res.get(side, res), res.get("full logits", res))
 
 

@@ -1,11 +1,13 @@
 """Train steps on packed batches (``train --pack``) against padded ones (the default), same rows, on the harness.
 
-Two length spreads, each a real cache written by opdcache (build-rollouts, score-teacher --store logprob):
+Two length spreads:
 
-* ``demo``: the demo student's own rollouts of the demo's OPD prompts (4 samples a prompt, up to 96 new tokens) and the
-  demo student trained on them (the demo's shapes);
-* ``wide``: the same rollouts trained by a wider random-weight Llama (hidden 512, 4 layers, 8 heads, the demo's
-  vocabulary), where the decoder, not the head, is most of a step, as at papers/000's proportions on a GPU.
+* ``demo``: the demo student's own rollouts of the demo's OPD prompts (4 samples a prompt, up to 96 new tokens; written
+  by build-rollouts and score-teacher --store logprob) and the demo student trained on them (the demo's shapes);
+* ``spread``: responses of 8 to 512 tokens, log-uniform (most stop early, a few run to the cap, as reasoning rollouts
+  do; papers/000 samples up to the cap), 64-token prompts, written with opdcache's writer, trained by a wider
+  random-weight Llama (hidden 512, 4 layers, 8 heads, the demo's vocabulary) whose decoder, not its head, is most of
+  a step, as at the papers' proportions on a GPU.
 
 Both sides run ``Trainer.fit`` for ``--steps`` Lightning steps (batch ``--batch-size`` rows, float32, no checkpoint
 written), each in a fresh process, interleaved over ``--rounds`` rounds after a warm-up; a step's tokens are its response
@@ -44,6 +46,35 @@ def build(root: Path, prompts: int) -> Path:
     return cache
 
 
+def build_spread(root: Path, rows: int, vocab: int, seed: int = 0) -> Path:
+    """A rollouts cache and a logprob teacher table with log-uniform response lengths in [8, 512]."""
+    import numpy as np
+
+    from opdcache import schema as S
+    from opdcache.cache import TableJob, finalize_table, run_table_job
+
+    rng = np.random.default_rng(seed)
+    cache, shards = root / "spread", 4
+    per = rows // shards
+    data = {}
+    for i in range(shards):
+        data[i] = []
+        for r in range(per):
+            T = int(np.exp(rng.uniform(np.log(8), np.log(512))))
+            data[i].append(dict(id=f"{i}-{r}", prompt_index=i * per + r, sample_index=0, prompt_ids=rng.integers(2, vocab, 64).astype(np.int32),
+                                response_ids=rng.integers(2, vocab, T).astype(np.int32), finish_reason="stop",
+                                sampling_logprobs=-rng.random(T).astype(np.float32), ref_logprobs=-rng.random(T).astype(np.float32)))
+    job = TableJob(cache, "rollouts", "rollouts", S.StoreParams(stores=("base",)), {"bench": True}, shards)
+    run_table_job(job, lambda i: data[i])
+    finalize_table(job, tokenizer={"fingerprint": "0" * 64})
+    tjob = TableJob(cache, "teachers/teacher", "teacher", S.StoreParams(stores=("logprob",)), {"bench": True}, shards,
+                    parent_fingerprint=job.fingerprint)
+    run_table_job(tjob, lambda i: [dict(id=row["id"], logprobs=-rng.random(len(row["response_ids"])).astype(np.float32),
+                                        logsumexp=rng.random(len(row["response_ids"])).astype(np.float32)) for row in data[i]])
+    finalize_table(tjob, model={"name_or_path": "bench", "fingerprint": "1" * 64})
+    return cache
+
+
 def wide_model(root: Path) -> Path:
     """A random-weight Llama at hidden 512 on the demo student's tokenizer and vocabulary: a copy of the demo student's
     directory with new weights (build-rollouts recorded the demo student, so train runs with --allow-other-model)."""
@@ -53,7 +84,7 @@ def wide_model(root: Path) -> Path:
     shutil.copytree(DEMO / "student", out)
     cfg = AutoConfig.from_pretrained(out)
     cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 512, 1408, 4
-    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 8, 8, 64
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.max_position_embeddings = 8, 8, 64, 1024
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
     return out
@@ -96,15 +127,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=48)
+    parser.add_argument("--spread-rows", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "packed.json")
     args = parser.parse_args()
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        cache = str(build(root, args.prompts))
-        share = padding_share(cache, args.batch_size)
-        for label, model in (("demo", DEMO / "student"), ("wide", wide_model(root))):
+        cases = (("demo", str(build(root, args.prompts)), DEMO / "student"),
+                 ("spread", str(build_spread(root, args.spread_rows, 64)), wide_model(root)))
+        for label, cache, model in cases:
+            share = padding_share(cache, args.batch_size)
             common = {"cache": cache, "model": str(model), "steps": args.steps, "batch_size": args.batch_size, "out": tmp}
             result = compare(f"{args.steps} Lightning steps, batch {args.batch_size}, {label} model; padding {share:.0%} of the "
                              f"padded batches' tokens", [

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from opdcache.errors import ConfigError
-from opdcache.schema import PAD_ID
+from opdcache.stores.base import PAD_ID
 
 PRECISIONS = ("float32", "float16", "q8")
 Q8_STEP = 1.0 / 16

@@ -15,7 +15,7 @@ import hashlib
 
 import numpy as np
 
-from opdcache.schema import PAD_ID
+from opdcache.stores.base import PAD_ID
 
 
 def uniforms(seed: int, row_id: str, tokens: int, draws: int) -> np.ndarray:
