@@ -209,6 +209,9 @@ def _check_numbers(manifest: dict, where: str) -> None:
                 refuse(f"tables/{name}/files/{rel}/bytes", info["bytes"], "is not an integer")
         for part in ("params", "config"):
             settings(entry.get(part), f"tables/{name}/{part}")
+        stores = entry["params"].get("stores")
+        if not (isinstance(stores, list) and all(isinstance(s, str) for s in stores) and len(set(stores)) == len(stores)):
+            refuse(f"tables/{name}/params/stores", stores, "is not a list of distinct store names")
 
 
 def check(manifest: dict, where: str = MANIFEST_NAME) -> dict:

@@ -170,3 +170,22 @@ def test_a_damaged_entropy_row_is_found_by_validate_and_refused_by_the_loader(en
 def test_the_v5_snapshots_are_frozen():
     assert json.loads((ROOT / "schemas/format-v5.json").read_text()) == S.describe(5)
     assert [c["name"] for c in S.describe(4)["tables"]["teacher"]][-1] == "sampled_logprobs"  # v4 readers never see it
+
+
+@pytest.mark.parametrize("stores", [[{"a": 1}], [["logprob"]], "logprob", ["logprob", "logprob"], None])
+def test_a_manifest_whose_store_list_is_not_names_is_one_line_everywhere(synth_cache, capsys, stores):
+    """A stranger's manifest with a store list of objects, nested lists, a string, repeats or nothing: one line naming the
+    field, exit 2 (validate: its finding, 1), never a traceback (it was a TypeError in info and validate)."""
+    from opdcache.cli.main import main
+
+    manifest = json.loads((synth_cache / "opdcache.json").read_text())
+    name = next(k for k in manifest["tables"] if k.startswith("teachers/"))
+    manifest["tables"][name]["params"]["stores"] = stores
+    (synth_cache / "opdcache.json").write_text(json.dumps(manifest))
+    for command, code in (("info", 2), ("validate", 1)):
+        with pytest.raises(SystemExit) as exit_:
+            main([command, str(synth_cache)])
+        captured = capsys.readouterr()
+        assert exit_.value.code == code and "Traceback" not in captured.out + captured.err
+        assert f"tables/{name}/params/stores" in captured.out + captured.err
+        assert "is not a list of distinct store names" in captured.out + captured.err
