@@ -1,7 +1,8 @@
 """Untrusted input, round two: each hostile cache or input, and its outcome.
 
-Every case runs the installed CLI in a child whose address space is capped (RLIMIT_AS, MEMORY_BOUND) and asserts one
-line naming the problem, the exit code, and that no file of the cache changed.
+Every case runs the installed CLI in a child whose address space is capped (RLIMIT_AS, MEMORY_BOUND) and whose peak
+resident memory must stay within 1 GiB of a bare process's (RSS_ABOVE_BASELINE), and asserts one line naming the
+problem, the exit code, and that no file of the cache changed.
 """
 
 import fcntl
@@ -23,17 +24,56 @@ from opdcache import shards
 
 pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), not by the README's test command
 
-MEMORY_BOUND = 3 << 30  # the CLI with torch loaded runs in ~1 GiB of address space; the bombs needed 2.4-4.3 GB more
+MEMORY_BOUND = 3 << 30  # address space: the CLI with torch loaded reserves ~1 GiB; the bombs needed 2.4-4.3 GB more
+RSS_ABOVE_BASELINE = 1 << 30
+"""Each probe's peak resident memory may exceed a bare process's that has imported the CLI, torch and pyarrow by at most
+this. The address-space cap above is the backstop that stops a runaway; it cannot be this tight, since honest runs
+reserve address space they never touch (thread stacks, allocator arenas: std::bad_alloc at ~1.9 GiB of it)."""
 
 
-def _run(args, limit: int = MEMORY_BOUND, timeout: int = 300):
+def _peak_rss(args: list[str], limit: int, timeout: int, env: dict) -> tuple[int, str, int]:
+    """(exit code, stdout and stderr, peak RSS in bytes) of a child under the address-space cap, from its own rusage."""
+    import threading
+
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=cap, env=env,
+                         stdin=subprocess.DEVNULL)
+    timer = threading.Timer(timeout, p.kill)
+    timer.start()
+    try:
+        out = p.stdout.read()
+        _, status, usage = os.wait4(p.pid, 0)
+    finally:
+        timer.cancel()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return p.returncode, out, usage.ru_maxrss * 1024
+
+
+_BASELINE: list[int] = []
+
+
+def baseline_rss() -> int:
+    """Peak RSS of a process that imports the CLI, torch and pyarrow and does nothing else (measured once)."""
+    if not _BASELINE:
+        code, out, rss = _peak_rss([sys.executable, "-c", "import torch, pyarrow.parquet, opdcache.cli.main"], MEMORY_BOUND, 300,
+                                   dict(os.environ))
+        assert code == 0, out
+        _BASELINE.append(rss)
+    return _BASELINE[0]
+
+
+def _run(args, limit: int = MEMORY_BOUND, timeout: int = 300):
+    """The installed CLI in a child: (exit code, output), after checking its peak RSS stayed within RSS_ABOVE_BASELINE."""
     env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
-    p = subprocess.run([sys.executable, "-m", "opdcache.cli.main", *map(str, args)], capture_output=True, text=True,
-                       preexec_fn=cap, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
-    return p.returncode, p.stdout + p.stderr
+    code, out, rss = _peak_rss([sys.executable, "-m", "opdcache.cli.main", *map(str, args)], limit, timeout, env)
+    if os.environ.get("OPDCACHE_TEST_RSS_LOG"):  # each probe's peak above the baseline, for the record
+        with open(os.environ["OPDCACHE_TEST_RSS_LOG"], "a") as log:
+            log.write(f"{(rss - baseline_rss()) / 2**20:.0f} MiB above baseline: {' '.join(map(str, args[:1]))} -> {code}\n")
+    assert rss <= baseline_rss() + RSS_ABOVE_BASELINE, (f"peak RSS {rss / 2**20:.0f} MiB, baseline {baseline_rss() / 2**20:.0f} MiB",
+                                                        args[:2], out[-1500:])
+    return code, out
 
 
 def _one_line(out: str) -> str:
