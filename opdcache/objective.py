@@ -52,7 +52,7 @@ def check_finite(batch: dict, cache) -> None:
 
 
 PACKED_INPUTS = ("input_ids", "position_ids", "cu_seqlens", "logit_positions", "sequence_index", "cu_response")
-"""A packed batch's model inputs and layout (opdcache/data.py collate_packed); its other columns are per token."""
+"""A packed batch's model inputs and layout (opdcache/packing.py); its other columns are per token."""
 
 
 def split_packed(batch: dict) -> tuple[dict, dict | None]:
@@ -61,7 +61,7 @@ def split_packed(batch: dict) -> tuple[dict, dict | None]:
     student's forward sees the packing. Memory: the per-token columns at [B, T], no [B, L] model inputs."""
     if "cu_seqlens" not in batch:
         return batch, None
-    from opdcache.data import BIT_COLUMNS, unpack
+    from opdcache.packing import BIT_COLUMNS, unpack
 
     cu = batch["cu_response"]
     n = cu[1:] - cu[:-1]

@@ -81,7 +81,7 @@ class StudentForward(torch.nn.Module):
                 packed_offsets: tuple[int, ...] | None = None):
         """(log-probs [N, K] at ``ids_NK``, log-partition [N], divergence [N] or None) for the N selected tokens.
         ``uniform``: the caller reduces the divergence with one weight per token (opdcache.divergence's fast path).
-        ``position_ids_1L``: a packed batch (opdcache/data.py collate_packed): ``input_ids_BL`` is [1, L], the sequences
+        ``position_ids_1L``: a packed batch (opdcache/packing.py): ``input_ids_BL`` is [1, L], the sequences
         end to end with these position ids, starting at ``packed_offsets`` (host-side ints; the model runs
         :func:`packed_attention`: :func:`enable_packed_attention`), and ``logit_positions_BT`` is [N], the selected
         tokens' positions in it, in ``select_BT``'s row-major order."""

@@ -97,7 +97,7 @@ class Trainer:
             if cfg.pack:
                 enable_packed_attention(ref)
             self.ref_forward = StudentForward(ref, cfg.chunk, self.exact_dtype, arithmetic)
-        if cfg.pack:  # every forward of this run takes packed batches (opdcache/data.py collate_packed)
+        if cfg.pack:  # every forward of this run takes packed batches (opdcache/packing.py)
             enable_packed_attention(self.model)
         self.forward = StudentForward(self.model, cfg.chunk, self.exact_dtype, arithmetic)
         if cfg.fsdp:

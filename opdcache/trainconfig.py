@@ -87,7 +87,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward (activation memory of one layer, ~1.3x compute)."""
     pack: bool = False
-    """Packed batches (opdcache/data.py collate_packed): the student's forward runs on the batch's sequences laid end to
+    """Packed batches (opdcache/packing.py): the student's forward runs on the batch's sequences laid end to
     end with their position ids (attention within each sequence), so no compute goes to padding; the losses are the
     padded path's on the same numbers. Memory: activations grow with the batch's tokens, not its longest row times the
     batch size. Not with --exact (its decoder takes right-padded rows) or --online."""

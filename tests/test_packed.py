@@ -1,11 +1,12 @@
-"""Packed batches (opdcache/data.py collate_packed): the same rows and values as the padded batches, no padding, zero-copy
+"""Packed batches (opdcache/packing.py): the same rows and values as the padded batches, no padding, zero-copy
 views of the decoded shard where the rows are consecutive, and a model attending within each packed sequence only."""
 
 import numpy as np
 import pytest
 import torch
 
-from opdcache.data import CacheLoader, CacheLoaderConfig, _ranges, collate_decoded, collate_packed, unpack
+from opdcache.data import CacheLoader, CacheLoaderConfig, collate_decoded
+from opdcache.packing import _ranges, collate_packed, unpack
 
 ROLLOUT_STORES = ("ref_topk", "mc")
 TEACHER_STORES = ("logprob", "topk", "hidden", "svd", "sampled")
