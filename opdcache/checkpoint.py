@@ -25,8 +25,9 @@ import torch
 from opdcache.errors import ConfigError
 
 STATE_FILE = "trainer_state.json"
-IGNORED_ON_RESUME = {"stop_after", "steps", "progress", "checkpoint_every", "tensorboard", "num_loader_workers", "save_dtype"}
-"""Settings a resumed run may change: they decide when to stop, what to print and how often to save, not the numbers."""
+IGNORED_ON_RESUME = {"stop_after", "steps", "progress", "checkpoint_every", "tensorboard", "num_loader_workers", "save_dtype", "pack"}
+"""Settings a resumed run may change: they decide when to stop, what to print, how often to save and how the same rows are
+laid out for the forward (``pack``: the same losses to float32's rounding), not the numbers."""
 
 
 def _step_of(path: Path) -> int | None:

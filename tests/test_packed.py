@@ -166,3 +166,22 @@ def test_packed_attention_runs_each_sequence_alone_and_gives_the_padded_logits(h
     seq = np.diff(offsets)
     layers = model.config.num_hidden_layers
     assert sorted(lengths) == sorted([(int(n), int(n)) for n in seq] * layers)  # one call a sequence a layer, none wider
+
+
+def test_a_run_resumes_with_or_without_pack(hf_cache, weights, tmp_path):
+    """Packing lays the same rows out differently: a run stopped with --pack resumes without it (and a checkpoint
+    written before the setting existed resumes), at the step it stopped."""
+    import json
+
+    from opdcache.train import TrainConfig, Trainer
+
+    common = dict(model=weights / "student", cache=hf_cache, out=tmp_path / "run", batch_size=4, seed=2, dtype="float32",
+                  checkpoint_every=1)
+    Trainer(TrainConfig(steps=3, stop_after=2, pack=True, **common)).fit()
+    state = tmp_path / "run" / "checkpoint"
+    assert state.exists()
+    again = Trainer(TrainConfig(steps=3, pack=False, **common))
+    assert again.maybe_resume() and again.step == 2  # resumed, not refused and not restarted
+    again.fit()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
