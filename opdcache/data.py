@@ -105,11 +105,12 @@ class DecodedShard:
     violation is one line naming the shard and `opdcache validate`, never a misaligned or oversized batch."""
 
     def __init__(self, rollout_path, teacher_path, rollout_cols: list[str], teacher_cols: list[str], where: str = "this shard",
-                 max_length: int | None = None, rows: int | None = None, vocab: int | None = None, samples: int | None = None,
+                 max_length: int | None = None, rows: int | None = None, vocab: int | None = None, params: dict | None = None,
                  tokens: int | None = None):
         """Each source: a local path, an object-store path, or a shard's bytes already fetched (opdcache.shards.read_table).
         ``rows``: the manifest's row count (the footer must agree, and sizes are checked before decoding); ``vocab``: ids
-        must lie in [0, vocab); ``samples``: the sampled store's m. The v3 row rules are validate's (opdcache/rowrules.py)."""
+        must lie in [0, vocab); ``params``: the teacher table's recorded store parameters, for the rules each store declares
+        (opdcache/stores/: the sampled store's m, ...). The row rules are validate's."""
         from opdcache.errors import SchemaError
 
         def refuse(what: str):
@@ -149,11 +150,11 @@ class DecodedShard:
                     self.hidden_dtype = shards.hidden_dtype_of(t.schema.field("hidden"))
                 if name == "svd":
                     self.svd_dtype = shards.hidden_dtype_of(t.schema.field("svd"))
-        for column, bad, message in self._violations(vocab, samples):
+        for column, bad, message in self._violations(vocab, params):
             row = int(np.searchsorted(self.offsets, np.flatnonzero(bad)[0], side="right") - 1)
             refuse(f"row {row}, column {column}: {message}")
 
-    def _violations(self, vocab: int | None, samples: int | None) -> list:
+    def _violations(self, vocab: int | None, params: dict | None) -> list:
         """The rules validate applies to these columns (opdcache/rowrules.py), on the decoded values."""
         c = self.cols
         out = rowrules.ids_in_vocabulary("response_ids", c["response_ids"], vocab)
@@ -163,13 +164,10 @@ class DecodedShard:
         if "teacher_topk_ids" in c:
             tol, order = self.topk_layout
             out += rowrules.topk_rules("topk", c["teacher_topk_ids"], c["teacher_topk_logprobs"], vocab, c.get("teacher_topk_tail"), tol, order)
-        if "teacher_sampled_ids" in c:
-            out += rowrules.sampled_rules(c["teacher_sampled_ids"], c["teacher_sampled_counts"], c["teacher_sampled_logprobs"],
-                                          samples or 0, vocab)
-        for store in REGISTRY.values():  # the stores that declare their own rules
+        for store in REGISTRY.values():  # the rules each teacher store declares (opdcache/stores/)
             names = [col.name for col in store.columns]
             if store.rules is not None and all("teacher_" + n in c for n in names):
-                out += [v for v in store.rules({n: c["teacher_" + n] for n in names}, vocab) if v[1] is not None]
+                out += [v for v in store.rules({n: c["teacher_" + n] for n in names}, vocab, params or {}) if v[1] is not None]
         return out
 
     @property
@@ -305,7 +303,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
             shards.check_shard_footer(path, rows, tokens=tokens, max_row_tokens=config.max_length)
         rparams = cache.params(base)
         self.vocab = config.vocab_size or cache.table(base)["config"].get("vocab_size")
-        self.samples = None
+        self.teacher_params = None
         cols = ["prompt_ids", "response_ids", "sampling_logprobs"] + (["ref_logprobs"] if base == "rollouts" else [])
         if "ref_topk" in config.rollout_stores:
             if not rparams.ref_top_k:
@@ -327,7 +325,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
 
             self.teacher_cols = [c.name for c in S.columns("teacher", tparams) if c.store in config.stores and c.shape != "row"]
             self.teacher_paths = cache.shard_paths(table)
-            self.samples = tparams.samples_per_position
+            self.teacher_params = tparams.to_dict()
             self.expected.update(zip(self.teacher_paths, cache.table(table)["shards"]))
         rank, world = _dist()
         self.rank = config.rank if config.rank is not None else rank
@@ -363,7 +361,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
                     sources[k] = _verify_shard(path, self.expected[path], self.config.cache)
                     self.verified.add(path)
         return DecodedShard(*sources, self.rollout_cols, self.teacher_cols, where=str(self.rollout_paths[shard]),
-                            max_length=self.config.max_length, rows=self.rows_per_shard[shard], vocab=self.vocab, samples=self.samples,
+                            max_length=self.config.max_length, rows=self.rows_per_shard[shard], vocab=self.vocab, params=self.teacher_params,
                             tokens=self.tokens_per_shard[shard])
 
     def _keep(self, shard: int, decoded: DecodedShard) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from opdcache import schema as S
+from opdcache.stores.base import FIELD_DTYPE, PAD_ID, PROB14_STEP
 
 Violation = tuple[str, np.ndarray, str]
 
@@ -85,9 +85,9 @@ def topk_layout(field, width: int) -> tuple[float, str]:
     """(tolerance on kept mass + tail, order) of a top-k log-prob column from its field metadata: float32 1e-3 and
     float16 1e-2, both most likely first ("logprobs"); prob14 1e-3 + width x 2^-15 (each code rounds by at most
     2^-15), ids ascending ("ids")."""
-    dtype = field.metadata.get(S.FIELD_DTYPE) if field.metadata else None
+    dtype = field.metadata.get(FIELD_DTYPE) if field.metadata else None
     if dtype == b"prob14":
-        return 1e-3 + width * S.PROB14_STEP / 2, "ids"
+        return 1e-3 + width * PROB14_STEP / 2, "ids"
     return (1e-2 if dtype == b"float16" else 1e-3), "logprobs"
 
 
@@ -105,7 +105,7 @@ def _topk_block(prefix: str, ids: np.ndarray, lps: np.ndarray, vocab: int | None
     """:func:`topk_rules` on one block of rows: every rule, None where no row breaks it."""
     col_ids, col_lps = f"{prefix}_ids", f"{prefix}_logprobs"
     compact = tail is not None
-    pad = ids == S.PAD_ID if compact else np.zeros(ids.shape, bool)
+    pad = ids == PAD_ID if compact else np.zeros(ids.shape, bool)
     out = [(col_ids, _outside(ids, vocab, pad if compact else None), f"token id outside the vocabulary [0, {vocab})")]
     if compact:
         out.append((col_ids, _rows(np.concatenate([pad[:, :-1] & ~pad[:, 1:], pad[:, :1], pad != (lps == -np.inf)], axis=1)),
@@ -146,7 +146,7 @@ def sampled_rules(ids: np.ndarray, counts: np.ndarray, lps: np.ndarray, samples:
 def _sampled_block(ids: np.ndarray, counts: np.ndarray, lps: np.ndarray, samples: int,
                    vocab: int | None) -> list[tuple[str, np.ndarray | None, str]]:
     """:func:`sampled_rules` on one block of rows: every rule, None where no row breaks it."""
-    pad = ids == S.PAD_ID
+    pad = ids == PAD_ID
     c = counts.astype(np.int64)
     with np.errstate(invalid="ignore"):
         out = [

@@ -27,7 +27,7 @@ from opdcache.errors import ConfigError, SchemaError
 from opdcache.stores import REGISTRY as TEACHER_REGISTRY
 from opdcache.stores import hidden as hidden_store
 from opdcache.stores import topk as topk_store
-from opdcache.stores.base import PAD_ID, Column  # noqa: F401 (the format's names, declared with the stores)
+from opdcache.stores.base import FIELD_DTYPE, PAD_ID, PROB14_STEP, Column  # noqa: F401 (the format's names, declared with the stores)
 
 FORMAT_NAME = "opdcache"
 FORMAT_VERSION = 5
@@ -46,7 +46,6 @@ TABLE_KINDS = ("sft", "rollouts", "teacher")
 ROLLOUT_STORES = ("base", "ref_topk", "mc", "task", "version")
 TEACHER_STORES = tuple(TEACHER_REGISTRY)
 TOPK_PRECISIONS = topk_store.PRECISIONS
-PROB14_STEP = 2.0 ** -14
 TOPK_PRECISION_SINCE = topk_store.PRECISION_SINCE
 PADDED_BY = {"topk_ids": ("topk_logprobs",), "sampled_ids": ("sampled_counts", "sampled_logprobs")}
 """The v3 id columns whose slots may be padding (PAD_ID), with the columns that share their slots."""
@@ -59,8 +58,6 @@ META_VERSION = b"opdcache.format_version"
 META_KIND = b"opdcache.kind"
 META_PARAMS = b"opdcache.params"
 META_CONFIG_FP = b"opdcache.config_fingerprint"
-# Field metadata key recording the logical dtype of a column stored as raw bits (bf16 as uint16).
-FIELD_DTYPE = b"opdcache.dtype"
 
 
 _ID = Column("id", "row", "string", "base", "Stable row id: sha256 of the prompt token ids (hex, 16 chars) and the sample index, '<hash>-<sample_index>'.")

@@ -360,14 +360,16 @@ def _check_against_topk(file: str, column: str, sampled: np.ndarray, sampled_lp:
         out.rows(file, column, _row_of(offsets, np.flatnonzero(above_kth)), "sampled token is outside the top-k but more likely than the k-th")
 
 
-def _check_sampled(file: str, table: pa.Table, params: S.StoreParams, offsets: np.ndarray, vocab: int | None, out: _Collector) -> None:
-    """The sampled store: the rules of opdcache/rowrules.py (the loader refuses the same rows)."""
+def _check_store_rules(file: str, table: pa.Table, params: S.StoreParams, offsets: np.ndarray, vocab: int | None, out: _Collector) -> None:
+    """The row rules each store of the table declares (opdcache/stores/; the loader refuses the same rows), on the
+    decoded values (float16 bits as floats)."""
     from opdcache.compact import decode_logprobs
 
-    ids = shards.token_values(table["sampled_ids"])
-    counts = shards.token_values(table["sampled_counts"])
-    lps = decode_logprobs(shards.token_values(table["sampled_logprobs"]), table.schema.field("sampled_logprobs"))
-    _report(file, offsets, rowrules.sampled_rules(ids, counts, lps, params.samples_per_position, vocab), out)
+    recorded = params.to_dict()
+    for store in REGISTRY.values():
+        if store.rules is not None and store.name in params.stores and all(c.name in table.column_names for c in store.columns):
+            values = {c.name: decode_logprobs(shards.token_values(table[c.name]), table.schema.field(c.name)) for c in store.columns}
+            _report(file, offsets, [v for v in store.rules(values, vocab, recorded) if v[1] is not None], out)
 
 
 def _check_base_rows(file: str, table: pa.Table, entry: dict, out: _Collector):
@@ -442,12 +444,7 @@ def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, par
         _check_topk(file, "topk", ids_k, lps_k, offsets, vocab, out, tail, tol=tol, order=order)
         _check_against_topk(file, "logprobs", response, logprobs, ids_k, lps_k, offsets, out, rel_tol=2.0 ** -10 if half else 0.0,
                             prob_tol=S.PROB14_STEP / 2 + 1e-6 if order == "ids" else None)
-    if "sampled_ids" in table.column_names:
-        _check_sampled(file, table, params, offsets, vocab, out)
-    for store in REGISTRY.values():  # the stores that declare their own rules
-        if store.rules is not None and store.name in params.stores and all(c.name in table.column_names for c in store.columns):
-            found = store.rules({c.name: shards.token_values(table[c.name]) for c in store.columns}, vocab)
-            _report(file, offsets, [v for v in found if v[1] is not None], out)
+    _check_store_rules(file, table, params, offsets, vocab, out)
     for name in ("ref_topk_logprobs", "mc_logprobs"):
         if name in table.column_names:
             _check_logprobs(file, name, shards.token_values(table[name]), offsets, out)

@@ -221,7 +221,7 @@ def test_the_cards_sampled_recipe_and_the_exports_give_plain_values(compact_cach
 
 def test_validate_finds_damaged_compact_and_sampled_rows(compact_cache, hf_cache, tmp_path):
     from opdcache.cache import Cache
-    from opdcache.validate import _Collector, _check_sampled, _check_topk
+    from opdcache.validate import _Collector, _check_store_rules, _check_topk
 
     ids = np.array([[5, 7, -1, -1], [5, -1, 7, -1], [3, 4, 6, -1]])
     lps = np.array([[-0.1, -2.5, -np.inf, -np.inf], [-0.1, -np.inf, -2.5, -np.inf], [-0.1, -3.0, -4.0, -np.inf]], np.float32)
@@ -239,10 +239,10 @@ def test_validate_finds_damaged_compact_and_sampled_rows(compact_cache, hf_cache
     damaged = table.set_column(table.schema.get_field_index("sampled_counts"), "sampled_counts",
                                pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.FixedSizeListArray.from_arrays(pa.array(counts.ravel()), counts.shape[1])))
     out = _Collector()
-    _check_sampled("f", damaged, Cache(hf_cache).params("teachers/teacher"), offsets, 1000, out)
+    _check_store_rules("f", damaged, Cache(hf_cache).params("teachers/teacher"), offsets, 1000, out)
     assert [(p.row, p.column) for p in out.problems] == [(0, "sampled_counts")] and "sum to 4" in out.problems[0].message
     out = _Collector()
-    _check_sampled("f", table, Cache(hf_cache).params("teachers/teacher"), offsets, 1000, out)
+    _check_store_rules("f", table, Cache(hf_cache).params("teachers/teacher"), offsets, 1000, out)
     assert out.problems == []
 
 

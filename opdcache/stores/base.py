@@ -17,6 +17,10 @@ import numpy as np
 
 PAD_ID = -1
 """Padding of a compact top-k or sampled entry that holds no token (its log-prob is -inf, its count 0)."""
+FIELD_DTYPE = b"opdcache.dtype"
+"""Field metadata key recording the logical dtype of a column stored as raw bits (bf16 as uint16)."""
+PROB14_STEP = 2.0 ** -14
+"""The grid of the compact top-k's prob14 codes: probability = code x 2^-14."""
 
 Violation = tuple[str, "np.ndarray | None", str]
 """One row rule that some tokens break: (column, bad tokens [tokens] bool or None, message)."""
@@ -67,9 +71,10 @@ class Store:
     pack: Callable[[Any, Any], Mapping[str, np.ndarray]] | None = None
     """``pack(scores, params)``: the stored form of columns whose exact values ``encode`` gave (checked finite first),
     e.g. draws collapsed to distinct ids and float16 bits (None: stored as encoded)."""
-    rules: Callable[[Mapping[str, np.ndarray], int | None], list] | None = None
-    """``rules(values, vocab)``: the row rules (Violations) on a shard's decoded per-token values {column: [tokens, ...]};
-    validate reports them and the loader refuses a shard that breaks one."""
+    rules: Callable[[Mapping[str, np.ndarray], int | None, Mapping], list] | None = None
+    """``rules(values, vocab, params)``: the row rules (Violations) on a shard's decoded per-token values {column:
+    [tokens, ...]}, with the table's recorded store parameters; validate reports them and the loader refuses a shard
+    that breaks one."""
     flat: tuple[str, ...] | None = None
     """The columns flat exports (``opdcache export``) carry, decoded to plain numbers (None: all of them)."""
     card: Callable[[str, Mapping], list[str]] = lambda config, entry: []

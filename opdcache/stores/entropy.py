@@ -19,7 +19,7 @@ def _encode(sc, params) -> dict:
     return {"entropy": np.asarray(sc.entropy, dtype=np.float32)}
 
 
-def _rules(values, vocab: int | None) -> list:
+def _rules(values, vocab: int | None, params) -> list:
     h = values["entropy"]
     with np.errstate(invalid="ignore"):
         bad = ~np.isfinite(h) | (h < -ROUNDING)

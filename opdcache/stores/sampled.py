@@ -5,6 +5,7 @@ kept as the distinct ids with their counts and teacher log-probs: an unbiased es
 from __future__ import annotations
 
 from opdcache.errors import ConfigError
+from opdcache.rowrules import sampled_rules
 from opdcache.stores.base import Column, Store
 
 MAX_DRAWS = 255
@@ -33,6 +34,11 @@ def _pack(sc, params) -> dict:
     from opdcache.sampled import store_columns
 
     return store_columns(sc.sampled_ids, sc.sampled_logprobs)
+
+
+def _rules(values, vocab: int | None, params) -> list:
+    return sampled_rules(values["sampled_ids"], values["sampled_counts"], values["sampled_logprobs"],
+                         params.get("samples_per_position") or 0, vocab)
 
 
 def _info(params) -> str | None:
@@ -78,6 +84,7 @@ STORE = Store(
     check_params=_check_params,
     encode=_encode,
     pack=_pack,
+    rules=_rules,
     info=_info,
     card=_card,
     doc=__doc__,
