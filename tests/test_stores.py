@@ -189,3 +189,15 @@ def test_a_manifest_whose_store_list_is_not_names_is_one_line_everywhere(synth_c
         assert exit_.value.code == code and "Traceback" not in captured.out + captured.err
         assert f"tables/{name}/params/stores" in captured.out + captured.err
         assert "is not a list of distinct store names" in captured.out + captured.err
+
+
+@pytest.mark.parametrize("module", ["opdcache.rowrules", "opdcache.compact", "opdcache.sampled", "opdcache.stores.base",
+                                    "opdcache.schema", "opdcache.stores.sampled"])
+def test_each_module_the_registry_reaches_imports_first(module):
+    """The registry's package is initialised whichever of its neighbours a process imports first (an import order
+    that re-entered a half-initialised module broke `from opdcache.data import CacheLoader` once)."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]

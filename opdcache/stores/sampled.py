@@ -5,7 +5,6 @@ kept as the distinct ids with their counts and teacher log-probs: an unbiased es
 from __future__ import annotations
 
 from opdcache.errors import ConfigError
-from opdcache.rowrules import sampled_rules
 from opdcache.stores.base import Column, Store
 
 MAX_DRAWS = 255
@@ -37,6 +36,8 @@ def _pack(sc, params) -> dict:
 
 
 def _rules(values, vocab: int | None, params) -> list:
+    from opdcache.rowrules import sampled_rules  # rowrules reads this package's base: imported when rules run
+
     return sampled_rules(values["sampled_ids"], values["sampled_counts"], values["sampled_logprobs"],
                          params.get("samples_per_position") or 0, vocab)
 
