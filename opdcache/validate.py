@@ -361,8 +361,7 @@ def _check_against_topk(file: str, column: str, sampled: np.ndarray, sampled_lp:
 
 
 def _check_store_rules(file: str, table: pa.Table, params: S.StoreParams, offsets: np.ndarray, vocab: int | None, out: _Collector) -> None:
-    """The row rules each store of the table declares (opdcache/stores/; the loader refuses the same rows), on the
-    decoded values (float16 bits as floats)."""
+    """The row rules each store declares (opdcache/stores/; the loader refuses the same rows), on decoded values."""
     from opdcache.compact import decode_logprobs
 
     recorded = params.to_dict()
