@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from opdcache.stores.base import FIELD_DTYPE, PAD_ID, PROB14_STEP
+from opdcache.stores.base import FIELD_DTYPE, PAD_ID, PROB14_STEP, Violation
 
-Violation = tuple[str, np.ndarray, str]
 
 BLOCK_ROWS = 8192
 """Rows checked at once. Every temporary is [BLOCK_ROWS, k]: memory is bounded by the block, not the shard, and a

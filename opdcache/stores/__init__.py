@@ -20,11 +20,7 @@ REGISTRY: dict[str, Store] = {s.name: s for s in (
 )}
 """Every teacher store by name, in the order their columns are written."""
 
-__all__ = ["Column", "REGISTRY", "Store", "Violation", "columns", "check_job", "check_params", "names"]
-
-
-def names() -> tuple[str, ...]:
-    return tuple(REGISTRY)
+__all__ = ["Column", "REGISTRY", "Store", "Violation", "columns", "check_job", "check_params"]
 
 
 def columns() -> tuple[Column, ...]:

@@ -10,7 +10,7 @@ This module imports nothing of opdcache, so that the format (opdcache/schema.py)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -82,8 +82,6 @@ class Store:
     decode its columns from what ``datasets`` returns."""
     info: Callable[[Mapping], str | None] = _nothing
     """``info(params)``: the line ``opdcache info`` prints for a table holding it (None: nothing beyond its bytes)."""
-    doc: str = field(default="", compare=False)
-    """The store's module docstring, for the docs."""
 
 
 def hidden_to_numpy(tensor) -> np.ndarray:

@@ -46,5 +46,4 @@ STORE = Store(
     encode=_encode,
     rules=_rules,
     info=_info,
-    doc=__doc__,
 )

@@ -66,5 +66,4 @@ STORE = Store(
     encode=_encode,
     card=_card,
     flat=(),
-    doc=__doc__,
 )

@@ -30,5 +30,4 @@ STORE = Store(
     ),
     encode=_encode,
     flat=("logprobs", "logsumexp"),
-    doc=__doc__,
 )

@@ -88,5 +88,4 @@ STORE = Store(
     rules=_rules,
     info=_info,
     card=_card,
-    doc=__doc__,
 )

@@ -39,5 +39,4 @@ STORE = Store(
     check_job=_check_job,
     check_params=_check_params,
     flat=(),
-    doc=__doc__,
 )

@@ -44,10 +44,6 @@ def _encode(sc, params) -> dict:
     return {"topk_ids": sc.topk_ids, "topk_logprobs": sc.topk_logprobs}
 
 
-def _info(params) -> str | None:
-    return None  # the compact form's line comes from its measured distortion in the manifest (opdcache/info.py)
-
-
 _RECIPE = ("import numpy as np\n"
            "ids = np.asarray(row['topk_ids'])  # [tokens, top_k], -1 = no entry\n"
            "logprobs = {decode}\n"
@@ -98,7 +94,5 @@ STORE = Store(
     check_job=_check_job,
     check_params=_check_params,
     encode=_encode,
-    info=_info,
     card=_card,
-    doc=__doc__,
 )
