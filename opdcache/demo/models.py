@@ -20,6 +20,7 @@ USER, ASSISTANT = "<|user|>", "<|assistant|>"
 SPECIALS = [PAD, EOS, UNK, USER, ASSISTANT]
 CHARS = list("0123456789+-*=;:c ,.()abdefghijklmnopqrstuvwxyz")
 VOCAB_SIZE = 64  # padded with reserved tokens so the embedding is a round size
+PAIR_VOCAB_SIZE = 160  # the digit-pair tokenizer's: the alphabet and specials, 100 pairs, reserved tokens
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
@@ -30,16 +31,21 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(chat_template: str = CHAT_TEMPLATE):
-    """A character-level WordLevel tokenizer wrapped as a ``PreTrainedTokenizerFast``."""
+def build_tokenizer(chat_template: str = CHAT_TEMPLATE, digit_pairs: bool = False):
+    """A character-level WordLevel tokenizer wrapped as a ``PreTrainedTokenizerFast``.
+
+    ``digit_pairs``: a different tokenizer over the same alphabet, for a cross-tokenizer teacher: each pair of digits
+    (``"12"``, read from the left) is one token, so its ids and its token boundaries differ from the student's;
+    ``PAIR_VOCAB_SIZE`` entries."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tokens = SPECIALS + CHARS
-    tokens += [f"<|reserved_{i}|>" for i in range(VOCAB_SIZE - len(tokens))]
+    tokens = SPECIALS + CHARS + ([f"{a}{b}" for a in range(10) for b in range(10)] if digit_pairs else [])
+    size = PAIR_VOCAB_SIZE if digit_pairs else VOCAB_SIZE
+    tokens += [f"<|reserved_{i}|>" for i in range(size - len(tokens))]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\d\d|." if digit_pairs else "."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIALS)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK)
