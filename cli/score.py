@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -41,6 +42,13 @@ def score_teacher(
         "on what there is, with a warning naming the count, when the rollouts hold fewer than max(32 x rank, 2,048); the "
         "positions are drawn from all shards).", show_default=False)] = None,
     svd_dtype: Annotated[str, typer.Option("--svd-dtype", help="bfloat16 (format v3, half the bytes; its rounding is in the recorded distortion) or float32.")] = "bfloat16",
+    prompts: Annotated[Optional[Path], typer.Option(
+        "--prompts", help="For a teacher with its own tokenizer: the prompts file the rollouts were built from (with "
+        "their --prompt-field / --messages-field). The teacher renders them with its chat template, scores its own "
+        "tokenization of pi_ref's text, and the table stores its log-prob of each group of tokens both tokenizations "
+        "cut at the same byte (the aligned store; train --loss span or lightning). Default: none (the teacher must "
+        "share the cache's tokenizer).", show_default=False)] = None,
+    prompt_field: O.PromptField = "prompt", messages_field: O.MessagesField = None,
     name: Annotated[Optional[str], typer.Option("--name", help="Teacher table name (default: the teacher directory's name).", show_default=False)] = None,
     allow_inconsistent_teacher: Annotated[bool, typer.Option("--allow-inconsistent-teacher", help="Score even if this is not pi_ref's SFT teacher.")] = False,
     backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", deterministic: O.Deterministic = False, exact: O.Exact = False,
@@ -57,12 +65,16 @@ def score_teacher(
     moments and the calibration states; the sampled store adds [positions, slices] float64 slice masses and one
     [positions drawing into a slice, slice] block at a time. Never tokens x vocabulary (measured,
     benchmarks/bench_scale.py: 0.7 KiB a response token with every store, vocabulary 151,936, hidden 1,024). To an object store, each finished shard is
-    spooled to a local temporary file (one shard on disk) and uploaded whole, while the next shard is scored."""
+    spooled to a local temporary file (one shard on disk) and uploaded whole, while the next shard is scored. With
+    --prompts (a teacher with its own tokenizer) add both tokenizers' byte tables (linear in each vocabulary) and the
+    prompts' ids in both tokenizations."""
     O.announce_threads()
     from opdcache.backends import EngineConfig
+    from opdcache.prompts import PromptConfig
     from opdcache.scoring import ScoreJob, run_score
 
-    job = ScoreJob(cache=cache, teacher=teacher, revision=revision, stores=tuple(s.strip() for s in store.split(",") if s.strip()), top_k=top_k,
+    job = ScoreJob(prompts=PromptConfig(prompts, prompt_field=prompt_field, messages_field=messages_field) if prompts else None,
+                   cache=cache, teacher=teacher, revision=revision, stores=tuple(s.strip() for s in store.split(",") if s.strip()), top_k=top_k,
                    topk_precision=topk_precision, topk_mass=topk_mass, samples_per_position=samples_per_position, sample_seed=sample_seed,
                    svd_rank=svd_rank, svd_method=svd_method, svd_dtype=svd_dtype, svd_min_positions=svd_min_positions, hidden_dtype=hidden_dtype, slug=name, allow_inconsistent_teacher=allow_inconsistent_teacher,
                    engine=EngineConfig(backend=backend, dtype=dtype, device=device, deterministic=deterministic, exact=exact,
@@ -94,6 +106,13 @@ def score_teacher(
         typer.echo(f"compact top-k ({result['topk']['precision']}, mass {result['topk']['mass']}): {d['mean_entries']:.1f} entries a "
                    f"position; |log-prob error| max {d['max_abs_logprob_error']:.2e}; KL(exact top-k || compact) max "
                    f"{d['max_kl_exact_to_compact']:.2e}; mass moved into the tail max {d['max_moved_mass']:.2e}")
+    if result.get("aligned"):
+        a = result["aligned"]
+        skipped = a["rows"] - a["aligned"]
+        typer.echo(f"aligned with the teacher's tokenizer: {a['aligned']:,} of {a['rows']:,} rows, {a['groups']:,} groups "
+                   f"({a['one_to_one'] / max(a['groups'], 1):.1%} one token to one); {a['teacher_tokens']:,} teacher tokens for "
+                   f"{a['student_tokens']:,} of pi_ref's" + (f"; {skipped:,} rows skipped (never trained): "
+                   + "; ".join(f"{n} x {why}" for why, n in a["skipped"].items()) if skipped else ""))
     if result.get("fidelity"):
         from opdcache.fidelity import describe
 

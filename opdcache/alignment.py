@@ -25,6 +25,7 @@ Normalisation: the teacher's encoding of the text must give back the text, byte 
 NFC, strips or collapses whitespace, or prepends a space does not). ``check_round_trip`` refuses such a teacher on
 probe texts before anything is scored, naming the first differing character; a row whose own text does not round
 trip (an NFC tokenizer on a response written in decomposed form, say) is skipped and counted with that reason.
+score-teacher probes the first rollout rows' texts this way before the teacher's weights load.
 """
 
 from __future__ import annotations
@@ -158,13 +159,15 @@ def round_trip(teacher: TokenText, text: str) -> tuple[list[int], str | None]:
     return ids, None if got == want else first_difference(want, got)
 
 
-def check_round_trip(teacher: TokenText, texts: Sequence[str] = PROBE_TEXTS) -> None:
-    """Refuse a teacher tokenizer whose encoding does not give back the text (normalisation, added spaces)."""
-    for text in texts:
+def check_round_trip(teacher: TokenText, texts: Sequence[str] = PROBE_TEXTS, source: str = "") -> None:
+    """Refuse a teacher tokenizer whose encoding does not give back the text (normalisation, added spaces, characters
+    it has no token for); ``source`` names where the texts come from."""
+    for i, text in enumerate(texts):
         _, problem = round_trip(teacher, text)
         if problem:
+            where = f" on {source} {i}" if source else ""
             raise CrossTokenizerError(
-                f"the teacher's tokenizer {teacher.name} does not reproduce the text it encodes ({problem}); "
+                f"the teacher's tokenizer {teacher.name} does not reproduce the text it encodes{where} ({problem}); "
                 "cross-tokenizer scoring needs a tokenizer that gives back its text byte for byte")
 
 

@@ -197,6 +197,7 @@ class TableJob:
             entry["topk"] = self.topk_record()
         if self.kind == "teacher":
             entry["fidelity"] = self.fidelity_record()
+            entry.update(self.store_records())
         entry.update({k: v for k, v in extra.items() if v is not None})
         return entry
 
@@ -213,6 +214,22 @@ class TableJob:
             sums.append(loads(meta[compact.DISTORTION_META], f"{self.table} shard footer", ManifestError))
         return {"precision": self.params.topk_precision or "float32", "mass": self.params.topk_mass,
                 "distortion": compact.distortion_summary(compact.merge_sums(sums))}
+
+    def store_records(self) -> dict:
+        """What each enabled store with a manifest record keeps in the table entry, merged from its shards' footers."""
+        from opdcache.stores import REGISTRY
+
+        out = {}
+        for store in REGISTRY.values():
+            if store.record is None or store.name not in self.params.stores:
+                continue
+            metas = [shards.read_schema(self.shard_path(i)).metadata or {} for i in range(self.num_shards)]
+            missing = [i for i, meta in enumerate(metas) if store.record_meta not in meta]
+            if missing:
+                raise ManifestError(f"{self.shard_path(missing[0])} has no {store.name} record in its footer; delete it "
+                                    "and rerun the job to rewrite it")
+            out[store.name] = store.record(metas)
+        return out
 
     def fidelity_record(self) -> dict:
         """A teacher table's error against the full vocabulary (opdcache/fidelity.py), merged from its shards' footers."""

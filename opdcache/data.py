@@ -165,7 +165,7 @@ class DecodedShard:
             tol, order = self.topk_layout
             out += rowrules.topk_rules("topk", c["teacher_topk_ids"], c["teacher_topk_logprobs"], vocab, c.get("teacher_topk_tail"), tol, order)
         for store in REGISTRY.values():  # the rules each teacher store declares (opdcache/stores/)
-            names = [col.name for col in store.columns]
+            names = [col.name for col in store.columns if col.shape != "row"]
             if store.rules is not None and all("teacher_" + n in c for n in names):
                 out += [v for v in store.rules({n: c["teacher_" + n] for n in names}, vocab, params or {}) if v[1] is not None]
         return out

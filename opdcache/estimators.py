@@ -36,12 +36,22 @@ class Estimator:
     """Runs as standard OPD with a live teacher (train --online)."""
     asynchronous: bool = False
     """Runs as the learner of ``opdcache async`` (the teacher scores each batch's stores as it lands)."""
+    aligned: bool = False
+    """Runs on a teacher with its own tokenizer (the aligned store): its terms read the teacher's log-prob per group."""
 
     def stores(self, cfg=None, teacher_stores: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(teacher stores, rollout stores) a run of this loss needs. The full-vocabulary losses rebuild the teacher's
         logits from its hidden states, or, where the teacher table has an svd store and no hidden one
         (``teacher_stores``), from the rank-r vectors and the projection's decoder; the top-k losses read pi_ref's
         top-k instead of the teacher's with ``--topk-support ref``."""
+        if "aligned" in teacher_stores:
+            if not self.aligned:
+                from opdcache.errors import ConfigError
+
+                raise ConfigError(f"--loss {self.name} needs a teacher that shares the student's tokenizer; this teacher "
+                                  "table has its own (the aligned store): use --loss "
+                                  + " or ".join(n for n, e in ESTIMATORS.items() if e.aligned))
+            return ("logprob", "aligned"), ("base",)
         if self.full_vocabulary:
             vectors = "svd" if "svd" in teacher_stores and "hidden" not in teacher_stores else "hidden"
             return ("logprob", vectors), self.rollout_stores
@@ -54,11 +64,25 @@ def _clip_fraction(st: dict, mask) -> dict:
     return {"clip_fraction": float((st["clipped"] * mask).sum() / mask.sum())}
 
 
+def _group_ends(batch):
+    """Each group's last token: where the aligned store's span_tokens is positive (None for one tokenizer)."""
+    spans = batch.get("teacher_span_tokens")
+    return None if spans is None else spans > 0
+
+
 def _lightning(cfg, batch, s, s_K, div_N, support):
     from opdcache import losses as L
 
-    terms, st = L.lightning_terms(s, batch["teacher_logprobs"], cfg.tau)
+    terms, st = L.lightning_terms(s, batch["teacher_logprobs"], cfg.tau, _group_ends(batch))
     return terms, st, _clip_fraction(st, batch["response_mask"])
+
+
+def _span(cfg, batch, s, s_K, div_N, support):
+    from opdcache import losses as L
+
+    ends = _group_ends(batch)
+    terms, st = L.span_terms(s, batch["teacher_logprobs"], batch["response_mask"].bool() if ends is None else ends)
+    return terms, st, {}
 
 
 def _is(cfg, batch, s, s_K, div_N, support):
@@ -115,8 +139,10 @@ def _topk_support(cfg, batch, sel):
 
 
 ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
-    Estimator("lightning", "papers/000 Alg. 1: the clipped advantage T - s on the sampled tokens", _lightning,
-              online=True, asynchronous=True),
+    Estimator("lightning", "papers/000 Alg. 1: the clipped advantage T - s on the sampled tokens (per aligned group "
+              "with a teacher of its own tokenizer)", _lightning, online=True, asynchronous=True, aligned=True),
+    Estimator("span", "span log-likelihood matching, (S - T)^2 / 2 per group of tokens both tokenizers cut at the same "
+              "byte: for a teacher with its own tokenizer (each token its own group otherwise)", _span, aligned=True),
     Estimator("is", "papers/001 eq. 5/7: the advantage recomputed at learner time, importance-weighted", _is,
               online=True, asynchronous=True),
     Estimator("mc", "papers/001 6.1: the is term over the rollouts' m Monte-Carlo samples per position", _mc,

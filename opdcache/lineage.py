@@ -69,8 +69,9 @@ def resolve_sft_teacher(pi_ref: str | Path, sft_teacher: str | Path | None) -> d
     return given
 
 
-def check_same_tokenizer(expected_fp: str, tokenizer, what: str, expected_tokenizer=None) -> None:
-    """Refuse a tokenizer whose fingerprint differs, saying which special tokens or vocabulary entries differ."""
+def check_same_tokenizer(expected_fp: str, tokenizer, what: str, expected_tokenizer=None, hint: str = "") -> None:
+    """Refuse a tokenizer whose fingerprint differs, saying which special tokens or vocabulary entries differ (and
+    ``hint``, what else the user can do)."""
     got = tokenizer_fingerprint(tokenizer)
     if got == expected_fp:
         return
@@ -79,7 +80,7 @@ def check_same_tokenizer(expected_fp: str, tokenizer, what: str, expected_tokeni
         detail = "; " + tokenizer_difference(expected_tokenizer, tokenizer)
     raise TokenizerMismatchError(
         f"{what} uses a different tokenizer (fingerprint {got[:12]}, the cache has {expected_fp[:12]}){detail}. "
-        "Teacher and student must share one tokenizer: token ids are compared position by position."
+        "Teacher and student must share one tokenizer: token ids are compared position by position" + (hint or ".")
     )
 
 

@@ -6,7 +6,13 @@ sg = stop-gradient; mask = response mask. Every estimator returns per-token term
 masked sum, divided once by the number of response tokens, is the loss (:func:`reduce`), so token-level
 weights and sequence-level masks from the corrections multiply the terms before the one division.
 
-* lightning (papers/000 Alg. 1):  A_t = clip(T_t - sg(s_t), -tau, tau);  term_t = -A_t * s_t
+* lightning (papers/000 Alg. 1):  A_t = clip(T_t - sg(s_t), -tau, tau);  term_t = -A_t * s_t. With a teacher of
+  another tokenizer (the aligned store: T_g its log-prob of a group of tokens both tokenizations cut at the same byte,
+  S_g = sum of s_t over the group's tokens) every token of group g takes A_t = clip(T_g - sg(S_g), -tau, tau); with
+  one tokenizer every token is its own group and this is the line above
+* span: (S_g - T_g)^2 / 2 at each group's last token: span log-likelihood matching, which needs no map between the
+  two vocabularies. Its gradient (S_g - T_g) grad S_g is lightning's unclipped one on the same sample (the on-policy
+  reverse-KL gradient of the spans, papers/000 with groups for tokens)
 * is (papers/001 eq. 5/7, "A_theta, no clip"):  rho_t = exp(s_t - b_t);  term_t = -rho_t * sg(T_t - s_t)
 * mc (papers/001 section 6.1): the is term averaged over the m cached samples of each position
 * is / mc without importance weights (papers/001 App. F's "no IS" ablation): rho_t replaced by exp(s_t - sg(s_t)),
@@ -90,10 +96,31 @@ def reduce(terms: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None
     return torch.where(w != 0, terms * w, torch.zeros_like(terms)).sum() / mask.sum().clamp_min(1)
 
 
-def lightning_terms(s: torch.Tensor, teacher: torch.Tensor, tau: float) -> tuple[torch.Tensor, dict]:
-    adv = teacher - s.detach()
+def lightning_terms(s: torch.Tensor, teacher: torch.Tensor, tau: float, ends: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """With ``ends`` (a teacher with its own tokenizer): the advantage of each token is its group's, T_g - sg(S_g)."""
+    adv = teacher - s.detach() if ends is None else span_sums(teacher, ends) - span_sums(s.detach(), ends)
     clipped = adv.clamp(-tau, tau)
     return -clipped * s, {"advantage": adv, "clipped": (adv.abs() > tau).float()}
+
+
+def span_sums(x_BT: torch.Tensor, ends_BT: torch.Tensor) -> torch.Tensor:
+    """[B, T]: for each token, the sum of ``x`` over its group: the tokens after the previous group end up to and
+    including the next one (``ends_BT`` marks each group's last token); 0 after a row's last end. Summed within each
+    group (a scatter, not a difference of running sums, so a long row loses no precision)."""
+    ends = ends_BT.bool()
+    group_BT = (ends.long().cumsum(1) - ends.long())  # the group a token belongs to: the ends before it
+    closed = group_BT < ends.long().sum(1, keepdim=True)  # tokens after the last end belong to no group
+    T = x_BT.shape[1]
+    sums = x_BT.new_zeros(x_BT.shape[0], T + 1).scatter_add(1, torch.where(closed, group_BT, T), x_BT)
+    return torch.where(closed, sums.gather(1, group_BT.clamp(max=T)), torch.zeros((), dtype=x_BT.dtype, device=x_BT.device))
+
+
+def span_terms(s: torch.Tensor, teacher: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Span log-likelihood matching: at each group's last token, (S_g - T_g)^2 / 2 with S_g the student's log-prob of
+    the group (the sum of s over its tokens) and T_g the teacher's; 0 inside a group."""
+    gap = span_sums(s, ends) - span_sums(teacher, ends)
+    terms = torch.where(ends.bool(), 0.5 * gap ** 2, torch.zeros((), dtype=s.dtype, device=s.device))
+    return terms, {"advantage": -gap.detach()}
 
 
 def _ratio(s: torch.Tensor, sampling: torch.Tensor, weighted: bool) -> tuple[torch.Tensor, torch.Tensor]:

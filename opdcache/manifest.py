@@ -98,6 +98,14 @@ _TOPK = {
 }
 
 
+_ALIGNED = {
+    "type": "object",
+    "description": "a teacher with its own tokenizer (format v6): how many rows were aligned and skipped (and why), and the groups the two tokenizations share, counted while scoring",
+    "required": ["rows", "aligned", "groups", "one_to_one", "student_tokens", "teacher_tokens", "skipped"],
+    "properties": {"skipped": {"type": "object", "additionalProperties": {"type": "integer"}}, "examples": {"type": "array"}},
+}
+
+
 def _table(version: int) -> dict:
     if version < 2:
         return _TABLE
@@ -106,6 +114,8 @@ def _table(version: int) -> dict:
         props["topk"] = _TOPK
     if version >= 4:  # the prob14 precision
         props["topk"] = {**_TOPK, "properties": {**_TOPK["properties"], "precision": {"enum": [p for p in S.TOPK_PRECISIONS]}}}
+    if version >= 6:
+        props["aligned"] = _ALIGNED
     return {**_TABLE, "properties": props}
 
 

@@ -30,17 +30,20 @@ from opdcache.stores import topk as topk_store
 from opdcache.stores.base import FIELD_DTYPE, PAD_ID, PROB14_STEP, Column  # noqa: F401 (the format's names, declared with the stores)
 
 FORMAT_NAME = "opdcache"
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 """The newest format. A shard (and a manifest) declares the lowest version that holds every column it uses, so a cache
 that uses nothing newer than v1 is written exactly as v1 was (same bytes, same fingerprints) and older readers keep
 reading it. v2 = v1 + the rollouts' optional ``version`` store (``student_version``: async runs). v3 = v2 + the compact
 top-k store (``topk_precision`` / ``topk_mass``: a residual-mass support padded with id -1, log-probs in float16 bits,
 and the ``topk_tail`` column) and the teacher's ``sampled`` store (RS-KD). v4 = v3 + the compact top-k precision
 ``prob14`` (probabilities as uint16 codes on a 2^-14 grid, kept entries in ascending id order). v5 = v4 + the teacher's
-``entropy`` store. Each teacher store declares the version that added it (opdcache/stores/)."""
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+``entropy`` store. v6 = v5 + the teacher's ``aligned`` store (a teacher with its own tokenizer). Each teacher store declares the version that added it (opdcache/stores/)."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 STORE_SINCE = {"version": 2} | {s.name: s.since for s in TEACHER_REGISTRY.values() if s.since > 1}
 """Stores added after v1, with the format version that added them; ``schemas/format-v<N>.json`` freezes each version."""
+
+REQUIRES_SINCE = {"same_tokenizer": 6}
+"""Column conditions added after v1, with the format version that added them (older snapshots do not list them)."""
 
 TABLE_KINDS = ("sft", "rollouts", "teacher")
 ROLLOUT_STORES = ("base", "ref_topk", "mc", "task", "version")
@@ -137,6 +140,12 @@ class StoreParams:
 
     NEWER = ("topk_precision", "topk_mass", "samples_per_position", "svd_dtype")
     """Fields added after v1: written only when set, so older tables keep their exact bytes and fingerprints."""
+
+    @property
+    def same_tokenizer(self) -> bool | None:
+        """True when the teacher shares pi_ref's tokenizer: every table but an aligned one (None otherwise, for
+        Column.requires)."""
+        return None if "aligned" in self.stores else True
 
     @property
     def topk_compact(self) -> bool | None:
@@ -250,7 +259,8 @@ def describe(version: int = FORMAT_VERSION) -> dict:
         return STORE_SINCE.get(store, 1) <= version
 
     def entry(c: Column) -> dict:
-        d = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("requires", "since")} | {"requires": list(c.requires)}
+        requires = [r for r in c.requires if REQUIRES_SINCE.get(r, 1) <= version]
+        d = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("requires", "since")} | {"requires": requires}
         if c.dtype == "topk":  # written "float32" before v3 added the float16 form; the same column either way
             d["dtype"] = ("float32" if version < 3 else "float32, or float16 bits in uint16 (v3 compact, field metadata opdcache.dtype)"
                           if version < 4 else "float32, or uint16: float16 bits (v3) or prob14 codes (v4), named by field metadata opdcache.dtype")

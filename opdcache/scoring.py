@@ -25,6 +25,7 @@ from opdcache.workers import worker_from_env
 from opdcache.errors import ConfigError, ConsistencyError, SchemaError
 from opdcache.lineage import check_same_tokenizer, model_info
 from opdcache.models import load_tokenizer, resolve_model
+from opdcache.prompts import PromptConfig
 from opdcache.backends import EngineConfig, make_backend
 
 CALIBRATION_PER_RANK = 32  # the svd projection is fitted on at least 32 x rank positions when the table has them: on
@@ -70,6 +71,9 @@ class ScoreJob:
     """The sampled store (RS-KD): teacher draws per position."""
     sample_seed: int = 0
     """Seed of the sampled store's draws (each row's uniforms come from (seed, row id) alone)."""
+    prompts: PromptConfig | None = None
+    """For a teacher with its own tokenizer: the prompts file (and fields) the rollouts were built from; the teacher's
+    chat template renders them and it scores its own tokenization of pi_ref's text (the aligned store)."""
     slug: str | None = None
     """Name of the teacher table (default: the teacher directory's name)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -89,7 +93,10 @@ class ScoreJob:
     once first, so every worker reads one projection instead of fitting its own."""
 
     def __post_init__(self) -> None:
-        stores = tuple(dict.fromkeys(("logprob",) + tuple(self.stores)))
+        stores = tuple(dict.fromkeys(("logprob",) + tuple(self.stores) + (("aligned",) if self.prompts else ())))
+        if "aligned" in stores and self.prompts is None:
+            raise ConfigError("--store aligned is written for a teacher with its own tokenizer: pass --prompts with the "
+                              "prompts file the rollouts were built from")
         object.__setattr__(self, "stores", stores)
         unknown = set(stores) - set(S.TEACHER_STORES)
         if unknown:
@@ -221,6 +228,27 @@ def _check_svd_rank(rank: int, hidden: int | None, where: str) -> None:
                           "for the states themselves")
 
 
+def _cross_plan(job: ScoreJob, cache: Cache, ref):
+    """None for a teacher that shares the cache's tokenizer (refused otherwise, unless ``--prompts`` makes it a
+    cross-tokenizer job, opdcache/crossteacher.py); checked before the teacher's weights load."""
+    from opdcache.fingerprint import tokenizer_fingerprint
+
+    tokenizer = load_tokenizer(ref.path)
+    expected = cache.manifest["tokenizer"]["fingerprint"]
+    if job.prompts is None:
+        check_same_tokenizer(expected, tokenizer, f"teacher {ref.name}", cache.tokenizer(),
+                             hint="; to score a teacher with its own tokenizer, pass --prompts with the prompts file the "
+                                  "rollouts were built from")
+        return None
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if fingerprint == expected:
+        raise ConfigError(f"--prompts is for a teacher with its own tokenizer; teacher {ref.name} shares the cache's: "
+                          "drop --prompts")
+    from opdcache import crossteacher
+
+    return crossteacher.prepare(cache, job.prompts, tokenizer, ref.name, fingerprint)
+
+
 def run_score(job: ScoreJob) -> dict:
     """Run (or resume) score-teacher; return the verdict and what was written."""
     cache = Cache(job.cache)
@@ -236,8 +264,7 @@ def run_score(job: ScoreJob) -> dict:
     ref = resolve_model(job.teacher, job.revision, "--teacher")
     if "svd" in job.stores:  # from config.json, before the model loads; a config without it is checked once it has
         _check_svd_rank(job.svd_rank, _config_hidden_size(ref.path), "config.json")
-    check_same_tokenizer(cache.manifest["tokenizer"]["fingerprint"], load_tokenizer(ref.path), f"teacher {ref.name}",
-                         cache.tokenizer())
+    plan = _cross_plan(job, cache, ref)
     teacher_fp_info = model_info(ref)
     verdict = consistency_verdict(cache.manifest["lineage"], teacher_fp_info, job.allow_inconsistent_teacher)
     want_hidden = "hidden" in job.stores or "svd" in job.stores
@@ -254,8 +281,8 @@ def run_score(job: ScoreJob) -> dict:
         if "svd" in job.stores:
             _check_svd_rank(job.svd_rank, H, "its output head")
     params = S.StoreParams(
-        stores=job.stores, top_k=job.top_k if "topk" in job.stores else None, ref_top_k=base_params.ref_top_k,
-        mc_samples=base_params.mc_samples, hidden_size=H if "hidden" in job.stores else None,
+        stores=job.stores, top_k=job.top_k if "topk" in job.stores else None,
+        ref_top_k=None if plan else base_params.ref_top_k, mc_samples=None if plan else base_params.mc_samples, hidden_size=H if "hidden" in job.stores else None,
         hidden_dtype=(job.hidden_dtype or hidden_dtype) if "hidden" in job.stores else None, svd_rank=job.svd_rank if "svd" in job.stores else None,
         topk_precision=job.topk_precision, topk_mass=job.topk_mass, samples_per_position=job.samples_per_position,
         svd_dtype="bfloat16" if "svd" in job.stores and job.svd_dtype == "bfloat16" else None,
@@ -266,6 +293,8 @@ def run_score(job: ScoreJob) -> dict:
               "svd_method": job.svd_method if "svd" in job.stores else None}
     if "sampled" in job.stores:  # only then: older tables keep their config fingerprints
         config["sample_seed"] = job.sample_seed
+    if plan is not None:
+        config["teacher_tokenizer"] = plan.fingerprint
     table = TableJob(cache.root, f"teachers/{slug}", "teacher", params, config, len(base_entry["shards"]),
                      parent_fingerprint=base_entry["config_fingerprint"], meta={"model": info, "consistency": verdict, "compute": threads.record()})
     table.begin()
@@ -283,6 +312,14 @@ def run_score(job: ScoreJob) -> dict:
     request_columns = teacher_columns(params)
 
     def make_shard(index: int) -> list[dict]:
+        if plan is not None:  # a teacher with its own tokenizer (opdcache/crossteacher.py)
+            from opdcache import crossteacher
+
+            rows = shards.read_table(base_paths[index], ["id", "prompt_index", "response_ids"])
+            aligned, requests = crossteacher.align_rows(plan, rows, backend.max_length)
+            scores = backend.score(requests) if requests else []
+            return crossteacher.records(rows["id"].to_pylist(), [len(r) for r in shards.row_values(rows["response_ids"])],
+                                        aligned, scores, backend.vocab_size, f"shard {index}")
         rows = shards.read_table(base_paths[index], request_columns)
         scores = backend.score(score_requests(rows, params.samples_per_position, job.sample_seed), top_k=params.top_k, hidden=want_hidden,
                                hidden_dtype=params.hidden_dtype)
@@ -294,7 +331,7 @@ def run_score(job: ScoreJob) -> dict:
     finished = table.all_done()
     entry = Cache(job.cache).table(f"teachers/{slug}") if finished and job.finalize else {}
     return {"slug": slug, "written": written, "finished": finished, "consistency": verdict, "svd": table.meta.get("svd"),
-            "topk": entry.get("topk"), "fidelity": entry.get("fidelity")}
+            "topk": entry.get("topk"), "fidelity": entry.get("fidelity"), "aligned": entry.get("aligned")}
 
 
 def calibration_rows(cache: Cache, rank: int, seed: int) -> tuple[list[tuple[int, int]], int]:

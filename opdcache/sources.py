@@ -93,6 +93,17 @@ def open_source(cfg, model, model_path, device):
     return source, checked_head(load_head(path), vocab, params.hidden_size, path)
 
 
+def check_teacher_table(cfg) -> None:
+    """Refuse, from the manifest before any model loads, a loss the cache's teacher table cannot feed (a teacher with
+    its own tokenizer and a loss that compares token ids, a missing store)."""
+    if cfg.online or cfg.cache is None:
+        return
+    from opdcache.cache import Cache
+
+    cache = Cache(cfg.cache)
+    stores_for(cfg.loss, cfg.topk_support, cache.params(cache.teacher_table(cfg.teacher)).stores)
+
+
 def checked_head(head, vocab: int, width: int, path):
     """The teacher's head (or an svd decoder) as the losses will use it: [vocab, width] with a [vocab] bias or none,
     vocab the student's, width the stored vectors'. A side file of other shapes is refused in one line, before a step

@@ -53,7 +53,7 @@ from opdcache.errors import ConfigError, OpdcacheError
 from opdcache.models import load_causal_lm, load_tokenizer, resolve_model
 from opdcache.progress import bar
 from opdcache.quant import apply_scheme
-from opdcache.sources import open_source
+from opdcache.sources import check_teacher_table, open_source
 from opdcache.student import (StudentForward, autocast_dtype, enable_activation_checkpointing, enable_packed_attention, full_tensor,
                               init_distributed, shard_fsdp)
 from opdcache.trainconfig import LR_SCHEDULES, TrainConfig, learning_rate, stores_for  # noqa: F401 (the public names live here too)
@@ -75,6 +75,8 @@ class Trainer:
         self.ddp, self.rank, self.world, self.device, self.owns_process_group = init_distributed()
         self.autocast = autocast_dtype(self._compute_dtype(source), self.device)
         arithmetic = self._exact_arithmetic(source) if cfg.exact else None  # checked before the model loads
+        if source is None:
+            check_teacher_table(cfg)
         # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32
         self.model_path = resolve_model(cfg.model).path  # a local directory or a Hub id
         self.model = load_causal_lm(self.model_path, torch.float32).to(self.device)
@@ -183,6 +185,8 @@ class Trainer:
         terms, st, stats = O.estimator_terms(cfg, batch, s, lp_NK, sel, support, div_N)
         teacher = batch.get("teacher_logprobs")
         advantage = (teacher - s).detach() if teacher is not None else torch.zeros_like(s)
+        if "teacher_span_tokens" in batch:  # a teacher with its own tokenizer: its advantage is per group
+            advantage = st["advantage"].detach()
         weights = None
         if cfg.corrections.active:
             with torch.no_grad():

@@ -366,9 +366,14 @@ def _check_store_rules(file: str, table: pa.Table, params: S.StoreParams, offset
 
     recorded = params.to_dict()
     for store in REGISTRY.values():
-        if store.rules is not None and store.name in params.stores and all(c.name in table.column_names for c in store.columns):
-            values = {c.name: decode_logprobs(shards.token_values(table[c.name]), table.schema.field(c.name)) for c in store.columns}
+        if store.name not in params.stores or not all(c.name in table.column_names for c in store.columns):
+            continue
+        if store.rules is not None:
+            per_token = [c.name for c in store.columns if c.shape != "row"]
+            values = {n: decode_logprobs(shards.token_values(table[n]), table.schema.field(n)) for n in per_token}
             _report(file, offsets, [v for v in store.rules(values, vocab, recorded) if v[1] is not None], out)
+        for column, bad_rows, message in (store.table_rules(table, offsets) if store.table_rules else []):
+            out.rows(file, column, np.flatnonzero(bad_rows), message)
 
 
 def _check_base_rows(file: str, table: pa.Table, entry: dict, out: _Collector):
@@ -428,7 +433,7 @@ def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, par
         return
     logprobs = shards.token_values(table["logprobs"])
     _check_logprobs(file, "logprobs", logprobs, offsets, out)
-    lse = shards.token_values(table["logsumexp"])
+    lse = shards.token_values(table["logsumexp"]) if "logsumexp" in table.column_names else np.zeros(0)
     if not np.isfinite(lse).all():
         out.rows(file, "logsumexp", _row_of(offsets, np.flatnonzero(~np.isfinite(lse))), "non-finite logsumexp")
     vocab = entry["config"].get("vocab_size")

@@ -7,7 +7,7 @@ A new store is one file in this folder filling in :class:`opdcache.stores.base.S
 
 from __future__ import annotations
 
-from opdcache.stores import entropy, hidden, logprob, sampled, svd, topk
+from opdcache.stores import aligned, entropy, hidden, logprob, sampled, svd, topk
 from opdcache.stores.base import Column, Store, Violation
 
 REGISTRY: dict[str, Store] = {s.name: s for s in (
@@ -17,6 +17,7 @@ REGISTRY: dict[str, Store] = {s.name: s for s in (
     svd.STORE,
     sampled.STORE,
     entropy.STORE,
+    aligned.STORE,
 )}
 """Every teacher store by name, in the order their columns are written."""
 

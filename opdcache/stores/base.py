@@ -73,8 +73,16 @@ class Store:
     e.g. draws collapsed to distinct ids and float16 bits (None: stored as encoded)."""
     rules: Callable[[Mapping[str, np.ndarray], int | None, Mapping], list] | None = None
     """``rules(values, vocab, params)``: the row rules (Violations) on a shard's decoded per-token values {column:
-    [tokens, ...]}, with the table's recorded store parameters; validate reports them and the loader refuses a shard
-    that breaks one."""
+    [tokens, ...]} of its per-token columns, with the table's recorded store parameters; validate reports them and the
+    loader refuses a shard that breaks one."""
+    table_rules: Callable[[Any, np.ndarray], list] | None = None
+    """``table_rules(table, offsets)``: rules that tie a row's columns together, on a shard's Arrow table with its
+    response offsets, as (column, bad rows [rows] bool, message); validate reports them."""
+    record: Callable[[list], dict] | None = None
+    """``record(footers)``: what the manifest's table entry holds under the store's name, merged from every shard's
+    footer key-value metadata (each holding ``record_meta``), e.g. counts measured while scoring."""
+    record_meta: bytes | None = None
+    """The footer key each shard of a table holding the store carries for ``record``."""
     flat: tuple[str, ...] | None = None
     """The columns flat exports (``opdcache export``) carry, decoded to plain numbers (None: all of them)."""
     card: Callable[[str, Mapping], list[str]] = lambda config, entry: []

@@ -1,0 +1,252 @@
+"""A teacher with its own tokenizer (opdcache/crossteacher.py, the aligned store, the span losses): the demo student's
+rollouts scored by a teacher whose tokenizer reads digit pairs as one token. The stored group log-probs equal an
+independent forward of the teacher over its own rendering of the same text; validate, the loader and train read the
+table; every refusal is one line, before any model loads; and the group losses reduce to the per-token ones when
+every group is one token to one."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from opdcache import schema as S
+from opdcache import shards
+from opdcache.errors import ConfigError, InputError
+
+STUDENT_STEPS = 2
+
+
+def _pair_teacher(path: Path, seed: int = 0, normalizer=None) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from opdcache.demo import models
+
+    config = models.model_config("teacher")
+    config.vocab_size = models.PAIR_VOCAB_SIZE
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tokenizer = models.build_tokenizer(digit_pairs=True)
+    if normalizer is not None:
+        tokenizer.backend_tokenizer.normalizer = normalizer
+    return models.save(model, tokenizer, path)
+
+
+@pytest.fixture(scope="module")
+def cross(tmp_path_factory, weights):
+    """(cache, prompts, teacher): 24 demo prompts x 2 samples from the demo student, scored by a pair-tokenizer teacher."""
+    from opdcache.backends.base import SamplingConfig
+    from opdcache.demo.task import write_prompts
+    from opdcache.prompts import PromptConfig
+    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.scoring import ScoreJob, run_score
+
+    root = tmp_path_factory.mktemp("cross")
+    prompts = write_prompts(root / "opd.jsonl", "opd", 24)
+    teacher = _pair_teacher(root / "pairs")
+    cache = root / "cache"
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(prompts), out=cache, num_shards=2,
+                             sampling=SamplingConfig(max_new_tokens=40, samples=2)))
+    result = run_score(ScoreJob(cache=cache, teacher=teacher, prompts=PromptConfig(prompts)))
+    assert result["finished"] and result["aligned"]["aligned"] == result["aligned"]["rows"] == 48
+    return cache, prompts, teacher
+
+
+def _forward_logprobs(model_dir: Path, prompt_ids: list[int], response_ids: list[int]) -> np.ndarray:
+    """The teacher's log-prob of each response token, in float64, by a plain forward."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1: -1].double()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response_ids)[:, None])[:, 0].numpy()
+
+
+def test_group_logprobs_equal_an_independent_forward_over_the_teachers_own_rendering(cross):
+    from opdcache.alignment import TokenText, align_response
+    from opdcache.cache import Cache
+    from opdcache.demo.models import build_tokenizer
+
+    root, prompts, teacher = cross
+    cache = Cache(root)
+    assert cache.manifest["format_version"] == 6
+    entry = cache.table("teachers/pairs")
+    assert entry["params"]["stores"] == ["logprob", "aligned"] and "logsumexp" not in shards.read_table(
+        cache.shard_paths("teachers/pairs")[0]).column_names
+    assert entry["aligned"]["groups"] > entry["aligned"]["one_to_one"] > 0  # digit pairs: many-to-one groups exist
+    chars, pairs = build_tokenizer(), build_tokenizer(digit_pairs=True)
+    lines = [json.loads(line) for line in prompts.read_text().splitlines()]
+    rollouts, table = shards.read_table(cache.shard_paths("rollouts")[1]), shards.read_table(cache.shard_paths("teachers/pairs")[1])
+    for i in (0, 5):
+        response = rollouts["response_ids"][i].as_py()
+        messages = [{"role": "user", "content": lines[rollouts["prompt_index"][i].as_py()]["prompt"]}]
+        rendered = pairs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt_t = pairs(rendered, add_special_tokens=False)["input_ids"]
+        text = chars.decode(response, skip_special_tokens=True)
+        response_t = pairs(text, add_special_tokens=False)["input_ids"] + ([pairs.eos_token_id] if response[-1] == chars.eos_token_id else [])
+        assert table["teacher_prompt_ids"][i].as_py() == prompt_t and table["teacher_response_ids"][i].as_py() == response_t
+        row = align_response(TokenText.from_hf(chars), TokenText.from_hf(pairs), response)
+        want_T = _forward_logprobs(teacher, prompt_t, response_t)
+        stored, spans = np.asarray(table["logprobs"][i].as_py()), np.asarray(table["span_tokens"][i].as_py())
+        ends = np.cumsum(row.student_groups) - 1
+        assert (np.flatnonzero(spans) == ends).all() and (spans[ends] == row.teacher_groups).all()
+        starts_t = np.concatenate([[0], np.cumsum(row.teacher_groups)[:-1]])
+        assert np.allclose(stored[ends], np.add.reduceat(want_T, starts_t), rtol=1e-5, atol=1e-5)
+        assert (np.delete(stored, ends) == 0).all()
+        assert np.isclose(stored.sum(), want_T.sum(), rtol=1e-5)  # the row: the teacher's log-prob of the whole response
+
+
+def test_validate_passes_it_and_finds_a_damaged_row(cross, tmp_path):
+    from opdcache import manifest as M
+    from opdcache.cache import Cache
+    from opdcache.validate import validate
+
+    root = tmp_path / "cache"
+    shutil.copytree(cross[0], root)
+    assert not [p for p in validate(root) if not p.warning]
+    cache = Cache(root)
+    path, entry = cache.shard_paths("teachers/pairs")[0], cache.table("teachers/pairs")
+    table = shards.read_table(path)
+    rows = table.to_pylist()
+    inside = int(np.flatnonzero(np.asarray(rows[3]["span_tokens"]) == 0)[0])
+    rows[3]["logprobs"][inside] = -0.25  # a value inside a group, where the format has 0
+    rows[4]["span_tokens"][-1] += 1  # more teacher tokens than the row holds
+    records = [{k: (np.asarray(v, np.int32 if k.endswith(("ids", "tokens")) else np.float32) if isinstance(v, list) else v)
+                for k, v in row.items()} for row in rows]
+    built = shards.build_table("teacher", S.StoreParams.from_dict(entry["params"]), records, entry["config_fingerprint"])
+    info = shards.write_table_atomic(built.replace_schema_metadata(table.schema.metadata), path, root)
+    manifest = cache.manifest
+    manifest["tables"]["teachers/pairs"]["shards"][0] = info.to_dict()
+    M.save(root, manifest)
+    problems = sorted((p.row, p.column, p.message) for p in validate(root) if not p.warning and p.column)
+    assert problems == [(3, "logprobs", "logprobs must be 0 inside a group (span_tokens 0)"),
+                        (4, "span_tokens", "span_tokens must add up to the row's teacher_response_ids")], problems
+
+
+def test_the_loader_and_train_read_it_and_the_losses_that_compare_ids_are_refused_first(cross, weights, tmp_path):
+    from opdcache.data import CacheLoader, CacheLoaderConfig
+    from opdcache.train import TrainConfig, run_train
+
+    root = cross[0]
+    batch = next(iter(CacheLoader(CacheLoaderConfig(cache=root, teacher="pairs", stores=("logprob", "aligned"), batch_size=8,
+                                                    shuffle=False))))
+    assert batch["teacher_span_tokens"].shape == batch["teacher_logprobs"].shape
+    ends = batch["teacher_span_tokens"] > 0
+    assert (batch["teacher_logprobs"][~ends] == 0).all() and (batch["teacher_logprobs"][ends] < 0).all()
+    for loss in ("lightning", "span"):
+        out = run_train(TrainConfig(cache=root, model=weights / "student", out=tmp_path / loss, loss=loss, steps=STUDENT_STEPS,
+                                    batch_size=8, checkpoint="none"))
+        assert out["steps"] == STUDENT_STEPS and np.isfinite(out["last"]["loss"]) and out["last"]["tokens"] > 0
+    with pytest.raises(ConfigError, match=re.escape("--loss topk-fkl needs a teacher that shares the student's tokenizer; "
+                                                    "this teacher table has its own (the aligned store): use --loss "
+                                                    "lightning or span")):
+        run_train(TrainConfig(cache=root, model=tmp_path / "no-such-model", out=tmp_path / "t", loss="topk-fkl", steps=1))
+
+
+def test_refusals_are_one_line_and_come_before_the_teacher_loads(cross, weights, tmp_path):
+    from tokenizers import normalizers
+
+    from opdcache.alignment import CrossTokenizerError
+    from opdcache.demo.task import write_prompts
+    from opdcache.errors import TokenizerMismatchError
+    from opdcache.prompts import PromptConfig
+    from opdcache.scoring import ScoreJob, run_score
+
+    root, prompts, teacher = cross
+    with pytest.raises(TokenizerMismatchError, match="to score a teacher with its own tokenizer, pass --prompts with the "
+                                                     "prompts file the rollouts were built from$"):
+        run_score(ScoreJob(cache=root, teacher=teacher, slug="x"))
+    with pytest.raises(ConfigError, match="--prompts is for a teacher with its own tokenizer; teacher .* shares the "
+                                          "cache's: drop --prompts"):
+        run_score(ScoreJob(cache=root, teacher=weights / "teacher", prompts=PromptConfig(prompts), slug="x"))
+    other = write_prompts(tmp_path / "other.jsonl", "opd", 24, seed=7)
+    with pytest.raises(InputError, match=r"--prompts .*other.jsonl is not the file the rollouts were built from: rollout "
+                                         r"row \S+ \(line \d+\) renders to other token ids"):
+        run_score(ScoreJob(cache=root, teacher=teacher, prompts=PromptConfig(other), slug="x"))
+    spaced = _pair_teacher(tmp_path / "spaced", normalizer=normalizers.Replace("=", " = "))
+    with pytest.raises(CrossTokenizerError, match=r"^the teacher's tokenizer \S+ does not reproduce the text it encodes on "
+                                                  r"pi_ref's response of rollout row 0 \(at character \d+ \('=.*' in the "
+                                                  r"text, ' = .*' from the teacher's tokens\)\)"):
+        run_score(ScoreJob(cache=root, teacher=spaced, prompts=PromptConfig(prompts), slug="x"))
+    with pytest.raises(ConfigError, match="--store topk is not available for a teacher with its own tokenizer"):
+        ScoreJob(cache=root, teacher=teacher, prompts=PromptConfig(prompts), stores=("topk",), top_k=4)
+    with pytest.raises(ConfigError, match="--store aligned is written for a teacher with its own tokenizer: pass --prompts"):
+        ScoreJob(cache=root, teacher=teacher, stores=("aligned",))
+    assert not (root / "teachers" / "x").exists()  # nothing was started
+
+
+def test_the_cli_prints_the_alignment_and_info_names_the_store(cross, tmp_path, capsys):
+    from opdcache.cli.main import main
+
+    root, prompts, teacher = cross
+    copy = tmp_path / "cache"
+    shutil.copytree(root, copy)
+    with pytest.raises(SystemExit) as exit_:
+        main(["score-teacher", str(copy), "--teacher", str(teacher), "--prompts", str(prompts), "--name", "again"])
+    assert exit_.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert re.search(r"aligned with the teacher's tokenizer: 48 of 48 rows, [\d,]+ groups \(\d+\.\d% one token to one\); "
+                     r"[\d,]+ teacher tokens for [\d,]+ of pi_ref's", out), out
+    with pytest.raises(SystemExit):
+        main(["info", str(copy)])
+    assert "aligned store: a teacher with its own tokenizer" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["score-teacher", str(copy), "--teacher", str(teacher), "--name", "x"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "pass --prompts" in err
+
+
+# --- the group losses against the per-token ones ---------------------------------------------------------------------
+
+
+def _span_sums_reference(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for b in range(x.shape[0]):
+        start = 0
+        for t in range(x.shape[1]):
+            if ends[b, t]:
+                out[b, start: t + 1] = x[b, start: t + 1].sum()
+                start = t + 1
+    return out
+
+
+def test_span_sums_equal_a_plain_loop_and_pass_gradients():
+    from opdcache import losses as L
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 17, generator=g, dtype=torch.float64, requires_grad=True)
+    ends = torch.rand(5, 17, generator=g) < 0.4
+    ends[0] = False  # a row with no group (could not be aligned)
+    ends[1, -1] = True
+    got = L.span_sums(x, ends)
+    assert torch.allclose(got, _span_sums_reference(x.detach(), ends), rtol=0, atol=1e-12)  # summation order aside
+    weights = torch.randn(5, 17, generator=g, dtype=torch.float64)
+    (got * weights).sum().backward()
+    want = _span_sums_reference(weights, ends)  # d/dx_t of sum_u w_u S_{g(u)} = sum of w over x_t's group
+    assert torch.allclose(x.grad, want)
+
+
+def test_with_every_group_one_token_the_group_losses_are_the_per_token_ones():
+    from opdcache import losses as L
+
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(3, 9, generator=g, dtype=torch.float64).clamp(max=-0.01).requires_grad_()
+    teacher = torch.randn(3, 9, generator=g, dtype=torch.float64).clamp(max=-0.01)
+    every = torch.ones(3, 9, dtype=torch.bool)
+    plain, _ = L.lightning_terms(s, teacher, 0.5)
+    grouped, _ = L.lightning_terms(s, teacher, 0.5, every)
+    assert torch.equal(plain, grouped)
+    # span matching's gradient is lightning's unclipped one, on one-token groups and on longer ones
+    ends = torch.rand(3, 9, generator=g) < 0.5
+    ends[:, -1] = True
+    teacher_at_ends = torch.where(ends, teacher, torch.zeros(()))
+    (grad_span,) = torch.autograd.grad(L.span_terms(s, teacher_at_ends, ends)[0].sum(), s)
+    (grad_lightning,) = torch.autograd.grad(L.lightning_terms(s, teacher_at_ends, 1e9, ends)[0].sum(), s)
+    assert torch.allclose(grad_span, grad_lightning)
