@@ -24,6 +24,7 @@ from opdcache.backends.base import ScoreRequest
 from opdcache.errors import InputError
 from opdcache.prompts import PromptConfig, read_prompts
 from opdcache.stores.aligned import META, SKIP_EXAMPLES, footer
+from opdcache.stores.base import PAD_ID
 
 PROBE_ROWS = 64
 """Rollout rows whose text the teacher's tokenizer must give back before its weights load."""
@@ -38,6 +39,7 @@ class CrossPlan:
     teacher_prompts: dict  # prompt index -> the teacher's prompt ids
     teacher_prompt_errors: dict  # prompt index -> why the teacher's chat template could not render it
     fingerprint: str  # the teacher tokenizer's
+    student_of: np.ndarray  # [teacher vocabulary] int32: pi_ref's id with the same bytes, PAD_ID where none
 
 
 def prepare(cache, prompts: PromptConfig, teacher_tokenizer, teacher_name: str, fingerprint: str) -> CrossPlan:
@@ -64,7 +66,20 @@ def prepare(cache, prompts: PromptConfig, teacher_tokenizer, teacher_name: str, 
     rendered = read_prompts(cfg, teacher_tokenizer, None)
     errors = {e["line"] - 1: e["reason"] for e in rendered.errors}
     return CrossPlan(student, teacher, {p.index: list(p.prompt_ids) for p in rendered.prompts},
-                     errors, fingerprint)
+                     errors, fingerprint, same_bytes(student, teacher))
+
+
+def same_bytes(student: TokenText, teacher: TokenText) -> np.ndarray:
+    """[teacher vocabulary] int32: for each teacher token, pi_ref's token with the same bytes (PAD_ID where pi_ref has
+    none); the two end-of-sequence tokens map to each other. Linear in the two vocabularies."""
+    index = {}
+    for i, piece in enumerate(student.table):
+        if piece is not None:
+            index.setdefault(piece, i)
+    out = np.array([PAD_ID if piece is None else index.get(piece, PAD_ID) for piece in teacher.table], np.int32)
+    if teacher.eos_id is not None and student.eos_id is not None and 0 <= teacher.eos_id < len(out):
+        out[teacher.eos_id] = student.eos_id
+    return out
 
 
 def _probe_texts(cache, student: TokenText) -> list[str]:
@@ -113,10 +128,22 @@ def span_logprobs(row: RowAlignment, teacher_logprobs_T: np.ndarray, response_le
     return logprobs, span_tokens
 
 
+def span_topk(row: RowAlignment, sc, response_length: int, top_k: int, student_of: np.ndarray) -> dict:
+    """At each group's first pi_ref token, the teacher's top-k at the group's first position (ids, log-probs, and
+    pi_ref's id with the same bytes); padding (-1, -inf, -1) at every other token. [S, top_k] each."""
+    starts_s = np.cumsum(row.student_groups) - row.student_groups
+    starts_t = np.cumsum(row.teacher_groups) - row.teacher_groups
+    ids = np.full((response_length, top_k), PAD_ID, np.int32)
+    lps = np.full((response_length, top_k), -np.inf, np.float32)
+    ids[starts_s], lps[starts_s] = sc.topk_ids[starts_t], sc.topk_logprobs[starts_t]
+    mapped = np.where(ids == PAD_ID, PAD_ID, student_of[np.clip(ids, 0, len(student_of) - 1)]).astype(np.int32)
+    return {"span_topk_ids": ids, "span_topk_logprobs": lps, "span_topk_student_ids": mapped}
+
+
 def records(ids: list[str], response_lengths: list[int], aligned: list, scores: list, vocab_size: int | None,
-            where: str) -> shards.Records:
+            where: str, plan: CrossPlan, top_k: int | None = None) -> shards.Records:
     """The aligned table's rows (row-aligned with the rollouts), the alignment counts and the fidelity sums in the
-    footer."""
+    footer; with ``top_k``, the teacher's top-k where each group starts."""
     from opdcache import fidelity
     from opdcache.errors import SchemaError
 
@@ -131,6 +158,10 @@ def records(ids: list[str], response_lengths: list[int], aligned: list, scores: 
                 examples.append({"id": row_id, "reason": row})
             rec.update(teacher_response_ids=np.zeros(0, np.int32), logprobs=np.zeros(length, np.float32),
                        span_tokens=np.zeros(length, np.int32), align_skip=row)
+            if top_k:
+                rec.update(span_topk_ids=np.full((length, top_k), PAD_ID, np.int32),
+                           span_topk_logprobs=np.full((length, top_k), -np.inf, np.float32),
+                           span_topk_student_ids=np.full((length, top_k), PAD_ID, np.int32))
             out.append(rec)
             continue
         sc = next(next_score)
@@ -139,6 +170,8 @@ def records(ids: list[str], response_lengths: list[int], aligned: list, scores: 
                               "written for this shard. Check the teacher's dtype (try --dtype float32)")
         logprobs, span_tokens = span_logprobs(row, sc.logprobs, length)
         rec.update(teacher_response_ids=row.teacher_ids, logprobs=logprobs, span_tokens=span_tokens, align_skip=None)
+        if top_k:
+            rec.update(span_topk(row, sc, length, top_k, plan.student_of))
         out.append(rec)
         counts["aligned"] += 1
         counts["groups"] += len(row.student_groups)

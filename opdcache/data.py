@@ -1,5 +1,5 @@
 """A loader over a cache (a torch IterableDataset, run in DataLoader workers when asked): rollouts plus one teacher's
-stores, as padded training batches.
+stores (or several teachers', side by side), as padded or packed training batches.
 
 Usable on its own with any trainer::
 
@@ -41,6 +41,13 @@ class CacheLoaderConfig:
     """The cache: a directory or an object-store URL (s3://, gs://, hf://datasets/...), read in place."""
     teacher: str | None = None
     """Teacher table name (teachers/<name>); None loads rollouts only."""
+    more_teachers: tuple[str, ...] = ()
+    """Further teacher tables, loaded beside the first with the same stores, their columns prefixed ``teacher1_``,
+    ``teacher2_``, ... (the first's ``teacher_``)."""
+    route_field: str | None = None
+    """A field of the rows' metadata (the prompt's other fields) whose value names each row's teacher, one of
+    ``teacher`` and ``more_teachers``: yields ``row_teacher`` [B, T], the index of the row's teacher (0 the first).
+    A row whose value names none is refused in one line."""
     stores: tuple[str, ...] = ("logprob",)
     """Teacher stores to load (opdcache/stores/: logprob, topk, hidden, svd, sampled, entropy, ...)."""
     rollout_stores: tuple[str, ...] = ("base",)
@@ -89,6 +96,16 @@ class CacheLoaderConfig:
             raise ConfigError(f"decode_threads must be at least 1, got {self.decode_threads}")
         if self.keep_decoded_bytes < 0:
             raise ConfigError(f"keep_decoded_bytes must be at least 0, got {self.keep_decoded_bytes}")
+        if (self.more_teachers or self.route_field) and self.teacher is None:
+            raise ConfigError("several teachers (or routing rows to them) need the first teacher named")
+        names = (self.teacher,) + tuple(self.more_teachers)
+        if len(set(names)) != len(names):
+            raise ConfigError(f"--teacher names a table twice: {', '.join(names)}")
+
+    @property
+    def teachers(self) -> tuple[str, ...]:
+        """Every teacher table loaded, the first first."""
+        return () if self.teacher is None else (self.teacher,) + tuple(self.more_teachers)
 
 
 def _dist() -> tuple[int, int]:
@@ -106,17 +123,19 @@ class DecodedShard:
 
     def __init__(self, rollout_path, teacher_path, rollout_cols: list[str], teacher_cols: list[str], where: str = "this shard",
                  max_length: int | None = None, rows: int | None = None, vocab: int | None = None, params: dict | None = None,
-                 tokens: int | None = None):
+                 tokens: int | None = None, more: tuple = (), route: tuple[str, tuple[str, ...]] | None = None):
         """Each source: a local path, an object-store path, or a shard's bytes already fetched (opdcache.shards.read_table).
         ``rows``: the manifest's row count (the footer must agree, and sizes are checked before decoding); ``vocab``: ids
         must lie in [0, vocab); ``params``: the teacher table's recorded store parameters, for the rules each store declares
-        (opdcache/stores/: the sampled store's m, ...). The row rules are validate's."""
+        (opdcache/stores/: the sampled store's m, ...). The row rules are validate's. ``more``: further teachers, (prefix,
+        source, columns, params) each; ``route``: (metadata field, teacher names) for ``row_teacher``."""
         from opdcache.errors import SchemaError
 
         def refuse(what: str):
             raise SchemaError(f"{where}: {what}; run `opdcache validate` on the cache and rebuild that shard")
 
-        r = shards.read_table(rollout_path, list(dict.fromkeys(["id"] + rollout_cols)), rows=rows, max_row_tokens=max_length, where=where, tokens=tokens)
+        r = shards.read_table(rollout_path, list(dict.fromkeys(["id"] + rollout_cols + (["metadata"] if route else []))),
+                              rows=rows, max_row_tokens=max_length, where=where, tokens=tokens)
         self.offsets = shards.list_offsets(r["response_ids"])
         self.prompt_offsets = shards.list_offsets(r["prompt_ids"])
         lengths = np.diff(self.offsets)
@@ -131,11 +150,12 @@ class DecodedShard:
         self.cols = {name: shards.token_values(r[name]) for name in rollout_cols}
         self.hidden_dtype = self.svd_dtype = None  # the stored dtype of the hidden and svd vectors (their bits are kept)
         self.topk_layout = (1e-3, "logprobs")
-        if teacher_path is not None:
-            t = shards.read_table(teacher_path, ["id"] + teacher_cols, rows=rows, max_row_tokens=max_length, where=where, tokens=tokens)
+        teachers = ([("teacher_", teacher_path, teacher_cols, params)] if teacher_path is not None else []) + list(more)
+        for prefix, source, columns, _ in teachers:
+            t = shards.read_table(source, ["id"] + columns, rows=rows, max_row_tokens=max_length, where=where, tokens=tokens)
             if t.num_rows != r.num_rows or t["id"].to_pylist() != r["id"].to_pylist():
                 refuse("teacher rows are not aligned with the rollout rows (ids differ)")
-            for name in teacher_cols:  # per-token columns only (CacheDataset leaves out row columns such as id)
+            for name in columns:  # per-token columns only (CacheDataset leaves out row columns such as id)
                 if not np.array_equal(np.diff(shards.list_offsets(t[name])), lengths):
                     refuse(f"teacher column {name} is not as long as the responses (shifted or truncated rows)")
                 values = shards.token_values(t[name])
@@ -143,31 +163,39 @@ class DecodedShard:
                     from opdcache.compact import decode_logprobs
 
                     values = decode_logprobs(values, t.schema.field(name))
-                self.cols["teacher_" + name] = values
-                if name == "topk_logprobs":
+                self.cols[prefix + name] = values
+                if name == "topk_logprobs" and prefix == "teacher_":
                     self.topk_layout = rowrules.topk_layout(t.schema.field(name), values.shape[1] if values.ndim == 2 else 1)
                 if name == "hidden":
                     self.hidden_dtype = shards.hidden_dtype_of(t.schema.field("hidden"))
                 if name == "svd":
                     self.svd_dtype = shards.hidden_dtype_of(t.schema.field("svd"))
-        for column, bad, message in self._violations(vocab, params):
-            row = int(np.searchsorted(self.offsets, np.flatnonzero(bad)[0], side="right") - 1)
-            refuse(f"row {row}, column {column}: {message}")
+        if route is not None:
+            self.cols["row_teacher"] = np.repeat(_routes(r["metadata"].to_pylist(), *route, refuse), lengths)
+        for prefix, _, _, table_params in teachers:
+            for column, bad, message in self._violations(vocab, table_params, prefix):
+                row = int(np.searchsorted(self.offsets, np.flatnonzero(bad)[0], side="right") - 1)
+                refuse(f"row {row}, column {column}: {message}")
+        if not teachers:
+            for column, bad, message in self._violations(vocab, params):
+                row = int(np.searchsorted(self.offsets, np.flatnonzero(bad)[0], side="right") - 1)
+                refuse(f"row {row}, column {column}: {message}")
 
-    def _violations(self, vocab: int | None, params: dict | None) -> list:
-        """The rules validate applies to these columns (opdcache/rowrules.py), on the decoded values."""
+    def _violations(self, vocab: int | None, params: dict | None, prefix: str = "teacher_") -> list:
+        """The rules validate applies to these columns (opdcache/rowrules.py), on the decoded values: the rollouts' and
+        those of the teacher whose columns carry ``prefix``."""
         c = self.cols
         out = rowrules.ids_in_vocabulary("response_ids", c["response_ids"], vocab)
         for name in ("ref_topk_ids", "mc_ids"):
             if name in c:
                 out += rowrules.ids_in_vocabulary(name, c[name], vocab)
-        if "teacher_topk_ids" in c:
+        if prefix + "topk_ids" in c:
             tol, order = self.topk_layout
-            out += rowrules.topk_rules("topk", c["teacher_topk_ids"], c["teacher_topk_logprobs"], vocab, c.get("teacher_topk_tail"), tol, order)
+            out += rowrules.topk_rules("topk", c[prefix + "topk_ids"], c[prefix + "topk_logprobs"], vocab, c.get(prefix + "topk_tail"), tol, order)
         for store in REGISTRY.values():  # the rules each teacher store declares (opdcache/stores/)
             names = [col.name for col in store.columns if col.shape != "row"]
-            if store.rules is not None and all("teacher_" + n in c for n in names):
-                out += [v for v in store.rules({n: c["teacher_" + n] for n in names}, vocab, params or {}) if v[1] is not None]
+            if store.rules is not None and all(prefix + n in c for n in names):
+                out += [v for v in store.rules({n: c[prefix + n] for n in names}, vocab, params or {}) if v[1] is not None]
         return out
 
     @property
@@ -179,6 +207,23 @@ class DecodedShard:
         out = {name: values[a:b] for name, values in self.cols.items() if name != "prompt_ids"}
         out["prompt_ids"] = self.cols["prompt_ids"][self.prompt_offsets[i]: self.prompt_offsets[i + 1]]
         return out
+
+
+def _routes(metadata: list, field: str, names: tuple[str, ...], refuse) -> np.ndarray:
+    """[rows] int8: the index in ``names`` of the teacher each row's metadata ``field`` names."""
+    from opdcache.errors import SchemaError
+    from opdcache.untrusted import loads
+
+    index = {name: i for i, name in enumerate(names)}
+    out = np.zeros(len(metadata), np.int8)
+    for row, text in enumerate(metadata):
+        value = (loads(text, f"row {row}'s metadata", SchemaError) if text else {}) if isinstance(text, str) else {}
+        value = value.get(field) if isinstance(value, dict) else None
+        if value not in index:
+            refuse(f"row {row}: its prompt field {field!r} is {value!r}, which names none of the teachers {', '.join(names)} "
+                   "(--teacher-route)")
+        out[row] = index[value]
+    return out
 
 
 def _pad(rows: list[np.ndarray], length: int, fill=0) -> np.ndarray:
@@ -315,18 +360,22 @@ class CacheDataset(torch.utils.data.IterableDataset):
             cols += ["mc_ids", "mc_sampling_logprobs"]
         self.rollout_cols = cols
         self.teacher_paths, self.teacher_cols = None, []
-        if config.teacher is not None:
-            table = cache.teacher_table(config.teacher)
+        self.more = []  # further teachers: (prefix, shard paths, columns, params) each
+        for i, name in enumerate(config.teachers):
+            table = cache.teacher_table(name)
             tparams = cache.params(table)
             missing = set(config.stores) - set(tparams.stores)
             if missing:
-                raise ConfigError(f"teacher {config.teacher!r} has no {', '.join(sorted(missing))} store; it has {', '.join(tparams.stores)}")
+                raise ConfigError(f"teacher {name!r} has no {', '.join(sorted(missing))} store; it has {', '.join(tparams.stores)}")
             from opdcache import schema as S
 
-            self.teacher_cols = [c.name for c in S.columns("teacher", tparams) if c.store in config.stores and c.shape != "row"]
-            self.teacher_paths = cache.shard_paths(table)
-            self.teacher_params = tparams.to_dict()
-            self.expected.update(zip(self.teacher_paths, cache.table(table)["shards"]))
+            columns = [c.name for c in S.columns("teacher", tparams) if c.store in config.stores and c.shape != "row"]
+            paths = cache.shard_paths(table)
+            self.expected.update(zip(paths, cache.table(table)["shards"]))
+            if i == 0:
+                self.teacher_cols, self.teacher_paths, self.teacher_params = columns, paths, tparams.to_dict()
+            else:
+                self.more.append((f"teacher{i}_", paths, columns, tparams.to_dict()))
         rank, world = _dist()
         self.rank = config.rank if config.rank is not None else rank
         self.world = config.world_size if config.world_size is not None else world
@@ -355,14 +404,17 @@ class CacheDataset(torch.utils.data.IterableDataset):
         """Read, check and decode one shard (run in a decoding thread: it touches no state of the loader but
         ``verified``, which only decoding threads write, each for its own shard's paths)."""
         sources = [self.rollout_paths[shard], None if self.teacher_paths is None else self.teacher_paths[shard]]
+        sources += [paths[shard] for _, paths, _, _ in self.more]
         if self.config.verify:
             for k, path in enumerate(sources):
                 if path is not None and path not in self.verified:
                     sources[k] = _verify_shard(path, self.expected[path], self.config.cache)
                     self.verified.add(path)
-        return DecodedShard(*sources, self.rollout_cols, self.teacher_cols, where=str(self.rollout_paths[shard]),
+        more = tuple((prefix, source, columns, params) for (prefix, _, columns, params), source in zip(self.more, sources[2:]))
+        route = (self.config.route_field, self.config.teachers) if self.config.route_field else None
+        return DecodedShard(*sources[:2], self.rollout_cols, self.teacher_cols, where=str(self.rollout_paths[shard]),
                             max_length=self.config.max_length, rows=self.rows_per_shard[shard], vocab=self.vocab, params=self.teacher_params,
-                            tokens=self.tokens_per_shard[shard])
+                            tokens=self.tokens_per_shard[shard], more=more, route=route)
 
     def _keep(self, shard: int, decoded: DecodedShard) -> None:
         if shard not in self.kept and self.kept_bytes + decoded.nbytes <= self.config.keep_decoded_bytes:

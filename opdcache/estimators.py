@@ -38,6 +38,8 @@ class Estimator:
     """Runs as the learner of ``opdcache async`` (the teacher scores each batch's stores as it lands)."""
     aligned: bool = False
     """Runs on a teacher with its own tokenizer (the aligned store): its terms read the teacher's log-prob per group."""
+    span_topk: bool = False
+    """Reads the teacher's top-k where each group starts: only a table with its own tokenizer scored with --top-k."""
 
     def stores(self, cfg=None, teacher_stores: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(teacher stores, rollout stores) a run of this loss needs. The full-vocabulary losses rebuild the teacher's
@@ -48,10 +50,15 @@ class Estimator:
             if not self.aligned:
                 from opdcache.errors import ConfigError
 
+                names = [n for n, e in ESTIMATORS.items() if e.aligned]
                 raise ConfigError(f"--loss {self.name} needs a teacher that shares the student's tokenizer; this teacher "
-                                  "table has its own (the aligned store): use --loss "
-                                  + " or ".join(n for n, e in ESTIMATORS.items() if e.aligned))
-            return ("logprob", "aligned"), ("base",)
+                                  f"table has its own (the aligned store): use --loss {', '.join(names[:-1])} or {names[-1]}")
+            return ("logprob", "aligned"), self.rollout_stores
+        if self.span_topk:
+            from opdcache.errors import ConfigError
+
+            raise ConfigError(f"--loss {self.name} compares a teacher of another tokenizer with the student: it needs a table "
+                              "scored with `score-teacher --prompts ... --top-k K` (the aligned store)")
         if self.full_vocabulary:
             vectors = "svd" if "svd" in teacher_stores and "hidden" not in teacher_stores else "hidden"
             return ("logprob", vectors), self.rollout_stores
@@ -75,6 +82,32 @@ def _lightning(cfg, batch, s, s_K, div_N, support):
 
     terms, st = L.lightning_terms(s, batch["teacher_logprobs"], cfg.tau, _group_ends(batch))
     return terms, st, _clip_fraction(st, batch["response_mask"])
+
+
+def _uld(cfg, batch, s, s_K, div_N, support):
+    from opdcache import losses as L
+    from opdcache.schema import PAD_ID
+
+    starts = batch["teacher_span_topk_ids"][..., 0] != PAD_ID
+    terms, st = L.uld_terms(s_K, batch["teacher_span_topk_logprobs"], starts,
+                            teacher_valid_BTK=batch["teacher_span_topk_ids"] != PAD_ID)
+    return terms, st, {}
+
+
+def _gold(cfg, batch, s, s_K, div_N, support):
+    import torch
+
+    from opdcache import losses as L
+    from opdcache.schema import PAD_ID
+
+    starts = batch["teacher_span_topk_ids"][..., 0] != PAD_ID
+    shared = (batch["teacher_span_topk_student_ids"] != PAD_ID) & starts[..., None]
+    t_lp = batch["teacher_span_topk_logprobs"]
+    tail = (1 - torch.where(shared, t_lp.exp(), torch.zeros((), dtype=t_lp.dtype)).sum(-1)).clamp(min=1e-30)
+    kl, st = L.topk_terms(s_K, t_lp, "fkl", True, shared, tail)
+    kl = torch.where(starts & shared.any(-1), kl, torch.zeros((), dtype=kl.dtype))
+    span, _ = L.span_terms(s, batch["teacher_logprobs"], _group_ends(batch))
+    return kl + span, {"kl": kl.detach()}, {}
 
 
 def _span(cfg, batch, s, s_K, div_N, support):
@@ -141,8 +174,6 @@ def _topk_support(cfg, batch, sel):
 ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
     Estimator("lightning", "papers/000 Alg. 1: the clipped advantage T - s on the sampled tokens (per aligned group "
               "with a teacher of its own tokenizer)", _lightning, online=True, asynchronous=True, aligned=True),
-    Estimator("span", "span log-likelihood matching, (S - T)^2 / 2 per group of tokens both tokenizers cut at the same "
-              "byte: for a teacher with its own tokenizer (each token its own group otherwise)", _span, aligned=True),
     Estimator("is", "papers/001 eq. 5/7: the advantage recomputed at learner time, importance-weighted", _is,
               online=True, asynchronous=True),
     Estimator("mc", "papers/001 6.1: the is term over the rollouts' m Monte-Carlo samples per position", _mc,
@@ -160,6 +191,14 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
               full_vocabulary="rkl", online=True),
     Estimator("jsd", "papers/002: the exact Jensen-Shannon divergence over the vocabulary", _full,
               teacher_stores=("logprob", "hidden"), full_vocabulary="jsd", online=True),
+    Estimator("uld", "ULD: W1 between sorted top-k probabilities where groups start (a teacher with its own tokenizer, "
+              "scored with --top-k; pi_ref's cached top-k on the student's side)", _uld, rollout_stores=("base", "ref_topk"),
+              support=lambda cfg, batch, sel: batch["ref_topk_ids"][sel], aligned=True, span_topk=True),
+    Estimator("gold", "forward KL on the teacher's top-k entries pi_ref shares byte for byte where groups start, plus "
+              "span (a teacher with its own tokenizer, scored with --top-k)", _gold,
+              support=lambda cfg, batch, sel: batch["teacher_span_topk_student_ids"][sel], aligned=True, span_topk=True),
+    Estimator("span", "span log-likelihood matching, (S - T)^2 / 2 per group of tokens both tokenizers cut at the same "
+              "byte: for a teacher with its own tokenizer (each token its own group otherwise)", _span, aligned=True),
 )}
 
 NAMES = tuple(ESTIMATORS)

@@ -13,6 +13,12 @@ weights and sequence-level masks from the corrections multiply the terms before 
 * span: (S_g - T_g)^2 / 2 at each group's last token: span log-likelihood matching, which needs no map between the
   two vocabularies. Its gradient (S_g - T_g) grad S_g is lightning's unclipped one on the same sample (the on-policy
   reverse-KL gradient of the spans, papers/000 with groups for tokens)
+* uld (Universal Logit Distillation, Boizard et al. 2024, arXiv:2402.12030): at each group's first token, where both
+  sides predict from the same text, sum_j |p_(j) - q_(j)| + |r_p - r_q| between the teacher's sorted top-k
+  probabilities and the student's on pi_ref's cached top-k ids (r: the mass outside); no vocabulary map
+* gold (as TRL's GOLD trainer merges shared tokens): at each group's first token, the forward KL on the teacher's top-k
+  entries that pi_ref's vocabulary holds with the same bytes (the rest of the teacher's mass one tail bin), plus span
+  at each group's last token for what the shared tokens do not cover
 * is (papers/001 eq. 5/7, "A_theta, no clip"):  rho_t = exp(s_t - b_t);  term_t = -rho_t * sg(T_t - s_t)
 * mc (papers/001 section 6.1): the is term averaged over the m cached samples of each position
 * is / mc without importance weights (papers/001 App. F's "no IS" ablation): rho_t replaced by exp(s_t - sg(s_t)),
@@ -113,6 +119,24 @@ def span_sums(x_BT: torch.Tensor, ends_BT: torch.Tensor) -> torch.Tensor:
     T = x_BT.shape[1]
     sums = x_BT.new_zeros(x_BT.shape[0], T + 1).scatter_add(1, torch.where(closed, group_BT, T), x_BT)
     return torch.where(closed, sums.gather(1, group_BT.clamp(max=T)), torch.zeros((), dtype=x_BT.dtype, device=x_BT.device))
+
+
+def uld_terms(student_BTK: torch.Tensor, teacher_BTK: torch.Tensor, at_BT: torch.Tensor,
+              student_valid_BTK: torch.Tensor | None = None, teacher_valid_BTK: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """ULD at the positions ``at_BT``: the Wasserstein-1 distance between the two sorted probability vectors (each
+    side's own support, so no map between vocabularies), with each side's remaining mass as one more entry:
+    sum_j |p_(j) - q_(j)| + |r_p - r_q|, the shorter vector padded with zeros. ``*_valid_BTK``: False at padding slots."""
+    def sorted_probs(lp, valid):
+        p = lp.exp() if valid is None else torch.where(valid, lp.exp(), torch.zeros((), dtype=lp.dtype, device=lp.device))
+        return p.sort(-1, descending=True).values
+
+    p, q = sorted_probs(teacher_BTK.detach(), teacher_valid_BTK), sorted_probs(student_BTK, student_valid_BTK)
+    K = max(p.shape[-1], q.shape[-1])
+    p, q = torch.nn.functional.pad(p, (0, K - p.shape[-1])), torch.nn.functional.pad(q, (0, K - q.shape[-1]))
+    rest_p, rest_q = (1 - p.sum(-1)).clamp(min=0), (1 - q.sum(-1)).clamp(min=0)
+    w1 = (p - q).abs().sum(-1) + (rest_p - rest_q).abs()
+    terms = torch.where(at_BT.bool(), w1, torch.zeros((), dtype=w1.dtype, device=w1.device))
+    return terms, {"kl": terms.detach()}
 
 
 def span_terms(s: torch.Tensor, teacher: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -94,6 +94,36 @@ def support_ids(cfg, batch: dict, sel: torch.Tensor) -> torch.Tensor | None:
     return None if support is None else support(cfg, batch, sel)
 
 
+def teacher_weights(cfg, batch: dict) -> list[torch.Tensor] | None:
+    """Several teachers (``train --teacher a,b``): each one's weight at each token, [B, T]: 1 for the row's routed
+    teacher (``row_teacher``), else --teacher-weights normalised to sum 1 (default equal). None for one teacher."""
+    n = len(getattr(cfg, "teachers", ()))
+    if n < 2:
+        return None
+    mask = batch["response_mask"]
+    if "row_teacher" in batch:
+        return [(batch["row_teacher"] == i).to(mask.dtype) for i in range(n)]
+    weights = cfg.teacher_weights or (1.0,) * n
+    return [torch.full_like(mask, w / sum(weights)) for w in weights]
+
+
+def teacher_view(batch: dict, i: int) -> dict:
+    """The batch as teacher ``i`` gives it: its ``teacher{i}_`` columns under the names ``teacher_`` (0: the batch)."""
+    if i == 0:
+        return batch
+    prefix = f"teacher{i}_"
+    return {**batch, **{"teacher_" + k[len(prefix):]: v for k, v in batch.items() if k.startswith(prefix)}}
+
+
+def teacher_logprobs(cfg, batch: dict) -> torch.Tensor | None:
+    """The teacher log-prob the step's advantage statistics and corrections read: the teacher's, or with several
+    teachers their weighted sum."""
+    weights = teacher_weights(cfg, batch)
+    if weights is None:
+        return batch.get("teacher_logprobs")
+    return sum(w * teacher_view(batch, i)["teacher_logprobs"] for i, w in enumerate(weights))
+
+
 def estimator_terms(cfg, batch: dict, s: torch.Tensor, lp_NK: torch.Tensor, sel: torch.Tensor, support: torch.Tensor | None,
                     div_N: torch.Tensor | None) -> tuple[torch.Tensor, dict, dict]:
     """(per-token loss terms [B, T], the estimator's own tensors, logged numbers) of ``cfg.loss``
@@ -104,7 +134,15 @@ def estimator_terms(cfg, batch: dict, s: torch.Tensor, lp_NK: torch.Tensor, sel:
         B, T = s.shape
         s_K = lp_NK.new_zeros(B, T, support.shape[1])
         s_K[sel] = lp_NK[:, 1:]  # [B, T, K] at the support ids
-    return ESTIMATORS[cfg.loss].terms(cfg, batch, s, s_K, div_N, support)
+    weights = teacher_weights(cfg, batch)
+    if weights is None:
+        return ESTIMATORS[cfg.loss].terms(cfg, batch, s, s_K, div_N, support)
+    terms, first = 0, None  # several teachers: the weighted sum of each teacher's terms
+    for i, w in enumerate(weights):
+        terms_i, st_i, stats_i = ESTIMATORS[cfg.loss].terms(cfg, teacher_view(batch, i), s, s_K, div_N, support)
+        terms = terms + w * terms_i
+        first = first or (st_i, stats_i)
+    return terms, first[0], first[1]
 
 
 def step_stats(batch: dict, s: torch.Tensor, st: dict, advantage: torch.Tensor, sel: torch.Tensor) -> dict:

@@ -50,7 +50,8 @@ ROLLOUT_STORES = ("base", "ref_topk", "mc", "task", "version")
 TEACHER_STORES = tuple(TEACHER_REGISTRY)
 TOPK_PRECISIONS = topk_store.PRECISIONS
 TOPK_PRECISION_SINCE = topk_store.PRECISION_SINCE
-PADDED_BY = {"topk_ids": ("topk_logprobs",), "sampled_ids": ("sampled_counts", "sampled_logprobs")}
+PADDED_BY = {"topk_ids": ("topk_logprobs",), "sampled_ids": ("sampled_counts", "sampled_logprobs"),
+             "span_topk_ids": ("span_topk_logprobs", "span_topk_student_ids")}
 """The v3 id columns whose slots may be padding (PAD_ID), with the columns that share their slots."""
 HIDDEN_DTYPES = hidden_store.DTYPES
 FINISH_REASONS = ("stop", "length")

@@ -281,7 +281,7 @@ def run_score(job: ScoreJob) -> dict:
         if "svd" in job.stores:
             _check_svd_rank(job.svd_rank, H, "its output head")
     params = S.StoreParams(
-        stores=job.stores, top_k=job.top_k if "topk" in job.stores else None,
+        stores=job.stores, top_k=job.top_k if "topk" in job.stores or "aligned" in job.stores else None,
         ref_top_k=None if plan else base_params.ref_top_k, mc_samples=None if plan else base_params.mc_samples, hidden_size=H if "hidden" in job.stores else None,
         hidden_dtype=(job.hidden_dtype or hidden_dtype) if "hidden" in job.stores else None, svd_rank=job.svd_rank if "svd" in job.stores else None,
         topk_precision=job.topk_precision, topk_mass=job.topk_mass, samples_per_position=job.samples_per_position,
@@ -317,9 +317,9 @@ def run_score(job: ScoreJob) -> dict:
 
             rows = shards.read_table(base_paths[index], ["id", "prompt_index", "response_ids"])
             aligned, requests = crossteacher.align_rows(plan, rows, backend.max_length)
-            scores = backend.score(requests) if requests else []
+            scores = backend.score(requests, top_k=params.top_k) if requests else []
             return crossteacher.records(rows["id"].to_pylist(), [len(r) for r in shards.row_values(rows["response_ids"])],
-                                        aligned, scores, backend.vocab_size, f"shard {index}")
+                                        aligned, scores, backend.vocab_size, f"shard {index}", plan, params.top_k)
         rows = shards.read_table(base_paths[index], request_columns)
         scores = backend.score(score_requests(rows, params.samples_per_position, job.sample_seed), top_k=params.top_k, hidden=want_hidden,
                                hidden_dtype=params.hidden_dtype)

@@ -71,10 +71,12 @@ def open_source(cfg, model, model_path, device):
 
     cache = Cache(cfg.cache)
     check_rollout_model(cfg, cache, model_path)
-    table = cache.teacher_table(cfg.teacher)  # the only teacher when not named
+    names = cfg.teachers or (None,)
+    table = cache.teacher_table(names[0])  # the only teacher when not named
     params, vocab = cache.params(table), int(model.get_output_embeddings().weight.shape[0])
     stores, rstores = stores_for(cfg.loss, cfg.topk_support, params.stores)
-    source = CacheSource(CacheLoaderConfig(cache=cfg.cache, teacher=table.split("/", 1)[1], stores=stores, rollout_stores=rstores,
+    source = CacheSource(CacheLoaderConfig(cache=cfg.cache, teacher=table.split("/", 1)[1], more_teachers=names[1:],
+                                           route_field=cfg.teacher_route, stores=stores, rollout_stores=rstores,
                                            batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers,
                                            max_length=getattr(model.config, "max_position_embeddings", None),
                                            vocab_size=vocab, pack=cfg.pack))
@@ -101,7 +103,22 @@ def check_teacher_table(cfg) -> None:
     from opdcache.cache import Cache
 
     cache = Cache(cfg.cache)
-    stores_for(cfg.loss, cfg.topk_support, cache.params(cache.teacher_table(cfg.teacher)).stores)
+    from opdcache.estimators import ESTIMATORS
+
+    names = cfg.teachers or (None,)
+    params = [cache.params(cache.teacher_table(name)) for name in names]
+    tables = [p.stores for p in params]
+    needs = [stores_for(cfg.loss, cfg.topk_support, stores)[0] for stores in tables]
+    if ESTIMATORS[cfg.loss].span_topk and any(p.top_k is None for p in params):
+        raise ConfigError(f"--loss {cfg.loss} reads the teacher's top-k where each group starts: score the teacher with "
+                          "`score-teacher --prompts ... --top-k K`")
+    if len(names) > 1:
+        if any("aligned" in stores for stores in tables):
+            raise ConfigError("several teachers must share the student's tokenizer for now; a table with its own "
+                              "(the aligned store) trains alone")
+        if any(n != ("logprob",) for n in needs):
+            raise ConfigError(f"--loss {cfg.loss} reads each teacher's own support or vectors; several teachers combine the "
+                              "losses that read only their log-probs (lightning, is, mc, ppo, span, topk-* with --topk-support ref)")
 
 
 def checked_head(head, vocab: int, width: int, path):

@@ -183,10 +183,11 @@ class Trainer:
         s = lp_NK.new_zeros(B, T)
         s[sel] = lp_NK[:, 0]  # the student's log-prob of each sampled token, [B, T]
         terms, st, stats = O.estimator_terms(cfg, batch, s, lp_NK, sel, support, div_N)
-        teacher = batch.get("teacher_logprobs")
+        teacher = O.teacher_logprobs(cfg, batch)
         advantage = (teacher - s).detach() if teacher is not None else torch.zeros_like(s)
         if "teacher_span_tokens" in batch:  # a teacher with its own tokenizer: its advantage is per group
-            advantage = st["advantage"].detach()
+            ends = batch["teacher_span_tokens"] > 0
+            advantage = (L.span_sums(teacher, ends) - L.span_sums(s, ends)).detach()
         weights = None
         if cfg.corrections.active:
             with torch.no_grad():

@@ -30,9 +30,15 @@ class TrainConfig:
     out: Path
     """Output directory: final model, checkpoints, metrics.jsonl."""
     teacher: str | None = None
-    """Teacher table in the cache (default: the only one)."""
+    """Teacher table in the cache (default: the only one); several, comma-separated (a,b), train on the weighted sum of
+    each teacher's loss (--teacher-weights) or route each row to one (--teacher-route)."""
+    teacher_weights: tuple[float, ...] | None = None
+    """Several teachers: each one's weight in the loss, in --teacher's order (normalised to sum 1; default equal)."""
+    teacher_route: str | None = None
+    """Several teachers: a prompt field (the rows' metadata) whose value names each row's teacher, e.g. a "domain"
+    field of "math" or "code" with teachers math,code."""
     loss: str = "lightning"
-    """The estimator (opdcache/estimators.py): lightning, is, mc, ppo, topk-fkl, topk-rkl, sampled-fkl, full-fkl, full-rkl or jsd."""
+    """The estimator (opdcache/estimators.py; ``train --help`` lists them)."""
     steps: int = 150
     """Optimizer steps (papers/000 Table 6: 150)."""
     batch_size: int = 16
@@ -132,9 +138,15 @@ class TrainConfig:
     progress: bool | None = None
     """Progress bar (default: only on a terminal)."""
 
+    @property
+    def teachers(self) -> tuple[str, ...]:
+        """The teacher tables named by --teacher, in order (empty: the cache's only one)."""
+        return tuple(t.strip() for t in self.teacher.split(",")) if self.teacher else ()
+
     def __post_init__(self) -> None:
         if self.loss not in ESTIMATORS:
             raise ConfigError(f"--loss must be one of {', '.join(ESTIMATORS)}, got {self.loss!r}")
+        self._check_teachers()
         for name in ("steps", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -179,6 +191,26 @@ class TrainConfig:
             raise ConfigError(f"--ppo-clip must be in (0, 1), got {self.ppo_clip}")
         if self.online and not ESTIMATORS[self.loss].online:
             raise ConfigError(f"--online supports --loss {', '.join(ONLINE[:-1])} or {ONLINE[-1]}, got {self.loss!r}")
+
+
+    def _check_teachers(self) -> None:
+        names = self.teachers
+        if any(not n for n in names) or len(set(names)) != len(names):
+            raise ConfigError(f"--teacher takes distinct table names separated by commas, got {self.teacher!r}")
+        if self.teacher_weights is not None:
+            weights = tuple(self.teacher_weights)
+            object.__setattr__(self, "teacher_weights", weights)
+            if len(names) < 2 or len(weights) != len(names):
+                raise ConfigError(f"--teacher-weights takes one weight per teacher of --teacher ({len(names)}), got {len(weights)}")
+            if not all(w >= 0 for w in weights) or not sum(weights) > 0:
+                raise ConfigError(f"--teacher-weights must be at least 0 and not all 0, got {', '.join(map(str, weights))}")
+        if self.teacher_route is not None:
+            if len(names) < 2:
+                raise ConfigError("--teacher-route routes rows among several teachers: name them in --teacher (a,b)")
+            if self.teacher_weights is not None:
+                raise ConfigError("--teacher-route gives each row one teacher; --teacher-weights mixes them: use one")
+        if len(names) > 1 and self.online:
+            raise ConfigError("several teachers are read from a cache; --online has one live teacher (--teacher-model)")
 
 
 def stores_for(loss: str, topk_support: str = "teacher", teacher_stores: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -20,6 +20,7 @@ from opdcache import shards
 from opdcache.errors import ConfigError, InputError
 
 STUDENT_STEPS = 2
+TOP_K = 6
 
 
 def _pair_teacher(path: Path, seed: int = 0, normalizer=None) -> Path:
@@ -51,8 +52,8 @@ def cross(tmp_path_factory, weights):
     teacher = _pair_teacher(root / "pairs")
     cache = root / "cache"
     run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(prompts), out=cache, num_shards=2,
-                             sampling=SamplingConfig(max_new_tokens=40, samples=2)))
-    result = run_score(ScoreJob(cache=cache, teacher=teacher, prompts=PromptConfig(prompts)))
+                             sampling=SamplingConfig(max_new_tokens=40, samples=2, ref_top_k=TOP_K)))
+    result = run_score(ScoreJob(cache=cache, teacher=teacher, prompts=PromptConfig(prompts), top_k=TOP_K))
     assert result["finished"] and result["aligned"]["aligned"] == result["aligned"]["rows"] == 48
     return cache, prompts, teacher
 
@@ -81,6 +82,7 @@ def test_group_logprobs_equal_an_independent_forward_over_the_teachers_own_rende
         cache.shard_paths("teachers/pairs")[0]).column_names
     assert entry["aligned"]["groups"] > entry["aligned"]["one_to_one"] > 0  # digit pairs: many-to-one groups exist
     chars, pairs = build_tokenizer(), build_tokenizer(digit_pairs=True)
+    special_s, special_t = set(chars.added_tokens_decoder), set(pairs.added_tokens_decoder)
     lines = [json.loads(line) for line in prompts.read_text().splitlines()]
     rollouts, table = shards.read_table(cache.shard_paths("rollouts")[1]), shards.read_table(cache.shard_paths("teachers/pairs")[1])
     for i in (0, 5):
@@ -100,6 +102,32 @@ def test_group_logprobs_equal_an_independent_forward_over_the_teachers_own_rende
         assert np.allclose(stored[ends], np.add.reduceat(want_T, starts_t), rtol=1e-5, atol=1e-5)
         assert (np.delete(stored, ends) == 0).all()
         assert np.isclose(stored.sum(), want_T.sum(), rtol=1e-5)  # the row: the teacher's log-prob of the whole response
+        # the top-k where each group starts: the teacher's next-token distribution at the group's first position
+        starts_s = np.cumsum(row.student_groups) - row.student_groups
+        want_lp, want_ids = _forward_topk(teacher, prompt_t, response_t, starts_t, TOP_K)
+        ids_k = np.asarray(table["span_topk_ids"][i].as_py())
+        lps_k = np.asarray(table["span_topk_logprobs"][i].as_py())
+        assert (ids_k[starts_s] == want_ids).all() and np.allclose(lps_k[starts_s], want_lp, rtol=1e-5, atol=1e-5)
+        assert (np.delete(ids_k, starts_s, axis=0) == -1).all() and (np.delete(lps_k, starts_s, axis=0) == -np.inf).all()
+        student_k = np.asarray(table["span_topk_student_ids"][i].as_py())[starts_s]
+        student_texts = {chars.decode([i]) for i in range(len(chars)) if i not in special_s}
+        for t_id, s_id in zip(want_ids.ravel().tolist(), student_k.ravel().tolist()):  # the same text, or -1: none has it
+            if t_id == pairs.eos_token_id:
+                assert s_id == chars.eos_token_id
+            elif s_id == -1:
+                assert t_id in special_t or pairs.decode([t_id]) not in student_texts
+            else:
+                assert s_id not in special_s and pairs.decode([t_id]) == chars.decode([s_id])
+
+
+def _forward_topk(model_dir: Path, prompt_ids: list[int], response_ids: list[int], positions, k: int):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + response_ids])).logits[0, len(prompt_ids) - 1: -1].double()
+    top = torch.log_softmax(logits, -1)[torch.as_tensor(positions)].topk(k, -1)
+    return top.values.numpy(), top.indices.numpy()
 
 
 def test_validate_passes_it_and_finds_a_damaged_row(cross, tmp_path):
@@ -139,13 +167,13 @@ def test_the_loader_and_train_read_it_and_the_losses_that_compare_ids_are_refuse
     assert batch["teacher_span_tokens"].shape == batch["teacher_logprobs"].shape
     ends = batch["teacher_span_tokens"] > 0
     assert (batch["teacher_logprobs"][~ends] == 0).all() and (batch["teacher_logprobs"][ends] < 0).all()
-    for loss in ("lightning", "span"):
+    for loss in ("lightning", "span", "uld", "gold"):
         out = run_train(TrainConfig(cache=root, model=weights / "student", out=tmp_path / loss, loss=loss, steps=STUDENT_STEPS,
                                     batch_size=8, checkpoint="none"))
         assert out["steps"] == STUDENT_STEPS and np.isfinite(out["last"]["loss"]) and out["last"]["tokens"] > 0
     with pytest.raises(ConfigError, match=re.escape("--loss topk-fkl needs a teacher that shares the student's tokenizer; "
                                                     "this teacher table has its own (the aligned store): use --loss "
-                                                    "lightning or span")):
+                                                    "lightning, uld, gold or span")):
         run_train(TrainConfig(cache=root, model=tmp_path / "no-such-model", out=tmp_path / "t", loss="topk-fkl", steps=1))
 
 
@@ -250,3 +278,48 @@ def test_with_every_group_one_token_the_group_losses_are_the_per_token_ones():
     (grad_span,) = torch.autograd.grad(L.span_terms(s, teacher_at_ends, ends)[0].sum(), s)
     (grad_lightning,) = torch.autograd.grad(L.lightning_terms(s, teacher_at_ends, 1e9, ends)[0].sum(), s)
     assert torch.allclose(grad_span, grad_lightning)
+
+
+def _uld_reference(student_lp: np.ndarray, teacher_lp: np.ndarray) -> float:
+    """The plain definition: sort each side's probabilities, pad with zeros, add the remaining mass, sum |differences|."""
+    p, q = sorted(np.exp(teacher_lp).tolist(), reverse=True), sorted(np.exp(student_lp).tolist(), reverse=True)
+    k = max(len(p), len(q))
+    p, q = p + [0.0] * (k - len(p)), q + [0.0] * (k - len(q))
+    return sum(abs(a - b) for a, b in zip(p, q)) + abs(max(0.0, 1 - sum(p)) - max(0.0, 1 - sum(q)))
+
+
+def test_uld_equals_its_plain_definition_and_is_zero_for_the_same_distribution():
+    from opdcache import losses as L
+
+    g = torch.Generator().manual_seed(2)
+    student = torch.log_softmax(torch.randn(2, 5, 9, generator=g, dtype=torch.float64), -1)[..., :4].requires_grad_()
+    teacher = torch.log_softmax(torch.randn(2, 5, 12, generator=g, dtype=torch.float64), -1)[..., :6]
+    at = torch.rand(2, 5, generator=g) < 0.6
+    terms, _ = L.uld_terms(student, teacher, at)
+    for b in range(2):
+        for t in range(5):
+            want = _uld_reference(student[b, t].detach().numpy(), teacher[b, t].numpy()) if at[b, t] else 0.0
+            assert float(terms.detach()[b, t]) == pytest.approx(want, abs=1e-12)
+    terms.sum().backward()
+    assert student.grad.abs().sum() > 0
+    same, _ = L.uld_terms(teacher[..., :4], teacher[..., [2, 0, 3, 1]], torch.ones(2, 5, dtype=torch.bool))
+    assert torch.allclose(same, torch.zeros_like(same), atol=1e-12)  # the same probabilities in another order: 0
+
+
+def test_uld_and_gold_need_a_table_with_its_top_k(cross, weights, tmp_path):
+    from opdcache.train import TrainConfig, run_train
+
+    with pytest.raises(ConfigError, match=re.escape("--loss uld compares a teacher of another tokenizer with the student: it "
+                                                    "needs a table scored with `score-teacher --prompts ... --top-k K`")):
+        from opdcache.trainconfig import stores_for
+
+        stores_for("uld", "teacher", ("logprob",))
+    root = tmp_path / "cache"
+    shutil.copytree(cross[0], root)
+    from opdcache.prompts import PromptConfig
+    from opdcache.scoring import ScoreJob, run_score
+
+    run_score(ScoreJob(cache=root, teacher=cross[2], prompts=PromptConfig(cross[1]), slug="nok"))
+    with pytest.raises(ConfigError, match=re.escape("--loss gold reads the teacher's top-k where each group starts: score "
+                                                    "the teacher with `score-teacher --prompts ... --top-k K`")):
+        run_train(TrainConfig(cache=root, model=tmp_path / "not-loaded", out=tmp_path / "g", loss="gold", teacher="nok"))

@@ -42,6 +42,7 @@ def test_the_settings_read_the_registry():
         TrainConfig(model=Path("m"), cache="c", out=Path("o"), loss="mc", online=True, teacher_model=Path("t"))
     assert E.ASYNC == ("lightning", "is", "mc", "ppo", "topk-fkl")
     assert E.FULL_VOCABULARY == ("full-fkl", "full-rkl", "jsd")
+    assert tuple(n for n, e in E.ESTIMATORS.items() if e.aligned) == ("lightning", "uld", "gold", "span")
 
 
 @pytest.mark.parametrize("loss, teacher, rollouts, topk_support, have", [
@@ -52,6 +53,9 @@ def test_the_settings_read_the_registry():
     ("sampled-fkl", ("logprob", "sampled"), ("base",), "teacher", ()),
     ("full-rkl", ("logprob", "hidden"), ("base",), "teacher", ("logprob", "hidden")),
     ("jsd", ("logprob", "svd"), ("base",), "teacher", ("logprob", "svd")),
+    ("span", ("logprob", "aligned"), ("base",), "teacher", ("logprob", "aligned")),
+    ("lightning", ("logprob", "aligned"), ("base",), "teacher", ("logprob", "aligned")),
+    ("span", ("logprob",), ("base",), "teacher", ("logprob",)),
 ])
 def test_each_estimator_names_the_stores_it_reads(loss, teacher, rollouts, topk_support, have):
     assert stores_for(loss, topk_support, have) == (teacher, rollouts)

@@ -54,12 +54,13 @@ def build_tokenizer(chat_template: str = CHAT_TEMPLATE, digit_pairs: bool = Fals
     return fast
 
 
-def model_config(role: str, arch: str | None = None):
-    """The config of the demo ``teacher`` or ``student``; ``arch`` overrides the architecture."""
+def model_config(role: str, arch: str | None = None, vocab_size: int = VOCAB_SIZE):
+    """The config of the demo ``teacher`` or ``student``; ``arch`` overrides the architecture, ``vocab_size`` the
+    vocabulary (PAIR_VOCAB_SIZE for the digit-pair tokenizer)."""
     from transformers import LlamaConfig, Qwen3Config
 
     common = dict(
-        vocab_size=VOCAB_SIZE, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        vocab_size=vocab_size, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
         pad_token_id=0, eos_token_id=1, bos_token_id=None, rope_theta=10000.0,
     )
     if role == "teacher":
@@ -79,12 +80,12 @@ def model_config(role: str, arch: str | None = None):
     raise ValueError(f"arch must be 'qwen3' or 'llama', got {arch!r}")
 
 
-def new_model(role: str, arch: str | None = None, seed: int = 0):
+def new_model(role: str, arch: str | None = None, seed: int = 0, vocab_size: int = VOCAB_SIZE):
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(model_config(role, arch), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(model_config(role, arch, vocab_size), dtype=torch.float32)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 1
     return model

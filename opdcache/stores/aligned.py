@@ -12,6 +12,9 @@ from pi_ref's ids, byte for byte); the two tokenizations are cut into groups tha
 * ``span_tokens``: at a token that ends a group, the number of the teacher's tokens in it (at least 1); 0 inside a
   group. A row of zeros could not be aligned (``align_skip`` says why); training skips it and counts it.
 * ``teacher_prompt_ids`` / ``teacher_response_ids``: the teacher's own tokens, so the table can be re-scored and audited.
+* with ``--top-k K``: at a token that starts a group, the teacher's top-K next tokens at the group's first position
+  (where both sides predict from the same text), their log-probs, and pi_ref's token with the same bytes for each
+  (``span_topk_*``): what the ULD and GOLD losses compare.
 
 Only the logprob store goes beside it: the other stores' values live on one tokenizer's positions and vocabulary.
 """
@@ -22,13 +25,14 @@ import json
 
 import numpy as np
 
-from opdcache.stores.base import Column, Store
+from opdcache.stores.base import PAD_ID, Column, Store
 
 META = b"opdcache.alignment"
 """The shard footer key of a shard's alignment counts (merged into the manifest table entry ``aligned``)."""
 MAX_GROUP_TOKENS = 1 << 16
 """More teacher tokens than this in one group is no alignment opdcache wrote."""
 SKIP_EXAMPLES = 5
+MAX_K = 1024
 
 
 def _check_job(job, enabled: bool) -> None:
@@ -39,14 +43,27 @@ def _check_job(job, enabled: bool) -> None:
         if others:
             raise ConfigError(f"--store {others[0]} is not available for a teacher with its own tokenizer: its values live "
                               "on one tokenizer's positions and vocabulary; such a table holds the teacher's log-prob of "
-                              "each aligned group (the logprob store) and the alignment")
+                              "each aligned group (the logprob store), the alignment and, with --top-k, its top-k where "
+                              "each group starts")
+        if job.top_k is not None and not 1 <= job.top_k <= MAX_K:
+            raise ConfigError(f"--top-k must be between 1 and {MAX_K}, got {job.top_k}")
 
 
 def _rules(values, vocab: int | None, params) -> list:
     n = values["span_tokens"]
     bad = (n < 0) | (n > MAX_GROUP_TOKENS)
-    return [("span_tokens", bad if bad.any() else None,
-             f"span_tokens must be between 0 and {MAX_GROUP_TOKENS} (the teacher's tokens in the group a token ends)")]
+    out = [("span_tokens", bad if bad.any() else None,
+            f"span_tokens must be between 0 and {MAX_GROUP_TOKENS} (the teacher's tokens in the group a token ends)")]
+    if "span_topk_ids" in values:
+        ids, lps, mapped = values["span_topk_ids"], values["span_topk_logprobs"], values["span_topk_student_ids"]
+        pad = ids == PAD_ID
+        with np.errstate(invalid="ignore"):  # the teacher's ids have no bound here: ``vocab`` is the student's
+            bad = (ids < PAD_ID) | (pad != (lps == -np.inf)) | (lps > 0) | np.isnan(lps) | (mapped < PAD_ID) \
+                | (mapped >= (vocab or np.iinfo(np.int32).max)) | (pad & (mapped != PAD_ID))
+        out.append(("span_topk_ids", bad.any(axis=-1) if bad.any() else None,
+                    "span top-k entries must be teacher ids with log-probs <= 0 and pi_ref ids within the vocabulary (or "
+                    "-1), or padding (id -1, log-prob -inf, no pi_ref id)"))
+    return out
 
 
 def _table_rules(table, offsets: np.ndarray) -> list[tuple[str, np.ndarray, str]]:
@@ -126,6 +143,14 @@ STORE = Store(
                "group's text, 0 inside it. All 0: the row could not be aligned."),
         Column("align_skip", "row", "string", "aligned",
                "Why the row could not be aligned (null when it was).", nullable=True),
+        Column("span_topk_ids", "token_vector", "int32", "aligned",
+               "At a token that starts a group: the teacher's top_k most likely next tokens (its own ids) at the group's "
+               "first position, most likely first; -1 elsewhere.", width="top_k", requires=("top_k",)),
+        Column("span_topk_logprobs", "token_vector", "float32", "aligned",
+               "Their temperature-1 log-probs; -inf where the id is -1.", width="top_k", requires=("top_k",)),
+        Column("span_topk_student_ids", "token_vector", "int32", "aligned",
+               "For each of those entries, pi_ref's token with the same bytes (its id), -1 where pi_ref has none.",
+               width="top_k", requires=("top_k",)),
     ),
     since=6,
     check_job=_check_job,

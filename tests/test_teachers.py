@@ -1,0 +1,130 @@
+"""Several teachers in one cache (train --teacher a,b): the loader yields each table's columns side by side, the loss is
+the weighted sum of each teacher's (--teacher-weights), or each row takes the teacher its prompt names (--teacher-route);
+what cannot be combined is refused in one line before the student loads."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from opdcache import shards
+from opdcache.errors import ConfigError, SchemaError
+
+TEACHERS = ("teacher", "teacher_carry")
+
+
+@pytest.fixture(scope="module")
+def two_teachers(tmp_path_factory, weights):
+    """24 demo prompts x 2 samples from the demo student, with a "domain" field naming a teacher table per prompt, scored
+    by the demo's two teachers (the same tokenizer, other traces)."""
+    from opdcache.backends.base import SamplingConfig
+    from opdcache.demo.task import problems
+    from opdcache.prompts import PromptConfig
+    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.scoring import ScoreJob, run_score
+
+    root = tmp_path_factory.mktemp("teachers")
+    prompts = root / "routed.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer, "domain": TEACHERS[i % 3 == 0]}) + "\n"
+                               for i, p in enumerate(problems("opd", 24, seed=0))))
+    cache = root / "cache"
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(prompts), out=cache, num_shards=2,
+                             sampling=SamplingConfig(max_new_tokens=40, samples=2)))
+    for name in TEACHERS:
+        run_score(ScoreJob(cache=cache, teacher=weights / name, allow_inconsistent_teacher=True))
+    return cache
+
+
+def _first_loss(cache, weights, out, **settings) -> float:
+    """The loss of a run's first step (before any update: every run starts from the same student and batch)."""
+    from opdcache.train import TrainConfig, run_train
+
+    result = run_train(TrainConfig(cache=cache, model=weights / "student", out=out, steps=1, batch_size=16, checkpoint="none",
+                                   **settings))
+    return float(result["last"]["loss"])
+
+
+def test_the_loader_yields_every_teachers_columns_and_each_rows_route(two_teachers):
+    from opdcache.cache import Cache
+    from opdcache.data import CacheLoader, CacheLoaderConfig
+
+    loader = CacheLoader(CacheLoaderConfig(cache=two_teachers, teacher="teacher", more_teachers=("teacher_carry",),
+                                           route_field="domain", batch_size=48, shuffle=False))
+    batch = next(iter(loader))
+    cache = Cache(two_teachers)
+    rollouts = shards.read_table(cache.shard_paths("rollouts")[0])
+    n = rollouts.num_rows
+    for prefix, name in (("teacher_", "teacher"), ("teacher1_", "teacher_carry")):
+        table = shards.read_table(cache.shard_paths(f"teachers/{name}")[0])
+        for i in (0, n - 1):
+            values = np.asarray(table["logprobs"][i].as_py(), np.float32)
+            assert np.array_equal(batch[prefix + "logprobs"][i, : len(values)].numpy(), values)
+    domains = [json.loads(m)["domain"] for m in rollouts["metadata"].to_pylist()]
+    want = [TEACHERS.index(d) for d in domains]
+    mask = batch["response_mask"][:n].bool()
+    for i in range(n):
+        assert set(batch["row_teacher"][i][mask[i]].tolist()) == {want[i]}
+    assert 0 < sum(want) < n  # both teachers are routed to
+
+
+def test_the_loss_is_the_weighted_sum_of_each_teachers(two_teachers, weights, tmp_path):
+    alone = {name: _first_loss(two_teachers, weights, tmp_path / name, teacher=name) for name in TEACHERS}
+    mixed = _first_loss(two_teachers, weights, tmp_path / "mixed", teacher="teacher,teacher_carry", teacher_weights=(0.7, 0.3))
+    assert alone["teacher"] != pytest.approx(alone["teacher_carry"], rel=1e-3)  # two teachers that differ
+    assert mixed == pytest.approx(0.7 * alone["teacher"] + 0.3 * alone["teacher_carry"], rel=1e-5, abs=1e-6)
+    first_only = _first_loss(two_teachers, weights, tmp_path / "first", teacher="teacher,teacher_carry", teacher_weights=(2, 0))
+    assert first_only == pytest.approx(alone["teacher"], rel=1e-6, abs=1e-7)
+
+
+def test_routed_rows_train_on_their_own_teacher(two_teachers, weights, tmp_path):
+    import torch
+
+    from opdcache import objective as O
+    from opdcache.data import CacheLoader, CacheLoaderConfig
+    from opdcache.estimators import ESTIMATORS
+    from opdcache.trainconfig import TrainConfig
+
+    cfg = TrainConfig(cache=two_teachers, model=weights / "student", out=tmp_path / "r", teacher="teacher,teacher_carry",
+                      teacher_route="domain")
+    batch = next(iter(CacheLoader(CacheLoaderConfig(cache=two_teachers, teacher="teacher", more_teachers=("teacher_carry",),
+                                                    route_field="domain", batch_size=16, shuffle=False))))
+    batch = O.prepare_batch(batch, torch.device("cpu"), two_teachers)
+    s = torch.where(batch["response_mask"].bool(), torch.full_like(batch["response_mask"], -1.5), torch.zeros(()))
+    terms, _, _ = O.estimator_terms(cfg, batch, s, None, batch["response_mask"].bool(), None, None)
+    own = [ESTIMATORS["lightning"].terms(cfg, O.teacher_view(batch, i), s, None, None, None)[0] for i in range(2)]
+    picked = torch.where(batch["row_teacher"] == 1, own[1], own[0])
+    assert torch.equal(terms, picked) and not torch.equal(own[0], own[1])
+
+
+def test_what_cannot_be_combined_is_one_line(two_teachers, weights, tmp_path, capsys):
+    from opdcache.data import CacheLoader, CacheLoaderConfig
+    from opdcache.trainconfig import TrainConfig
+    from opdcache.train import run_train
+
+    base = dict(cache=two_teachers, model=weights / "student", out=tmp_path / "x")
+    cases = [
+        (dict(teacher="teacher,teacher_carry", teacher_weights=(1.0,)), "--teacher-weights takes one weight per teacher of --teacher (2), got 1"),
+        (dict(teacher="teacher,teacher_carry", teacher_weights=(-1.0, 2.0)), "--teacher-weights must be at least 0 and not all 0"),
+        (dict(teacher="teacher", teacher_route="domain"), "--teacher-route routes rows among several teachers"),
+        (dict(teacher="teacher,teacher_carry", teacher_route="domain", teacher_weights=(1.0, 1.0)), "--teacher-route gives each row one teacher"),
+        (dict(teacher="teacher,,x"), "--teacher takes distinct table names separated by commas"),
+    ]
+    for settings, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            TrainConfig(**base, **settings)
+    with pytest.raises(ConfigError, match=re.escape("--loss topk-fkl reads each teacher's own support or vectors")):
+        run_train(TrainConfig(**{**base, "model": tmp_path / "not-loaded"}, teacher="teacher,teacher_carry", loss="topk-fkl"))
+    loader = CacheLoader(CacheLoaderConfig(cache=two_teachers, teacher="teacher", more_teachers=("teacher_carry",),
+                                           route_field="answer_kind", batch_size=8, shuffle=False))
+    with pytest.raises(SchemaError, match=r"row 0: its prompt field 'answer_kind' is None, which names none of the teachers "
+                                          r"teacher, teacher_carry \(--teacher-route\)"):
+        next(iter(loader))
+    from opdcache.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--cache", str(two_teachers), "--model", str(weights / "student"), "--out", str(tmp_path / "c"),
+              "--teacher", "teacher,teacher_carry", "--teacher-weights", "0.7,x"])
+    assert exit_.value.code == 2 and "--teacher-weights takes comma-separated numbers, got '0.7,x'" in capsys.readouterr().err
