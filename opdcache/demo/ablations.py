@@ -3,10 +3,12 @@ opdcache/demo/pipeline.py (which imports none of them) and writes its figures in
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import replace
 
 from opdcache.demo.mismatch import run_mismatch_ablation
-from opdcache.demo.pipeline import DemoConfig, DemoReport, evaluate, finish, prepare, run_name, score_stage, train_run
+from opdcache.demo.pipeline import DemoConfig, DemoReport, evaluate, finish, prepare, run_name, score_stage, stage, train_run
 from opdcache.demo.quantized import run_quantized_ablation
 from opdcache.demo.staleness import run_staleness_ablation
 from opdcache.demo.storage import run_storage_ablation
@@ -38,5 +40,38 @@ def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
     return finish(report, cfg, start, f"ablation_consistency_{cfg.loss}.json")
 
 
+def run_cross_tokenizer_ablation(cfg: DemoConfig) -> DemoReport:
+    """A teacher with its own tokenizer: Lightning OPD from pi_ref's rollouts scored by the demo teacher (pi_ref's
+    tokenizer) against the same recipe trained on a tokenizer that reads each digit pair as one token, scored offline
+    through the alignment (--prompts, the aligned store) and trained with lightning's group advantages and with span
+    log-likelihood matching."""
+    from opdcache.prompts import PromptConfig
+    from opdcache.scoring import ScoreJob, run_score
+
+    report = DemoReport()
+    start = time.perf_counter()
+    p = prepare(cfg, report)
+    tables = json.loads((p["rollouts"] / "opdcache.json").read_text())["tables"]
+
+    def score() -> str:
+        a = run_score(ScoreJob(cache=p["rollouts"], teacher=p["teacher_pairs"], prompts=PromptConfig(p["prompts_opd"]),
+                               allow_inconsistent_teacher=True))["aligned"]
+        report.figures["alignment"] = a
+        return (f"teachers/teacher_pairs: {a['aligned']} of {a['rows']} rows aligned, {a['groups']} groups, "
+                f"{a['one_to_one'] / max(a['groups'], 1):.1%} one token to one")
+
+    stage(report, f"score-teacher {p['rollouts'].name}/teacher_pairs (its own tokenizer)", "teachers/teacher_pairs" in tables, score)
+    runs = (("same", "teacher", cfg.loss), ("cross_lightning", "teacher_pairs", "lightning"), ("cross_span", "teacher_pairs", "span"))
+    for name, teacher, loss in runs:
+        model = train_run(replace(cfg, loss=loss), report, p["pi_ref"], p["rollouts"],
+                          cfg.workdir / "runs" / f"cross-{name}-{run_name(replace(cfg, loss=loss))}", teacher=teacher)
+        evaluate(f"opd_{name}", model, p["teacher_model"], cfg, report)
+    f = report.figures
+    report.say(f"[result] held-out accuracy: pi_ref {f['pi_ref']['accuracy']:.1%} -> Lightning OPD with pi_ref's tokenizer "
+               f"{f['opd_same']['accuracy']:.1%}; with the digit-pair teacher: lightning {f['opd_cross_lightning']['accuracy']:.1%}, "
+               f"span {f['opd_cross_span']['accuracy']:.1%}")
+    return finish(report, cfg, start, "ablation_cross_tokenizer.json")
+
+
 ABLATIONS = {"consistency": run_consistency_ablation, "quantized": run_quantized_ablation, "staleness": run_staleness_ablation,
-             "storage": run_storage_ablation, "mismatch": run_mismatch_ablation}
+             "storage": run_storage_ablation, "mismatch": run_mismatch_ablation, "cross-tokenizer": run_cross_tokenizer_ablation}

@@ -6,7 +6,9 @@ The weights under ``opdcache/demo/weights/`` were produced by this script (seed 
   column's digits in a random order, so the teacher spreads its mass over the valid traces (task.solution);
 * ``teacher_carry``: the same architecture and data in the ``carry`` trace style (teacher-consistency ablation);
 * ``student``: the base student, Llama-architecture and smaller, given only a short warm-up on the same traces
-  so it knows the format but not the procedure (clearly weaker: it starts the OPD pipeline).
+  so it knows the format but not the procedure (clearly weaker: it starts the OPD pipeline);
+* ``teacher_pairs``: ``teacher``'s recipe with its own tokenizer, which reads each pair of digits as one token
+  (cross-tokenizer ablation).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ RECIPES = {
     "teacher": dict(role="teacher", style="columns", steps=600, lr=3e-3, label_smoothing=0.01),
     "teacher_carry": dict(role="teacher", style="carry", steps=1000, lr=3e-3, label_smoothing=0.01),
     "student": dict(role="student", style="columns", steps=150, lr=3e-3, label_smoothing=0.0),
+    "teacher_pairs": dict(role="teacher", style="columns", steps=1500, lr=3e-3, label_smoothing=0.01, digit_pairs=True),
 }
 
 
@@ -47,8 +50,9 @@ def build(name: str, out: Path, seed: int = 0, progress: bool = True, steps: int
 
     recipe = dict(RECIPES[name], **({"steps": steps} if steps else {}))
     torch.manual_seed(seed)
-    tokenizer = models.build_tokenizer()
-    model = models.new_model(recipe["role"], seed=seed)
+    pairs = recipe.get("digit_pairs", False)
+    tokenizer = models.build_tokenizer(digit_pairs=pairs)
+    model = models.new_model(recipe["role"], seed=seed, vocab_size=models.PAIR_VOCAB_SIZE if pairs else models.VOCAB_SIZE)
     start = time.perf_counter()
     train_sft(model, training_pairs(tokenizer, recipe["style"], seed=seed),
               SFTConfig(steps=recipe["steps"], batch_size=64, lr=recipe["lr"], warmup=30, seed=seed, label_smoothing=recipe["label_smoothing"]),

@@ -31,7 +31,7 @@ from pathlib import Path
 from opdcache.demo import task
 from opdcache.demo.build import WEIGHTS
 
-SHIPPED = ("teacher", "teacher_carry", "student")
+SHIPPED = ("teacher", "teacher_carry", "student", "teacher_pairs")
 
 
 @dataclass(frozen=True)
