@@ -323,3 +323,27 @@ def test_uld_and_gold_need_a_table_with_its_top_k(cross, weights, tmp_path):
     with pytest.raises(ConfigError, match=re.escape("--loss gold reads the teacher's top-k where each group starts: score "
                                                     "the teacher with `score-teacher --prompts ... --top-k K`")):
         run_train(TrainConfig(cache=root, model=tmp_path / "not-loaded", out=tmp_path / "g", loss="gold", teacher="nok"))
+
+
+@pytest.mark.parametrize("loss", ["lightning", "span", "uld", "gold"])
+def test_a_packed_step_equals_the_padded_one_on_a_table_of_another_tokenizer(cross, weights, tmp_path, loss):
+    """The group columns (span_tokens, the span top-k) survive packing: the same rows packed and padded give the same
+    loss, gradients and logged numbers (float32, to its rounding)."""
+    from opdcache.train import TrainConfig, Trainer
+
+    results = []
+    for pack in (False, True):
+        torch.manual_seed(0)
+        trainer = Trainer(TrainConfig(out=tmp_path / str(pack), model=weights / "student", cache=cross[0], steps=1,
+                                      batch_size=6, seed=1, loss=loss, dtype="float32", pack=pack))
+        batch = trainer.source.next_batch()
+        value, stats = trainer.loss_and_stats(batch)
+        value.backward()
+        results.append((float(value.detach()), stats, {n: p.grad.clone() for n, p in trainer.model.named_parameters()
+                                                        if p.grad is not None}))
+    (a, sa, ga), (b, sb, gb) = results
+    assert a != 0 and b == pytest.approx(a, rel=1e-5, abs=1e-7)
+    assert ga.keys() == gb.keys() and len(ga) > 10
+    for name in ga:
+        assert float((gb[name] - ga[name]).norm() / ga[name].norm().clamp_min(1e-30)) < 1e-5, name
+    assert sb.keys() == sa.keys() and all(sb[k] == pytest.approx(sa[k], rel=1e-4, abs=1e-6) for k in sa)

@@ -63,6 +63,20 @@ def test_ablations_run_and_report_what_they_measure(tmp_path):
     assert "| w4a16:g32 | aligned |" in table([q])
 
 
+@pytest.mark.slow
+def test_the_cross_tokenizer_ablation_scores_through_the_alignment_and_trains_each_loss(tmp_path):
+    from opdcache.demo.ablations import run_cross_tokenizer_ablation
+
+    cfg = DemoConfig(workdir=tmp_path / "demo", n_train=64, n_opd=24, n_heldout=30, sft_steps=20, opd_steps=2, samples=1)
+    f = run_cross_tokenizer_ablation(cfg).figures
+    a = f["alignment"]
+    assert a["aligned"] == a["rows"] == 24 and a["groups"] > a["one_to_one"] > 0  # digit pairs: groups of two tokens
+    assert {"opd_same", "opd_cross_lightning", "opd_cross_span"} <= set(f)
+    manifest = json.loads((cfg.workdir / "caches" / "rollouts" / "opdcache.json").read_text())
+    assert manifest["tables"]["teachers/teacher_pairs"]["params"]["stores"] == ["logprob", "aligned"]
+    assert json.loads((cfg.workdir / "ablation_cross_tokenizer.json").read_text())["opd_cross_span"] == f["opd_cross_span"]
+
+
 def test_a_work_directory_built_with_other_settings_is_refused(tmp_path):
     from opdcache.demo.pipeline import setup
     from opdcache.errors import ConfigError

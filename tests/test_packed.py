@@ -95,7 +95,8 @@ def test_a_model_given_packed_position_ids_attends_within_each_sequence(hf_cache
     assert not torch.allclose(crossed[packed["logit_positions"]], want, atol=1e-6)  # one causal mask over all would differ
 
 
-@pytest.mark.parametrize("loss", ["lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "sampled-fkl", "full-fkl", "full-rkl", "jsd"])
+@pytest.mark.parametrize("loss", ["lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "sampled-fkl", "full-fkl", "full-rkl", "jsd",
+                                  "span"])
 def test_a_packed_train_step_equals_the_padded_one(hf_cache, weights, tmp_path, loss):
     """Every loss: the same rows packed and padded give the same loss and the same gradient of every parameter (float32,
     to its rounding: the attention sums run over differently masked rows), and the same logged numbers."""
@@ -103,7 +104,9 @@ def test_a_packed_train_step_equals_the_padded_one(hf_cache, weights, tmp_path, 
     from opdcache.losses import Corrections
     from opdcache.train import TrainConfig, Trainer
 
-    assert set(ESTIMATORS) == {"lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "sampled-fkl", "full-fkl", "full-rkl", "jsd"}
+    # every loss: here on one tokenizer's table; uld and gold (a teacher of another tokenizer) in tests/test_crossteacher.py
+    assert set(ESTIMATORS) == {"lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "sampled-fkl", "full-fkl", "full-rkl", "jsd",
+                               "span", "uld", "gold"}
     common = dict(model=weights / "student", cache=hf_cache, steps=1, batch_size=6, seed=1, loss=loss, dtype="float32",
                   corrections=Corrections(tis_cap=2.0) if loss == "is" else Corrections())
     results = []

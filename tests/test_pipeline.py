@@ -206,7 +206,7 @@ def test_cli_chain_build_sft_rollouts_score(tmp_path, weights, opd_prompts, caps
     code, out = run("score-teacher", tmp_path / "nope", "--teacher", weights / "teacher")
     assert code == 2 and "nope: no such directory (a cache is a folder holding opdcache.json)" in out
     code, out = run("score-teacher", tmp_path / "sft", "--teacher", weights / "teacher", "--store", "logprob,bogus")
-    assert code == 2 and "--store takes logprob, topk, hidden, svd, sampled, entropy; got bogus" in out
+    assert code == 2 and "--store takes logprob, topk, hidden, svd, sampled, entropy, aligned; got bogus" in out
 
 
 def test_svd_full_rank_is_exact_and_distortion_falls_with_rank():

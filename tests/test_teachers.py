@@ -128,3 +128,10 @@ def test_what_cannot_be_combined_is_one_line(two_teachers, weights, tmp_path, ca
         main(["train", "--cache", str(two_teachers), "--model", str(weights / "student"), "--out", str(tmp_path / "c"),
               "--teacher", "teacher,teacher_carry", "--teacher-weights", "0.7,x"])
     assert exit_.value.code == 2 and "--teacher-weights takes comma-separated numbers, got '0.7,x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mix", [dict(teacher_weights=(0.7, 0.3)), dict(teacher_route="domain")])
+def test_several_teachers_pack_as_they_pad(two_teachers, weights, tmp_path, mix):
+    padded = _first_loss(two_teachers, weights, tmp_path / "padded", teacher="teacher,teacher_carry", **mix)
+    packed = _first_loss(two_teachers, weights, tmp_path / "packed", teacher="teacher,teacher_carry", pack=True, **mix)
+    assert packed == pytest.approx(padded, rel=1e-5, abs=1e-7)

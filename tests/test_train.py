@@ -21,7 +21,7 @@ def _weights(path):
     return load_file(str(path / "model.safetensors"))
 
 
-@pytest.mark.parametrize("loss", ESTIMATORS)
+@pytest.mark.parametrize("loss", [name for name, e in ESTIMATORS.items() if not e.span_topk])  # uld, gold: test_crossteacher
 def test_every_estimator_trains_and_logs(hf_cache, weights, tmp_path, loss):
     res = run_train(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss=loss, steps=2, batch_size=8, lr=1e-4))
     metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
