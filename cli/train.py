@@ -47,6 +47,7 @@ def train(
     teacher: Annotated[Optional[str], typer.Option("--teacher", help="Teacher table name in the cache (default: the only one). Several, comma-separated (a,b): the loss is the weighted sum of each teacher's (--teacher-weights), or each row takes one (--teacher-route); for the losses that read only the teachers' log-probs, all sharing the student's tokenizer. Memory: each teacher's columns per token.", show_default=False)] = None,
     teacher_weights: Annotated[Optional[str], typer.Option("--teacher-weights", help="Several teachers: comma-separated weights in --teacher's order (normalised to sum 1; default equal).", show_default=False)] = None,
     teacher_route: Annotated[Optional[str], typer.Option("--teacher-route", help="Several teachers: a prompt field whose value names each row's teacher (a row naming none is refused). Default: none.", show_default=False)] = None,
+    max_batch_tokens: Annotated[Optional[int], typer.Option("--max-batch-tokens", help="Cut each batch into groups of rows of at most this many prompt + response tokens, one forward and backward a group, with the whole batch's loss and gradient: the activation memory follows this budget, not the batch size times the longest row (with --pack, the batch's tokens). Default: none (the batch at once). One process only.", show_default=False)] = None,
     loss: Annotated[Optional[str], typer.Option("--loss", help=f"{', '.join(ESTIMATORS)} (default lightning; opdcache/estimators.py says what each reads).", show_default=False)] = None,
     tail: Annotated[Optional[bool], typer.Option("--topk-tail/--no-topk-tail", help="topk-*: the teacher mass outside the support as one more bin (a compact store's stored tail; default off).", show_default=False)] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="Optimizer steps (default 150, papers/000 Table 6).", show_default=False)] = None,
@@ -107,7 +108,7 @@ def train(
         except ValueError:
             raise ConfigError(f"--teacher-weights takes comma-separated numbers, got {teacher_weights!r}") from None
     flags = dict(model=model, cache=cache, out=out, teacher=teacher, teacher_weights=weights if teacher_weights is not None else None,
-                 teacher_route=teacher_route, loss=loss, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
+                 teacher_route=teacher_route, max_batch_tokens=max_batch_tokens, loss=loss, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
                  lr=lr, tau=tau, ppo_clip=ppo_clip, importance_weights=importance_weights, checkpoint_every=checkpoint_every, checkpoint=checkpoint, save_dtype=save_dtype, seed=seed, deterministic=deterministic, tensorboard=tensorboard,
                  online=online, teacher_model=teacher_model, allow_other_model=allow_other_model, stop_after=stop_after, progress=progress, lr_schedule=lr_schedule,
                  warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, kl_coef=kl_coef, kl_estimator=kl_estimator, kl_cap=kl_cap, rollout_aligned=rollout_aligned, chunk=chunk, dtype=dtype, exact=exact,

@@ -108,3 +108,58 @@ def unpack(batch: dict[str, torch.Tensor], name: str, fill=0) -> torch.Tensor:
     t = torch.arange(len(values)) - torch.repeat_interleave(cu[:-1], n)
     out[batch["sequence_index"], t] = values
     return out
+
+
+def split_batch(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[str, torch.Tensor]]:
+    """A batch (padded or packed) cut into consecutive groups of rows of at most ``max_tokens`` prompt + response tokens
+    each (a row longer than that alone), every group laid out as the batch is: a padded group cropped to its own longest
+    row, a packed group sliced from the flat buffers with its offsets rebased. ``train --max-batch-tokens`` runs one
+    forward and backward a group. Memory: the views, and the cropped copies of a padded batch's columns."""
+    packed = "cu_seqlens" in batch
+    if packed:
+        cu = batch["cu_seqlens"].long()
+        seq = (cu[1:] - cu[:-1]).tolist()
+    else:
+        seq = batch["attention_mask"].sum(1).tolist()
+    groups, start, used = [], 0, 0
+    for i, n in enumerate(seq):
+        if i > start and used + n > max_tokens:
+            groups.append((start, i))
+            start, used = i, 0
+        used += n
+    groups.append((start, len(seq)))
+    if len(groups) == 1:
+        return [batch]
+    return [_packed_rows(batch, a, b) if packed else _padded_rows(batch, a, b) for a, b in groups]
+
+
+def _padded_rows(batch: dict, a: int, b: int) -> dict:
+    L = int(batch["attention_mask"][a:b].sum(1).max())
+    T = max(1, int(batch["response_mask"][a:b].sum(1).max()))
+    out = {}
+    for name, v in batch.items():
+        if name in ("input_ids", "attention_mask"):
+            out[name] = v[a:b, :L]
+        else:  # [B, T, ...]
+            out[name] = v[a:b, :T]
+    return out
+
+
+def _packed_rows(batch: dict, a: int, b: int) -> dict:
+    cu, cr = batch["cu_seqlens"].long(), batch["cu_response"].long()
+    t0, t1, r0, r1 = int(cu[a]), int(cu[b]), int(cr[a]), int(cr[b])
+    out = {}
+    for name, v in batch.items():
+        if name in ("input_ids", "position_ids"):
+            out[name] = v[:, t0:t1]
+        elif name == "cu_seqlens":
+            out[name] = (v[a:b + 1] - t0).to(v.dtype)
+        elif name == "cu_response":
+            out[name] = v[a:b + 1] - r0
+        elif name == "logit_positions":
+            out[name] = v[r0:r1] - t0
+        elif name == "sequence_index":
+            out[name] = v[r0:r1] - a
+        else:  # a flat per-token column
+            out[name] = v[r0:r1]
+    return out

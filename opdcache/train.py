@@ -73,6 +73,8 @@ class Trainer:
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
         self.ddp, self.rank, self.world, self.device, self.owns_process_group = init_distributed()
+        if cfg.max_batch_tokens and self.world > 1:
+            raise ConfigError("--max-batch-tokens cuts a batch on one process; with several, lower --batch-size instead")
         self.autocast = autocast_dtype(self._compute_dtype(source), self.device)
         arithmetic = self._exact_arithmetic(source) if cfg.exact else None  # checked before the model loads
         if source is None:
@@ -209,6 +211,20 @@ class Trainer:
             loss = loss * (tokens * self.world / total.clamp_min(1))
         return loss, stats
 
+    def _groups(self, batch: dict):
+        """(loss, stats, share) of each group of rows ``--max-batch-tokens`` cuts the batch into, share being its part
+        of the batch's response tokens (so the shares' weighted sum is the whole batch's mean); the batch at once
+        without it."""
+        if not self.cfg.max_batch_tokens:
+            yield (*self.loss_and_stats(batch), 1.0)
+            return
+        from opdcache.packing import split_batch
+
+        groups = split_batch(batch, self.cfg.max_batch_tokens)
+        counts = [float(g["cu_response"][-1]) if "cu_response" in g else float(g["response_mask"].sum()) for g in groups]
+        for group, count in zip(groups, counts):
+            yield (*self.loss_and_stats(group), count / max(sum(counts), 1.0))
+
     def _global_mean(self, value: float) -> float:
         """The mean over ranks of a per-rank number (the logged loss: each rank's share, times the world, averaged)."""
         if not self.ddp:
@@ -250,10 +266,10 @@ class Trainer:
                 self.opt.zero_grad(set_to_none=True)
                 agg: dict = {}
                 for _ in range(cfg.grad_accum):
-                    loss, stats = self.loss_and_stats(self.source.next_batch())
-                    (loss / cfg.grad_accum).backward()
-                    for k, v in {"loss": self._global_mean(loss.item()), **stats}.items():
-                        agg[k] = agg.get(k, 0.0) + v / cfg.grad_accum
+                    for loss, stats, share in self._groups(self.source.next_batch()):
+                        (loss * share / cfg.grad_accum).backward()
+                        for k, v in {"loss": self._global_mean(loss.item()), **stats}.items():
+                            agg[k] = agg.get(k, 0.0) + v * (1.0 if k == "tokens" else share) / cfg.grad_accum
                 grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
                 if not math.isfinite(float(grad_norm)):
                     raise TrainingDiverged(f"non-finite gradient norm at step {self.step + 1} (the inputs were finite); lower --lr, "

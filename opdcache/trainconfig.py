@@ -45,6 +45,11 @@ class TrainConfig:
     """Sequences per micro-batch."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
+    max_batch_tokens: int | None = None
+    """Cut each batch into groups of rows of at most this many prompt + response tokens (a longer row alone), one
+    forward and backward a group, the loss and gradient those of the whole batch (each group's mean weighted by its
+    response tokens): the activation memory follows this budget, not the batch size times the longest row. Default:
+    none (the batch at once). One process only."""
     lr: float = 2e-6
     """AdamW peak learning rate: papers/000 Table 6's 2e-6 (constant) for 1-8B students; the demo's 2-layer models
     take 3e-5 (docs/demo.md)."""
@@ -147,6 +152,10 @@ class TrainConfig:
         if self.loss not in ESTIMATORS:
             raise ConfigError(f"--loss must be one of {', '.join(ESTIMATORS)}, got {self.loss!r}")
         self._check_teachers()
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise ConfigError(f"--max-batch-tokens must be at least 1, got {self.max_batch_tokens}")
+        if self.max_batch_tokens is not None and (self.fsdp or self.online):
+            raise ConfigError("--max-batch-tokens cuts a cached batch on one process; drop it with --fsdp or --online")
         for name in ("steps", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")

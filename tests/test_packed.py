@@ -188,3 +188,46 @@ def test_a_run_resumes_with_or_without_pack(hf_cache, weights, tmp_path):
     again.fit()
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("loss", ["lightning", "topk-fkl"])
+def test_max_batch_tokens_gives_the_whole_batchs_loss_and_gradient(hf_cache, weights, tmp_path, pack, loss):
+    """A batch cut into groups of at most --max-batch-tokens tokens (here about three rows each), one forward and
+    backward a group: the same loss and gradient as the batch at once, and each group within its budget."""
+    from opdcache.packing import split_batch
+    from opdcache.train import TrainConfig, Trainer
+
+    results = []
+    for budget in (None, 60):
+        torch.manual_seed(0)
+        trainer = Trainer(TrainConfig(out=tmp_path / str(budget), model=weights / "student", cache=hf_cache, steps=1,
+                                      batch_size=8, seed=3, loss=loss, dtype="float32", pack=pack, max_batch_tokens=budget))
+        batch = trainer.source.next_batch()
+        total = 0.0
+        for value, stats, share in trainer._groups(batch):
+            (value * share).backward()
+            total += float(value.detach()) * share
+        results.append((total, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}))
+        if budget:
+            groups = split_batch(batch, budget)
+            assert len(groups) >= 3
+            sizes = [int(g["cu_seqlens"][-1]) if pack else int(g["attention_mask"].sum()) for g in groups]
+            rows = [len(g["cu_seqlens"]) - 1 if pack else len(g["input_ids"]) for g in groups]
+            assert all(n <= budget or r == 1 for n, r in zip(sizes, rows)) and sum(rows) == 8
+    (a, ga), (b, gb) = results
+    assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
+    for name in ga:
+        assert float((gb[name] - ga[name]).norm() / ga[name].norm().clamp_min(1e-30)) < 1e-5, name
+
+
+def test_max_batch_tokens_is_checked_in_one_line():
+    from pathlib import Path
+
+    from opdcache.errors import ConfigError
+    from opdcache.train import TrainConfig
+
+    with pytest.raises(ConfigError, match="--max-batch-tokens must be at least 1, got 0"):
+        TrainConfig(model=Path("m"), cache="c", out=Path("o"), max_batch_tokens=0)
+    with pytest.raises(ConfigError, match="--max-batch-tokens cuts a cached batch on one process; drop it with --fsdp"):
+        TrainConfig(model=Path("m"), cache="c", out=Path("o"), max_batch_tokens=64, fsdp=True)
