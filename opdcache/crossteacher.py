@@ -27,7 +27,10 @@ from opdcache.stores.aligned import META, SKIP_EXAMPLES, footer
 from opdcache.stores.base import PAD_ID
 
 PROBE_ROWS = 64
-"""Rollout rows whose text the teacher's tokenizer must give back before its weights load."""
+"""Rollout rows whose text the teacher's tokenizer must give back before its weights load ..."""
+PROBE_TOLERATED = 0.5
+"""... but for fewer than this share of them: a few texts it cannot represent (a vocabulary-padding token pi_ref
+sampled, a character the teacher has no token for) are rows to skip; a tokenizer that normalises fails on most."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ def prepare(cache, prompts: PromptConfig, teacher_tokenizer, teacher_name: str, 
                   answer_field=None, strict=False, limit=None)
     student_tokenizer = cache.tokenizer()
     student, teacher = TokenText.from_hf(student_tokenizer), TokenText.from_hf(teacher_tokenizer, name=teacher_name)
-    check_round_trip(teacher, _probe_texts(cache, student), "pi_ref's response of rollout row")
+    check_round_trip(teacher, _probe_texts(cache, student), "pi_ref's response of rollout row", tolerated=PROBE_TOLERATED)
     student_prompts = {p.index: p.prompt_ids for p in read_prompts(cfg, student_tokenizer, None).prompts}
     for index in range(len(cache.shard_paths(base))):
         rows = cache.read_shard(base, index, ["id", "prompt_index", "prompt_ids"])

@@ -208,3 +208,14 @@ def test_smollm2_against_the_151k_qwen_vocabulary_on_real_texts():
         groups += len(row.student_groups)
         one_to_one += int(((row.student_groups == 1) & (row.teacher_groups == 1)).sum())
     assert 0.5 < one_to_one / groups < 1.0  # mostly 1:1, and the rest really many-to-many
+
+
+def test_a_few_texts_the_teacher_cannot_represent_are_tolerated_half_are_not(demo_pair):
+    _, _, _, teacher = demo_pair
+    good, bad = "12+34=46;", "<|odd|>"  # the demo alphabet has no '<' or '|': unknown tokens
+    check_round_trip(teacher, [good, good, good, bad], "row", tolerated=0.5)  # one of four: a row to skip
+    with pytest.raises(CrossTokenizerError, match=r"on 2 of 4 texts; the first, row 2, \(the teacher's tokenizer produced a "
+                                                  r"special token inside plain text\)"):
+        check_round_trip(teacher, [good, good, bad, bad], "row", tolerated=0.5)
+    with pytest.raises(CrossTokenizerError):
+        check_round_trip(teacher, [good, bad])  # nothing tolerated by default

@@ -199,8 +199,8 @@ def test_refusals_are_one_line_and_come_before_the_teacher_loads(cross, weights,
         run_score(ScoreJob(cache=root, teacher=teacher, prompts=PromptConfig(other), slug="x"))
     spaced = _pair_teacher(tmp_path / "spaced", normalizer=normalizers.Replace("=", " = "))
     with pytest.raises(CrossTokenizerError, match=r"^the teacher's tokenizer \S+ does not reproduce the text it encodes on "
-                                                  r"pi_ref's response of rollout row 0 \(at character \d+ \('=.*' in the "
-                                                  r"text, ' = .*' from the teacher's tokens\)\)"):
+                                                  r"\d+ of 24 texts; the first, pi_ref's response of rollout row 0, \(at "
+                                                  r"character \d+ \('=.*' in the text, ' = .*' from the teacher's tokens\)\)"):
         run_score(ScoreJob(cache=root, teacher=spaced, prompts=PromptConfig(prompts), slug="x"))
     with pytest.raises(ConfigError, match="--store topk is not available for a teacher with its own tokenizer"):
         ScoreJob(cache=root, teacher=teacher, prompts=PromptConfig(prompts), stores=("topk",), top_k=4)
