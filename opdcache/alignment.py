@@ -150,14 +150,24 @@ def first_difference(expected: bytes, got: bytes) -> str:
     return f"at character {char} ({want!r} in the text, {have!r} from the teacher's tokens)"
 
 
-def round_trip(teacher: TokenText, text: str) -> tuple[list[int], str | None]:
-    """The teacher's ids for ``text`` and ``None``, or the ids and where their bytes first leave the text."""
+NO_TOKEN, CHANGED = "text the teacher has no token for", "text the teacher's tokenizer changes"
+"""The two ways a text fails to round-trip: the teacher encodes part of it as an unknown or special token (it cannot
+represent it), or its tokens spell another text (normalisation, added or collapsed spaces)."""
+
+
+def round_trip(teacher: TokenText, text: str) -> tuple[list[int], tuple[str, str] | None]:
+    """The teacher's ids for ``text`` and ``None``, or the ids and (NO_TOKEN or CHANGED, where the text is lost)."""
     ids = teacher.encode(text)
     pieces = teacher.bytes_of(ids)
-    if any(p is None for p in pieces):
-        return ids, "the teacher's tokenizer produced a special token inside plain text"
-    got, want = b"".join(pieces), text.encode("utf-8")
-    return ids, None if got == want else first_difference(want, got)
+    want = text.encode("utf-8")
+    unknown = next((k for k, p in enumerate(pieces) if p is None), None)
+    if unknown is not None:
+        at = sum(len(p) for p in pieces[:unknown])
+        char = len(want[:at].decode("utf-8", errors="replace"))
+        return ids, (NO_TOKEN, f"at character {char} ({want[at:at + 8].decode('utf-8', errors='replace')!r} in the text "
+                               f"became the teacher's unknown or special token {ids[unknown]})")
+    got = b"".join(pieces)
+    return ids, None if got == want else (CHANGED, first_difference(want, got))
 
 
 def check_round_trip(teacher: TokenText, texts: Sequence[str] = PROBE_TEXTS, source: str = "",
@@ -165,7 +175,7 @@ def check_round_trip(teacher: TokenText, texts: Sequence[str] = PROBE_TEXTS, sou
     """Refuse a teacher tokenizer whose encoding does not give back the text (normalisation, added spaces, characters
     it has no token for) on at least a ``tolerated`` share of ``texts`` (0: on any): a tokenizer that normalises fails on most
     texts, while a few texts it cannot represent are rows to skip. ``source`` names where the texts come from."""
-    failed = [(i, problem) for i, text in enumerate(texts) for problem in [round_trip(teacher, text)[1]] if problem]
+    failed = [(i, problem[1]) for i, text in enumerate(texts) for problem in [round_trip(teacher, text)[1]] if problem]
     if failed and len(failed) >= tolerated * len(texts):
         i, problem = failed[0]
         where = f" on {len(failed)} of {len(texts)} texts; the first, {source} {i}," if source else ""
@@ -210,6 +220,21 @@ def group_lengths_reference(student_bytes: Sequence[int], teacher_bytes: Sequenc
 
 
 @dataclass(frozen=True)
+class Unaligned:
+    """Why a row cannot be aligned: a ``kind`` counted across rows, and the row's own ``detail``."""
+
+    kind: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}"
+
+
+NO_EOS, SPECIAL, NOT_UTF8 = ("no end-of-sequence token of the teacher's for pi_ref's closing one",
+                             "a special or unknown token of pi_ref's inside the response", "bytes that are not UTF-8 text")
+
+
+@dataclass(frozen=True)
 class RowAlignment:
     """One response in the teacher's tokens, and the groups both tokenizations share."""
 
@@ -218,26 +243,26 @@ class RowAlignment:
     teacher_groups: np.ndarray   # [G] int32: teacher tokens per group
 
 
-def align_response(student: TokenText, teacher: TokenText, response_ids: Sequence[int]) -> RowAlignment | str:
+def align_response(student: TokenText, teacher: TokenText, response_ids: Sequence[int]) -> RowAlignment | Unaligned:
     """The teacher's tokenization of the text pi_ref generated, aligned; or why the row cannot be aligned."""
     ids = list(response_ids)
     closing = bool(ids) and student.eos_id is not None and ids[-1] == student.eos_id
     if closing:
         if teacher.eos_id is None:
-            return "the teacher's tokenizer has no end-of-sequence token for pi_ref's closing one"
+            return Unaligned(NO_EOS, f"pi_ref's token {ids[-1]} closes the response")
         ids = ids[:-1]
     pieces = student.bytes_of(ids)
     missing = next((p for p, b in enumerate(pieces) if b is None), None)
     if missing is not None:
-        return f"pi_ref's token {ids[missing]} at response position {missing} is a special or unknown token"
+        return Unaligned(SPECIAL, f"token {ids[missing]} at response position {missing}")
     data = b"".join(pieces)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        return f"the response's bytes are not UTF-8 text ({err.reason} at byte {err.start})"
+        return Unaligned(NOT_UTF8, f"{err.reason} at byte {err.start}")
     teacher_ids, problem = round_trip(teacher, text)
     if problem:
-        return f"the teacher's tokenization does not reproduce the response {problem}"
+        return Unaligned(*problem)
     lengths_s = np.fromiter((len(b) for b in pieces), np.int64, len(pieces))
     lengths_t = np.fromiter((len(b) for b in teacher.bytes_of(teacher_ids)), np.int64, len(teacher_ids))
     groups_s, groups_t = group_lengths(lengths_s, lengths_t)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from opdcache import shards
-from opdcache.alignment import RowAlignment, TokenText, align_response, check_round_trip
+from opdcache.alignment import RowAlignment, TokenText, Unaligned, align_response, check_round_trip
 from opdcache.backends.base import ScoreRequest
 from opdcache.errors import InputError
 from opdcache.prompts import PromptConfig, read_prompts
@@ -102,21 +102,17 @@ def align_rows(plan: CrossPlan, table, max_length: int | None) -> tuple[list, li
     for prompt_index, response in zip(table["prompt_index"].to_pylist(), shards.row_values(table["response_ids"])):
         prompt = plan.teacher_prompts.get(prompt_index)
         if prompt is None:
-            out.append(("the teacher's chat template could not render the prompt: "
-                        + plan.teacher_prompt_errors.get(prompt_index, "no such prompt"), []))
+            out.append((Unaligned("a prompt the teacher's chat template could not render",
+                                  plan.teacher_prompt_errors.get(prompt_index, "no such prompt")), []))
             continue
         row = align_response(plan.student, plan.teacher, response.tolist())
-        if not isinstance(row, str) and max_length is not None and len(prompt) + len(row.teacher_ids) > max_length:
-            row = f"the teacher's tokens ({len(prompt) + len(row.teacher_ids)}) exceed its context of {max_length}"
+        if isinstance(row, RowAlignment) and max_length is not None and len(prompt) + len(row.teacher_ids) > max_length:
+            row = Unaligned("more of the teacher's tokens than its context holds",
+                            f"{len(prompt) + len(row.teacher_ids)}, its context {max_length}")
         out.append((row, prompt))
-        if not isinstance(row, str):
+        if isinstance(row, RowAlignment):
             requests.append(ScoreRequest(prompt, row.teacher_ids.tolist(), None, None, None))
     return out, requests
-
-
-def _reason_kind(reason: str) -> str:
-    """A skip reason without its row-specific numbers, for counting."""
-    return reason.split(" (")[0].split(" at ")[0].split(": ")[0]
 
 
 def span_logprobs(row: RowAlignment, teacher_logprobs_T: np.ndarray, response_length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -155,12 +151,12 @@ def records(ids: list[str], response_lengths: list[int], aligned: list, scores: 
     next_score = iter(scores)
     for row_id, length, (row, prompt) in zip(ids, response_lengths, aligned):
         rec = {"id": row_id, "teacher_prompt_ids": np.asarray(prompt, np.int32)}
-        if isinstance(row, str):
-            skipped[_reason_kind(row)] += 1
+        if isinstance(row, Unaligned):
+            skipped[row.kind] += 1
             if len(examples) < SKIP_EXAMPLES:
-                examples.append({"id": row_id, "reason": row})
+                examples.append({"id": row_id, "reason": str(row)})
             rec.update(teacher_response_ids=np.zeros(0, np.int32), logprobs=np.zeros(length, np.float32),
-                       span_tokens=np.zeros(length, np.int32), align_skip=row)
+                       span_tokens=np.zeros(length, np.int32), align_skip=str(row))
             if top_k:
                 rec.update(span_topk_ids=np.full((length, top_k), PAD_ID, np.int32),
                            span_topk_logprobs=np.full((length, top_k), -np.inf, np.float32),

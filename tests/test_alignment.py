@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from opdcache.alignment import (CrossTokenizerError, TokenText, align_response, check_round_trip, group_lengths,
-                                group_lengths_reference)
+from opdcache.alignment import (CrossTokenizerError, RowAlignment, TokenText, align_response, check_round_trip,
+                                group_lengths, group_lengths_reference)
 from opdcache.demo.models import build_tokenizer
 
 
@@ -71,13 +71,17 @@ def test_special_tokens_inside_a_response_and_text_that_is_not_utf8_are_reasons_
     chars, _, student, teacher = demo_pair
     ids = chars("1+1=2", add_special_tokens=False)["input_ids"]
     mid = ids[:2] + [chars.convert_tokens_to_ids("<|user|>")] + ids[2:]
-    assert align_response(student, teacher, mid) == (
-        f"pi_ref's token {mid[2]} at response position 2 is a special or unknown token")
+    assert str(align_response(student, teacher, mid)) == (
+        f"a special or unknown token of pi_ref's inside the response: token {mid[2]} at response position 2")
     no_eos = TokenText(teacher.name, teacher.table, teacher.encode, None)
-    assert "no end-of-sequence token" in align_response(student, no_eos, ids + [chars.eos_token_id])
+    assert align_response(student, no_eos, ids + [chars.eos_token_id]).kind == (
+        "no end-of-sequence token of the teacher's for pi_ref's closing one")
     cut = TokenText("bytes", (b"a", b"\xc3", b"\xa9"), lambda text: [0] * len(text), None)
-    assert align_response(cut, teacher, [0, 1]) == "the response's bytes are not UTF-8 text (unexpected end of data " \
-                                                   "at byte 1)"
+    assert str(align_response(cut, teacher, [0, 1])) == "bytes that are not UTF-8 text: unexpected end of data at byte 1"
+    unknown = chars("1+1=", add_special_tokens=False)["input_ids"] + [chars.convert_tokens_to_ids("<|reserved_0|>")]
+    assert str(align_response(student, teacher, unknown)) == (  # a vocabulary-padding token: text the teacher cannot spell
+        "text the teacher has no token for: at character 4 ('<|reserv' in the text became the teacher's unknown or "
+        "special token 2)")
 
 
 def _byte_level_tokenizer(normalizer=None):
@@ -142,8 +146,8 @@ def test_a_normalising_teacher_is_refused_with_the_first_differing_character():
     student = TokenText.from_hf(_byte_level_tokenizer())
     ids = _byte_level_tokenizer()("cafe\u0301 1", add_special_tokens=False)["input_ids"]
     reason = align_response(student, nfc, ids)  # ... and a response written in decomposed form is a skipped row
-    assert reason == ("the teacher's tokenization does not reproduce the response at character 3 "
-                      "('e\u0301 1' in the text, '\u00e9 1' from the teacher's tokens)")
+    assert str(reason) == ("text the teacher's tokenizer changes: at character 3 ('e\u0301 1' in the text, '\u00e9 1' "
+                           "from the teacher's tokens)")
 
 
 # --- the real tokenizers -------------------------------------------------------------------------------------------
@@ -195,7 +199,7 @@ def test_smollm2_against_the_151k_qwen_vocabulary_on_real_texts():
         ids = smol(text, add_special_tokens=False)["input_ids"]
         assert smol.decode(ids) == text  # the student's side round trips
         row = align_response(student, teacher, ids + [smol.eos_token_id])
-        assert not isinstance(row, str), (text, row)
+        assert isinstance(row, RowAlignment), (text, row)
         teacher_ids = row.teacher_ids[:-1].tolist()
         assert teacher_ids == qwen.encode(text) and qwen.decode(teacher_ids) == text  # the teacher's side too
         assert row.teacher_ids[-1] == qwen.im_end_id
@@ -214,8 +218,8 @@ def test_a_few_texts_the_teacher_cannot_represent_are_tolerated_half_are_not(dem
     _, _, _, teacher = demo_pair
     good, bad = "12+34=46;", "<|odd|>"  # the demo alphabet has no '<' or '|': unknown tokens
     check_round_trip(teacher, [good, good, good, bad], "row", tolerated=0.5)  # one of four: a row to skip
-    with pytest.raises(CrossTokenizerError, match=r"on 2 of 4 texts; the first, row 2, \(the teacher's tokenizer produced a "
-                                                  r"special token inside plain text\)"):
+    with pytest.raises(CrossTokenizerError, match=r"on 2 of 4 texts; the first, row 2, \(at character 0 \('<\|odd\|>' in "
+                                                  r"the text became the teacher's unknown or special token 2\)\)"):
         check_round_trip(teacher, [good, good, bad, bad], "row", tolerated=0.5)
     with pytest.raises(CrossTokenizerError):
         check_round_trip(teacher, [good, bad])  # nothing tolerated by default

@@ -71,7 +71,7 @@ def test_the_cross_tokenizer_ablation_scores_through_the_alignment_and_trains_ea
     f = run_cross_tokenizer_ablation(cfg).figures
     a = f["alignment"]
     assert a["aligned"] == a["rows"] == 24 and a["groups"] > a["one_to_one"] > 0  # digit pairs: groups of two tokens
-    assert {"opd_same", "opd_cross_lightning", "opd_cross_span"} <= set(f)
+    assert {"opd_same", "opd_cross_lightning", "opd_cross_span", "opd_cross_uld", "opd_cross_gold"} <= set(f)
     manifest = json.loads((cfg.workdir / "caches" / "rollouts" / "opdcache.json").read_text())
     assert manifest["tables"]["teachers/teacher_pairs"]["params"]["stores"] == ["logprob", "aligned"]
     assert json.loads((cfg.workdir / "ablation_cross_tokenizer.json").read_text())["opd_cross_span"] == f["opd_cross_span"]

@@ -40,11 +40,14 @@ def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
     return finish(report, cfg, start, f"ablation_consistency_{cfg.loss}.json")
 
 
+CROSS_LOSSES = ("lightning", "span", "uld", "gold")
+"""The losses the cross-tokenizer ablation trains from the digit-pair teacher's table (opdcache/estimators.py)."""
+
+
 def run_cross_tokenizer_ablation(cfg: DemoConfig) -> DemoReport:
     """A teacher with its own tokenizer: Lightning OPD from pi_ref's rollouts scored by the demo teacher (pi_ref's
     tokenizer) against the same recipe trained on a tokenizer that reads each digit pair as one token, scored offline
-    through the alignment (--prompts, the aligned store) and trained with lightning's group advantages and with span
-    log-likelihood matching."""
+    through the alignment (--prompts --top-k 8, the aligned store) and trained with each loss such a table feeds."""
     from opdcache.prompts import PromptConfig
     from opdcache.scoring import ScoreJob, run_score
 
@@ -55,21 +58,21 @@ def run_cross_tokenizer_ablation(cfg: DemoConfig) -> DemoReport:
 
     def score() -> str:
         a = run_score(ScoreJob(cache=p["rollouts"], teacher=p["teacher_pairs"], prompts=PromptConfig(p["prompts_opd"]),
-                               allow_inconsistent_teacher=True))["aligned"]
+                               top_k=8, allow_inconsistent_teacher=True))["aligned"]
         report.figures["alignment"] = a
         return (f"teachers/teacher_pairs: {a['aligned']} of {a['rows']} rows aligned, {a['groups']} groups, "
                 f"{a['one_to_one'] / max(a['groups'], 1):.1%} one token to one")
 
     stage(report, f"score-teacher {p['rollouts'].name}/teacher_pairs (its own tokenizer)", "teachers/teacher_pairs" in tables, score)
-    runs = (("same", "teacher", cfg.loss), ("cross_lightning", "teacher_pairs", "lightning"), ("cross_span", "teacher_pairs", "span"))
+    runs = (("same", "teacher", cfg.loss),) + tuple((f"cross_{loss}", "teacher_pairs", loss) for loss in CROSS_LOSSES)
     for name, teacher, loss in runs:
         model = train_run(replace(cfg, loss=loss), report, p["pi_ref"], p["rollouts"],
                           cfg.workdir / "runs" / f"cross-{name}-{run_name(replace(cfg, loss=loss))}", teacher=teacher)
         evaluate(f"opd_{name}", model, p["teacher_model"], cfg, report)
     f = report.figures
     report.say(f"[result] held-out accuracy: pi_ref {f['pi_ref']['accuracy']:.1%} -> Lightning OPD with pi_ref's tokenizer "
-               f"{f['opd_same']['accuracy']:.1%}; with the digit-pair teacher: lightning {f['opd_cross_lightning']['accuracy']:.1%}, "
-               f"span {f['opd_cross_span']['accuracy']:.1%}")
+               f"{f['opd_same']['accuracy']:.1%}; with the digit-pair teacher: "
+               + ", ".join(f"{loss} {f[f'opd_cross_{loss}']['accuracy']:.1%}" for loss in CROSS_LOSSES))
     return finish(report, cfg, start, "ablation_cross_tokenizer.json")
 
 
