@@ -347,3 +347,39 @@ def test_a_packed_step_equals_the_padded_one_on_a_table_of_another_tokenizer(cro
     for name in ga:
         assert float((gb[name] - ga[name]).norm() / ga[name].norm().clamp_min(1e-30)) < 1e-5, name
     assert sb.keys() == sa.keys() and all(sb[k] == pytest.approx(sa[k], rel=1e-4, abs=1e-6) for k in sa)
+
+
+def test_gold_equals_its_plain_definition():
+    """At a group's first token: KL(p || q) over the teacher's entries pi_ref shares (renormalised with the rest of the
+    teacher's mass as one tail bin, the student's likewise), plus span at each group's last token."""
+    from types import SimpleNamespace
+
+    from opdcache import losses as L
+    from opdcache.estimators import ESTIMATORS
+
+    g = torch.Generator().manual_seed(4)
+    B, T, K = 2, 5, 3
+    teacher_lp = torch.log_softmax(torch.randn(B, T, 7, generator=g, dtype=torch.float64), -1)[..., :K]
+    student_lp = torch.log_softmax(torch.randn(B, T, 9, generator=g, dtype=torch.float64), -1)[..., :K].requires_grad_()
+    starts = torch.tensor([[1, 0, 1, 1, 0], [1, 1, 0, 0, 1]], dtype=torch.bool)
+    ends = torch.tensor([[0, 1, 0, 1, 1], [1, 0, 0, 1, 1]], dtype=torch.bool)
+    mapped = torch.randint(0, 9, (B, T, K), generator=g)
+    mapped[0, 0, 1] = -1  # an entry pi_ref has no token for
+    ids = torch.where(starts[..., None], torch.arange(K).expand(B, T, K), torch.full((B, T, K), -1))
+    s = torch.randn(B, T, generator=g, dtype=torch.float64).clamp(max=-0.01)
+    t = torch.where(ends, torch.randn(B, T, generator=g, dtype=torch.float64).clamp(max=-0.01), torch.zeros(()))
+    batch = {"teacher_span_topk_ids": ids, "teacher_span_topk_logprobs": torch.where(ids >= 0, teacher_lp, torch.full_like(teacher_lp, -1e4)),
+             "teacher_span_topk_student_ids": torch.where(ids >= 0, mapped, torch.full_like(mapped, -1)),
+             "teacher_span_tokens": ends.long(), "teacher_logprobs": t, "response_mask": torch.ones(B, T)}
+    terms, _, _ = ESTIMATORS["gold"].terms(SimpleNamespace(), batch, s, student_lp, None, None)
+    span, _ = L.span_terms(s, t, ends)
+    for b in range(B):
+        for i in range(T):
+            want = 0.0
+            if starts[b, i]:
+                keep = [k for k in range(K) if mapped[b, i, k] >= 0]
+                p = [float(teacher_lp[b, i, k].exp()) for k in keep]
+                q = [float(student_lp.detach()[b, i, k].exp()) for k in keep]
+                p, q = p + [1 - sum(p)], q + [1 - sum(q)]
+                want = sum(pi * (np.log(pi) - np.log(qi)) for pi, qi in zip(p, q))
+            assert float((terms - span).detach()[b, i]) == pytest.approx(want, abs=1e-9), (b, i)
