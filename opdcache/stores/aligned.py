@@ -66,14 +66,18 @@ def _rules(values, vocab: int | None, params) -> list:
     return out
 
 
+def _flat(column) -> np.ndarray:
+    """A list column's values, flat (this module reads the Arrow table itself: it imports nothing of opdcache's
+    reading layer, which is built on the registry)."""
+    return column.combine_chunks().flatten().to_numpy(zero_copy_only=False)
+
+
 def _table_rules(table, offsets: np.ndarray) -> list[tuple[str, np.ndarray, str]]:
     """The rules that tie a row's columns together, as (column, bad rows [rows] bool, message): a row's span_tokens
     add up to its teacher tokens, and are all 0 exactly when it was skipped; logprobs is 0 inside a group."""
-    from opdcache import shards
-
-    span_tokens = shards.token_values(table["span_tokens"]).astype(np.int64)
-    logprobs = shards.token_values(table["logprobs"])
-    teacher_lengths = np.diff(shards.list_offsets(table["teacher_response_ids"]))
+    span_tokens = _flat(table["span_tokens"]).astype(np.int64)
+    logprobs = _flat(table["logprobs"])
+    teacher_lengths = np.diff(table["teacher_response_ids"].combine_chunks().offsets.to_numpy())
     skipped = table["align_skip"].to_pylist()
     sums = np.add.reduceat(span_tokens, offsets[:-1]) if len(span_tokens) else np.zeros(len(teacher_lengths), np.int64)
     sums = np.where(np.diff(offsets) > 0, sums, 0)  # reduceat repeats a value for an empty row
