@@ -103,7 +103,9 @@ def _compare(stored: list[np.ndarray], fresh: list[np.ndarray]) -> dict:
             same = (a.view(np.uint8).reshape(a.size, -1) == b.astype(a.dtype).view(np.uint8).reshape(b.size, -1)).all(1) if a.size else np.zeros(0, bool)
             exact += int(same.sum())
             if a.size:
-                d = np.abs(a.astype(np.float64) - b.astype(np.float64))
+                x, y = a.astype(np.float64), b.astype(np.float64)
+                with np.errstate(invalid="ignore"):  # equal values (padding's -inf on both sides) differ by 0
+                    d = np.where(x == y, 0.0, np.abs(x - y))
                 d[np.isnan(d)] = np.inf
                 worst = max(worst, float(d.max()))
         else:
@@ -123,7 +125,8 @@ def _spread(a: list[np.ndarray], b: list[np.ndarray]) -> float:
         if x.shape != y.shape:
             return float("inf")
         if x.size:
-            d = np.abs(x - y)
+            with np.errstate(invalid="ignore"):
+                d = np.where(x == y, 0.0, np.abs(x - y))
             d[np.isnan(d)] = np.inf
             worst = max(worst, float(d.max()))
     return worst
@@ -212,6 +215,7 @@ def _audit_base(cache: Cache, name: str, cfg: AuditConfig) -> dict:
 
 
 def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
+    from opdcache.backends.base import ScoreRequest
     from opdcache.scoring import score_requests, teacher_columns, teacher_records
 
     entry = cache.table(name)
@@ -234,15 +238,42 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
 
         params_no_svd = dataclasses.replace(params, stores=tuple(s for s in params.stores if s != "svd"), svd_rank=None, svd_dtype=None)
 
+    aligned = "aligned" in params.stores  # a teacher with its own tokenizer: its own tokens, stored in the table
+    if aligned:
+        from opdcache import crossteacher
+        from opdcache.alignment import RowAlignment, TokenText, Unaligned, align_response
+        from opdcache.models import load_tokenizer
+
+        # the response's alignment is computed afresh from pi_ref's ids; the teacher's prompt ids (its chat template on
+        # the prompts file, which the cache does not hold) and the skip reasons are taken as stored, not compared
+        names = [c for c in names if c not in ("align_skip", "teacher_prompt_ids")]
+        student_tt, teacher_tt = TokenText.from_hf(cache.tokenizer()), TokenText.from_hf(load_tokenizer(path))
+        student_of = crossteacher.same_bytes(student_tt, teacher_tt)
+
     def rescore(base_rows, reqs, scores, where):
-        records = teacher_records(base_rows["id"].to_pylist(), scores, params_no_svd, None, where)
+        if aligned:
+            lengths = [len(r) for r in shards.row_values(base_rows["response_ids"])]
+            records = crossteacher.records(base_rows["id"].to_pylist(), lengths, rows_aligned, scores, None, where,
+                                           student_of, params.top_k)
+        else:
+            records = teacher_records(base_rows["id"].to_pylist(), scores, params_no_svd, None, where)
         return shards.build_table("teacher", params_no_svd, records)
 
     picks = cache.sample_rows(name, _rows_wanted(cache, name, cfg.rows), cfg.seed)
     for shard, rows in picks.items():
         table = cache.read_shard(name, shard, names).take(rows)
-        base_rows = cache.read_shard(base, shard, teacher_columns(params)).take(rows)
-        reqs = score_requests(base_rows, params.samples_per_position, seed)
+        base_rows = cache.read_shard(base, shard, teacher_columns(params) + (["response_ids"] if aligned else [])).take(rows)
+        if aligned:
+            stored_rows = cache.read_shard(name, shard, ["teacher_prompt_ids", "align_skip"]).take(rows)
+            rows_aligned = [(align_response(student_tt, teacher_tt, response.tolist()) if len(prompt) else Unaligned("stored", skip),
+                             prompt.tolist())
+                            for response, prompt, skip in zip(shards.row_values(base_rows["response_ids"]),
+                                                              shards.row_values(stored_rows["teacher_prompt_ids"]),
+                                                              stored_rows["align_skip"].to_pylist())]
+            reqs = [ScoreRequest(prompt, row.teacher_ids.tolist(), None, None, None) for row, prompt in rows_aligned
+                    if isinstance(row, RowAlignment)]
+        else:
+            reqs = score_requests(base_rows, params.samples_per_position, seed)
         built = rescore(base_rows, reqs, backend.score(reqs, top_k=params.top_k, hidden=want_hidden), f"audit of shard {shard}")
         for c in names:
             stored[c] += shards.row_values(table[c])
@@ -254,7 +285,7 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
                 alone[c] += shards.row_values(built[c])
     columns = {c: _compare(stored[c], fresh[c]) for c in names}
     how = ("re-scored in the exact arithmetic" if exact else f"re-scored by the transformers engine in {dtype} on {_where(backend)}") + \
-        ", with the table's store settings and encodings"
+        ", with the table's store settings and encodings" + (" (pi_ref's text aligned to the teacher's tokens afresh)" if aligned else "")
     rep = {"table": name, "exact_claimed": exact, "dtype": dtype, "how": how, "rows": sum(map(len, picks.values())), "columns": columns}
     spreads = {} if exact else {c: _spread(fresh[c], alone[c]) for c in names if "differing" not in columns[c]}
     return _judge(rep, dtype, cfg.tolerance, spreads)

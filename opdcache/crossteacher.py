@@ -140,9 +140,10 @@ def span_topk(row: RowAlignment, sc, response_length: int, top_k: int, student_o
 
 
 def records(ids: list[str], response_lengths: list[int], aligned: list, scores: list, vocab_size: int | None,
-            where: str, plan: CrossPlan, top_k: int | None = None) -> shards.Records:
+            where: str, student_of: np.ndarray | None = None, top_k: int | None = None) -> shards.Records:
     """The aligned table's rows (row-aligned with the rollouts), the alignment counts and the fidelity sums in the
-    footer; with ``top_k``, the teacher's top-k where each group starts."""
+    footer; with ``top_k``, the teacher's top-k where each group starts (``student_of``: pi_ref's id of each teacher
+    token's bytes, :func:`same_bytes`)."""
     from opdcache import fidelity
     from opdcache.errors import SchemaError
 
@@ -170,7 +171,7 @@ def records(ids: list[str], response_lengths: list[int], aligned: list, scores: 
         logprobs, span_tokens = span_logprobs(row, sc.logprobs, length)
         rec.update(teacher_response_ids=row.teacher_ids, logprobs=logprobs, span_tokens=span_tokens, align_skip=None)
         if top_k:
-            rec.update(span_topk(row, sc, length, top_k, plan.student_of))
+            rec.update(span_topk(row, sc, length, top_k, student_of))
         out.append(rec)
         counts["aligned"] += 1
         counts["groups"] += len(row.student_groups)

@@ -319,7 +319,7 @@ def run_score(job: ScoreJob) -> dict:
             aligned, requests = crossteacher.align_rows(plan, rows, backend.max_length)
             scores = backend.score(requests, top_k=params.top_k) if requests else []
             return crossteacher.records(rows["id"].to_pylist(), [len(r) for r in shards.row_values(rows["response_ids"])],
-                                        aligned, scores, backend.vocab_size, f"shard {index}", plan, params.top_k)
+                                        aligned, scores, backend.vocab_size, f"shard {index}", plan.student_of, params.top_k)
         rows = shards.read_table(base_paths[index], request_columns)
         scores = backend.score(score_requests(rows, params.samples_per_position, job.sample_seed), top_k=params.top_k, hidden=want_hidden,
                                hidden_dtype=params.hidden_dtype)

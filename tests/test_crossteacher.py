@@ -383,3 +383,32 @@ def test_gold_equals_its_plain_definition():
                 p, q = p + [1 - sum(p)], q + [1 - sum(q)]
                 want = sum(pi * (np.log(pi) - np.log(qi)) for pi, qi in zip(p, q))
             assert float((terms - span).detach()[b, i]) == pytest.approx(want, abs=1e-9), (b, i)
+
+
+def test_audit_re_scores_the_teachers_own_tokens_and_finds_a_changed_value(cross, tmp_path):
+    from opdcache import manifest as M
+    from opdcache.audit import AuditConfig, audit
+    from opdcache.cache import Cache
+
+    report = audit(AuditConfig(cache=cross[0], table="pairs", rows="all"))
+    table = report["tables"][0]
+    assert report["passed"] and "aligned to the teacher's tokens afresh" in table["how"]
+    assert {"logprobs", "span_tokens", "teacher_response_ids", "span_topk_logprobs"} <= set(table["columns"])
+    assert table["columns"]["span_tokens"]["differing"] == 0 and table["columns"]["logprobs"]["values"] > 0
+    root = tmp_path / "cache"
+    shutil.copytree(cross[0], root)
+    cache = Cache(root)
+    path, entry = cache.shard_paths("teachers/pairs")[1], cache.table("teachers/pairs")
+    stored = shards.read_table(path)
+    rows = stored.to_pylist()
+    end = int(np.flatnonzero(np.asarray(rows[0]["span_tokens"]))[0])
+    rows[0]["logprobs"][end] -= 0.5  # one group's log-prob changed
+    records = [{k: (np.asarray(v, np.int32 if k.endswith(("ids", "tokens")) else np.float32) if isinstance(v, list) else v)
+                for k, v in row.items()} for row in rows]
+    built = shards.build_table("teacher", S.StoreParams.from_dict(entry["params"]), records, entry["config_fingerprint"])
+    manifest = cache.manifest
+    manifest["tables"]["teachers/pairs"]["shards"][1] = shards.write_table_atomic(
+        built.replace_schema_metadata(stored.schema.metadata), path, root).to_dict()
+    M.save(root, manifest)
+    report = audit(AuditConfig(cache=root, table="pairs", rows="all"))
+    assert not report["passed"] and report["tables"][0]["columns"]["logprobs"]["max_abs_delta"] == pytest.approx(0.5, rel=1e-4)
