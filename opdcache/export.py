@@ -61,6 +61,10 @@ def export(cache_root: str | Path, to: str, out: str | Path, teacher: str | None
                           "exports; give a new or empty directory")
     base = cache.base_table
     table = cache.teacher_table(teacher) if (teacher or cache.teachers) else None
+    if to == "lightning-opd" and table is not None and not cache.params(table).same_tokenizer:
+        raise ConfigError(f"{table} is a teacher with its own tokenizer: its log-probs are per group of tokens, and the "
+                          "lightning-opd layout holds one per token; export --to jsonl or parquet-flat (they carry "
+                          "span_tokens, which marks the groups)")
     tokenizer = cache.tokenizer()
     if tokenizer is None:
         raise ConfigError(f"{cache_root} carries no tokenizer folder; rebuild it with this opdcache version")

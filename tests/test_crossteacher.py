@@ -412,3 +412,16 @@ def test_audit_re_scores_the_teachers_own_tokens_and_finds_a_changed_value(cross
     M.save(root, manifest)
     report = audit(AuditConfig(cache=root, table="pairs", rows="all"))
     assert not report["passed"] and report["tables"][0]["columns"]["logprobs"]["max_abs_delta"] == pytest.approx(0.5, rel=1e-4)
+
+
+def test_export_carries_the_groups_and_refuses_the_per_token_layout(cross, tmp_path):
+    from opdcache.export import export
+
+    root = cross[0]
+    export(root, "jsonl", tmp_path / "flat", teacher="pairs")
+    first = json.loads((tmp_path / "flat" / "rollouts.jsonl").read_text().splitlines()[0])
+    assert len(first["teacher_span_tokens"]) == len(first["response_ids"]) == len(first["teacher_logprobs"])
+    assert sum(first["teacher_span_tokens"]) > 0 and "teacher_teacher_response_ids" not in first
+    with pytest.raises(ConfigError, match="teachers/pairs is a teacher with its own tokenizer: its log-probs are per group"):
+        export(root, "lightning-opd", tmp_path / "lo", teacher="pairs")
+    assert not (tmp_path / "lo").exists()

@@ -160,6 +160,7 @@ STORE = Store(
     check_job=_check_job,
     rules=_rules,
     table_rules=_table_rules,
+    flat=("span_tokens", "span_topk_ids", "span_topk_logprobs", "span_topk_student_ids"),
     record=_record,
     record_meta=META,
     info=_info,
