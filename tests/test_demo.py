@@ -29,12 +29,20 @@ def test_demo_pipeline_end_to_end_and_rerun_skips(tmp_path):
     assert sum("already done, skipped" in line for line in again.lines) == 5
 
 
+@pytest.fixture(scope="module")
+def small_demo(tmp_path_factory):
+    """The ablations' settings, one work directory for the module: each ablation finds the shared stages (models,
+    SFT, pi_ref's rollouts and their scores) done by the first, as a user's second ablation does."""
+    return DemoConfig(workdir=tmp_path_factory.mktemp("ablations") / "demo", n_train=64, n_opd=24, n_heldout=30,
+                      sft_steps=20, opd_steps=2, samples=1)
+
+
 @pytest.mark.slow
-def test_ablations_run_and_report_what_they_measure(tmp_path):
+def test_ablations_run_and_report_what_they_measure(small_demo):
     from opdcache.demo.ablations import run_consistency_ablation, run_quantized_ablation
     from opdcache.demo.quantized import QUANTIZED_RUNS, table
 
-    cfg = DemoConfig(workdir=tmp_path / "demo", n_train=64, n_opd=24, n_heldout=30, sft_steps=20, opd_steps=2, samples=1)
+    cfg = small_demo
     c = run_consistency_ablation(cfg).figures
     assert c["consistency"]["lineage"] == {"teacher": "consistent", "teacher_carry": "inconsistent"}
     assert c["consistency"]["empirical"] == "teacher"  # the probe agrees without looking at lineage
@@ -64,10 +72,10 @@ def test_ablations_run_and_report_what_they_measure(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_cross_tokenizer_ablation_scores_through_the_alignment_and_trains_each_loss(tmp_path):
+def test_the_cross_tokenizer_ablation_scores_through_the_alignment_and_trains_each_loss(small_demo):
     from opdcache.demo.ablations import run_cross_tokenizer_ablation
 
-    cfg = DemoConfig(workdir=tmp_path / "demo", n_train=64, n_opd=24, n_heldout=30, sft_steps=20, opd_steps=2, samples=1)
+    cfg = small_demo
     f = run_cross_tokenizer_ablation(cfg).figures
     a = f["alignment"]
     assert a["aligned"] == a["rows"] == 24 and a["groups"] > a["one_to_one"] > 0  # digit pairs: groups of two tokens

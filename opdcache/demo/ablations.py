@@ -24,7 +24,7 @@ def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
     start = time.perf_counter()
     p = prepare(cfg, report)
     score_stage(report, p["rollouts"], p["teacher_carry"], stores=stores_for(cfg.loss)[0], allow_inconsistent=True)
-    c = check(p["rollouts"])
+    c = check(p["rollouts"], ["teacher", "teacher_carry"])  # the two it compares, whatever else the cache was scored by
     report.figures["consistency"] = {"lineage": {n: t["lineage"] for n, t in c["teachers"].items()},
                                      "gap": {n: t["gap"]["mean"] for n, t in c["teachers"].items()},
                                      "empirical": c["consistent_empirically"], "consistent_with": c["consistent_with"]}
