@@ -192,9 +192,9 @@ class DecodedShard:
         if prefix + "topk_ids" in c:
             tol, order = self.topk_layout
             out += rowrules.topk_rules("topk", c[prefix + "topk_ids"], c[prefix + "topk_logprobs"], vocab, c.get(prefix + "topk_tail"), tol, order)
-        for store in REGISTRY.values():  # the rules each teacher store declares (opdcache/stores/)
-            names = [col.name for col in store.columns if col.shape != "row"]
-            if store.rules is not None and all(prefix + n in c for n in names):
+        for store in REGISTRY.values():  # the rules each teacher store declares (opdcache/stores/), on the columns loaded
+            names = [col.name for col in store.columns if col.shape != "row" and prefix + col.name in c]
+            if store.rules is not None and names:
                 out += [v for v in store.rules({n: c[prefix + n] for n in names}, vocab, params or {}) if v[1] is not None]
         return out
 

@@ -47,6 +47,7 @@ import pyarrow as pa
 
 from opdcache import manifest as M
 from opdcache import rowrules, shardcheck, shards, storage
+from opdcache.compact import decode_logprobs
 from opdcache.fidelity import check_record
 from opdcache.sidefiles import side_file_problem
 from opdcache import schema as S
@@ -362,16 +363,11 @@ def _check_against_topk(file: str, column: str, sampled: np.ndarray, sampled_lp:
 
 def _check_store_rules(file: str, table: pa.Table, params: S.StoreParams, offsets: np.ndarray, vocab: int | None, out: _Collector) -> None:
     """The row rules each store declares (opdcache/stores/; the loader refuses the same rows), on decoded values."""
-    from opdcache.compact import decode_logprobs
-
-    recorded = params.to_dict()
-    for store in REGISTRY.values():
-        if store.name not in params.stores or not all(c.name in table.column_names for c in store.columns):
-            continue
-        if store.rules is not None:
-            per_token = [c.name for c in store.columns if c.shape != "row"]
+    for store in (s for s in REGISTRY.values() if s.name in params.stores):  # its columns this table's parameters hold
+        per_token = [c.name for c in S.columns("teacher", params) if c.store == store.name and c.shape != "row"]
+        if store.rules is not None and all(n in table.column_names for n in per_token):
             values = {n: decode_logprobs(shards.token_values(table[n]), table.schema.field(n)) for n in per_token}
-            _report(file, offsets, [v for v in store.rules(values, vocab, recorded) if v[1] is not None], out)
+            _report(file, offsets, [v for v in store.rules(values, vocab, params.to_dict()) if v[1] is not None], out)
         for column, bad_rows, message in (store.table_rules(table, offsets) if store.table_rules else []):
             out.rows(file, column, np.flatnonzero(bad_rows), message)
 
@@ -438,8 +434,6 @@ def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, par
         out.rows(file, "logsumexp", _row_of(offsets, np.flatnonzero(~np.isfinite(lse))), "non-finite logsumexp")
     vocab = entry["config"].get("vocab_size")
     if "topk_ids" in table.column_names:
-        from opdcache.compact import decode_logprobs
-
         ids_k = shards.token_values(table["topk_ids"])
         lps_k = decode_logprobs(shards.token_values(table["topk_logprobs"]), table.schema.field("topk_logprobs"))
         tail = shards.token_values(table["topk_tail"]) if "topk_tail" in table.column_names else None

@@ -425,3 +425,36 @@ def test_export_carries_the_groups_and_refuses_the_per_token_layout(cross, tmp_p
     with pytest.raises(ConfigError, match="teachers/pairs is a teacher with its own tokenizer: its log-probs are per group"):
         export(root, "lightning-opd", tmp_path / "lo", teacher="pairs")
     assert not (tmp_path / "lo").exists()
+
+
+def test_a_table_without_the_top_k_has_its_rules_checked_too(cross, tmp_path):
+    """The store's optional columns absent (no --top-k): validate and the loader still apply its rules."""
+    from opdcache import manifest as M
+    from opdcache.cache import Cache
+    from opdcache.data import CacheLoader, CacheLoaderConfig
+    from opdcache.errors import SchemaError
+    from opdcache.prompts import PromptConfig
+    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.validate import validate
+
+    root = tmp_path / "cache"
+    shutil.copytree(cross[0], root)
+    run_score(ScoreJob(cache=root, teacher=cross[2], prompts=PromptConfig(cross[1]), slug="plain"))
+    cache = Cache(root)
+    path, entry = cache.shard_paths("teachers/plain")[0], cache.table("teachers/plain")
+    stored = shards.read_table(path)
+    rows = stored.to_pylist()
+    rows[1]["span_tokens"][0] = -3
+    records = [{k: (np.asarray(v, np.int32 if k.endswith(("ids", "tokens")) else np.float32) if isinstance(v, list) else v)
+                for k, v in row.items()} for row in rows]
+    built = shards.build_table("teacher", S.StoreParams.from_dict(entry["params"]), records, entry["config_fingerprint"])
+    manifest = cache.manifest
+    manifest["tables"]["teachers/plain"]["shards"][0] = shards.write_table_atomic(
+        built.replace_schema_metadata(stored.schema.metadata), path, root).to_dict()
+    M.save(root, manifest)
+    found = {(p.row, p.column) for p in validate(root) if not p.warning and p.column}
+    assert (1, "span_tokens") in found
+    loader = CacheLoader(CacheLoaderConfig(cache=root, teacher="plain", stores=("logprob", "aligned"), batch_size=64,
+                                           shuffle=False))
+    with pytest.raises(SchemaError, match="row 1, column span_tokens: span_tokens must be between 0 and 65536"):
+        list(loader)
