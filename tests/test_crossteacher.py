@@ -130,28 +130,38 @@ def _forward_topk(model_dir: Path, prompt_ids: list[int], response_ids: list[int
     return top.values.numpy(), top.indices.numpy()
 
 
-def test_validate_passes_it_and_finds_a_damaged_row(cross, tmp_path):
+def _rewrite_rows(root: Path, table: str, shard: int, change) -> None:
+    """Rewrite one shard of ``teachers/<table>`` with ``change(rows)`` applied to its rows (lists of Python values), its
+    footer kept, and the manifest's size and hash updated: damage that only the row rules can find."""
     from opdcache import manifest as M
     from opdcache.cache import Cache
+
+    cache = Cache(root)
+    path, entry = cache.shard_paths(f"teachers/{table}")[shard], cache.table(f"teachers/{table}")
+    stored = shards.read_table(path)
+    rows = stored.to_pylist()
+    change(rows)
+    records = [{k: (np.asarray(v, np.int32 if k.endswith(("ids", "tokens")) else np.float32) if isinstance(v, list) else v)
+                for k, v in row.items()} for row in rows]
+    built = shards.build_table("teacher", S.StoreParams.from_dict(entry["params"]), records, entry["config_fingerprint"])
+    manifest = cache.manifest
+    manifest["tables"][f"teachers/{table}"]["shards"][shard] = shards.write_table_atomic(
+        built.replace_schema_metadata(stored.schema.metadata), path, root).to_dict()
+    M.save(root, manifest)
+
+
+def test_validate_passes_it_and_finds_a_damaged_row(cross, tmp_path):
     from opdcache.validate import validate
 
     root = tmp_path / "cache"
     shutil.copytree(cross[0], root)
     assert not [p for p in validate(root) if not p.warning]
-    cache = Cache(root)
-    path, entry = cache.shard_paths("teachers/pairs")[0], cache.table("teachers/pairs")
-    table = shards.read_table(path)
-    rows = table.to_pylist()
-    inside = int(np.flatnonzero(np.asarray(rows[3]["span_tokens"]) == 0)[0])
-    rows[3]["logprobs"][inside] = -0.25  # a value inside a group, where the format has 0
-    rows[4]["span_tokens"][-1] += 1  # more teacher tokens than the row holds
-    records = [{k: (np.asarray(v, np.int32 if k.endswith(("ids", "tokens")) else np.float32) if isinstance(v, list) else v)
-                for k, v in row.items()} for row in rows]
-    built = shards.build_table("teacher", S.StoreParams.from_dict(entry["params"]), records, entry["config_fingerprint"])
-    info = shards.write_table_atomic(built.replace_schema_metadata(table.schema.metadata), path, root)
-    manifest = cache.manifest
-    manifest["tables"]["teachers/pairs"]["shards"][0] = info.to_dict()
-    M.save(root, manifest)
+    def change(rows):
+        inside = int(np.flatnonzero(np.asarray(rows[3]["span_tokens"]) == 0)[0])
+        rows[3]["logprobs"][inside] = -0.25  # a value inside a group, where the format has 0
+        rows[4]["span_tokens"][-1] += 1  # more teacher tokens than the row holds
+
+    _rewrite_rows(root, "pairs", 0, change)
     problems = sorted((p.row, p.column, p.message) for p in validate(root) if not p.warning and p.column)
     assert problems == [(3, "logprobs", "logprobs must be 0 inside a group (span_tokens 0)"),
                         (4, "span_tokens", "span_tokens must add up to the row's teacher_response_ids")], problems
@@ -386,9 +396,7 @@ def test_gold_equals_its_plain_definition():
 
 
 def test_audit_re_scores_the_teachers_own_tokens_and_finds_a_changed_value(cross, tmp_path):
-    from opdcache import manifest as M
     from opdcache.audit import AuditConfig, audit
-    from opdcache.cache import Cache
 
     report = audit(AuditConfig(cache=cross[0], table="pairs", rows="all"))
     table = report["tables"][0]
@@ -397,19 +405,11 @@ def test_audit_re_scores_the_teachers_own_tokens_and_finds_a_changed_value(cross
     assert table["columns"]["span_tokens"]["differing"] == 0 and table["columns"]["logprobs"]["values"] > 0
     root = tmp_path / "cache"
     shutil.copytree(cross[0], root)
-    cache = Cache(root)
-    path, entry = cache.shard_paths("teachers/pairs")[1], cache.table("teachers/pairs")
-    stored = shards.read_table(path)
-    rows = stored.to_pylist()
-    end = int(np.flatnonzero(np.asarray(rows[0]["span_tokens"]))[0])
-    rows[0]["logprobs"][end] -= 0.5  # one group's log-prob changed
-    records = [{k: (np.asarray(v, np.int32 if k.endswith(("ids", "tokens")) else np.float32) if isinstance(v, list) else v)
-                for k, v in row.items()} for row in rows]
-    built = shards.build_table("teacher", S.StoreParams.from_dict(entry["params"]), records, entry["config_fingerprint"])
-    manifest = cache.manifest
-    manifest["tables"]["teachers/pairs"]["shards"][1] = shards.write_table_atomic(
-        built.replace_schema_metadata(stored.schema.metadata), path, root).to_dict()
-    M.save(root, manifest)
+    def change(rows):
+        end = int(np.flatnonzero(np.asarray(rows[0]["span_tokens"]))[0])
+        rows[0]["logprobs"][end] -= 0.5  # one group's log-prob changed
+
+    _rewrite_rows(root, "pairs", 1, change)
     report = audit(AuditConfig(cache=root, table="pairs", rows="all"))
     assert not report["passed"] and report["tables"][0]["columns"]["logprobs"]["max_abs_delta"] == pytest.approx(0.5, rel=1e-4)
 
@@ -429,8 +429,6 @@ def test_export_carries_the_groups_and_refuses_the_per_token_layout(cross, tmp_p
 
 def test_a_table_without_the_top_k_has_its_rules_checked_too(cross, tmp_path):
     """The store's optional columns absent (no --top-k): validate and the loader still apply its rules."""
-    from opdcache import manifest as M
-    from opdcache.cache import Cache
     from opdcache.data import CacheLoader, CacheLoaderConfig
     from opdcache.errors import SchemaError
     from opdcache.prompts import PromptConfig
@@ -440,18 +438,7 @@ def test_a_table_without_the_top_k_has_its_rules_checked_too(cross, tmp_path):
     root = tmp_path / "cache"
     shutil.copytree(cross[0], root)
     run_score(ScoreJob(cache=root, teacher=cross[2], prompts=PromptConfig(cross[1]), slug="plain"))
-    cache = Cache(root)
-    path, entry = cache.shard_paths("teachers/plain")[0], cache.table("teachers/plain")
-    stored = shards.read_table(path)
-    rows = stored.to_pylist()
-    rows[1]["span_tokens"][0] = -3
-    records = [{k: (np.asarray(v, np.int32 if k.endswith(("ids", "tokens")) else np.float32) if isinstance(v, list) else v)
-                for k, v in row.items()} for row in rows]
-    built = shards.build_table("teacher", S.StoreParams.from_dict(entry["params"]), records, entry["config_fingerprint"])
-    manifest = cache.manifest
-    manifest["tables"]["teachers/plain"]["shards"][0] = shards.write_table_atomic(
-        built.replace_schema_metadata(stored.schema.metadata), path, root).to_dict()
-    M.save(root, manifest)
+    _rewrite_rows(root, "plain", 0, lambda rows: rows[1]["span_tokens"].__setitem__(0, -3))
     found = {(p.row, p.column) for p in validate(root) if not p.warning and p.column}
     assert (1, "span_tokens") in found
     loader = CacheLoader(CacheLoaderConfig(cache=root, teacher="plain", stores=("logprob", "aligned"), batch_size=64,
