@@ -71,7 +71,7 @@ def _clip_fraction(st: dict, mask) -> dict:
     return {"clip_fraction": float((st["clipped"] * mask).sum() / mask.sum())}
 
 
-def _group_ends(batch):
+def group_ends(batch):
     """Each group's last token: where the aligned store's span_tokens is positive (None for one tokenizer)."""
     spans = batch.get("teacher_span_tokens")
     return None if spans is None else spans > 0
@@ -80,7 +80,7 @@ def _group_ends(batch):
 def _lightning(cfg, batch, s, s_K, div_N, support):
     from opdcache import losses as L
 
-    terms, st = L.lightning_terms(s, batch["teacher_logprobs"], cfg.tau, _group_ends(batch))
+    terms, st = L.lightning_terms(s, batch["teacher_logprobs"], cfg.tau, group_ends(batch))
     return terms, st, _clip_fraction(st, batch["response_mask"])
 
 
@@ -106,14 +106,14 @@ def _gold(cfg, batch, s, s_K, div_N, support):
     tail = (1 - torch.where(shared, t_lp.exp(), torch.zeros((), dtype=t_lp.dtype)).sum(-1)).clamp(min=1e-30)
     kl, st = L.topk_terms(s_K, t_lp, "fkl", True, shared, tail)
     kl = torch.where(starts & shared.any(-1), kl, torch.zeros((), dtype=kl.dtype))
-    span, _ = L.span_terms(s, batch["teacher_logprobs"], _group_ends(batch))
+    span, _ = L.span_terms(s, batch["teacher_logprobs"], group_ends(batch))
     return kl + span, {"kl": kl.detach()}, {}
 
 
 def _span(cfg, batch, s, s_K, div_N, support):
     from opdcache import losses as L
 
-    ends = _group_ends(batch)
+    ends = group_ends(batch)
     terms, st = L.span_terms(s, batch["teacher_logprobs"], batch["response_mask"].bool() if ends is None else ends)
     return terms, st, {}
 

@@ -13,7 +13,7 @@ import torch
 
 from opdcache import losses as L
 from opdcache.errors import SchemaError
-from opdcache.estimators import ESTIMATORS
+from opdcache.estimators import ESTIMATORS, group_ends
 from opdcache.errortokens import error_token_mask
 from opdcache.schema import PAD_ID
 from opdcache.shards import PADDED
@@ -81,9 +81,10 @@ def prepare_batch(batch: dict, device, cache) -> dict:
         if lp_name in batch:
             batch[lp_name] = batch[lp_name].masked_fill(batch[id_name] == PAD_ID, L.PAD_LOGPROB)
     check_finite(batch, cache)
-    if "teacher_span_tokens" in batch:  # a teacher with its own tokenizer: tokens after a row's last group end (all
-        # of a row that could not be aligned) have no teacher signal and leave the mask, so no mean counts them
-        ends = (batch["teacher_span_tokens"] > 0).long()
+    ends = group_ends(batch)
+    if ends is not None:  # a teacher with its own tokenizer: tokens after a row's last group end (all of a row that
+        # could not be aligned) have no teacher signal and leave the mask, so no mean counts them
+        ends = ends.long()
         batch["response_mask"] = batch["response_mask"] * ((ends.cumsum(1) - ends) < ends.sum(1, keepdim=True))
     return zero_outside_responses(batch)
 

@@ -48,7 +48,7 @@ from opdcache import checkpoint
 from opdcache.allocator import map_large_buffers
 from opdcache import losses as L
 from opdcache import objective as O
-from opdcache.estimators import ESTIMATORS
+from opdcache.estimators import ESTIMATORS, group_ends
 from opdcache.errors import ConfigError, OpdcacheError
 from opdcache.models import load_causal_lm, load_tokenizer, resolve_model
 from opdcache.progress import bar
@@ -187,8 +187,8 @@ class Trainer:
         terms, st, stats = O.estimator_terms(cfg, batch, s, lp_NK, sel, support, div_N)
         teacher = O.teacher_logprobs(cfg, batch)
         advantage = (teacher - s).detach() if teacher is not None else torch.zeros_like(s)
-        if "teacher_span_tokens" in batch:  # a teacher with its own tokenizer: its advantage is per group
-            ends = batch["teacher_span_tokens"] > 0
+        ends = group_ends(batch)
+        if ends is not None:  # a teacher with its own tokenizer: its advantage is per group
             advantage = (L.span_sums(teacher, ends) - L.span_sums(s, ends)).detach()
         weights = None
         if cfg.corrections.active:
