@@ -1,19 +1,24 @@
 """Untrusted input, round two: each hostile cache or input, and its outcome.
 
-Every case runs the installed CLI in a child whose address space is capped (RLIMIT_AS, MEMORY_BOUND) and whose peak
-resident memory must stay within 1 GiB of a bare process's (RSS_ABOVE_BASELINE), and asserts one line naming the
-problem, the exit code, and that no file of the cache changed.
+Every case runs the installed CLI's main in a child whose address space is capped (RLIMIT_AS, MEMORY_BOUND), one child
+for all the probes (tests/cliserver.py: it imports torch once), and checks that the probe's peak resident memory stays
+within 1 GiB of that child's before any probe (RSS_ABOVE_BASELINE); and asserts one line naming the problem, the exit
+code, and that no file of the cache changed.
 """
 
+import atexit
 import fcntl
 import hashlib
 import json
 import os
 import resource
+import select
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -26,48 +31,91 @@ pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), not by the REA
 
 MEMORY_BOUND = 3 << 30  # address space: the CLI with torch loaded reserves ~1 GiB; the bombs needed 2.4-4.3 GB more
 RSS_ABOVE_BASELINE = 1 << 30
+SERVER = Path(__file__).parent / "cliserver.py"
 """Each probe's peak resident memory may exceed a bare process's that has imported the CLI, torch and pyarrow by at most
 this. The address-space cap above is the backstop that stops a runaway; it cannot be this tight, since honest runs
 reserve address space they never touch (thread stacks, allocator arenas: std::bad_alloc at ~1.9 GiB of it)."""
 
 
-def _peak_rss(args: list[str], limit: int, timeout: int, env: dict) -> tuple[int, str, int]:
-    """(exit code, stdout and stderr, peak RSS in bytes) of a child under the address-space cap, from its own rusage."""
-    import threading
+class _Probes:
+    """The child that runs every probe (tests/cliserver.py): started on first use, again if it died or if its address
+    space grew within 1 GiB of the cap (so that a probe always has the headroom a fresh child had)."""
 
-    def cap():
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    def __init__(self) -> None:
+        self.proc = None
+        self.baseline = None
 
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=cap, env=env,
-                         stdin=subprocess.DEVNULL)
-    timer = threading.Timer(timeout, p.kill)
-    timer.start()
-    try:
-        out = p.stdout.read()
-        _, status, usage = os.wait4(p.pid, 0)
-    finally:
-        timer.cancel()
-    p.returncode = os.waitstatus_to_exitcode(status)
-    return p.returncode, out, usage.ru_maxrss * 1024
+    def start(self) -> None:
+        r_req, w_req = os.pipe()
+        r_ans, w_ans = os.pipe()
+        self.log = open(os.path.join(tempfile.gettempdir(), f"opdcache-cliserver-{os.getpid()}.log"), "w+")
+
+        def cap():
+            resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BOUND, MEMORY_BOUND))
+
+        self.proc = subprocess.Popen([sys.executable, str(SERVER), str(r_req), str(w_ans)], pass_fds=(r_req, w_ans), preexec_fn=cap,
+                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
+        os.close(r_req)
+        os.close(w_ans)
+        self.requests, self.answers = os.fdopen(w_req, "w"), os.fdopen(r_ans, "r")
+        hello = self._answer(300)
+        assert hello is not None, self._log()
+        if self.baseline is None:
+            self.baseline = hello["baseline"]
+
+    def _log(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-3000:]
+
+    def _answer(self, timeout: int):
+        ready, _, _ = select.select([self.answers], [], [], timeout)
+        line = self.answers.readline() if ready else ""
+        return json.loads(line) if line else None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.requests.close()
+            self.answers.close()
+            self.log.close()
+            self.proc = None
+
+    def run(self, args: list[str], env: dict, timeout: int) -> tuple[int, str, int]:
+        """(exit code, output, peak RSS in bytes) of one probe; a probe that hangs past ``timeout`` is killed (-9)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.stop()
+            self.start()
+        with tempfile.NamedTemporaryFile("r", suffix=".out") as out:
+            self.requests.write(json.dumps({"args": args, "env": env, "cwd": os.getcwd(), "out": out.name}) + "\n")
+            self.requests.flush()
+            answer = self._answer(timeout)
+            text = out.read()
+        if answer is None:  # killed by the clock, or the child died (a crash the probe caused)
+            died = self.proc.poll()
+            self.stop()
+            return (-9 if died is None else died), text, 0
+        if answer["vm"] > MEMORY_BOUND - (1 << 30):
+            self.stop()
+        return answer["code"], text, answer["peak"]
 
 
-_BASELINE: list[int] = []
+_PROBES = _Probes()
+atexit.register(_PROBES.stop)
 
 
 def baseline_rss() -> int:
-    """Peak RSS of a process that imports the CLI, torch and pyarrow and does nothing else (measured once)."""
-    if not _BASELINE:
-        code, out, rss = _peak_rss([sys.executable, "-c", "import torch, pyarrow.parquet, opdcache.cli.main"], MEMORY_BOUND, 300,
-                                   dict(os.environ))
-        assert code == 0, out
-        _BASELINE.append(rss)
-    return _BASELINE[0]
+    """Resident memory of the probe child once it has imported the CLI, torch and pyarrow, before any probe."""
+    if _PROBES.baseline is None:
+        _PROBES.start()
+    return _PROBES.baseline
 
 
-def _run(args, limit: int = MEMORY_BOUND, timeout: int = 300):
-    """The installed CLI in a child: (exit code, output), after checking its peak RSS stayed within RSS_ABOVE_BASELINE."""
+def _run(args, timeout: int = 300):
+    """The installed CLI's main on ``args`` in the probe child: (exit code, output), after checking the probe's peak RSS
+    stayed within RSS_ABOVE_BASELINE."""
     env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
-    code, out, rss = _peak_rss([sys.executable, "-m", "opdcache.cli.main", *map(str, args)], limit, timeout, env)
+    code, out, rss = _PROBES.run(list(map(str, args)), env, timeout)
     if os.environ.get("OPDCACHE_TEST_RSS_LOG"):  # each probe's peak above the baseline, for the record
         with open(os.environ["OPDCACHE_TEST_RSS_LOG"], "a") as log:
             log.write(f"{(rss - baseline_rss()) / 2**20:.0f} MiB above baseline: {' '.join(map(str, args[:1]))} -> {code}\n")
