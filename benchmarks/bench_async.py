@@ -30,7 +30,7 @@ import os
 import shutil
 from pathlib import Path
 
-from opdcache.asyncopd import AsyncConfig, run_async
+from opdcache.asyncopd import AsyncConfig, learner, run_async
 from opdcache.backends.base import SamplingConfig
 from opdcache.demo.task import write_prompts
 from opdcache.prompts import PromptConfig
@@ -61,9 +61,9 @@ def run(st: dict) -> dict:
     root = Path(st["workdir"])
     out = root / f"run-{st['name']}"
     shutil.rmtree(out, ignore_errors=True)
-    cfg = AsyncConfig(model=Path(st["student"]), teacher=Path(st["teacher"]), prompts=PromptConfig(root / "opd.jsonl"), out=out,
-                      staleness=st["k"], steps=st["steps"], batch_size=st["batch_size"], lr=3e-5, device="cpu", threads=st["threads"],
-                      sampling=SamplingConfig(temperature=1.0, max_new_tokens=st["max_new_tokens"]), seed=st["seed"])
+    cfg = AsyncConfig(learner=learner(st["student"], steps=st["steps"], batch_size=st["batch_size"], lr=3e-5, seed=st["seed"]),
+                      teacher=Path(st["teacher"]), prompts=PromptConfig(root / "opd.jsonl"), out=out, staleness=st["k"], device="cpu",
+                      threads=st["threads"], sampling=SamplingConfig(temperature=1.0, max_new_tokens=st["max_new_tokens"]))
     fig = run_async(cfg)["figures"]
     fig["per_batch_s"] = {s: v / st["steps"] for s, v in fig["busy_s"].items()}
     shutil.rmtree(out, ignore_errors=True)

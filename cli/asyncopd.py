@@ -9,45 +9,53 @@ from typing import Annotated, Optional
 import typer
 
 from opdcache.cli import options as O
+from opdcache.estimators import ASYNC
+
+T = O.Fields("opdcache.trainconfig", "TrainConfig")
+A = O.Fields("opdcache.asyncopd.config", "AsyncConfig")
+DEFAULTS = O.literal("opdcache.asyncopd.config", "LEARNER_DEFAULTS")  # where the async learner's defaults differ from train's
+LEARNER = O.literal("opdcache.asyncopd.config", "LEARNER_SETTINGS")
+ONE_BATCH_EACH = "Here also the number of rollout batches, one per update."
+EXACT_STAGES = "Here every stage: the rollout engine's, the teacher's and the learner's numbers are the same bits for the same weights."
 
 
 def async_(
-    model: O.ModelPath,
-    teacher: O.TeacherModel,
+    model: Annotated[Path, T.option("model", note="It also samples the first batches.")],
+    teacher: Annotated[Path, A.option("teacher")],
     prompts: O.Prompts,
-    out: Annotated[Path, typer.Option("--out", help="Run directory (local): run.json, ledger.jsonl, learner/, stages/. Rerun the same command to resume.", show_default=False)],
-    cache: Annotated[Optional[str], typer.Option("--cache", help="The cache the stages share: a directory or a URL (s3://bucket/prefix). Default: OUT/cache.", show_default=False)] = None,
-    staleness: Annotated[int, typer.Option("--staleness", "-k", help="K: batch b is sampled by the student after update b-K (0: strict synchronous).")] = 1,
+    out: Annotated[Path, A.option("out", note="Rerun the same command to resume.")],
+    cache: Annotated[Optional[str], A.option("cache")] = None,
+    staleness: Annotated[Optional[int], A.option("staleness", "--staleness", "-k")] = None,
     no_refresh: Annotated[bool, typer.Option("--no-refresh", help="Never refresh the sampler: every batch from the initial student (Lightning OPD).")] = False,
-    steps: Annotated[int, typer.Option("--steps", help="Learner updates, one rollout batch each.")] = 50,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per batch (one response each).")] = 16,
-    loss: Annotated[str, typer.Option("--loss", help="is (A_theta, unclipped IS), mc (m samples), ppo (A_old, clipped), topk-fkl or lightning.")] = "is",
-    importance_weights: Annotated[bool, typer.Option("--importance-weights/--no-importance-weights", help="is/mc: weight stale samples by pi_theta/pi_old.")] = True,
+    steps: Annotated[Optional[int], T.option("steps", note=ONE_BATCH_EACH, defaults=DEFAULTS)] = None,
+    batch_size: Annotated[Optional[int], T.option("batch_size", note="Here: prompts per batch, one response each.", defaults=DEFAULTS)] = None,
+    loss: Annotated[Optional[str], T.option("loss", note=f"One of {', '.join(ASYNC)}.", defaults=DEFAULTS)] = None,
+    importance_weights: Annotated[Optional[bool], T.option("importance_weights", defaults=DEFAULTS)] = None,
     mc_samples: Annotated[Optional[int], typer.Option("--mc-samples", help="m next-token samples per position (--loss mc). Default: none (required with --loss mc).", show_default=False)] = None,
-    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Teacher top-k width (--loss topk-fkl). Default: none (required with --loss topk-*).", show_default=False)] = None,
+    top_k: Annotated[Optional[int], A.option("top_k", note="Required with --loss topk-fkl.")] = None,
     temperature: O.Temperature = 1.0,
     top_p: O.TopP = 1.0,
     max_new_tokens: O.MaxNewTokens = 64,
-    lr: Annotated[float, typer.Option("--lr", help="Learner learning rate (AdamW, constant).")] = 1e-5,
-    tau: Annotated[float, typer.Option("--tau", help="lightning: advantage clip, nats (train's default).")] = 1.0,
-    ppo_clip: Annotated[float, typer.Option("--ppo-clip", help="ppo: clip range of the old-to-current ratio.")] = 0.2,
-    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Learner checkpoint every N steps.")] = 1,
-    keep_snapshots: Annotated[bool, typer.Option("--keep-snapshots", help="Keep every published student snapshot in the cache.")] = False,
-    executor: Annotated[str, typer.Option("--executor", help="local (one process per stage on this machine) or ray (one Ray task per stage, with --gpus-per-stage).")] = "local",
-    gpus: Annotated[str, typer.Option("--gpus-per-stage", help="--executor ray: GPUs of the rollout,teacher,learner stages.")] = "0,0,0",
-    ray_address: O.RayAddress = None,
-    device: O.Device = "auto",
-    threads: Annotated[Optional[int], typer.Option("--threads", help="Torch threads per stage (default: usable CPUs / 3).", show_default=False)] = None,
-    seed: O.Seed = 0,
-    deterministic: Annotated[bool, typer.Option("--deterministic", help="Deterministic learner kernels.")] = False,
-    exact: O.Exact = False,
+    lr: Annotated[Optional[float], T.option("lr", defaults=DEFAULTS)] = None,
+    tau: Annotated[Optional[float], T.option("tau", defaults=DEFAULTS)] = None,
+    ppo_clip: Annotated[Optional[float], T.option("ppo_clip", defaults=DEFAULTS)] = None,
+    checkpoint_every: Annotated[Optional[int], T.option("checkpoint_every", note="Here at least 1: a killed learner redoes at most N - 1 updates.", defaults=DEFAULTS)] = None,
+    keep_snapshots: Annotated[Optional[bool], A.option("keep_snapshots", "--keep-snapshots")] = None,
+    executor: Annotated[Optional[str], A.option("executor")] = None,
+    gpus: Annotated[Optional[str], A.option("gpus_per_stage", note="Three comma-separated numbers: 0,1,1.")] = None,
+    ray_address: Annotated[Optional[str], A.option("ray_address")] = None,
+    device: Annotated[Optional[str], A.option("device")] = None,
+    threads: Annotated[Optional[int], A.option("threads")] = None,
+    seed: Annotated[Optional[int], T.option("seed", note="Here also of the prompt order and the sampling streams.", defaults=DEFAULTS)] = None,
+    deterministic: Annotated[Optional[bool], T.option("deterministic", "--deterministic", defaults=DEFAULTS)] = None,
+    exact: Annotated[Optional[bool], T.option("exact", "--exact", note=EXACT_STAGES, defaults=DEFAULTS)] = None,
     prompt_field: O.PromptField = "prompt",
     messages_field: O.MessagesField = None,
     system_prompt: O.SystemPrompt = None,
     chat_template: O.ChatTemplate = True,
     limit: O.Limit = None,
     as_json: O.JsonOut = False,
-    progress: O.Progress = None,
+    progress: Annotated[Optional[bool], T.option("progress", "--progress/--no-progress")] = None,
 ) -> None:
     """Rollout, teacher scoring and learner at once over one cache, K batches stale (AsyncOPD, papers/001).
 
@@ -59,26 +67,31 @@ def async_(
     batch x length x hidden activations, tokens x chunk logit slices); never tokens x vocabulary. The cache grows by
     one shard per step (plus one snapshot of the student, deleted once no batch needs it).
     """
-    from opdcache.asyncopd import AsyncConfig, run_async
+    given = {k: v for k, v in locals().items() if v is not None}
+    from opdcache.asyncopd import AsyncConfig, learner, run_async
     from opdcache.backends.base import SamplingConfig
     from opdcache.errors import ConfigError
     from opdcache.prompts import PromptConfig
 
-    try:
-        gpus_per_stage = tuple(float(x) for x in gpus.split(","))
-    except ValueError:
-        gpus_per_stage = ()
-    if len(gpus_per_stage) != 3:
-        raise ConfigError(f"--gpus-per-stage takes three numbers (rollout,teacher,learner), got {gpus!r}")
+    if gpus is not None:
+        try:
+            given["gpus_per_stage"] = tuple(float(x) for x in gpus.split(","))
+        except ValueError:
+            given["gpus_per_stage"] = ()
+        if len(given["gpus_per_stage"]) != 3:
+            raise ConfigError(f"--gpus-per-stage takes three numbers (rollout,teacher,learner), got {gpus!r}")
+    if no_refresh:
+        given["staleness"] = None
+    run = {k: given[k] for k in LEARNER if k in given and k != "model"}
+    own = {k: given[k] for k in ("cache", "staleness", "top_k", "keep_snapshots", "executor", "gpus_per_stage", "ray_address", "device",
+                                 "threads") if k in given}
+    settings = learner(model, **run)
     cfg = AsyncConfig(
-        model=Path(model), teacher=Path(teacher), out=out, cache=cache, staleness=None if no_refresh else staleness,
+        learner=settings, teacher=Path(teacher), out=out,
         prompts=PromptConfig(prompts, prompt_field=prompt_field, messages_field=messages_field, system_prompt=system_prompt, limit=limit,
                              chat_template=chat_template),
-        steps=steps, batch_size=batch_size, loss=loss, importance_weights=importance_weights, top_k=top_k,
-        sampling=SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, mc_samples=mc_samples, seed=seed),
-        lr=lr, tau=tau, ppo_clip=ppo_clip, checkpoint_every=checkpoint_every, keep_snapshots=keep_snapshots, executor=executor,
-        gpus_per_stage=gpus_per_stage, ray_address=ray_address, device=device, threads=threads, seed=seed,
-        deterministic=deterministic, exact=exact, progress=progress)
+        sampling=SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, mc_samples=mc_samples, seed=settings.seed),
+        **own)
     result = run_async(cfg)
     if as_json:
         typer.echo(json.dumps(result, indent=2))
@@ -90,7 +103,7 @@ def async_(
     overlap = (f", overlap {fig['overlap']:.2f} (stage-busy seconds per wall second: 1 is one stage at a time, 3 all three "
                "always busy)") if "overlap" in fig else ""
     timed = f"{rate}{overlap}{attempt}" if rate or overlap else ""
-    typer.echo(f"{out}: {fig['updates']} updates of {cfg.loss} at {k}{timed}; cache {result['cache']} "
+    typer.echo(f"{out}: {fig['updates']} updates of {cfg.learner.loss} at {k}{timed}; cache {result['cache']} "
                f"(`opdcache info` shows each shard's sampling snapshot and staleness); model in {out / 'learner' / 'model'}")
 
 

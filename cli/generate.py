@@ -106,8 +106,7 @@ def build_rollouts(
     Memory: the model, its KV cache (--batch-size x (prompt + --max-new-tokens) per layer), a few reused
     [--batch-size, vocabulary] float32 buffers, one generation group's rows and the shard being written behind them
     (a background thread writes each finished shard while the next is generated); not prompt length x vocabulary
-    (measured, benchmarks/bench_scale.py: 9.2 KiB a response token at vocabulary 151,936, hidden 1,024, 2 layers of
-    8 KV heads, which is that KV cache). To an object store (--out s3://...), each finished shard is spooled to a local
+    (measured per token: BENCHMARKS.md, "Real scale"). To an object store (--out s3://...), each finished shard is spooled to a local
     temporary file and uploaded whole."""
     _run("rollouts", model, locals())
 

@@ -1,7 +1,11 @@
-"""Option and argument types shared by several commands, defined once."""
+"""Option and argument types shared by several commands, defined once; and the options of a settings dataclass, whose
+help is the field's own docstring (:class:`Fields`)."""
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -71,3 +75,79 @@ def announce_threads() -> None:
     line = configure()
     if sys.stderr.isatty():
         typer.echo(line, err=True)
+
+
+_NO_DEFAULT = object()
+
+
+@functools.cache
+def _source(module: str) -> ast.Module:
+    """A library module's syntax tree, read from its source: building the commands imports neither torch nor the library
+    (finding a submodule's spec would import its parent packages)."""
+    top, *rest = module.split(".")
+    path = Path(importlib.util.find_spec(top).origin).parent.joinpath(*rest)
+    return ast.parse((path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text())
+
+
+def literal(module: str, name: str) -> object:
+    """The value of a module-level constant assigned a literal (``NAME = {...}``), read from the module's source."""
+    node = next(n for n in _source(module).body if isinstance(n, ast.Assign) and [t.id for t in n.targets if isinstance(t, ast.Name)] == [name])
+    return ast.literal_eval(node.value)
+
+
+@functools.cache
+def _field_docs(module: str, cls: str) -> dict[str, tuple[str, object]]:
+    """Each field of the dataclass ``cls`` of ``module``: (its docstring on one line, its literal default or
+    _NO_DEFAULT), read from the module's source."""
+    body = next(n for n in _source(module).body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    docs = {}
+    for stmt, after in zip(body, body[1:] + [None]):
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            continue
+        doc = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else ""
+        try:
+            default = ast.literal_eval(stmt.value) if stmt.value is not None else _NO_DEFAULT
+        except ValueError:  # a factory or an expression: the docstring says what it is
+            default = _NO_DEFAULT
+        docs[stmt.target.id] = (" ".join(str(doc).split()), default)
+    return docs
+
+
+def _said(value: object) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+class Fields:
+    """The options of a settings dataclass's fields: ``--name`` (underscores as dashes) with the field's docstring as
+    its help, so that a setting is described once, where it is declared, and a command cannot drift from it."""
+
+    def __init__(self, module: str, cls: str) -> None:
+        self.module, self.cls = module, cls
+
+    def doc(self, name: str) -> str:
+        """The field's docstring on one line (KeyError for a name the dataclass does not declare)."""
+        return _field_docs(self.module, self.cls)[name][0]
+
+    def default(self, name: str) -> object:
+        return _field_docs(self.module, self.cls)[name][1]
+
+    def option(self, name: str, *flags: str, note: str = "", state_default: bool = True, defaults: dict | None = None,
+               **kwargs) -> typer.models.OptionInfo:
+        """``typer.Option`` for field ``name``: its flags (default ``--name``, or ``--name/--no-name`` for a field that
+        defaults to a bool), help = docstring + ``note``; with
+        ``state_default`` (for a command whose flags default to None so that a file of settings can fill them) the
+        field's default (or ``defaults[name]``, where a command's differ) is added to the help unless the docstring says
+        it; without it, the command's own default is shown."""
+        help = " ".join(part for part in (self.doc(name), note) if part)
+        if state_default:
+            default = (defaults or {}).get(name, self.default(name))
+            if default is not _NO_DEFAULT and "default" not in help.lower():
+                help += f" Default: {_said(default)}."
+        if not flags:
+            flag = "--" + name.replace("_", "-")
+            flags = (f"{flag}/--no-{flag[2:]}",) if isinstance(self.default(name), bool) else (flag,)
+        return typer.Option(*flags, help=help, show_default=not state_default, **kwargs)

@@ -63,8 +63,8 @@ def score_teacher(
     the running top-k, and two shards' stored values (the one being scored and the one being written behind it); the
     svd fit adds [hidden, hidden] float64
     moments and the calibration states; the sampled store adds [positions, slices] float64 slice masses and one
-    [positions drawing into a slice, slice] block at a time. Never tokens x vocabulary (measured,
-    benchmarks/bench_scale.py: 0.7 KiB a response token with every store, vocabulary 151,936, hidden 1,024). To an object store, each finished shard is
+    [positions drawing into a slice, slice] block at a time. Never tokens x vocabulary (measured per token:
+    BENCHMARKS.md, "Real scale"). To an object store, each finished shard is
     spooled to a local temporary file (one shard on disk) and uploaded whole, while the next shard is scored. With
     --prompts (a teacher with its own tokenizer) add both tokenizers' byte tables (linear in each vocabulary) and the
     prompts' ids in both tokenizations."""

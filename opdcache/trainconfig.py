@@ -28,17 +28,19 @@ class TrainConfig:
     cache: Path | str
     """The rollouts cache: a directory or an object-store URL (s3://, gs://, hf://datasets/...)."""
     out: Path
-    """Output directory: final model, checkpoints, metrics.jsonl."""
+    """Output directory: the final model, the checkpoint (a rerun resumes from it), metrics.jsonl."""
     teacher: str | None = None
-    """Teacher table in the cache (default: the only one); several, comma-separated (a,b), train on the weighted sum of
-    each teacher's loss (--teacher-weights) or route each row to one (--teacher-route)."""
+    """Teacher table in the cache (default: the only one). Several, comma-separated (a,b): the loss is the weighted sum
+    of each teacher's (--teacher-weights), or each row takes one (--teacher-route); for the losses that read only the
+    teachers' log-probs, all sharing the student's tokenizer. Memory: each teacher's columns per token."""
     teacher_weights: tuple[float, ...] | None = None
-    """Several teachers: each one's weight in the loss, in --teacher's order (normalised to sum 1; default equal)."""
+    """Several teachers: each one's weight in the loss, in --teacher's order, comma-separated on the command line
+    (normalised to sum 1; default equal)."""
     teacher_route: str | None = None
     """Several teachers: a prompt field (the rows' metadata) whose value names each row's teacher, e.g. a "domain"
-    field of "math" or "code" with teachers math,code."""
+    field of "math" or "code" with teachers math,code (a row naming none is refused)."""
     loss: str = "lightning"
-    """The estimator (opdcache/estimators.py; ``train --help`` lists them)."""
+    """The estimator: what the loss reads from the cache and computes per token (opdcache/estimators.py)."""
     steps: int = 150
     """Optimizer steps (papers/000 Table 6: 150)."""
     batch_size: int = 16
@@ -51,7 +53,7 @@ class TrainConfig:
     response tokens): the activation memory follows this budget, not the batch size times the longest row. Default:
     none (the batch at once). One process only."""
     lr: float = 2e-6
-    """AdamW peak learning rate: papers/000 Table 6's 2e-6 (constant) for 1-8B students; the demo's 2-layer models
+    """AdamW peak learning rate. papers/000 Table 6 uses 2e-6 (constant) for 1-8B students; the demo's 2-layer models
     take 3e-5 (docs/demo.md)."""
     lr_schedule: str = "constant"
     """constant or cosine (decay from lr to lr * min_lr_ratio over the steps after warm-up)."""
@@ -66,9 +68,9 @@ class TrainConfig:
     beta2: float = 0.98
     """AdamW beta2 (Table 6)."""
     tau: float = 1.0
-    """Lightning advantage clip (Alg. 1), nats. 1 is the measured setting: with the KL penalty below, Lightning
-    improved pi_ref on every demo seed; at 5 (which only bounds outliers; papers/000 gives no value) seed 0 fell from
-    85.0% to 83.0% (docs/demo.md, the README on choosing it)."""
+    """Lightning advantage clip (papers/000 Alg. 1), nats. 1 is the measured setting: with --kl-coef 1, Lightning
+    improved pi_ref on every demo seed, and 5 (which only bounds outliers; the paper gives no value) did not (the
+    README's "Choosing tau, the KL penalty and the learning rate"; BENCHMARKS.md)."""
     ppo_clip: float = 0.2
     """ppo: clip range eps of the old-to-current ratio (papers/001 eq. 6)."""
     importance_weights: bool = True
@@ -80,13 +82,15 @@ class TrainConfig:
     tail: bool = False
     """topk-* losses: keep the mass outside the support as one extra bin."""
     chunk: int = 8192
-    """Vocabulary slice width of the fused student head pass (and of the full-* losses): memory O(tokens x chunk)."""
+    """Vocabulary slice width of the fused student head pass on a CPU (and of the full-* losses): memory
+    O(tokens x chunk); a GPU takes whole vocabulary rows in blocks of up to 1 GiB."""
     kl_coef: float = 1.0
-    """Weight of the KL penalty to pi_ref computed from the cached ref_logprobs (0: off). 1 (with k3) is the measured
-    setting: without it the sampled-token estimators drift from pi_ref and Lightning does not improve on it (the demo's
-    mean 68.3% against pi_ref's 69.2%; with it 72.7%: docs/demo.md)."""
+    """Weight of the KL penalty to pi_ref (0: off), from the cached ref_logprobs; --online: a frozen pi_ref scores the
+    fresh samples. 1 (with k3) is the measured setting: without it the sampled-token estimators drift from pi_ref and
+    Lightning does not improve on it (docs/demo.md; BENCHMARKS.md)."""
     kl_estimator: str = "k3"
-    """Per-token KL(pi_ref || pi_theta) estimator on pi_ref's samples, l = s - r: k1 = -l, k2 = l^2 / 2, k3 = exp(l) - 1 - l."""
+    """Per-token KL(pi_ref || pi_theta) estimator on pi_ref's samples, l = s - r: k1 = -l, k2 = l^2 / 2, or k3 =
+    exp(l) - 1 - l (low-variance); --online has the forms for the student's own samples (opdcache/losses.py)."""
     kl_cap: float = 10.0
     """Largest per-token KL penalty term, nats (0: no cap). k3 grows as exp(l): one token with l = 20 would add 5e8 to
     the batch's penalty; 10 is verl's clamp of its low-variance KL."""
@@ -94,9 +98,11 @@ class TrainConfig:
     """QaRL (papers/004): the student's forward computes in the low-bit scheme the rollouts record (quantized on the
     fly from float32 masters, straight-through gradients), and so does the trainer-side pi_ref of the corrections."""
     dtype: str = "auto"
-    """Compute precision: float32, bfloat16 (autocast over float32 master weights) or auto (bfloat16 on a CUDA GPU that has it)."""
+    """Compute precision: float32, bfloat16 (autocast over float32 master weights) or auto (bfloat16 on a CUDA GPU
+    that has it, else float32)."""
     gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward (activation memory of one layer, ~1.3x compute)."""
+    """Recompute each decoder layer's activations in the backward: the activation memory of one layer, for more
+    compute (BENCHMARKS.md)."""
     pack: bool = False
     """Packed batches (opdcache/packing.py): the student's forward runs on the batch's sequences laid end to
     end with their position ids (attention within each sequence), so no compute goes to padding; the losses are the
@@ -115,7 +121,8 @@ class TrainConfig:
     stored (at step 0 every importance weight is exactly 1), whatever the batch, padding, thread count or device (a CPU
     or a CUDA GPU give the same bits: tests/test_gpu.py); Llama, Mistral, Qwen2, Qwen3; float32 or bfloat16 (--dtype
     auto takes the exact rollouts' dtype, another is refused). The arithmetic is the one the rollouts record (the CPU's
-    float64 matmuls, on any device; or the GPU's batch-invariant kernels, on a CUDA GPU); gradients as usual."""
+    float64 matmuls, on any device; or the GPU's batch-invariant kernels, on a CUDA GPU); gradients as usual. Memory:
+    in the CPU's arithmetic, float64 copies of each layer's inputs and outputs (about 2x the activations)."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     checkpoint: str = "full"
@@ -133,13 +140,14 @@ class TrainConfig:
     allow_other_model: bool = False
     """Train a --model other than the one that sampled the cache's rollouts (off: refused, with both fingerprints)."""
     online: bool = False
-    """Standard-OPD baseline: fresh student rollouts scored by a live teacher every step."""
+    """The standard-OPD baseline: fresh student rollouts scored by a live teacher (--teacher-model) every step
+    (--offline: from the cache)."""
     teacher_model: Path | None = None
-    """online: the live teacher model."""
+    """--online: the live teacher model (required there)."""
     max_new_tokens: int = 64
-    """online: response length limit."""
+    """--online: response length limit."""
     temperature: float = 0.8
-    """online: sampling temperature."""
+    """--online: sampling temperature."""
     progress: bool | None = None
     """Progress bar (default: only on a terminal)."""
 

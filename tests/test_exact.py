@@ -405,13 +405,13 @@ def test_validate_requires_the_arithmetic_record(exact_cache, tmp_path, capsys):
 
 
 def test_a_consumed_batch_that_cannot_be_sampled_again_is_refused(tmp_path, weights, opd_prompts):
-    from opdcache.asyncopd.config import AsyncConfig
+    from opdcache.asyncopd.config import AsyncConfig, learner
     from opdcache.asyncopd.run import _check_regenerable
     from opdcache.errors import ResumeError
     from opdcache.prompts import PromptConfig
 
-    cfg = AsyncConfig(model=weights / "student", teacher=weights / "teacher", prompts=PromptConfig(opd_prompts), out=tmp_path / "run",
-                      steps=6, batch_size=2, staleness=2)
+    cfg = AsyncConfig(learner=learner(weights / "student", steps=6, batch_size=2), teacher=weights / "teacher",
+                      prompts=PromptConfig(opd_prompts), out=tmp_path / "run", staleness=2)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "ledger.jsonl").write_text("".join(json.dumps({"batch": b}) + "\n" for b in range(5)))
     # batches 0-2 were sampled by --model itself (version 0) and can be sampled again; batch 3 needs snapshot v1

@@ -41,15 +41,59 @@ def test_the_top_level_help_lists_every_command():
     assert all(name in text for name in NAMES)
 
 
-def test_train_help_states_trainconfig_defaults():
+def _options(name):
+    return {p.name: p for p in COMMAND.commands[name].params if p.param_type_name == "option" and not p.hidden}
+
+
+def _stated_default(help: str) -> str | None:
+    """The default the help states as "Default: X." at its end; None where the docstring says it in words."""
+    match = re.search(r"Default: ([^ ]+?)\.?$", help)
+    assert match or "default" in help.lower(), help
+    return match.group(1) if match else None
+
+
+def _said(value) -> str:
+    return "none" if value is None else ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def test_each_setting_is_described_once_where_it_is_declared():
+    """train's options that set a TrainConfig (or Corrections) field, and async's that set its learner's or its own
+    fields, have as help that field's docstring, whitespace aside (found in the class's source), and state the default
+    the settings object really has (async: its learner's, where they differ from train's)."""
+    import dataclasses
+    import inspect
+
+    from opdcache.asyncopd.config import LEARNER_SETTINGS, AsyncConfig, learner
+    from opdcache.losses import Corrections
     from opdcache.trainconfig import TrainConfig
 
-    text = " ".join(_help("train").split())
-    for flag, field in [("--steps", "steps"), ("--batch-size", "batch_size"), ("--grad-accum", "grad_accum"), ("--lr", "lr"),
-                        ("--seed", "seed"), ("--checkpoint-every", "checkpoint_every")]:
-        match = re.search(re.escape(flag) + r" \S+ [^(]*\(default ([0-9.e+-]+)", text)
-        assert match, flag
-        assert type(getattr(TrainConfig, field))(float(match.group(1))) == getattr(TrainConfig, field), flag
+    def source(cls):
+        return " ".join(inspect.getsource(cls).replace('"""', " ").split())
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) + dataclasses.fields(Corrections)}
+    checked = 0
+    for name, param in _options("train").items():
+        if name not in defaults:
+            continue
+        cls = Corrections if name in {f.name for f in dataclasses.fields(Corrections)} else TrainConfig
+        first = param.help.split(". ")[0]
+        assert first in source(cls), (name, first)
+        if defaults[name] is not dataclasses.MISSING and _stated_default(param.help) is not None:
+            assert _stated_default(param.help) == _said(defaults[name]), name
+        checked += 1
+    assert checked >= 40
+    run = learner("m")
+    own = {f.name: f.default for f in dataclasses.fields(AsyncConfig)}
+    for name, param in _options("async").items():
+        if name in own and own[name] is not dataclasses.MISSING:
+            assert param.help.split(". ")[0] in source(AsyncConfig), name
+            assert _stated_default(param.help) in (_said(own[name]), None), name
+        elif name in LEARNER_SETTINGS:
+            assert param.help.split(". ")[0] in source(TrainConfig), name
+            if name != "model":
+                assert _stated_default(param.help) in (_said(getattr(run, name)), None), name
+            checked += 1
+    assert checked >= 40 + 12
 
 
 def test_info_fits_80_columns(hf_cache, capsys):

@@ -95,11 +95,11 @@ def test_an_async_run_as_ray_tasks_equals_the_local_processes(ray_cluster, weigh
     """opdcache async --executor ray: each stage one Ray task with its own engine; same shards and losses as local processes."""
     import json
 
-    from opdcache.asyncopd import AsyncConfig, run_async
+    from opdcache.asyncopd import AsyncConfig, learner, run_async
 
     def cfg(out, executor):
-        return AsyncConfig(model=weights / "student", teacher=weights / "teacher", prompts=PromptConfig(opd_prompts), out=out,
-                           staleness=1, steps=4, batch_size=4, sampling=SamplingConfig(temperature=1.0, max_new_tokens=8), lr=1e-4,
+        return AsyncConfig(learner=learner(weights / "student", steps=4, batch_size=4, lr=1e-4), teacher=weights / "teacher",
+                           prompts=PromptConfig(opd_prompts), out=out, staleness=1, sampling=SamplingConfig(temperature=1.0, max_new_tokens=8),
                            device="cpu", threads=1, executor=executor)
 
     ray_run = run_async(cfg(tmp_path / "ray", "ray"))

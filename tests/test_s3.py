@@ -350,13 +350,13 @@ def test_an_async_run_with_its_cache_on_s3_writes_the_local_runs_bytes(s3, tmp_p
     shards are the bytes of the same run on local disk; the manifest records the consumption; validate reads the URL."""
     import json
 
-    from opdcache.asyncopd import AsyncConfig, run_async
+    from opdcache.asyncopd import AsyncConfig, learner, run_async
     from opdcache.validate import validate
 
     def cfg(out, cache=None):
-        return AsyncConfig(model=weights / "student", teacher=weights / "teacher", prompts=PromptConfig(opd_prompts), out=out, cache=cache,
-                           staleness=1, steps=4, batch_size=4, sampling=SamplingConfig(temperature=1.0, max_new_tokens=8), lr=1e-4,
-                           device="cpu", threads=1)
+        return AsyncConfig(learner=learner(weights / "student", steps=4, batch_size=4, lr=1e-4), teacher=weights / "teacher",
+                           prompts=PromptConfig(opd_prompts), out=out, cache=cache, staleness=1,
+                           sampling=SamplingConfig(temperature=1.0, max_new_tokens=8), device="cpu", threads=1)
 
     url = f"s3://{BUCKET}/async/cache"
     remote = run_async(cfg(tmp_path / "remote", url))

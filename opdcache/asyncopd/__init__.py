@@ -15,7 +15,7 @@ Modules: ``config`` (the settings), ``queue`` (where each batch and snapshot liv
 three workers), ``run`` (the supervisor that starts them, stops them on a failure, and finalizes the cache).
 """
 
-from opdcache.asyncopd.config import AsyncConfig
+from opdcache.asyncopd.config import AsyncConfig, learner
 from opdcache.asyncopd.run import run_async
 
-__all__ = ["AsyncConfig", "run_async"]
+__all__ = ["AsyncConfig", "learner", "run_async"]

@@ -71,7 +71,7 @@ def _check_inputs(cfg: AsyncConfig) -> None:
         raise ConfigError(f"--out {cfg.out} is a file; the run directory must be a directory (new or a run's to resume)")
     if not Path(cfg.prompts.path).exists() and not is_hub_id(str(cfg.prompts.path)):  # before the models' lookups
         raise ConfigError(f"prompt file {cfg.prompts.path} does not exist; check --prompts")
-    resolve_model(cfg.model, what="--model")
+    resolve_model(cfg.learner.model, what="--model")
     resolve_model(cfg.teacher, what="--teacher")
     storage.as_path(cfg.cache_root)  # a URL whose filesystem package is missing fails here
     if cfg.executor == "local":  # a Ray task sees its own GPUs: there each stage resolves its device
@@ -214,7 +214,7 @@ def finalize(cfg: AsyncConfig) -> dict:
 
     root = storage.as_path(cfg.cache_root)
     ledger = {e["batch"]: e for e in Q.read_jsonl(cfg.out / Q.LEDGER)}
-    consumption = {"staleness": cfg.staleness, "steps": cfg.steps, "batch_size": cfg.batch_size, "loss": cfg.loss,
+    consumption = {"staleness": cfg.staleness, "steps": cfg.learner.steps, "batch_size": cfg.learner.batch_size, "loss": cfg.learner.loss,
                    "shards": [{"shard": b, "student_version": cfg.version_for(b), "consumed_at_step": ledger[b]["consumed_at_step"],
                                "staleness": ledger[b]["staleness"]} for b in sorted(ledger)]}
     for table in ("rollouts", f"teachers/{teacher_slug(cfg)}"):
@@ -315,12 +315,12 @@ def run_async(cfg: AsyncConfig) -> dict:
 def _run_owned(cfg: AsyncConfig) -> dict:
     _begin(cfg)
     _check_regenerable(cfg)
-    done = len(Q.read_jsonl(cfg.out / Q.LEDGER)) >= cfg.steps and (cfg.out / "learner" / "model").is_dir()
+    done = len(Q.read_jsonl(cfg.out / Q.LEDGER)) >= cfg.learner.steps and (cfg.out / "learner" / "model").is_dir()
     if not done:
         attempts = Q.read_jsonl(cfg.out / ATTEMPTS)
         with open(cfg.out / ATTEMPTS, "a") as f:  # this attempt's start: its figures count only what happened after it
             f.write(json.dumps({"attempt": len(attempts) + 1, "start": time.time()}) + "\n")
-        with bar(total=cfg.steps, desc="async", unit="update", enabled=cfg.progress, track=True) as pbar:
+        with bar(total=cfg.learner.steps, desc="async", unit="update", enabled=cfg.learner.progress, track=True) as pbar:
             (_run_ray if cfg.executor == "ray" else _run_local)(cfg, _Watch(cfg, pbar))
     manifest = finalize(cfg)
     return {"out": str(cfg.out), "cache": cfg.cache_root, "async": manifest["tables"]["rollouts"].get("async"),

@@ -42,12 +42,12 @@ def teacher_slug(cfg: AsyncConfig) -> str:
 def table_paths(cfg: AsyncConfig, batch: int):
     """(rollout shard, teacher shard) of ``batch`` in the cache."""
     root = storage.as_path(cfg.cache_root)
-    name = shards.shard_name(batch, cfg.steps)
+    name = shards.shard_name(batch, cfg.learner.steps)
     return root / "rollouts" / name, root / "teachers" / teacher_slug(cfg) / name
 
 
 def _engine(cfg: AsyncConfig) -> EngineConfig:
-    return EngineConfig(device=cfg.device, exact=cfg.exact)
+    return EngineConfig(device=cfg.device, exact=cfg.learner.exact)
 
 
 # ---------------------------------------------------------------- rollout
@@ -70,7 +70,7 @@ def rollout_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
     from opdcache.prompts import read_prompts, write_errors
     from opdcache.rollouts import QUARANTINE_FILE, rollout_record
 
-    ref = resolve_model(cfg.model, what="--model")
+    ref = resolve_model(cfg.learner.model, what="--model")
     tokenizer = load_tokenizer(ref.path)
     engine = _engine(cfg)
     backend = make_backend(ref.path, engine, max_logprobs=1)
@@ -92,15 +92,15 @@ def rollout_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
                             "chat_template_kwargs": cfg.prompts.chat_template_kwargs},
         "engine": engine.fingerprint_view() | {"engine_version": backend.version}, "vocab_size": backend.vocab_size,
         # which snapshot samples which batch, and which prompts a batch holds: the content of every shard
-        "async": {"staleness": cfg.staleness, "steps": cfg.steps, "batch_size": cfg.batch_size, "seed": cfg.seed,
-                  "loss": cfg.loss, "lr": cfg.lr, "importance_weights": cfg.importance_weights},
+        "async": {"staleness": cfg.staleness, "steps": cfg.learner.steps, "batch_size": cfg.learner.batch_size, "seed": cfg.learner.seed,
+                  "loss": cfg.learner.loss, "lr": cfg.learner.lr, "importance_weights": cfg.learner.importance_weights},
     }
     tok_info = {"fingerprint": config["tokenizer"], "name_or_path": ref.name, "chat_template_sha256": prompts.chat_template_sha256}
     meta = {"tokenizer": tok_info, "lineage": {"sft_teacher": resolve_sft_teacher(ref, None), "parent_fingerprint": None},
             "model": model, "stats": {"prompts": len(prompts.prompts), "malformed": prompts.malformed, "too_long": prompts.too_long}}
-    job = TableJob(root, "rollouts", "rollouts", params, config, cfg.steps, meta=meta)
+    job = TableJob(root, "rollouts", "rollouts", params, config, cfg.learner.steps, meta=meta)
     job.begin()
-    schedule = PromptSchedule(len(prompts.prompts), cfg.batch_size, cfg.seed)
+    schedule = PromptSchedule(len(prompts.prompts), cfg.learner.batch_size, cfg.learner.seed)
     loaded, written = 0, []
     with closing(backend):
         for b in job.pending():
@@ -155,7 +155,7 @@ def teacher_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
     verdict = consistency_verdict(rollouts.meta.get("lineage") or {}, info, allow=True)
     config = {"teacher": info["fingerprint"], "engine": engine.fingerprint_view() | {"engine_version": backend.version},
               "deterministic": engine.deterministic, "vocab_size": backend.vocab_size, "svd_method": None}
-    job = TableJob(root, f"teachers/{teacher_slug(cfg)}", "teacher", params, config, cfg.steps,
+    job = TableJob(root, f"teachers/{teacher_slug(cfg)}", "teacher", params, config, cfg.learner.steps,
                    parent_fingerprint=rollouts.fingerprint, meta={"model": info, "consistency": verdict})
     job.begin()
     written = []
@@ -247,7 +247,7 @@ class QueueSource:
 def learner_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> dict:
     from opdcache.train import Trainer
 
-    return Trainer(cfg.train_config(), source=QueueSource(cfg, waiter, out)).fit()
+    return Trainer(cfg.learner, source=QueueSource(cfg, waiter, out)).fit()
 
 
 def run_stage(name: str, cfg: AsyncConfig, parent_pid: int | None = None) -> object:

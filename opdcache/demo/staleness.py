@@ -39,7 +39,8 @@ def k_name(k: int | None) -> str:
 def run_staleness_ablation(cfg):
     """One seed of the ablation in ``cfg.workdir``: each run resumes or is skipped when done; figures to
     ``ablation_staleness_seed<seed>.json``."""
-    from opdcache.asyncopd import AsyncConfig, run_async
+    from opdcache.asyncopd import AsyncConfig, learner, run_async
+    from opdcache.asyncopd.config import LEARNER_SETTINGS
     from opdcache.backends.base import SamplingConfig
     from opdcache.demo.pipeline import DemoReport, evaluate, finish, prepare
     from opdcache.prompts import PromptConfig
@@ -55,9 +56,10 @@ def run_staleness_ablation(cfg):
             name = f"{variant}@K{k_name(k)}"
             out = cfg.workdir / "runs" / f"async-{variant}-K{k_name(k)}"
             t0 = time.perf_counter()
+            run = {k: settings.pop(k) for k in list(settings) if k in LEARNER_SETTINGS}
             result = run_async(AsyncConfig(
-                model=p["pi_ref"], teacher=p["teacher"], prompts=PromptConfig(p["prompts_opd"]), out=out, staleness=k,
-                steps=cfg.opd_steps, batch_size=cfg.opd_batch_size, lr=cfg.opd_lr, seed=cfg.seed, device="cpu",
+                learner=learner(p["pi_ref"], steps=cfg.opd_steps, batch_size=cfg.opd_batch_size, lr=cfg.opd_lr, seed=cfg.seed, **run),
+                teacher=p["teacher"], prompts=PromptConfig(p["prompts_opd"]), out=out, staleness=k, device="cpu",
                 sampling=SamplingConfig(temperature=1.0, max_new_tokens=48, mc_samples=mc, seed=cfg.seed), **settings))
             figures = evaluate(name, out / "learner" / "model", p["teacher_model"], cfg, report)
             figures["throughput_tokens_per_s"] = result["figures"].get("throughput_tokens_per_s")
