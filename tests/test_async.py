@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from opdcache.asyncopd import AsyncConfig, run_async
+from opdcache.asyncopd import AsyncConfig, learner, run_async
 from opdcache.asyncopd import queue as Q
 from opdcache.backends.base import SamplingConfig
 from opdcache.prompts import PromptConfig
@@ -23,10 +23,13 @@ from opdcache.prompts import PromptConfig
 FAST = SamplingConfig(temperature=1.0, max_new_tokens=8)
 
 
+LEARNER = ("steps", "batch_size", "lr", "loss", "seed", "importance_weights", "exact")
+
+
 def _cfg(weights, prompts, out, **kw):
-    base = dict(model=weights / "student", teacher=weights / "teacher", prompts=PromptConfig(prompts), out=out, staleness=1,
-                steps=4, batch_size=4, sampling=FAST, lr=1e-4, device="cpu", threads=1)
-    return AsyncConfig(**{**base, **kw})
+    run = {"steps": 4, "batch_size": 4, "lr": 1e-4, **{k: kw.pop(k) for k in LEARNER if k in kw}}
+    base = dict(teacher=weights / "teacher", prompts=PromptConfig(prompts), out=out, staleness=1, sampling=FAST, device="cpu", threads=1)
+    return AsyncConfig(learner=learner(weights / "student", **run), **{**base, **kw})
 
 
 def _metrics(out, learner="learner"):
@@ -137,27 +140,32 @@ def _cli_args(weights, prompts, steps=6):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,after", [("rollout", 2), ("teacher", 3), ("learner", 2)])
-def test_a_killed_stage_resumes_to_the_uninterrupted_run(tmp_path, weights, opd_prompts, reference, stage, after):
-    """SIGKILL one stage once ``after`` learner updates are in the ledger: the run stops with one line and keeps everything;
-    the same command resumes it, every batch is consumed once, and shards and losses equal the uninterrupted run's."""
+def test_each_killed_stage_resumes_to_the_uninterrupted_run(tmp_path, weights, opd_prompts, reference):
+    """SIGKILL each stage in turn, once ``after`` learner updates are in the ledger (the rollout stage after 1, the
+    teacher after 3, the learner after 4): each time the run stops with one line and keeps everything, and the same
+    command resumes it; at the end every batch was consumed once and shards and losses equal the uninterrupted run's."""
     ref_cfg, _ = reference
     out = tmp_path / "run"
-    proc = _start(_cli_args(weights, opd_prompts), out)
-    ledger, pid_file = out / Q.LEDGER, out / "stages" / f"{stage}.pid"
-    deadline = time.monotonic() + 300  # a guard against a hang, not a measured duration
-    while len(Q.read_jsonl(ledger)) < after and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, proc.communicate()
-    os.kill(int(pid_file.read_text()), signal.SIGKILL)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and "Traceback" not in err
-    assert f"the {stage} stage stopped (signal 9)" in err and "rerun the same command to resume" in err and len(err.strip().splitlines()) == 1
+    ledger = out / Q.LEDGER
+    for stage, after in [("rollout", 1), ("teacher", 3), ("learner", 4)]:
+        pid_file = out / "stages" / f"{stage}.pid"
+        stale = pid_file.read_text() if pid_file.exists() else None  # the previous attempt's stage
+        proc = _start(_cli_args(weights, opd_prompts), out)
+        deadline = time.monotonic() + 300  # a guard against a hang, not a measured duration
+        while ((len(Q.read_jsonl(ledger)) < after or not pid_file.exists() or pid_file.read_text() == stale)
+               and proc.poll() is None and time.monotonic() < deadline):
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1 and "Traceback" not in err, err
+        assert f"the {stage} stage stopped (signal 9)" in err and "rerun the same command to resume" in err and len(err.strip().splitlines()) == 1
+        assert [e["batch"] for e in Q.read_jsonl(ledger)] == list(range(len(Q.read_jsonl(ledger))))  # in order, none twice
     again = _start(_cli_args(weights, opd_prompts), out)
     stdout, err = again.communicate(timeout=600)
     assert again.returncode == 0, err
     assert [e["batch"] for e in Q.read_jsonl(ledger)] == list(range(6))  # none consumed twice, none skipped
-    assert stdout.startswith(f"{out}: 6 updates of") and "(this attempt, the 2nd: " in stdout  # every update counted, the timing this attempt's
+    assert stdout.startswith(f"{out}: 6 updates of") and "(this attempt, the 4th: " in stdout  # every update counted, the timing this attempt's
     assert _hashes(out / "cache") == _hashes(Path(ref_cfg.cache_root))
     for x, y in zip(_metrics(out), _metrics(ref_cfg.out), strict=True):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6)
@@ -194,7 +202,7 @@ def test_figures_count_every_update_and_time_the_last_attempt_alone(tmp_path):
     ledger line recovered without a time is still an update."""
     from opdcache.asyncopd.run import ATTEMPTS, figures
 
-    cfg = AsyncConfig(model=Path("m"), teacher=Path("t"), prompts=PromptConfig(Path("p.jsonl")), out=tmp_path)
+    cfg = AsyncConfig(learner=learner("m"), teacher=Path("t"), prompts=PromptConfig(Path("p.jsonl")), out=tmp_path)
     lines = lambda rows: "".join(json.dumps(r) + "\n" for r in rows)  # noqa: E731
     (tmp_path / ATTEMPTS).write_text(lines([{"attempt": 1, "start": 0.0}, {"attempt": 2, "start": 1000.0}]))
     ledger = [{"batch": 0, "time": None, "tokens": None, "recovered": True}]
@@ -217,7 +225,7 @@ def test_the_supervisor_reports_progress_at_once_and_from_the_stages_files(tmp_p
     from opdcache.progress import bar
 
     monkeypatch.setenv("OPDCACHE_PROGRESS_INTERVAL", "0")
-    cfg = AsyncConfig(model=Path("m"), teacher=Path("t"), prompts=PromptConfig(Path("p.jsonl")), out=tmp_path, steps=4)
+    cfg = AsyncConfig(learner=learner("m", steps=4), teacher=Path("t"), prompts=PromptConfig(Path("p.jsonl")), out=tmp_path)
     (tmp_path / "stages").mkdir()
     with bar(total=4, desc="async", unit="update", enabled=True, track=True) as pbar:
         watch = _Watch(cfg, pbar)
@@ -237,11 +245,11 @@ def test_settings_that_cannot_work_asynchronously_are_refused():
 
     p = PromptConfig(Path("p.jsonl"))
     with pytest.raises(ConfigError, match="full-vocabulary losses need the teacher's hidden states"):
-        AsyncConfig(model=Path("m"), teacher=Path("t"), prompts=p, out=Path("o"), loss="full-rkl")
+        AsyncConfig(learner=learner("m", loss="full-rkl"), teacher=Path("t"), prompts=p, out=Path("o"))
     with pytest.raises(ConfigError, match="--loss mc needs --mc-samples"):
-        AsyncConfig(model=Path("m"), teacher=Path("t"), prompts=p, out=Path("o"), loss="mc")
+        AsyncConfig(learner=learner("m", loss="mc"), teacher=Path("t"), prompts=p, out=Path("o"))
     with pytest.raises(ConfigError, match="--staleness must be >= 0"):
-        AsyncConfig(model=Path("m"), teacher=Path("t"), prompts=p, out=Path("o"), staleness=-1)
+        AsyncConfig(learner=learner("m"), teacher=Path("t"), prompts=p, out=Path("o"), staleness=-1)
 
 
 @pytest.mark.parametrize("prompts,batch", [(5, 3), (7, 7), (3, 8), (10, 4)])
@@ -287,6 +295,34 @@ def test_the_learner_has_no_kl_penalty_whatever_trains_default(weights, opd_prom
     pi_ref's: the learner's settings turn the penalty off although `train` defaults to one."""
     from opdcache.trainconfig import TrainConfig
 
-    learner = _cfg(weights, opd_prompts, tmp_path / "run").train_config()
-    assert TrainConfig.kl_coef > 0 and learner.kl_coef == 0.0
-    assert learner.tau == TrainConfig.tau
+    run = _cfg(weights, opd_prompts, tmp_path / "run").learner
+    assert TrainConfig.kl_coef > 0 and run.kl_coef == 0.0
+    assert run.tau == TrainConfig.tau
+
+
+RECORDED_IDENTITY = json.loads("""{"batch_size": 4, "cache": null, "checkpoint_every": 1, "chunk": 8192, "deterministic": false,
+ "importance_weights": true, "loss": "is", "lr": 0.0001, "max_grad_norm": 1.0, "model": "/m/student", "out": "/run", "ppo_clip": 0.2,
+ "prompts": {"answer_field": "answer", "chat_template": true, "chat_template_kwargs": null, "limit": null, "messages_field": null,
+ "path": "/p.jsonl", "prompt_field": "prompt", "revision": null, "split": "train", "strict": false, "system_prompt": null},
+ "sampling": {"max_new_tokens": 8, "mc_samples": null, "ref_top_k": null, "samples": 1, "seed": 0, "temperature": 1.0, "top_p": 1.0},
+ "seed": 0, "staleness": 1, "steps": 4, "tau": 1.0, "teacher": "/m/teacher", "top_k": null, "weight_decay": 0.1}""")
+
+
+def test_the_learner_is_trains_settings_and_a_recorded_run_keeps_its_identity():
+    """The async learner is a TrainConfig (no field of train's restated); the identity a run.json recorded when the
+    learner's settings were flat fields of AsyncConfig is the one the same settings give now, so such a run resumes;
+    the run record round-trips; a learner setting async does not take, or a KL penalty, is refused in one line."""
+    from opdcache.errors import ConfigError
+    from opdcache.trainconfig import TrainConfig
+
+    cfg = AsyncConfig(learner=learner("/m/student", steps=4, batch_size=4, lr=1e-4), teacher=Path("/m/teacher"),
+                      prompts=PromptConfig(Path("/p.jsonl")), out=Path("/run"), sampling=FAST, device="cpu", threads=1)
+    assert cfg.identity() == RECORDED_IDENTITY
+    assert AsyncConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+    assert isinstance(cfg.learner, TrainConfig) and cfg.learner.out == Path("/run/learner") and cfg.learner.cache == "/run/cache"
+    assert cfg.learner.dtype == "float32" and cfg.learner.kl_coef == 0.0
+    p = PromptConfig(Path("p.jsonl"))
+    with pytest.raises(ConfigError, match="^the async learner takes .*; pack is offline training's"):
+        AsyncConfig(learner=learner("m", pack=True), teacher=Path("t"), prompts=p, out=Path("o"))
+    with pytest.raises(ConfigError, match="no KL penalty to pi_ref .* got kl_coef 1.0"):
+        AsyncConfig(learner=TrainConfig(model=Path("m"), cache="", out=Path(), loss="is"), teacher=Path("t"), prompts=p, out=Path("o"))
