@@ -57,3 +57,19 @@ def hf_cache(tmp_path_factory, weights, opd_prompts):
     run_score(ScoreJob(cache=out, teacher=weights / "teacher", stores=("logprob", "topk", "hidden", "svd", "sampled"), top_k=6, svd_rank=16,
                        samples_per_position=4))
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_workdir(tmp_path_factory):
+    """A work directory `opdcache demo` built, as a user runs it (the installed CLI, the demo's settings), once a session
+    for the tests that start where the demo ends: the README's hand-run block and the notebook. Each works on its own
+    copy (a few MB), so neither sees the other's runs."""
+    import os
+    import subprocess
+
+    work = tmp_path_factory.mktemp("demo") / "opdcache-demo"
+    env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
+    proc = subprocess.run(["opdcache", "demo", "--workdir", str(work)], cwd=work.parent, capture_output=True, text=True, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return work
+

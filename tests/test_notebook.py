@@ -1,6 +1,7 @@
 """notebooks/quickstart.ipynb runs top to bottom (executed in CI, like a user would)."""
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,9 +10,13 @@ NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "quickstart.ipynb"
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_executes(tmp_path, monkeypatch):
+def test_quickstart_notebook_executes(tmp_path, monkeypatch, demo_workdir):
+    """Top to bottom in a copy of the work directory `opdcache demo` built (the session's fixture, which the README's
+    block starts from too): the notebook's stages are the demo's, so each finds its work done, as a user's rerun does,
+    and the notebook trains and evaluates its own run. A build from nothing is `opdcache demo`'s own test."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
+    shutil.copytree(demo_workdir, tmp_path / "work", symlinks=True)
     monkeypatch.setenv("OPDCACHE_NOTEBOOK_WORKDIR", str(tmp_path / "work"))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbclient.NotebookClient(nb, timeout=None,  # no per-cell clock: a busy machine is slow, not broken
