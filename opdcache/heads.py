@@ -49,7 +49,7 @@ def load_head(path: str | Path) -> Head:
 
     from opdcache.errors import SchemaError
 
-    from opdcache.sidefiles import tensors_problem
+    from opdcache.untrusted import tensors_problem
 
     try:
         with local_copy(as_path(path)) as local:

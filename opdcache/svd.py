@@ -233,7 +233,7 @@ def load(path) -> SVDProjection:
         method = _metadata(f)["method"]
         t = {k: f.get_tensor(k) for k in f.keys()}
     from opdcache.errors import SchemaError
-    from opdcache.sidefiles import tensors_problem
+    from opdcache.untrusted import tensors_problem
 
     problem = tensors_problem(t, {"encoder": ("H", "R"), "decoder": ("V", "R"), "bias": ("?", "V")})
     if problem is not None:
