@@ -67,7 +67,7 @@ Out = Annotated[str, typer.Option("--out", help="Cache to write, a directory or 
 
 def build_sft(
     teacher: O.TeacherModel, prompts: O.Prompts, out: Out, revision: O.ModelRevision = None,
-    keep: Annotated[str, typer.Option("--keep", help="all samples, or only those the --reward verifier scores 1.0 (correct: rejection sampling).")] = "all",
+    keep: Annotated[str, O.G.option("keep", state_default=False)] = "all",
     prompt_field: O.PromptField = "prompt", messages_field: O.MessagesField = None, answer_field: O.AnswerField = "answer",
     chat_template: O.ChatTemplate = True, strict: O.Strict = False, limit: O.Limit = None, reward: O.Reward = None, credit_truncated: O.CreditTruncated = False,
     system_prompt: O.SystemPrompt = None, chat_template_kwargs: O.ChatTemplateKwargs = None, prompt_split: O.PromptSplit = "train",
@@ -93,9 +93,9 @@ def build_rollouts(
     system_prompt: O.SystemPrompt = None, chat_template_kwargs: O.ChatTemplateKwargs = None, prompt_split: O.PromptSplit = "train",
     samples: O.Samples = 1, temperature: O.Temperature = 0.8, top_p: O.TopP = 1.0, max_new_tokens: O.MaxNewTokens = 256,
     seed: O.Seed = 0,
-    ref_top_k: Annotated[Optional[int], typer.Option("--ref-top-k", help="Store pi_ref's top-k per position (temperature 1). Default: none (not stored).", show_default=False)] = None,
-    mc_samples: Annotated[Optional[int], typer.Option("--mc-samples", help="Extra next-token samples per position, not rolled out (papers/001 6.1). Default: none (not stored).", show_default=False)] = None,
-    sft_teacher: Annotated[Optional[str], typer.Option("--sft-teacher", help="The teacher pi_ref was fine-tuned on, if pi_ref has no opdcache lineage (directory or Hub id org/name[@revision]). Default: none (pi_ref's own lineage, if any).", show_default=False)] = None,
+    ref_top_k: Annotated[Optional[int], O.S.option("ref_top_k")] = None,
+    mc_samples: Annotated[Optional[int], O.S.option("mc_samples")] = None,
+    sft_teacher: Annotated[Optional[str], O.G.option("sft_teacher")] = None,
     backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", quantize: O.Quantize = None, exact: O.Exact = False, inject_mismatch: O.InjectMismatch = None,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,

@@ -11,72 +11,6 @@ from typing import Annotated, Optional
 
 import typer
 
-CachePath = Annotated[str, typer.Argument(metavar="CACHE", help="Cache: the folder holding opdcache.json, or a URL (s3://bucket/prefix, gs://..., hf://datasets/org/name).", show_default=False)]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only problems and the final line.")]
-JsonOut = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
-Token = Annotated[Optional[str], typer.Option("--token", help="Hub token; defaults to HF_TOKEN or your `hf auth login`. Never printed.", show_default=False)]
-Revision = Annotated[Optional[str], typer.Option("--revision", help="Hub branch or commit. Default: none (main).")]
-NumWorkers = Annotated[Optional[int], typer.Option("--num-workers", help="Workers sharing the job (default: SLURM array size, torchrun WORLD_SIZE, or 1).", show_default=False)]
-WorkerIndex = Annotated[Optional[int], typer.Option("--worker-index", help="This worker's index in [0, num-workers) (default: SLURM array index, torchrun RANK, or 0).", show_default=False)]
-
-Executor = Annotated[str, typer.Option("--executor", help="local (this process; --num-workers/--worker-index for Slurm or torchrun) or ray (--workers tasks on a Ray cluster).")]
-RayAddress = Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster).", show_default=False)]
-RayWorkers = Annotated[int, typer.Option("--workers", help="--executor ray: tasks, each with its own engine and whole shards.")]
-GpusPerWorker = Annotated[float, typer.Option("--gpus-per-worker", help="--executor ray: GPUs each task reserves.")]
-CpusPerWorker = Annotated[float, typer.Option("--cpus-per-worker", help="--executor ray: CPUs each task reserves; it runs that many torch threads.")]
-
-# ---- models and engines
-ModelPath = Annotated[str, typer.Option("--model", help="Model: a local Hugging Face directory or a Hub id org/name[@revision] (offline from the Hub cache with HF_HUB_OFFLINE=1).", show_default=False)]
-TeacherModel = Annotated[str, typer.Option("--teacher", help="Teacher: a local Hugging Face directory or a Hub id org/name[@revision].", show_default=False)]
-ModelRevision = Annotated[Optional[str], typer.Option("--revision", help="Hub branch, tag or commit of the model (or org/name@revision). Default: none (the main branch, resolved to its commit).", show_default=False)]
-Backend = Annotated[str, typer.Option("--backend", help="transformers (exact reference, any device) or vllm (fast engine).")]
-Dtype = Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16.")]
-Device = Annotated[str, typer.Option("--device", help="transformers backend: auto, cpu, cuda, cuda:N.")]
-Quantize = Annotated[Optional[str], typer.Option("--quantize", help="Low-bit rollouts. transformers: w4a16[:g<N>][:sym|:asym] (int4 weight groups, default g128 sym), w8a8 (int8 weights per channel, activations per token), fp8[:per-tensor|:per-channel] (e4m3 weights, activations per token) -- emulated on any device: quantize, dequantize, compute in the model's dtype; add :keep=NAME,... for layers kept exact (default lm_head); int8: torch dynamic int8, CPU. vllm: its method (fp8, awq, ...).", show_default=False)]
-Exact = Annotated[bool, typer.Option("--exact", help="One exact arithmetic (papers/003): stored log-probs equal the trainer's exact recompute bit for bit, whatever the batch, padding, KV cache or threads (Llama/Mistral/Qwen2/Qwen3; float32 or bfloat16). On the CPU (--device cpu, the default): the same bits on any machine; memory plus a float64 copy of the weights (8 bytes per parameter). With --device cuda: batch-invariant Triton kernels, the GPU's own bits, in bfloat16 (the default there; float32 is refused until its path is batch-invariant on a GPU; needs triton, compute capability 8.0+); memory: the model, the KV cache, and [batch, heads, 256, length] float32 attention scores per block of 256 queries (no fused attention kernel). Recorded in the manifest; a resume must keep it.")]
-InjectMismatch = Annotated[Optional[str], typer.Option("--inject-mismatch", help="With --exact: controlled mismatch for calibrating TIS and rejection against the exact reference (papers/003 section 6): logit-noise:SIGMA (Gaussian noise of scale SIGMA nats on every logit) or bf16-activations (each layer's output rounded to bfloat16). Recorded in the manifest. Default: none.", show_default=False)]
-Deterministic = Annotated[bool, typer.Option("--deterministic", help="Bit-identical scores whatever the batch (scores one sequence at a time).")]
-TensorParallel = Annotated[int, typer.Option("--tensor-parallel-size", help="vllm: GPUs per model.")]
-GenerateBatch = Annotated[int, typer.Option("--batch-size", help="transformers: sequences decoded together (KV-cache memory; larger is faster for small models).")]
-ScoreBatchTokens = Annotated[Optional[int], typer.Option("--max-batch-tokens", help="transformers scoring: padded tokens per decoder batch, the activation memory (default: 1,024 on a CPU, 16,384 on a GPU).", show_default=False)]
-GpuMemory = Annotated[float, typer.Option("--gpu-memory-utilization", help="vllm: fraction of device memory the engine may reserve.")]
-NumShards = Annotated[int, typer.Option("--num-shards", help="Shards of the table: the unit of resume and of parallel work.")]
-Progress = Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Progress bars (default: only on a terminal).", show_default=False)]
-
-# ---- prompts
-Prompts = Annotated[Path, typer.Option("--prompts", help="Prompts: .jsonl, .parquet, a datasets directory, or a Hub dataset id org/name[@revision] (offline from the Hub cache).", show_default=False)]
-PromptField = Annotated[str, typer.Option("--prompt-field", help="Field with the user message.")]
-MessagesField = Annotated[Optional[str], typer.Option("--messages-field", help="Field with a list of chat messages (overrides --prompt-field). Default: none (plain prompts).", show_default=False)]
-AnswerField = Annotated[str, typer.Option("--answer-field", help="Field with the reference answer (optional in the data).")]
-ChatTemplate = Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Apply the tokenizer's chat template.")]
-Strict = Annotated[bool, typer.Option("--strict", help="Stop at the first malformed prompt row instead of skipping it.")]
-SystemPrompt = Annotated[Optional[str], typer.Option("--system-prompt", help="A system turn before every prompt that has none. Default: none.", show_default=False)]
-ChatTemplateKwargs = Annotated[Optional[str], typer.Option("--chat-template-kwargs", help='JSON object of chat-template variables, e.g. \'{"enable_thinking": true}\'. Default: none.', show_default=False)]
-PromptSplit = Annotated[str, typer.Option("--prompt-split", help="Split to read when --prompts is a Hub dataset id.")]
-Limit = Annotated[Optional[int], typer.Option("--limit", help="Read at most this many prompt rows. Default: none (all).", show_default=False)]
-Reward = Annotated[Optional[str], typer.Option("--reward", help="Verifier for the reward column: exact (normalised text equals the answer), math (the last \\boxed{} is equivalent to the answer; opdcache[math]), math-fallback (math, else the last number), a registered plugin (the demo's addition), or module:function. Default: none (no reward column).", show_default=False)]
-CreditTruncated = Annotated[bool, typer.Option("--credit-truncated", help="Let the verifier judge responses cut at --max-new-tokens (default: they score 0).")]
-
-# ---- sampling
-Samples = Annotated[int, typer.Option("--samples", help="Samples per prompt.")]
-Temperature = Annotated[float, typer.Option("--temperature", help="Sampling temperature (0 = greedy).")]
-TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")]
-MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Maximum response length; longer ones end with finish_reason=length.")]
-Seed = Annotated[int, typer.Option("--seed", help="Random seed.")]
-
-
-def announce_threads() -> None:
-    """Pick torch's CPU threads (opdcache/threads.py); say what was picked and why on a terminal (in logs and pipes the
-    manifest's `compute` record says it, and an error stays the one line on stderr)."""
-    import sys
-
-    from opdcache.threads import configure
-
-    line = configure()
-    if sys.stderr.isatty():
-        typer.echo(line, err=True)
-
-
 _NO_DEFAULT = object()
 
 
@@ -151,3 +85,75 @@ class Fields:
             flag = "--" + name.replace("_", "-")
             flags = (f"{flag}/--no-{flag[2:]}",) if isinstance(self.default(name), bool) else (flag,)
         return typer.Option(*flags, help=help, show_default=not state_default, **kwargs)
+
+
+E = Fields("opdcache.backends", "EngineConfig")
+S = Fields("opdcache.backends.base", "SamplingConfig")
+P = Fields("opdcache.prompts", "PromptConfig")
+G = Fields("opdcache.rollouts", "GenerateJob")
+
+CachePath = Annotated[str, typer.Argument(metavar="CACHE", help="Cache: the folder holding opdcache.json, or a URL (s3://bucket/prefix, gs://..., hf://datasets/org/name).", show_default=False)]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only problems and the final line.")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
+Token = Annotated[Optional[str], typer.Option("--token", help="Hub token; defaults to HF_TOKEN or your `hf auth login`. Never printed.", show_default=False)]
+Revision = Annotated[Optional[str], typer.Option("--revision", help="Hub branch or commit. Default: none (main).")]
+NumWorkers = Annotated[Optional[int], typer.Option("--num-workers", help="Workers sharing the job (default: SLURM array size, torchrun WORLD_SIZE, or 1).", show_default=False)]
+WorkerIndex = Annotated[Optional[int], typer.Option("--worker-index", help="This worker's index in [0, num-workers) (default: SLURM array index, torchrun RANK, or 0).", show_default=False)]
+
+Executor = Annotated[str, typer.Option("--executor", help="local (this process; --num-workers/--worker-index for Slurm or torchrun) or ray (--workers tasks on a Ray cluster).")]
+RayAddress = Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster).", show_default=False)]
+RayWorkers = Annotated[int, typer.Option("--workers", help="--executor ray: tasks, each with its own engine and whole shards.")]
+GpusPerWorker = Annotated[float, typer.Option("--gpus-per-worker", help="--executor ray: GPUs each task reserves.")]
+CpusPerWorker = Annotated[float, typer.Option("--cpus-per-worker", help="--executor ray: CPUs each task reserves; it runs that many torch threads.")]
+
+# ---- models and engines
+ModelPath = Annotated[str, typer.Option("--model", help="Model: a local Hugging Face directory or a Hub id org/name[@revision] (offline from the Hub cache with HF_HUB_OFFLINE=1).", show_default=False)]
+TeacherModel = Annotated[str, typer.Option("--teacher", help="Teacher: a local Hugging Face directory or a Hub id org/name[@revision].", show_default=False)]
+ModelRevision = Annotated[Optional[str], typer.Option("--revision", help="Hub branch, tag or commit of the model (or org/name@revision). Default: none (the main branch, resolved to its commit).", show_default=False)]
+Backend = Annotated[str, E.option("backend", state_default=False)]
+Dtype = Annotated[str, E.option("dtype", state_default=False)]
+Device = Annotated[str, E.option("device", state_default=False)]
+Quantize = Annotated[Optional[str], E.option("quantize")]
+Exact = Annotated[bool, E.option("exact", "--exact", state_default=False)]
+InjectMismatch = Annotated[Optional[str], E.option("inject", "--inject-mismatch")]
+Deterministic = Annotated[bool, E.option("deterministic", "--deterministic", state_default=False)]
+TensorParallel = Annotated[int, E.option("tensor_parallel_size", state_default=False)]
+GenerateBatch = Annotated[int, E.option("generate_batch_size", "--batch-size", state_default=False)]
+ScoreBatchTokens = Annotated[Optional[int], E.option("max_batch_tokens")]
+GpuMemory = Annotated[float, E.option("gpu_memory_utilization", state_default=False)]
+NumShards = Annotated[int, G.option("num_shards", state_default=False)]
+Progress = Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Progress bars (default: only on a terminal).", show_default=False)]
+
+# ---- prompts
+Prompts = Annotated[Path, P.option("path", "--prompts", state_default=False)]
+PromptField = Annotated[str, P.option("prompt_field", state_default=False)]
+MessagesField = Annotated[Optional[str], P.option("messages_field")]
+AnswerField = Annotated[str, P.option("answer_field", state_default=False)]
+ChatTemplate = Annotated[bool, P.option("chat_template", state_default=False)]
+Strict = Annotated[bool, P.option("strict", "--strict", state_default=False)]
+SystemPrompt = Annotated[Optional[str], P.option("system_prompt")]
+ChatTemplateKwargs = Annotated[Optional[str], P.option("chat_template_kwargs", note="A JSON object on the command line.")]
+PromptSplit = Annotated[str, P.option("split", "--prompt-split", state_default=False)]
+Limit = Annotated[Optional[int], P.option("limit")]
+Reward = Annotated[Optional[str], G.option("reward")]
+CreditTruncated = Annotated[bool, G.option("credit_truncated", "--credit-truncated", state_default=False)]
+
+# ---- sampling
+Samples = Annotated[int, S.option("samples", state_default=False)]
+Temperature = Annotated[float, S.option("temperature", state_default=False)]
+TopP = Annotated[float, S.option("top_p", state_default=False)]
+MaxNewTokens = Annotated[int, S.option("max_new_tokens", state_default=False)]
+Seed = Annotated[int, typer.Option("--seed", help="Random seed.")]
+
+
+def announce_threads() -> None:
+    """Pick torch's CPU threads (opdcache/threads.py); say what was picked and why on a terminal (in logs and pipes the
+    manifest's `compute` record says it, and an error stays the one line on stderr)."""
+    import sys
+
+    from opdcache.threads import configure
+
+    line = configure()
+    if sys.stderr.isatty():
+        typer.echo(line, err=True)
+

@@ -10,6 +10,7 @@ import typer
 from opdcache.cli import options as O
 from opdcache.stores import REGISTRY
 
+J = O.Fields("opdcache.scoring", "ScoreJob")
 STORE_HELP = "Comma-separated teacher stores: " + "; ".join(store.summary for store in REGISTRY.values()) + "."
 
 
@@ -17,40 +18,20 @@ def score_teacher(
     cache: O.CachePath,
     teacher: O.TeacherModel, revision: O.ModelRevision = None,
     store: Annotated[str, typer.Option("--store", help=STORE_HELP)] = "logprob",
-    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Width of the teacher's top-k store. Default: none (required with --store topk).", show_default=False)] = None,
-    topk_precision: Annotated[Optional[str], typer.Option(
-        "--topk-precision", help="Compact top-k: float32, float16 (|error| <= |log-prob| x 2^-11; format v3), or prob14 "
-        "(probabilities as uint16 codes to within 2^-15, ids ascending: the smallest, format v4; SmolLM2 numbers in "
-        "BENCHMARKS.md). Default: none (and no --topk-mass): the exact v1 store.", show_default=False)] = None,
-    topk_mass: Annotated[Optional[float], typer.Option(
-        "--topk-mass", help="Compact top-k (format v3): keep entries until the teacher mass left out is at most this (at "
-        "most --top-k), the rest kept as one tail column: a smaller mass keeps more entries. What each setting costs and "
-        "loses on your teacher's rollouts: `opdcache plan` (measured figures: BENCHMARKS.md, Storage). Default: none (every entry of --top-k).", show_default=False)] = None,
-    samples_per_position: Annotated[Optional[int], typer.Option(
-        "--samples-per-position", help="The sampled store (RS-KD): teacher draws per position (1-255), kept as distinct "
-        "ids and counts; an unbiased forward KL (train --loss sampled-fkl). Costs the head rows of the drawn slices "
-        "again. Default: none (no sampled store).", show_default=False)] = None,
-    sample_seed: Annotated[int, typer.Option("--sample-seed", help="Seed of the sampled store's draws.")] = 0,
-    hidden_dtype: Annotated[Optional[str], typer.Option(
-        "--hidden-dtype", help="Precision of the hidden store: float32, bfloat16 or float16 (default: the teacher's compute "
-        "dtype). bfloat16 from a float32 teacher halves the bytes; the rounding's KL to the full distribution is recorded "
-        "(SmolLM2: see BENCHMARKS.md).", show_default=False)] = None,
-    svd_rank: Annotated[Optional[int], typer.Option("--svd-rank", help="Rank of the svd store. Default: none (required with --store svd).", show_default=False)] = None,
-    svd_method: Annotated[str, typer.Option("--svd-method", help="naive, importance or prob-weighted (papers/002; the default: on SmolLM2 it has 3-5x less KL than importance at equal rank, BENCHMARKS.md).")] = "prob-weighted",
-    svd_min_positions: Annotated[Optional[int], typer.Option(
-        "--svd-min-positions", help="Refuse to fit the svd projection on fewer calibration positions than this (default: fit "
-        "on what there is, with a warning naming the count, when the rollouts hold fewer than max(32 x rank, 2,048); the "
-        "positions are drawn from all shards).", show_default=False)] = None,
-    svd_dtype: Annotated[str, typer.Option("--svd-dtype", help="bfloat16 (format v3, half the bytes; its rounding is in the recorded distortion) or float32.")] = "bfloat16",
-    prompts: Annotated[Optional[Path], typer.Option(
-        "--prompts", help="For a teacher with its own tokenizer: the prompts file the rollouts were built from (with "
-        "their --prompt-field / --messages-field). The teacher renders them with its chat template, scores its own "
-        "tokenization of pi_ref's text, and the table stores its log-prob of each group of tokens both tokenizations "
-        "cut at the same byte (the aligned store; train --loss span or lightning). Default: none (the teacher must "
-        "share the cache's tokenizer).", show_default=False)] = None,
+    top_k: Annotated[Optional[int], J.option("top_k")] = None,
+    topk_precision: Annotated[Optional[str], J.option("topk_precision")] = None,
+    topk_mass: Annotated[Optional[float], J.option("topk_mass")] = None,
+    samples_per_position: Annotated[Optional[int], J.option("samples_per_position")] = None,
+    sample_seed: Annotated[int, J.option("sample_seed", state_default=False)] = 0,
+    hidden_dtype: Annotated[Optional[str], J.option("hidden_dtype")] = None,
+    svd_rank: Annotated[Optional[int], J.option("svd_rank")] = None,
+    svd_method: Annotated[str, J.option("svd_method", state_default=False)] = "prob-weighted",
+    svd_min_positions: Annotated[Optional[int], J.option("svd_min_positions")] = None,
+    svd_dtype: Annotated[str, J.option("svd_dtype", state_default=False)] = "bfloat16",
+    prompts: Annotated[Optional[Path], J.option("prompts")] = None,
     prompt_field: O.PromptField = "prompt", messages_field: O.MessagesField = None,
-    name: Annotated[Optional[str], typer.Option("--name", help="Teacher table name (default: the teacher directory's name).", show_default=False)] = None,
-    allow_inconsistent_teacher: Annotated[bool, typer.Option("--allow-inconsistent-teacher", help="Score even if this is not pi_ref's SFT teacher.")] = False,
+    name: Annotated[Optional[str], J.option("slug", "--name")] = None,
+    allow_inconsistent_teacher: Annotated[bool, J.option("allow_inconsistent_teacher", "--allow-inconsistent-teacher", state_default=False)] = False,
     backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", deterministic: O.Deterministic = False, exact: O.Exact = False,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, max_batch_tokens: O.ScoreBatchTokens = None,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,

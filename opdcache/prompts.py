@@ -30,25 +30,27 @@ class PromptConfig:
     """How prompts are read and turned into token ids."""
 
     path: Path
-    """JSONL file, Parquet file, or a directory saved with datasets' save_to_disk."""
+    """Prompts: .jsonl, .parquet, a datasets directory (save_to_disk), or a Hub dataset id org/name[@revision]
+    (offline from the Hub cache)."""
     prompt_field: str | None = "prompt"
     """Field holding the user message (the chat template is applied to it)."""
     messages_field: str | None = None
-    """Field holding a list of chat messages ({role, content}); overrides prompt_field."""
+    """Field holding a list of chat messages ({role, content}); overrides the prompt field (default: none,
+    plain prompts)."""
     answer_field: str | None = "answer"
-    """Field holding the reference answer, if any (copied to the `answer` column)."""
+    """Field holding the reference answer, optional in the data (copied to the `answer` column)."""
     chat_template: bool = True
     """Apply the tokenizer's chat template (with the generation prompt); otherwise tokenise the raw text."""
     strict: bool = False
     """Stop at the first malformed row instead of recording it and going on."""
     limit: int | None = None
-    """Read at most this many rows."""
+    """Read at most this many prompt rows (default: none, all of them)."""
     system_prompt: str | None = None
     """A system turn put before every prompt that has none."""
     chat_template_kwargs: dict | None = None
     """Extra variables for the chat template, e.g. {"enable_thinking": true} for Qwen3."""
     split: str = "train"
-    """The split to read from a Hub dataset id."""
+    """The split to read when the prompts are a Hub dataset id."""
     revision: str | None = None
     """Hub revision of a dataset id (or org/name@revision)."""
 

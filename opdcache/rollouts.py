@@ -61,18 +61,22 @@ class GenerateJob:
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Which engine runs the model."""
     num_shards: int = 8
-    """Shards of the table (fixed for the life of the cache; the unit of resume and of parallelism)."""
+    """Shards of the table: the unit of resume and of parallel work (fixed for the life of the cache)."""
     reward: str | None = None
-    """Verifier for the `reward` column, where a row has an answer: a built-in (exact, math), a registered plugin
-    (the demo's addition), or module:function (opdcache/verifiers.py)."""
+    """Verifier for the `reward` column, where a row has an answer: exact (normalised text equals the answer), math
+    (the last \\boxed{} is equivalent to the answer; opdcache[math]), math-fallback (math, else the last number), a
+    registered plugin (the demo's addition), or module:function (opdcache/verifiers.py). Default: none (no reward
+    column)."""
     keep: str = "all"
-    """build-sft: keep every sample (all) or only those the verifier scores 1.0 (correct: rejection sampling)."""
+    """build-sft: keep every sample (all) or only those the --reward verifier scores 1.0 (correct: rejection
+    sampling)."""
     credit_truncated: bool = False
     """Let the verifier judge responses cut at --max-new-tokens (default: they score 0, whatever they end with)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) when ``model`` is a Hub id."""
     sft_teacher: Path | None = None
-    """build-rollouts: the teacher pi_ref was fine-tuned on, when pi_ref has no opdcache lineage file."""
+    """build-rollouts: the teacher pi_ref was fine-tuned on (a directory or a Hub id org/name[@revision]), when pi_ref
+    has no opdcache lineage file. Default: none (pi_ref's own lineage, if any)."""
     num_workers: int | None = None
     """Workers sharing the job (default from SLURM / torchrun variables, else 1)."""
     worker_index: int | None = None

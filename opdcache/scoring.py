@@ -47,35 +47,47 @@ class ScoreJob:
     stores: tuple[str, ...] = ("logprob",)
     """Teacher stores: logprob (always), topk, hidden, svd."""
     top_k: int | None = None
-    """Width of the teacher's own top-k store."""
+    """Width of the teacher's own top-k store. Default: none (required with --store topk)."""
     svd_rank: int | None = None
-    """Rank of the svd store."""
+    """Rank of the svd store. Default: none (required with --store svd)."""
     svd_method: str = "prob-weighted"
-    """naive, importance or prob-weighted (papers/002)."""
+    """naive, importance or prob-weighted (papers/002; prob-weighted had less KL than importance at equal rank on
+    SmolLM2: BENCHMARKS.md)."""
     hidden_dtype: str | None = None
-    """Precision of the stored hidden states: float32, bfloat16 or float16 (None: the teacher's compute dtype). Narrower
-    than the compute dtype, the states are rounded and the rounding's KL to the full distribution is recorded."""
+    """Precision of the hidden store: float32, bfloat16 or float16 (default: the teacher's compute dtype). Narrower
+    than the compute dtype, the states are rounded (bfloat16 from a float32 teacher halves the bytes) and the
+    rounding's KL to the full distribution is recorded (SmolLM2's: BENCHMARKS.md)."""
     svd_min_positions: int | None = None
-    """Refuse to fit the svd projection on fewer calibration positions than this (default: fit, with a warning, on
-    what there is when the table has fewer than 32 x rank)."""
+    """Refuse to fit the svd projection on fewer calibration positions than this (default: fit on what there is, with
+    a warning naming the count, when the rollouts hold fewer than max(32 x rank, 2,048); the positions are drawn from
+    all shards)."""
     svd_seed: int = 0
     """Seed of the svd calibration sample (rows drawn over all shards)."""
     svd_dtype: str = "bfloat16"
     """Precision of the stored svd states: bfloat16 (format v3; its rounding is inside the recorded distortion) or
     float32 (v1)."""
     topk_precision: str | None = None
-    """Compact top-k (format v3): float32 or float16 log-probs. None with no --topk-mass: the exact v1 store."""
+    """Compact top-k: float32, float16 (|error| <= |log-prob| x 2^-11; format v3), or prob14 (probabilities as uint16
+    codes to within 2^-15, ids ascending: the smallest, format v4; SmolLM2's figures in BENCHMARKS.md). Default: none
+    (and no --topk-mass): the exact v1 store."""
     topk_mass: float | None = None
-    """Compact top-k (format v3): keep entries until the residual teacher mass is at most this (at most --top-k)."""
+    """Compact top-k (format v3): keep entries until the teacher mass left out is at most this (at most --top-k), the
+    rest kept as one tail column: a smaller mass keeps more entries. What each setting costs and loses on your
+    teacher's rollouts: `opdcache plan` (measured figures: BENCHMARKS.md, Storage). Default: none (every entry of
+    --top-k)."""
     samples_per_position: int | None = None
-    """The sampled store (RS-KD): teacher draws per position."""
+    """The sampled store (RS-KD): teacher draws per position (1-255), kept as distinct ids and counts; an unbiased
+    forward KL (train --loss sampled-fkl). Costs the head rows of the drawn slices again. Default: none (no sampled
+    store)."""
     sample_seed: int = 0
     """Seed of the sampled store's draws (each row's uniforms come from (seed, row id) alone)."""
     prompts: PromptConfig | None = None
-    """For a teacher with its own tokenizer: the prompts file (and fields) the rollouts were built from; the teacher's
-    chat template renders them and it scores its own tokenization of pi_ref's text (the aligned store)."""
+    """For a teacher with its own tokenizer: the prompts file the rollouts were built from (with their --prompt-field /
+    --messages-field). The teacher renders them with its chat template, scores its own tokenization of pi_ref's text,
+    and the table stores its log-prob of each group of tokens both tokenizations cut at the same byte (the aligned
+    store; train --loss span or lightning). Default: none (the teacher must share the cache's tokenizer)."""
     slug: str | None = None
-    """Name of the teacher table (default: the teacher directory's name)."""
+    """Teacher table name (default: the teacher directory's name)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Which engine runs the teacher."""
     allow_inconsistent_teacher: bool = False

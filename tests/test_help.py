@@ -121,3 +121,57 @@ def test_every_option_of_every_command_states_its_default_or_that_it_is_required
               and not any(w in (p.help or "").lower() for w in ("default", "required"))
               and not (p.show_default and p.default is not None)]
     assert silent == []
+
+
+SHARED = {  # the option types several commands share (cli/options.py) -> the settings dataclass that declares them
+    "EngineConfig": ("Backend", "Dtype", "Device", "Quantize", "Exact", "InjectMismatch", "Deterministic", "TensorParallel",
+                     "GenerateBatch", "ScoreBatchTokens", "GpuMemory"),
+    "SamplingConfig": ("Samples", "Temperature", "TopP", "MaxNewTokens"),
+    "PromptConfig": ("Prompts", "PromptField", "MessagesField", "AnswerField", "ChatTemplate", "Strict", "SystemPrompt",
+                     "ChatTemplateKwargs", "PromptSplit", "Limit"),
+    "GenerateJob": ("Reward", "CreditTruncated", "NumShards"),
+}
+
+
+def test_the_engine_sampling_and_prompt_options_are_their_settings_docstrings():
+    """The option types build-sft, build-rollouts, score-teacher, async and the rest share are declared by the settings
+    dataclass the commands build (EngineConfig, SamplingConfig, PromptConfig, GenerateJob): each one's help begins with
+    its field's docstring (found in the class's source), and build-rollouts shows that help."""
+    import inspect
+    import typing
+
+    from opdcache.backends import EngineConfig
+    from opdcache.backends.base import SamplingConfig
+    from opdcache.cli import options as O
+    from opdcache.prompts import PromptConfig
+    from opdcache.rollouts import GenerateJob
+
+    sources = {cls.__name__: " ".join(inspect.getsource(cls).replace('"""', " ").replace("\\\\", "\\").split())
+               for cls in (EngineConfig, SamplingConfig, PromptConfig, GenerateJob)}  # the source escapes \boxed
+    shown = {p.opts[0]: p.help for p in COMMAND.commands["build-rollouts"].params if p.param_type_name == "option"}
+    for cls, names in SHARED.items():
+        for name in names:
+            info = typing.get_args(getattr(O, name))[1]
+            first = info.help.split(". ")[0]
+            assert first in sources[cls], (name, first)
+            flag = next(d for d in (info.default, *info.param_decls) if isinstance(d, str) and d.startswith("--")).split("/")[0]
+            if flag in shown:
+                assert shown[flag] == info.help, name
+
+
+def test_score_teachers_store_options_are_scorejobs_docstrings():
+    """score-teacher's own options (the stores' settings, --prompts, --name) have ScoreJob's field docstrings as help."""
+    import dataclasses
+    import inspect
+
+    from opdcache.scoring import ScoreJob
+
+    source = " ".join(inspect.getsource(ScoreJob).replace('"""', " ").split())
+    fields = {f.name for f in dataclasses.fields(ScoreJob)}
+    checked = 0
+    for param in COMMAND.commands["score-teacher"].params:
+        field = "slug" if param.name == "name" else param.name
+        if param.param_type_name == "option" and field in fields and field not in ("teacher", "revision", "num_workers", "worker_index", "progress"):  # shared types
+            assert param.help.split(". ")[0] in source, param.opts[0]
+            checked += 1
+    assert checked >= 13

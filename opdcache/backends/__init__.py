@@ -33,14 +33,18 @@ class EngineConfig:
     """Which engine runs the model, and how."""
 
     backend: str = "transformers"
-    """transformers (the reference, any device), vllm (the fast engine) or exact (the exact arithmetic, as --exact)."""
+    """transformers (the exact reference, any device), vllm (the fast engine) or exact (the exact arithmetic, as
+    --exact)."""
     dtype: str = "auto"
     """auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16."""
     device: str = "auto"
     """transformers backend: auto, cpu, cuda, cuda:N."""
     quantize: str | None = None
-    """Low-bit rollouts: a scheme of opdcache/quant.py on the transformers engine (w4a16[:g<N>][:sym|:asym], w8a8,
-    fp8[:per-tensor|:per-channel], emulated; int8, torch dynamic, CPU), or a vLLM quantization method (fp8, awq, ...)."""
+    """Low-bit rollouts. transformers: w4a16[:g<N>][:sym|:asym] (int4 weight groups, default g128 sym), w8a8 (int8
+    weights per channel, activations per token), fp8[:per-tensor|:per-channel] (e4m3 weights, activations per token)
+    -- emulated on any device: quantize, dequantize, compute in the model's dtype; add :keep=NAME,... for layers
+    kept exact (default lm_head); int8: torch dynamic int8, CPU. vllm: its method (fp8, awq, ...). Default: none
+    (the model's own precision)."""
     deterministic: bool = False
     """transformers scoring: bit-identical values whatever the batch (one sequence at a time)."""
     tensor_parallel_size: int = 1
@@ -48,25 +52,31 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     """vllm: fraction of accelerator (or, on CPU, host) memory the engine may reserve."""
     max_batch_tokens: int | None = None
-    """transformers scoring: padded tokens per decoder batch (activation memory; head blocks are pooled separately);
-    None: 1,024 on a CPU, 16,384 on a GPU."""
+    """transformers scoring: padded tokens per decoder batch, the activation memory (head blocks are pooled
+    separately). Default: none (1,024 on a CPU, 16,384 on a GPU)."""
     generate_batch_size: int = 64
-    """transformers generation: sequences decoded together (KV-cache memory; larger is faster for small models)."""
+    """transformers generation: sequences decoded together (the KV cache's memory; larger is faster for small
+    models)."""
     exact: bool = False
-    """The exact arithmetic (opdcache/exact/): stored numbers equal the trainer's exact recompute bit for bit, whatever
-    the batch, padding, KV cache or thread count; transformers models of the Llama/Mistral/Qwen2/Qwen3 families. On the
-    CPU (device cpu or auto) the CPU arithmetic, on cuda the batch-invariant GPU kernels (opdcache/exact/__init__.py).
-    The user's spelling of ``backend="exact"``: either sets both."""
+    """One exact arithmetic (papers/003): stored log-probs equal the trainer's exact recompute bit for bit, whatever
+    the batch, padding, KV cache or threads (Llama/Mistral/Qwen2/Qwen3; float32 or bfloat16). On the CPU (--device
+    cpu, the default): the same bits on any machine; memory plus a float64 copy of the weights (8 bytes per
+    parameter). With --device cuda: batch-invariant Triton kernels, the GPU's own bits, in bfloat16 (the default
+    there; float32 is refused until its path is batch-invariant on a GPU; needs triton, compute capability 8.0+);
+    memory: the model, the KV cache, and [batch, heads, 256, length] float32 attention scores per block of 256
+    queries (no fused attention kernel). Recorded in the manifest; a resume must keep it."""
 
     inject: str | None = None
-    """--exact only: controlled mismatch injected into the engine (opdcache/backends/exact.py, Injection), recorded."""
+    """With --exact: controlled mismatch for calibrating TIS and rejection against the exact reference (papers/003
+    section 6): logit-noise:SIGMA (Gaussian noise of scale SIGMA nats on every logit) or bf16-activations (each layer's
+    output rounded to bfloat16); opdcache/backends/exact.py, Injection. Recorded in the manifest."""
 
     def __post_init__(self) -> None:
         if self.backend not in ENGINES:
             raise ConfigError(f"--backend must be one of {', '.join(ENGINES)}, got {self.backend!r}")
         if self.exact and self.backend == "vllm":
             raise ConfigError("--exact runs opdcache's exact engine; vLLM's batch-invariant mode is not wired in: drop --backend vllm")
-        if self.exact or self.backend == "exact":
+        if self.exact or self.backend == "exact":  # --exact is the user's spelling of the exact engine: either sets both
             object.__setattr__(self, "backend", "exact")
             object.__setattr__(self, "exact", True)
         if self.inject is not None and not self.exact:

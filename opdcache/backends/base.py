@@ -25,17 +25,18 @@ class SamplingConfig:
     temperature: float = 0.8
     """Softmax temperature of the sampling distribution (0 = greedy)."""
     top_p: float = 1.0
-    """Nucleus: sample from the smallest set of tokens whose probability reaches top_p."""
+    """Nucleus sampling threshold: sample from the smallest set of tokens whose probability reaches it."""
     max_new_tokens: int = 256
-    """Responses are cut here, with finish_reason 'length'."""
+    """Maximum response length in tokens; a longer response is cut here, with finish_reason 'length'."""
     samples: int = 1
     """Samples per prompt."""
     seed: int = 0
     """Seed; each sample has its own random stream derived from (seed, prompt, sample index)."""
     ref_top_k: int | None = None
-    """Store pi_ref's top-k at each position (temperature 1)."""
+    """Store pi_ref's top-k at each position (temperature 1). Default: none (not stored)."""
     mc_samples: int | None = None
-    """Extra next-token samples per position from the sampling distribution, not rolled out (papers/001 section 6.1)."""
+    """Extra next-token samples per position from the sampling distribution, not rolled out (papers/001 section
+    6.1). Default: none (not stored)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature <= 10:
