@@ -73,3 +73,15 @@ def demo_workdir(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-2000:]
     return work
 
+
+
+@pytest.fixture(scope="session")
+def local_async_run(tmp_path_factory, weights, opd_prompts):
+    """That run on local disk with local processes, once a session: the reference of the S3 and Ray async tests."""
+    from asyncsmall import small_async
+
+    from opdcache.asyncopd import run_async
+
+    out = tmp_path_factory.mktemp("async-local") / "local"
+    run_async(small_async(weights, opd_prompts, out))
+    return out

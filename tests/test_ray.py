@@ -91,20 +91,17 @@ def test_a_killed_worker_leaves_no_partial_shard_and_the_job_completes(ray_clust
     assert {k: v for k, v in _hashes(tmp_path / "c").items()} == _hashes(tmp_path / "ref")
 
 
-def test_an_async_run_as_ray_tasks_equals_the_local_processes(ray_cluster, weights, opd_prompts, tmp_path):
-    """opdcache async --executor ray: each stage one Ray task with its own engine; same shards and losses as local processes."""
+def test_an_async_run_as_ray_tasks_equals_the_local_processes(ray_cluster, weights, opd_prompts, tmp_path, local_async_run):
+    """opdcache async --executor ray: each stage one Ray task with its own engine; same shards and losses as local
+    processes (the session's local run)."""
     import json
 
-    from opdcache.asyncopd import AsyncConfig, learner, run_async
+    from asyncsmall import small_async
 
-    def cfg(out, executor):
-        return AsyncConfig(learner=learner(weights / "student", steps=4, batch_size=4, lr=1e-4), teacher=weights / "teacher",
-                           prompts=PromptConfig(opd_prompts), out=out, staleness=1, sampling=SamplingConfig(temperature=1.0, max_new_tokens=8),
-                           device="cpu", threads=1, executor=executor)
+    from opdcache.asyncopd import run_async
 
-    ray_run = run_async(cfg(tmp_path / "ray", "ray"))
-    run_async(cfg(tmp_path / "local", "local"))
-    assert _hashes(tmp_path / "ray" / "cache") == _hashes(tmp_path / "local" / "cache")
+    ray_run = run_async(small_async(weights, opd_prompts, tmp_path / "ray", executor="ray"))
+    assert _hashes(tmp_path / "ray" / "cache") == _hashes(local_async_run / "cache")
     assert [s["staleness"] for s in ray_run["async"]["shards"]] == [0, 1, 1, 1]
-    losses = [[json.loads(l)["loss"] for l in (tmp_path / d / "learner" / "metrics.jsonl").read_text().splitlines()] for d in ("ray", "local")]
+    losses = [[json.loads(l)["loss"] for l in (d / "learner" / "metrics.jsonl").read_text().splitlines()] for d in (tmp_path / "ray", local_async_run)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)

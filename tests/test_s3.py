@@ -345,27 +345,24 @@ def test_ray_workers_write_a_cache_on_s3(s3, weights, opd_prompts, tmp_path):
     assert validate(url) == [] and not [k for k in _keys(s3, "ray/cache") if k.endswith("_opdcache_job.json")]
 
 
-def test_an_async_run_with_its_cache_on_s3_writes_the_local_runs_bytes(s3, tmp_path, weights, opd_prompts):
+def test_an_async_run_with_its_cache_on_s3_writes_the_local_runs_bytes(s3, tmp_path, weights, opd_prompts, local_async_run):
     """opdcache async with --cache s3://...: the stages meet only through the object store (shards, snapshots), and the
-    shards are the bytes of the same run on local disk; the manifest records the consumption; validate reads the URL."""
+    shards are the bytes of the same run on local disk (the session's local run); the manifest records the consumption;
+    validate reads the URL."""
     import json
 
-    from opdcache.asyncopd import AsyncConfig, learner, run_async
+    from asyncsmall import small_async
+
+    from opdcache.asyncopd import run_async
     from opdcache.validate import validate
 
-    def cfg(out, cache=None):
-        return AsyncConfig(learner=learner(weights / "student", steps=4, batch_size=4, lr=1e-4), teacher=weights / "teacher",
-                           prompts=PromptConfig(opd_prompts), out=out, cache=cache, staleness=1,
-                           sampling=SamplingConfig(temperature=1.0, max_new_tokens=8), device="cpu", threads=1)
-
     url = f"s3://{BUCKET}/async/cache"
-    remote = run_async(cfg(tmp_path / "remote", url))
-    run_async(cfg(tmp_path / "local"))
-    assert _remote_hashes(s3, "async/cache") == _local_hashes(tmp_path / "local" / "cache")
+    remote = run_async(small_async(weights, opd_prompts, tmp_path / "remote", cache=url))
+    assert _remote_hashes(s3, "async/cache") == _local_hashes(local_async_run / "cache")
     assert [s["student_version"] for s in remote["async"]["shards"]] == [0, 0, 1, 2]
     assert not [k for k in _keys(s3, "async/cache") if k.startswith("snapshots/")]  # published, consumed, then removed
     assert not [p for p in validate(url) if not p.warning]
-    losses = [[json.loads(l)["loss"] for l in (tmp_path / d / "learner" / "metrics.jsonl").read_text().splitlines()] for d in ("remote", "local")]
+    losses = [[json.loads(l)["loss"] for l in (d / "learner" / "metrics.jsonl").read_text().splitlines()] for d in (tmp_path / "remote", local_async_run)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
