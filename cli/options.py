@@ -72,10 +72,10 @@ class Fields:
     def option(self, name: str, *flags: str, note: str = "", state_default: bool = True, defaults: dict | None = None,
                **kwargs) -> typer.models.OptionInfo:
         """``typer.Option`` for field ``name``: its flags (default ``--name``, or ``--name/--no-name`` for a field that
-        defaults to a bool), help = docstring + ``note``; with
-        ``state_default`` (for a command whose flags default to None so that a file of settings can fill them) the
-        field's default (or ``defaults[name]``, where a command's differ) is added to the help unless the docstring says
-        it; without it, the command's own default is shown."""
+        defaults to a bool) and help, the docstring then ``note``. With ``state_default`` (an option that defaults to
+        None, so that the dataclass or a file of settings supplies the value) the field's default, or ``defaults[name]``
+        where the command's differs, is added to the help unless the docstring says it; without, Typer shows the
+        command's own default."""
         help = " ".join(part for part in (self.doc(name), note) if part)
         if state_default:
             default = (defaults or {}).get(name, self.default(name))
