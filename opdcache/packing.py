@@ -37,6 +37,8 @@ def _runs(rows: list[tuple]) -> list[tuple]:
 def _as_tensor(values: np.ndarray) -> torch.Tensor:
     import warnings
 
+    if values.flags.writeable:
+        return torch.from_numpy(values)
     with warnings.catch_warnings():  # views of read-only Arrow buffers: a packed batch's tensors are read-only
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(values)
@@ -68,8 +70,8 @@ def collate_packed(rows: list[tuple])  -> dict[str, torch.Tensor]:
         p0, p1 = d.prompt_offsets[idx], d.prompt_offsets[idx + 1]
         contiguous = bool((np.diff(idx) == 1).all())
         take = slice(int(a[0]), int(b[-1])) if contiguous else _ranges(a, b - a)
-        for name in parts:
-            parts[name].append(d.cols[name][take])
+        for name in parts:  # a run is a view; rows apart, one take a column (a [tokens, k] take is ~4x a fancy index)
+            parts[name].append(d.cols[name][take] if contiguous else np.take(d.cols[name], take, axis=0))
         prompt_parts.append(d.cols["prompt_ids"][_ranges(p0, p1 - p0)])
         n_parts.append(b - a)
         p_parts.append(p1 - p0)
@@ -80,14 +82,16 @@ def collate_packed(rows: list[tuple])  -> dict[str, torch.Tensor]:
     flat = {name: v[0] if len(v) == 1 else np.concatenate(v) for name, v in parts.items()}
     prompts = prompt_parts[0] if len(prompt_parts) == 1 else np.concatenate(prompt_parts)
     N, B = int(cu_seqlens[-1]), len(n)
+    position_ids = np.arange(N) - np.repeat(cu_seqlens[:-1], seq)
+    response = position_ids >= np.repeat(prompt, seq)  # each sequence's prompt, then its response
     input_ids = np.empty(N, np.int64)
-    input_ids[_ranges(cu_seqlens[:-1], prompt)] = prompts
-    input_ids[_ranges(cu_seqlens[:-1] + prompt, n)] = flat["response_ids"]
+    input_ids[~response] = prompts
+    input_ids[response] = flat["response_ids"]
     batch = {"input_ids": torch.from_numpy(input_ids[None]),
-             "position_ids": torch.from_numpy((np.arange(N) - np.repeat(cu_seqlens[:-1], seq))[None]),
+             "position_ids": torch.from_numpy(position_ids[None]),
              "cu_seqlens": torch.from_numpy(cu_seqlens.astype(np.int32)),
              "response_ids": torch.from_numpy(flat["response_ids"].astype(np.int64)),
-             "logit_positions": torch.from_numpy(_ranges(cu_seqlens[:-1] + prompt - 1, n)),
+             "logit_positions": torch.from_numpy(np.flatnonzero(response) - 1),
              "sequence_index": torch.from_numpy(np.repeat(np.arange(B), n)),
              "cu_response": torch.from_numpy(cu_response)}
     for name in names:
