@@ -171,12 +171,17 @@ def test_each_killed_stage_resumes_to_the_uninterrupted_run(tmp_path, weights, o
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6)
 
 
-def test_resume_with_other_settings_is_refused_with_the_difference(reference, weights, opd_prompts):
-    cfg, _ = reference
+def test_resume_with_other_settings_is_refused_with_the_difference(tmp_path, weights, opd_prompts):
+    """A run directory whose run.json records other settings (as a started run leaves it) is refused before any stage
+    starts, naming the difference, in one line."""
+    from opdcache.asyncopd.run import _begin
+
+    cfg = _cfg(weights, opd_prompts, tmp_path / "run", steps=6)  # the settings _cli_args gives
+    _begin(cfg)
     proc = subprocess.run([sys.executable, "-m", "opdcache.cli.main", "async", *_cli_args(weights, opd_prompts), "--out", str(cfg.out),
                            "--lr", "3e-4"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "holds an async run with other settings" in proc.stderr and "lr: 0.0001 -> 0.0003" in proc.stderr
+    assert "holds an async run with other settings (lr: 0.0001 -> 0.0003);" in proc.stderr  # that difference alone
     assert len(proc.stderr.strip().splitlines()) == 1  # one line: the difference and the fix
 
 
