@@ -31,9 +31,15 @@ def _status(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+def _reset_peak() -> bool:
+    """Reset the peak resident memory to the current one; False where the kernel refuses (then each probe needs a child
+    of its own for its peak to be its own)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def _probe(args: list[str], env: dict, cwd: str, out_path: str) -> int:
@@ -69,7 +75,7 @@ def serve() -> None:
     requests, answers = os.fdopen(int(sys.argv[1]), "r"), os.fdopen(int(sys.argv[2]), "w")
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
-    answers.write(json.dumps({"baseline": _status("VmHWM")}) + "\n")
+    answers.write(json.dumps({"baseline": _status("VmHWM"), "resettable": _reset_peak()}) + "\n")
     answers.flush()
     for line in requests:
         req = json.loads(line)

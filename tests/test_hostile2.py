@@ -39,7 +39,8 @@ reserve address space they never touch (thread stacks, allocator arenas: std::ba
 
 class _Probes:
     """The child that runs every probe (tests/cliserver.py): started on first use, again if it died or if its address
-    space grew within 1 GiB of the cap (so that a probe always has the headroom a fresh child had)."""
+    space grew within 1 GiB of the cap (so that a probe always has the headroom a fresh child had); a child of its own
+    for every probe where the kernel cannot reset a process's peak memory (or OPDCACHE_TEST_CHILD_PER_PROBE is set)."""
 
     def __init__(self) -> None:
         self.proc = None
@@ -62,6 +63,7 @@ class _Probes:
         assert hello is not None, self._log()
         if self.baseline is None:
             self.baseline = hello["baseline"]
+        self.resettable = hello["resettable"] and not os.environ.get("OPDCACHE_TEST_CHILD_PER_PROBE")
 
     def _log(self) -> str:
         self.log.seek(0)
@@ -95,7 +97,7 @@ class _Probes:
             died = self.proc.poll()
             self.stop()
             return (-9 if died is None else died), text, 0
-        if answer["vm"] > MEMORY_BOUND - (1 << 30):
+        if answer["vm"] > MEMORY_BOUND - (1 << 30) or not self.resettable:  # no reset: the next probe needs a fresh child
             self.stop()
         return answer["code"], text, answer["peak"]
 
