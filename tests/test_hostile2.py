@@ -49,7 +49,7 @@ class _Probes:
     def start(self) -> None:
         r_req, w_req = os.pipe()
         r_ans, w_ans = os.pipe()
-        self.log = open(os.path.join(tempfile.gettempdir(), f"opdcache-cliserver-{os.getpid()}.log"), "w+")
+        self.log = tempfile.TemporaryFile("w+")  # the child's own output outside probes, shown if it fails to start
 
         def cap():
             resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BOUND, MEMORY_BOUND))
