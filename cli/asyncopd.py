@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Optional
@@ -83,8 +84,8 @@ def async_(
     if no_refresh:
         given["staleness"] = None
     run = {k: given[k] for k in LEARNER if k in given and k != "model"}
-    own = {k: given[k] for k in ("cache", "staleness", "top_k", "keep_snapshots", "executor", "gpus_per_stage", "ray_address", "device",
-                                 "threads") if k in given}
+    own = {f.name: given[f.name] for f in dataclasses.fields(AsyncConfig)  # the run's own settings the flags gave
+           if f.name in given and f.name not in ("learner", "teacher", "prompts", "out", "sampling")}
     settings = learner(model, **run)
     cfg = AsyncConfig(
         learner=settings, teacher=Path(teacher), out=out,
