@@ -18,16 +18,13 @@ prepare_environment()  # before anything imports torch: OpenMP reads its wait po
 
 import typer  # noqa: E402
 
-from opdcache.errors import (ConfigError, ConsistencyError, InputError, ManifestError, MissingDependencyError, NotACacheError,
-                             OpdcacheError, ResumeError, SchemaError, TokenizerMismatchError)
+from opdcache.errors import USAGE_ERRORS, ManifestError, OpdcacheError, SchemaError
 
 app = typer.Typer(
     name="opdcache", no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False, rich_markup_mode=None,
     help="Offline on-policy distillation caches: build, score, check, share, and train from them.",
 )
 
-USAGE_ERRORS = (ConfigError, ResumeError, InputError, TokenizerMismatchError, ConsistencyError, MissingDependencyError,
-                NotACacheError)
 DATA_ERRORS = (SchemaError, ManifestError)  # a damaged or hostile cache
 VERDICT_COMMANDS = ("validate", "pull")  # a damaged cache is what these commands report (exit 1); to any other it is bad input (2)
 

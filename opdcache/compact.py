@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from opdcache.errors import ConfigError
-from opdcache.stores.base import PAD_ID
+from opdcache.stores.base import FIELD_DTYPE, PAD_ID, PROB14_STEP
 
 PRECISIONS = ("float32", "float16", "q8")
 Q8_STEP = 1.0 / 16
@@ -182,8 +182,6 @@ def compact_topk(ids_TK: np.ndarray, lps_TK: np.ndarray, precision: str, mass: f
 
 def _prob14(ids: np.ndarray, lp: np.ndarray, kept: np.ndarray) -> dict:
     """The prob14 form of a residual-mass support in rank order (``kept`` a prefix of each row)."""
-    from opdcache.schema import PROB14_STEP
-
     p = np.exp(lp.astype(np.float64))
     code = np.rint(p / PROB14_STEP)
     code[:, :1] = np.maximum(code[:, :1], 1)  # the most likely entry always stays
@@ -255,14 +253,10 @@ def distortion_summary(sums: dict) -> dict:
 def decode_logprobs(values: np.ndarray, field) -> np.ndarray:
     """A top-k log-prob column's values (as :func:`opdcache.shards.token_values` returns them) -> float32: float16 bits
     (field metadata opdcache.dtype = float16) are decoded, float32 is returned as is."""
-    from opdcache.schema import FIELD_DTYPE
-
     dtype = field.metadata.get(FIELD_DTYPE) if field.metadata else None
     if dtype == b"float16":
         return np.ascontiguousarray(values).view(np.float16).astype(np.float32)
     if dtype == b"prob14":  # uint16 probability codes; 0 (padding) decodes to -inf
-        from opdcache.schema import PROB14_STEP
-
         with np.errstate(divide="ignore"):
             return np.log(np.asarray(values, np.float64) * PROB14_STEP).astype(np.float32)
     return values

@@ -46,3 +46,8 @@ class InputError(OpdcacheError, ValueError):
 
 class MissingDependencyError(OpdcacheError, ImportError):
     """An optional dependency is needed for the requested feature."""
+
+
+USAGE_ERRORS = (ConfigError, ResumeError, InputError, TokenizerMismatchError, ConsistencyError, MissingDependencyError,
+                NotACacheError)
+"""What a command was given that it does not take: exit 2, one line, at any stage that finds it."""

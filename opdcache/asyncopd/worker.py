@@ -37,8 +37,7 @@ def main(argv: list[str]) -> int:
     from opdcache.asyncopd.config import AsyncConfig
     from opdcache.asyncopd.queue import RUN_FILE
     from opdcache.asyncopd.stages import run_stage
-    from opdcache.cli.main import USAGE_ERRORS
-    from opdcache.errors import OpdcacheError
+    from opdcache.errors import USAGE_ERRORS, OpdcacheError
 
     from opdcache.untrusted import read_json
 
