@@ -33,7 +33,7 @@ from pathlib import Path
 from opdcache.asyncopd import AsyncConfig, learner, run_async
 from opdcache.backends.base import SamplingConfig
 from opdcache.demo.task import write_prompts
-from opdcache.prompts import PromptConfig
+from opdcache.inputs.prompts import PromptConfig
 
 WEIGHTS = Path(__file__).resolve().parent.parent / "opdcache" / "demo" / "weights"
 

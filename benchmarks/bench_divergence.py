@@ -1,4 +1,4 @@
-"""Chunked full-vocabulary KL (opdcache.divergence) against what a competent user writes, on the harness.
+"""Chunked full-vocabulary KL (opdcache.logits.divergence) against what a competent user writes, on the harness.
 
 Shape (the issue's): vocabulary 151,936, hidden 1,024 (student and teacher), 2,048 tokens, float32, CPU.
 Work: one forward + backward of the mean per-token forward KL(p_teacher || q_student) with respect to the
@@ -14,7 +14,7 @@ step (no warm-up step inside the process: a freed block the allocator keeps woul
     python benchmarks/bench_divergence.py [--tokens 2048 --vocab 151936 --hidden 1024 --kind fkl --rounds 3]
 
 On a CUDA machine, ``--devices cuda`` reports bf16 figures there: the sides interleaved in one process
-(benchmarks/inprocess.py), with the uniform path twice, with the fused Triton kernel (opdcache/kernels.py) and without.
+(benchmarks/inprocess.py), with the uniform path twice, with the fused Triton kernel (opdcache/logits/kernels.py) and without.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def setup(variant: str, N: int, V: int, H: int, kind: str, head_grad: bool) -> d
 
 def step(st: dict) -> None:
     """One forward + backward of the mean per-token divergence, the side's way."""
-    from opdcache.divergence import chunked_divergence
+    from opdcache.logits.divergence import chunked_divergence
 
     fn = {"naive": naive, "kl_div": kl_div_baseline, "chunked": chunked_divergence,
           "uniform": lambda *a: chunked_divergence(*a, uniform=True)}[st["variant"]]
@@ -168,7 +168,7 @@ def main() -> None:
 def inprocess_sides(device: str, N: int, V: int, H: int, kind: str, rounds: int, head_grad: bool, naive_too: bool,
                     masters: bool = False) -> dict:
     """The sides on ``device`` (cuda), interleaved in this process (one set of inputs): kl_div (the baseline), opdcache's
-    uniform path (the fused kernel, opdcache/kernels.py), the same in 256 MiB blocks, the same with the kernel off (its torch ops:
+    uniform path (the fused kernel, opdcache/logits/kernels.py), the same in 256 MiB blocks, the same with the kernel off (its torch ops:
     OPDCACHE_KERNELS=0) and the per-position path. Inputs in bf16, or with ``masters`` in float32 under bf16 autocast."""
     import contextlib
 
@@ -189,7 +189,7 @@ def inprocess_sides(device: str, N: int, V: int, H: int, kind: str, rounds: int,
         return run
 
     def smaller_blocks(run, mib: int):  # the fused path's blocks at ``mib`` instead of GPU_UNIFORM_BLOCK_BYTES
-        import opdcache.divergence as dv
+        import opdcache.logits.divergence as dv
 
         def sized():
             shipped, dv.GPU_UNIFORM_BLOCK_BYTES = dv.GPU_UNIFORM_BLOCK_BYTES, mib << 20

@@ -1,8 +1,8 @@
 """The uniform divergence path's layout on a GPU: positions per whole-vocabulary block and columns per piece, against
 kl_div, bf16 at the real shape (4,096 tokens, vocabulary 151,936, hidden 4,096), forward + backward with the head's
 gradient. Each layout in its own process (its allocator's peak alone), a warm-up and ``--repeats`` timed runs each,
-the layouts interleaved over ``--rounds``. Chose opdcache.divergence.GPU_UNIFORM_BLOCK_BYTES and the GPU's piece for
-the torch ops (the fused Triton kernel, opdcache/kernels.py, is off here: OPDCACHE_KERNELS=0).
+the layouts interleaved over ``--rounds``. Chose opdcache.logits.divergence.GPU_UNIFORM_BLOCK_BYTES and the GPU's piece for
+the torch ops (the fused Triton kernel, opdcache/logits/kernels.py, is off here: OPDCACHE_KERNELS=0).
 
     python benchmarks/bench_divergence_gpu_layout.py --rounds 2      # on a CUDA machine
 """
@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def child(layout: str, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:
-    import opdcache.divergence as dv
+    import opdcache.logits.divergence as dv
     from bench_divergence import run
 
     variant = "kl_div"
-    os.environ["OPDCACHE_KERNELS"] = "0"  # the torch ops' layout: the fused kernel (opdcache/kernels.py) sizes its own blocks
+    os.environ["OPDCACHE_KERNELS"] = "0"  # the torch ops' layout: the fused kernel (opdcache/logits/kernels.py) sizes its own blocks
     if layout != "kl_div":
         block_mib, piece = layout.split(":")
         rows = max(1, (int(block_mib) << 20) // (4 * vocab))

@@ -31,11 +31,11 @@ from opdcache.backends.base import SamplingConfig
 from opdcache.demo.pipeline import DemoConfig, DemoReport, load, sft_stages
 from opdcache.demo.pipeline import setup as demo_setup
 from opdcache.demo.evaluate import evaluate_accuracy, reverse_kl_to_teacher
-from opdcache.prompts import PromptConfig
+from opdcache.inputs.prompts import PromptConfig
 from opdcache.backends import EngineConfig
-from opdcache.rollouts import GenerateJob, run_generate
-from opdcache.scoring import ScoreJob, run_score
-from opdcache.train import TrainConfig, run_train, stores_for
+from opdcache.teacher.rollouts import GenerateJob, run_generate
+from opdcache.teacher.scoring import ScoreJob, run_score
+from opdcache.training.train import TrainConfig, run_train, stores_for
 
 
 PAPER_SIZES = {  # random-weight Llama models; the teacher's forward costs ~4x the student's per token (measured and printed each run)

@@ -51,7 +51,7 @@ WEIGHTS = Path(__file__).resolve().parent.parent / "opdcache" / "demo" / "weight
 
 def _train_step(model, exact: bool, reqs, gens) -> int:
     """One lightning-style forward + backward over the sequences; returns their response tokens."""
-    from opdcache.student import StudentForward
+    from opdcache.training.student import StudentForward
 
     rows = [list(r.prompt_ids) + list(g.response_ids) for r, g in zip(reqs, gens)]
     L = max(map(len, rows))
@@ -77,7 +77,7 @@ def _train_step(model, exact: bool, reqs, gens) -> int:
 
 def _requests(model: Path, prompts: int, chat: bool) -> list[GenerateRequest]:
     """4 seeded samples of each prompt: a real model's chat-template questions, or the demo task's "a+b=" prompts."""
-    from opdcache.models import load_tokenizer
+    from opdcache.inputs.models import load_tokenizer
 
     tok = load_tokenizer(model)
     rng = np.random.default_rng(0)

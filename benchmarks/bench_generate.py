@@ -65,7 +65,7 @@ def setup(side: str, batch: int, max_new_tokens: int, context: int = 0) -> dict:
     """The model, the templated prompts and the side's engine, loaded before the timer."""
     from opdcache.backends.base import SamplingConfig
     from opdcache.backends.hf import TransformersBackend
-    from opdcache.models import load_tokenizer
+    from opdcache.inputs.models import load_tokenizer
 
     path = model_dir()
     tok = load_tokenizer(path)

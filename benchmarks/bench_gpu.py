@@ -261,7 +261,7 @@ def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: in
     optimizer and batch), interleaved."""
     import torch
 
-    from opdcache.train import TrainConfig, Trainer
+    from opdcache.training.train import TrainConfig, Trainer
 
     torch.manual_seed(0)
     trainer = Trainer(TrainConfig(model=Path(model_path), cache=Path(cache), out=Path(out), loss=loss, batch_size=batch_size, lr=1e-5,
@@ -281,7 +281,7 @@ def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: in
 
     fns = {"full logits": step("full logits", lambda: full_logits_loss(trainer, batch, loss)),  # [B, kept, V] bf16, then float32
            "fused": step("fused", lambda: trainer.loss_and_stats(batch)[0])}
-    if loss.startswith("full-"):  # the uniform divergence's kernel (opdcache/kernels.py) off: its torch ops
+    if loss.startswith("full-"):  # the uniform divergence's kernel (opdcache/logits/kernels.py) off: its torch ops
         fns["fused, torch ops"] = kernels_off(step("fused, torch ops", lambda: trainer.loss_and_stats(batch)[0]))
     padding = 1 - float(batch["attention_mask"].float().mean())
     if loss == "lightning":  # the same rows packed (train --pack): its own trainer, since its model runs the packed attention

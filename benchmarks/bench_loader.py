@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opdcache import schema as S
-from opdcache.cache import TableJob, finalize_table, run_table_job
+from opdcache.format import schema as S
+from opdcache.format.cache import TableJob, finalize_table, run_table_job
 
 V, K, SHARDS = 151_936, 20, 8
 
@@ -177,7 +177,7 @@ class DatasetsLoader:
 
 
 def make(root: str, bs: int, side: str):
-    from opdcache.data import CacheLoader, CacheLoaderConfig
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
 
     if side in ("opdcache", "packed"):
         return CacheLoader(CacheLoaderConfig(cache=root, teacher="t", stores=("logprob", "topk"), batch_size=bs, pack=side == "packed"))

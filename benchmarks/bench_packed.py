@@ -34,9 +34,9 @@ DEMO = Path(__file__).parent.parent / "opdcache" / "demo" / "weights"
 def build(root: Path, prompts: int) -> Path:
     from opdcache.backends.base import SamplingConfig
     from opdcache.demo.task import write_prompts
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob, run_generate
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     cache = root / "cache"
     path = write_prompts(root / "opd.jsonl", "opd", prompts)
@@ -50,8 +50,8 @@ def build_spread(root: Path, rows: int, vocab: int, seed: int = 0) -> Path:
     """A rollouts cache and a logprob teacher table with log-uniform response lengths in [8, 512]."""
     import numpy as np
 
-    from opdcache import schema as S
-    from opdcache.cache import TableJob, finalize_table, run_table_job
+    from opdcache.format import schema as S
+    from opdcache.format.cache import TableJob, finalize_table, run_table_job
 
     rng = np.random.default_rng(seed)
     cache, shards = root / "spread", 4
@@ -91,7 +91,7 @@ def wide_model(root: Path) -> Path:
 
 
 def padding_share(cache: str, batch_size: int) -> float:
-    from opdcache.data import CacheLoader, CacheLoaderConfig
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
 
     real = padded = 0
     for b in CacheLoader(CacheLoaderConfig(cache=cache, teacher="teacher", batch_size=batch_size, seed=0)):
@@ -101,7 +101,7 @@ def padding_share(cache: str, batch_size: int) -> float:
 
 
 def setup(cache: str, model: str, steps: int, batch_size: int, pack: bool, out: str, max_batch_tokens: int | None = None) -> dict:
-    from opdcache.train import TrainConfig, Trainer
+    from opdcache.training.train import TrainConfig, Trainer
 
     torch.set_num_threads(2)
     torch.manual_seed(0)

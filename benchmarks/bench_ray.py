@@ -40,10 +40,10 @@ def setup(root: str, prompts: int, side: str, workers: int = 0, cpus: int = 1, t
 
 def run(st: dict) -> None:
     from opdcache.backends.base import SamplingConfig
-    from opdcache.executors import RayConfig, run_on_ray
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob, run_generate
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.teacher.executors import RayConfig, run_on_ray
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     out = st["root"] / st["side"]
     shutil.rmtree(out, ignore_errors=True)

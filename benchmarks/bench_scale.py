@@ -108,7 +108,7 @@ def full_logits_loss(trainer, batch: dict, loss: str):
     full-fkl loss."""
     import torch
 
-    from opdcache import losses as L
+    from opdcache.training import losses as L
 
     b = {k: v.to(trainer.device) for k, v in batch.items()}
     with torch.autocast(trainer.device.type, dtype=torch.bfloat16, enabled=trainer.autocast is not None):
@@ -138,7 +138,7 @@ def child_train(student: str, cache: str, loss: str, path: str, out: str, batch:
     checkpointing) or plain."""
     import torch
 
-    from opdcache.train import TrainConfig, Trainer
+    from opdcache.training.train import TrainConfig, Trainer
 
     torch.manual_seed(0)
     trainer = Trainer(TrainConfig(model=Path(student), cache=Path(cache), out=Path(out), loss=loss, batch_size=int(batch), lr=1e-5, kl_coef=0.0,  # the main loss alone, as the baseline
@@ -226,7 +226,7 @@ def train_memory(args) -> None:
                  for loss in ("lightning", "full-fkl")}
         args.json.write_text(json.dumps({"hidden": args.hidden, "layers": args.layers, "batch": args.batch, "rows": rows, "summary": summary,
                                          "checkpointing_slope_cut": ratio,
-                                         "allocator": "glibc M_MMAP_THRESHOLD fixed at 128 KiB by train in the +ckpt rows (opdcache/allocator.py)"},
+                                         "allocator": "glibc M_MMAP_THRESHOLD fixed at 128 KiB by train in the +ckpt rows (opdcache/training/allocator.py)"},
                                         indent=2))
 
 

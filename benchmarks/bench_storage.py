@@ -4,7 +4,7 @@ Headline (the default): a real teacher on its own rollouts. SmolLM2-135M-Instruc
 vocabulary 49,152, hidden 576) scores its own chat-template math rollouts at temperature 1 (benchmarks/realdata.py:
 64 prompts, up to 128 tokens); the svd settings fit on the first 32 rows and every setting is measured on the other 32.
 Two real students on the same vocabulary: the same model with int8 weights and activations (w8a8, near) and with int4
-weight groups of 64 (w4a16:g64, far), emulated by opdcache's --quantize. The numbers come from opdcache/frontier.py (what
+weight groups of 64 (w4a16:g64, far), emulated by opdcache's --quantize. The numbers come from opdcache/teacher/frontier.py (what
 ``opdcache plan`` prints); results/storage_real.json keeps them. Run:
 
     python benchmarks/bench_storage.py                 # real (about 3 minutes on 2 cores)
@@ -33,8 +33,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from opdcache import schema as S
-from opdcache import shards
+from opdcache.format import schema as S
+from opdcache.format import shards
 
 V, H = 151_936, 4096
 
@@ -162,7 +162,7 @@ def topk_frontier(rows, n_tokens: int) -> None:
     """Bytes/token beside measured error for every top-k setting at k=128: the frontier."""
     import pyarrow as pa
 
-    from opdcache.compact import TopkCodec, distortion
+    from opdcache.stores.compact import TopkCodec, distortion
 
     print(f"\ntop-k k=128 frontier: bytes/token (Parquet, zstd {shards.COMPRESSION_LEVEL}) and error against the exact top-128 "
           "and against the full vocabulary")
@@ -235,8 +235,8 @@ def v3_stores(rows, n_tokens: int) -> None:
     settings, and the sampled store at m = 4-32, each with its measured forward-KL fidelity against the full vocabulary.
     For the sampled store the estimator is unbiased; its per-position error is sampling noise, so the table gives the
     bias over all positions (mean of estimate - exact) beside the per-position spread."""
-    from opdcache import compact
-    from opdcache.sampled import store_columns
+    from opdcache.stores import compact
+    from opdcache.stores.sampled import store_columns
 
     print("\nv3 stores written by opdcache's writer (k=128 source), bytes/token of the store's columns and forward-KL fidelity")
     header = f"{'store':<38} {'B/token':>8} {'entries':>8} {'max|FKL-FKL_full|':>18} {'mean':>9} {'bias':>10}"
@@ -303,10 +303,10 @@ def real(out_path: Path) -> None:
     from realdata import real_rollouts
 
     from opdcache.backends.hf import TransformersBackend
-    from opdcache.cache import Cache
-    from opdcache.frontier import Model, Setting, default_settings, measure
-    from opdcache.plan import render
-    from opdcache.scoring import score_requests
+    from opdcache.format.cache import Cache
+    from opdcache.teacher.frontier import Model, Setting, default_settings, measure
+    from opdcache.teacher.plan import render
+    from opdcache.teacher.scoring import score_requests
 
     cache_dir, model = real_rollouts()
     cache = Cache(cache_dir)

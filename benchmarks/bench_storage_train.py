@@ -75,9 +75,9 @@ def served_kl(teacher_dir: Path, student_dir: Path, heldout: Path) -> dict:
     import torch
 
     from opdcache.backends.hf import TransformersBackend
-    from opdcache.cache import Cache
-    from opdcache.frontier import Model
-    from opdcache.scoring import score_requests
+    from opdcache.format.cache import Cache
+    from opdcache.teacher.frontier import Model
+    from opdcache.teacher.scoring import score_requests
 
     teacher = Model(TransformersBackend(teacher_dir, dtype="float32"), "teacher")
     student = Model(TransformersBackend(student_dir, dtype="float32", quantize=SCHEME), "student")
@@ -126,8 +126,8 @@ def main() -> None:
             cli("score-teacher", str(cache), "--teacher", str(model), "--name", slug, *flags, "--no-progress")
             print(f"scored {slug} ({time.perf_counter() - start:.0f} s)", flush=True)
 
-    from opdcache.cache import Cache
-    from opdcache.info import store_bytes
+    from opdcache.format.cache import Cache
+    from opdcache.format.info import store_bytes
 
     c = Cache(cache)
     tokens = sum(s["tokens"] for s in c.table("rollouts")["shards"])

@@ -9,7 +9,7 @@ Held out: every position of the last 32 prompts: other prompts than any calibrat
 are to the sample its projection was fitted on. Calibration: N positions drawn at random (seed 0) over the other
 prompts, as score-teacher draws its rows over every shard; and, as an earlier frontier fitted it, all positions of
 32 prompts only. Distortion: mean KL(true || reconstructed) per held-out position with z rounded to bfloat16 as the
-store keeps it, with its standard error over the held-out positions, and top-1 agreement (opdcache/svd.py). Bytes: the svd column as opdcache's writer stores it
+store keeps it, with its standard error over the held-out positions, and top-1 agreement (opdcache/stores/svdprojection.py). Bytes: the svd column as opdcache's writer stores it
 (BYTE_STREAM_SPLIT + zstd), per token. A measurement of error and bytes: nothing is timed, so no harness rounds.
 
     python benchmarks/bench_svd.py [--prompts 288] [--ranks 256,512] [--sizes 2048,4096,8192,16384,24576]
@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opdcache import schema as S
-from opdcache import shards, svd
+from opdcache.format import schema as S
+from opdcache.format import shards
+from opdcache.stores import svdprojection as svd
 
 HELD_PROMPTS = 32
 BATCH = 32

@@ -44,7 +44,7 @@ def child(R: int, ckpt: bool, layers: int, rss: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from opdcache.student import StudentForward, enable_activation_checkpointing
+    from opdcache.training.student import StudentForward, enable_activation_checkpointing
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=V, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers, num_attention_heads=16,

@@ -56,9 +56,9 @@ def collect() -> Data:
     from realdata import real_rollouts
 
     from opdcache.backends.hf import TransformersBackend
-    from opdcache.cache import Cache
-    from opdcache.frontier import Model
-    from opdcache.scoring import score_requests
+    from opdcache.format.cache import Cache
+    from opdcache.teacher.frontier import Model
+    from opdcache.teacher.scoring import score_requests
 
     cache_dir, model = real_rollouts()
     cache = Cache(cache_dir)
@@ -98,7 +98,7 @@ def estimate(q: np.ndarray, kept: np.ndarray, tail: np.ndarray, s: np.ndarray, s
 
 
 def support(d: Data, mass: float = MASS) -> np.ndarray:
-    """The residual-mass prefix in rank order (opdcache.compact.support): the shortest whose rest is <= ``mass``."""
+    """The residual-mass prefix in rank order (opdcache.stores.compact.support): the shortest whose rest is <= ``mass``."""
     rest = d.pout[:, None] + np.cumsum(d.p[:, ::-1], 1)[:, ::-1]  # rest[:, j]: the mass from entry j on, outside included
     rest = np.concatenate([rest, d.pout[:, None]], 1)
     ok = rest <= mass
@@ -214,8 +214,9 @@ def store_bytes(cols: dict, level: int, page: int | None) -> dict:
 
 def writer_bytes(d: Data) -> float:
     """The v4 prob14 store as opdcache's own writer writes it (compact_topk, build_table, write_table_atomic)."""
-    from opdcache import compact, shards
-    from opdcache import schema as S
+    from opdcache.format import shards
+    from opdcache.stores import compact
+    from opdcache.format import schema as S
 
     params = S.StoreParams(stores=("logprob", "topk"), top_k=K, topk_precision="prob14", topk_mass=MASS)
     bounds = np.concatenate([[0], np.cumsum(d.rows)])

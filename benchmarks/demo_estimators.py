@@ -7,7 +7,7 @@ teacher, the drift from pi_ref (K1 of the last step) and the importance weight p
 (papers/000 Fig. 3a). Printed as mean +- standard deviation over seeds, with every seed's figure; the per-run
 figures and weight curves go to <root>/variants.json (the notebook's plot reads the same metrics).
 
-A variant is an estimator name (opdcache/estimators.py ESTIMATORS), optionally with suffixes:
+A variant is an estimator name (opdcache/training/estimators.py ESTIMATORS), optionally with suffixes:
 ``+kl`` adds the KL penalty to pi_ref (``--kl-coef``, k3 estimator), ``@online`` trains standard OPD instead
 (fresh rollouts from the current student and a live teacher at every step, same estimator and settings).
 
@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 
 from opdcache.demo.pipeline import DemoConfig, DemoReport, evaluate, prepare, run_name, train_run
-from opdcache.estimators import ESTIMATORS
+from opdcache.training.estimators import ESTIMATORS
 
 
 def variant_settings(variant: str, kl_coef: float, teacher_model: Path) -> tuple[str, float, dict]:

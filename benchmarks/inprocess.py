@@ -80,7 +80,7 @@ def interleaved(fns: dict, device: str, rounds: int) -> dict:
 
 
 def kernels_off(fn):
-    """``fn`` with opdcache's fused Triton kernels off (OPDCACHE_KERNELS=0, opdcache/kernels.py): the torch ops they
+    """``fn`` with opdcache's fused Triton kernels off (OPDCACHE_KERNELS=0, opdcache/logits/kernels.py): the torch ops they
     replace, as a side beside the same work with them on."""
     def run():
         os.environ["OPDCACHE_KERNELS"] = "0"

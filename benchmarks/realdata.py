@@ -17,8 +17,8 @@ def real_rollouts() -> tuple[Path, Path]:
     """(cache, model): the rollouts cache (64 prompts, 1 sample each, up to 128 tokens, 4 shards) and the model."""
     from opdcache.backends.base import SamplingConfig
     from opdcache.demo import real
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
 
     model = real.smollm2()
     root = Path(os.environ.get("OPDCACHE_BENCH_DATA", Path.home() / ".cache" / "opdcache" / "bench")) / f"smollm2-math-{PROMPTS}x{MAX_NEW_TOKENS}"

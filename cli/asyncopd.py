@@ -10,9 +10,9 @@ from typing import Annotated, Optional
 import typer
 
 from opdcache.cli import options as O
-from opdcache.estimators import ASYNC
+from opdcache.training.estimators import ASYNC
 
-T = O.Fields("opdcache.trainconfig", "TrainConfig")
+T = O.Fields("opdcache.training.trainconfig", "TrainConfig")
 A = O.Fields("opdcache.asyncopd.config", "AsyncConfig")
 DEFAULTS = O.literal("opdcache.asyncopd.config", "LEARNER_DEFAULTS")  # where the async learner's defaults differ from train's
 LEARNER = O.literal("opdcache.asyncopd.config", "LEARNER_SETTINGS")
@@ -72,7 +72,7 @@ def async_(
     from opdcache.asyncopd import AsyncConfig, learner, run_async
     from opdcache.backends.base import SamplingConfig
     from opdcache.errors import ConfigError
-    from opdcache.prompts import PromptConfig
+    from opdcache.inputs.prompts import PromptConfig
 
     if gpus is not None:
         try:

@@ -29,7 +29,7 @@ def audit(
     Memory: one engine (the model, plus a float64 copy of its weights for exact tables) and the sampled rows' values
     twice; the rows are read from one shard at a time."""
     O.announce_threads()
-    from opdcache.audit import AuditConfig, audit as run, render
+    from opdcache.teacher.audit import AuditConfig, audit as run, render
 
     report = run(AuditConfig(cache=cache, table=table, rows=rows, seed=seed, model=model, teacher=teacher, tolerance=tolerance, device=device))
     typer.echo(json.dumps(report, indent=2) if as_json else render(report))

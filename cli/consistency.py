@@ -20,7 +20,7 @@ def check_consistency(
     """Which teacher pi_ref is consistent with: lineage, and an empirical probe from the stored scores.
 
     Memory: the per-token log-prob columns of the cache (a few bytes per token); no model is loaded."""
-    from opdcache.consistency import check, render
+    from opdcache.teacher.consistency import check, render
 
     report = check(cache, teacher, train_teacher, max_gap_vs_uniform)
     typer.echo(json.dumps(report, indent=2) if as_json else render(report))

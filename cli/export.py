@@ -20,7 +20,7 @@ def export(
     """One row per rollout, prompt and response decoded beside the ids, with one teacher's per-token columns; or the Lightning OPD release's layout.
 
     Memory: one shard's rows at a time."""
-    from opdcache.export import export as run
+    from opdcache.format.export import export as run
 
     result = run(cache, to, out, teacher, ref_logprobs)
     refused = f"; {result['refused']} rows refused (their prompt text does not re-encode to the cached ids)" if result["refused"] else ""

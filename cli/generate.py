@@ -30,9 +30,9 @@ def _run(kind: str, model: str, o: dict) -> None:
     rollout-only options, which then take their defaults)."""
     O.announce_threads()
     from opdcache.backends.base import SamplingConfig
-    from opdcache.prompts import PromptConfig
+    from opdcache.inputs.prompts import PromptConfig
     from opdcache.backends import EngineConfig
-    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
 
     job = GenerateJob(
         model=model, revision=o["revision"], out=o["out"], kind=kind, num_shards=o["num_shards"], sft_teacher=o.get("sft_teacher"), reward=o["reward"],
@@ -48,7 +48,7 @@ def _run(kind: str, model: str, o: dict) -> None:
         num_workers=o["num_workers"], worker_index=o["worker_index"], progress=o["progress"],
     )
     if o["executor"] == "ray":
-        from opdcache.executors import RayConfig, run_on_ray
+        from opdcache.teacher.executors import RayConfig, run_on_ray
 
         results = run_on_ray(run_generate, job, RayConfig(workers=o["workers"], address=o["ray_address"], gpus_per_worker=o["gpus_per_worker"],
                                                                      cpus_per_worker=o["cpus_per_worker"]), kind)

@@ -16,7 +16,7 @@ def push(cache: CachePath, repo_id: RepoId, private: Annotated[bool, typer.Optio
          token: Token = None, revision: Revision = None) -> None:
     """Upload a validated cache to the Hub (resumable; the manifest goes last). Memory: as validate. A cache on an object
     store is first downloaded to a temporary folder (disk: the cache's size), since the Hub client uploads folders."""
-    from opdcache.hub import push as run
+    from opdcache.format.hub import push as run
 
     typer.echo(f"pushed {cache} to {run(cache, repo_id, private=private, token=token, revision=revision)}")
 
@@ -24,7 +24,7 @@ def push(cache: CachePath, repo_id: RepoId, private: Annotated[bool, typer.Optio
 def pull(repo_id: RepoId, out: Annotated[Path, typer.Argument(help="Local directory to download into.", show_default=False)],
          token: Token = None, revision: Revision = None) -> None:
     """Download a cache from the Hub and validate it. Memory: as validate (files stream to disk)."""
-    from opdcache.hub import pull as run
+    from opdcache.format.hub import pull as run
 
     typer.echo(f"pulled {repo_id} into {run(repo_id, out, token=token, revision=revision)}: ok")
 

@@ -31,7 +31,7 @@ def mismatch_report(
     for rollouts also papers/004's error tokens (the rule is printed with them).
 
     Memory: as score-teacher for the float32 recompute (streamed head, no tokens x vocabulary), plus the per-token deltas."""
-    from opdcache import mismatch as M
+    from opdcache.teacher import mismatch as M
 
     out = M.report_folder(cache, out)  # a folder that would write outside the cache is refused before any recompute
     rep, sections = M.report(cache, model, teacher, rollouts, worst, device, progress, rollout_aligned, exact)

@@ -89,8 +89,8 @@ class Fields:
 
 E = Fields("opdcache.backends", "EngineConfig")
 S = Fields("opdcache.backends.base", "SamplingConfig")
-P = Fields("opdcache.prompts", "PromptConfig")
-G = Fields("opdcache.rollouts", "GenerateJob")
+P = Fields("opdcache.inputs.prompts", "PromptConfig")
+G = Fields("opdcache.teacher.rollouts", "GenerateJob")
 
 CachePath = Annotated[str, typer.Argument(metavar="CACHE", help="Cache: the folder holding opdcache.json, or a URL (s3://bucket/prefix, gs://..., hf://datasets/org/name).", show_default=False)]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only problems and the final line.")]

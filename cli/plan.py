@@ -31,7 +31,7 @@ def plan(
     model, a few float64 while errors are summed: about 1 GiB at a 151,936 vocabulary), and the sampled rows' stored
     values for each setting (rows x tokens x width); never the sample's tokens x vocabulary."""
     O.announce_threads()
-    from opdcache.plan import PlanConfig, render, run_plan
+    from opdcache.teacher.plan import PlanConfig, render, run_plan
 
     report = run_plan(PlanConfig(cache=cache, teacher=teacher, rows=rows, seed=seed, students=tuple(student or ()), dtype=dtype,
                                  max_error=max_error, max_bytes=max_bytes))

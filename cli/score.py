@@ -10,7 +10,7 @@ import typer
 from opdcache.cli import options as O
 from opdcache.stores import REGISTRY
 
-J = O.Fields("opdcache.scoring", "ScoreJob")
+J = O.Fields("opdcache.teacher.scoring", "ScoreJob")
 STORE_HELP = "Comma-separated teacher stores: " + "; ".join(store.summary for store in REGISTRY.values()) + "."
 
 
@@ -51,8 +51,8 @@ def score_teacher(
     prompts' ids in both tokenizations."""
     O.announce_threads()
     from opdcache.backends import EngineConfig
-    from opdcache.prompts import PromptConfig
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     job = ScoreJob(prompts=PromptConfig(prompts, prompt_field=prompt_field, messages_field=messages_field) if prompts else None,
                    cache=cache, teacher=teacher, revision=revision, stores=tuple(s.strip() for s in store.split(",") if s.strip()), top_k=top_k,
@@ -63,7 +63,7 @@ def score_teacher(
                                        max_batch_tokens=max_batch_tokens),
                    num_workers=num_workers, worker_index=worker_index, progress=progress)
     if executor == "ray":
-        from opdcache.executors import RayConfig, run_on_ray
+        from opdcache.teacher.executors import RayConfig, run_on_ray
 
         results = run_on_ray(run_score, job, RayConfig(workers=workers, address=ray_address, gpus_per_worker=gpus_per_worker, cpus_per_worker=cpus_per_worker),
                              f"teachers/{job.table_slug}")
@@ -95,7 +95,7 @@ def score_teacher(
                    f"{a['student_tokens']:,} of pi_ref's" + (f"; {skipped:,} rows skipped (never trained): "
                    + "; ".join(f"{n} x {why}" for why, n in a["skipped"].items()) if skipped else ""))
     if result.get("fidelity"):
-        from opdcache.fidelity import describe
+        from opdcache.format.fidelity import describe
 
         for line in describe(result["fidelity"]):
             typer.echo(f"against the full vocabulary: {line}")
@@ -106,7 +106,7 @@ def score_teacher(
 def finalize(cache: O.CachePath,
              table: Annotated[str, typer.Option("--table", help="rollouts, sft, or teachers/<name>.")] = "rollouts") -> None:
     """Write the manifest after all workers of a job are done (any worker that finishes last does it too)."""
-    from opdcache.cache import TableJob, finalize_table
+    from opdcache.format.cache import TableJob, finalize_table
 
     finalize_table(TableJob.from_job_file(cache, table))
     typer.echo(f"{cache}: {table} finalized")
@@ -125,7 +125,7 @@ def upgrade(
     v1 and v2 caches need no upgrade: they read, validate and train unchanged. The compact form is lossy, so it is
     written as a new table teachers/<name> (the source is never touched; its distortion is recorded as score-teacher
     records it) rather than in place. Memory: one shard's columns."""
-    from opdcache.upgrade import run_upgrade
+    from opdcache.teacher.upgrade import run_upgrade
 
     res = run_upgrade(cache, teacher, topk_precision, topk_mass, name, progress)
     d = res["topk"]["distortion"]

@@ -9,10 +9,10 @@ from typing import Annotated, Optional
 import typer
 
 from opdcache.cli import options as O
-from opdcache.estimators import ESTIMATORS
+from opdcache.training.estimators import ESTIMATORS
 
-T = O.Fields("opdcache.trainconfig", "TrainConfig")
-C = O.Fields("opdcache.losses", "Corrections")
+T = O.Fields("opdcache.training.trainconfig", "TrainConfig")
+C = O.Fields("opdcache.training.losses", "Corrections")
 CORRECTIONS = ("tis_cap", "reject_k", "reject_threshold", "trust_band")  # the Corrections fields train's flags set
 REQUIRED = "Required (here or in --config)."
 
@@ -34,7 +34,7 @@ def sft(
     Memory: the model with AdamW (16 bytes per parameter), batch x length x hidden activations, and
     [tokens, 8,192] float32 logit slices of the fused head pass; never tokens x vocabulary."""
     O.announce_threads()
-    from opdcache.sft import SFTConfig, run_sft
+    from opdcache.training.sft import SFTConfig, run_sft
 
     result = run_sft(model, data, out, SFTConfig(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed), only_correct,
                      progress, overwrite)
@@ -123,8 +123,8 @@ def train(
         if values.get(required) is None:
             raise ConfigError(f"--{required} is required (as a flag or in --config)")
     O.announce_threads()
-    from opdcache.losses import Corrections
-    from opdcache.train import TrainConfig, run_train
+    from opdcache.training.losses import Corrections
+    from opdcache.training.train import TrainConfig, run_train
 
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = set(values) - known
@@ -135,7 +135,7 @@ def train(
             values[key] = Path(values[key])
     cfg = TrainConfig(**values, corrections=Corrections(**corr))
     if not cfg.online:
-        from opdcache.consistency import lineage_line
+        from opdcache.teacher.consistency import lineage_line
 
         for name in cfg.teachers or (None,):
             typer.echo(lineage_line(cfg.cache, name))

@@ -19,8 +19,8 @@ def validate(
     logit block for rebuilding log-probs from them; never tokens x vocabulary. A cache on an object store (s3://...)
     is read in place: each shard is streamed once for its sha256, then read again by columns."""
     from opdcache.errors import NotACacheError
-    from opdcache.manifest import not_a_cache
-    from opdcache.validate import validate as run
+    from opdcache.format.manifest import not_a_cache
+    from opdcache.format.validate import validate as run
 
     why = not_a_cache(cache)
     if why is not None:  # not a cache at all: a usage error (exit 2), not a cache that fails its checks

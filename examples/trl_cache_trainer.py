@@ -5,8 +5,8 @@ opdcache's estimators. No teacher runs: its signals are read from the cache.
 
 How it plugs in: TRL's trainers are transformers ``Trainer``s; this one (a subclass of TRL's ``SFTTrainer``, with no
 dataset of its own) replaces two methods. ``get_train_dataloader`` returns a ``CacheLoader`` (it shuffles and splits rows over ranks by
-itself, and resumes exactly), and ``compute_loss`` runs ``opdcache.student.StudentForward`` (the fused head pass:
-no [tokens, vocabulary] tensor) and an estimator from ``opdcache.losses`` / ``opdcache.divergence``. Everything else
+itself, and resumes exactly), and ``compute_loss`` runs ``opdcache.training.student.StudentForward`` (the fused head pass:
+no [tokens, vocabulary] tensor) and an estimator from ``opdcache.training.losses`` / ``opdcache.logits.divergence``. Everything else
 (optimizer, schedule, logging, checkpoints, accelerate, DeepSpeed/FSDP configs) is TRL's and transformers' own.
 """
 
@@ -23,13 +23,13 @@ import torch
 from transformers import AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
 
-from opdcache import losses as L
-from opdcache.cache import Cache
-from opdcache.data import CacheLoader, CacheLoaderConfig
-from opdcache.heads import load_head
-from opdcache.student import StudentForward
-from opdcache.estimators import ESTIMATORS, FULL_VOCABULARY
-from opdcache.train import stores_for
+from opdcache.training import losses as L
+from opdcache.format.cache import Cache
+from opdcache.training.data import CacheLoader, CacheLoaderConfig
+from opdcache.format.heads import load_head
+from opdcache.training.student import StudentForward
+from opdcache.training.estimators import ESTIMATORS, FULL_VOCABULARY
+from opdcache.training.train import stores_for
 
 
 class CacheTrainer(SFTTrainer):

@@ -46,9 +46,9 @@ def opd_prompts(tmp_path_factory):
 def hf_cache(tmp_path_factory, weights, opd_prompts):
     """A small rollouts cache from the demo student (lineage: the demo teacher), scored by the teacher in every store."""
     from opdcache.backends.base import SamplingConfig
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob, run_generate
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     out = tmp_path_factory.mktemp("hf") / "cache"
     run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=out, num_shards=3,

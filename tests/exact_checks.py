@@ -1,7 +1,7 @@
 """One check of an exact engine's contract, shared by the Triton-interpreter tests (tests/test_invariant.py) and the
 CUDA tests (tests/test_gpu.py): decoding a row alone, in batches of other sizes and at other positions gives the same
 bits; teacher-forced scoring (a full forward over rows padded together) gives back what KV-cache decoding stored; and
-the trainer's forward (opdcache/student.py) in the engine's arithmetic recomputes the stored log-probs bit for bit."""
+the trainer's forward (opdcache/training/student.py) in the engine's arithmetic recomputes the stored log-probs bit for bit."""
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ def requests(n: int, seed: int = 0, vocab: int = 64) -> list[GenerateRequest]:
 
 def check_engine_invariance(engine, n: int, batches=(7, 1), max_new_tokens: int = 5, seed: int = 0) -> int:
     """Asserts the contract on ``n`` rows (first decoded all together) and returns how many tokens were checked."""
-    from opdcache.student import StudentForward
+    from opdcache.training.student import StudentForward
 
     reqs = requests(n, seed)
     sampling = SamplingConfig(temperature=0.9, top_p=0.9, max_new_tokens=max_new_tokens, ref_top_k=4, mc_samples=2)

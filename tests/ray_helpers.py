@@ -6,8 +6,8 @@ from pathlib import Path
 
 def crash_once_after_two_shards(job):
     """run_generate, but the first attempt kills its own process after writing two shards (as a lost node would)."""
-    from opdcache import cache as C
-    from opdcache.rollouts import run_generate
+    from opdcache.format import cache as C
+    from opdcache.teacher.rollouts import run_generate
 
     marker = Path(job.out).parent / "crashed"  # beside the cache: the retry (a new process) sees the first attempt died
     if not marker.exists():

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opdcache import schema as S
-from opdcache.cache import TableJob, finalize_table, run_table_job
-from opdcache.fingerprint import row_id
-from opdcache.heads import Head, save_head
-from opdcache.shards import hidden_to_numpy
+from opdcache.format import schema as S
+from opdcache.format.cache import TableJob, finalize_table, run_table_job
+from opdcache.inputs.fingerprint import row_id
+from opdcache.format.heads import Head, save_head
+from opdcache.format.shards import hidden_to_numpy
 
 VOCAB, HIDDEN = 50, 16
 TOKENIZER = {"fingerprint": "a" * 64, "name_or_path": "synthetic", "chat_template_sha256": None}

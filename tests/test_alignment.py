@@ -1,4 +1,4 @@
-"""Two tokenizations of one text aligned into groups (opdcache/alignment.py): the vectorised cut against its plain
+"""Two tokenizations of one text aligned into groups (opdcache/teacher/alignment.py): the vectorised cut against its plain
 definition, the three ways a token's bytes are found (byte-level BPE, SentencePiece byte fallback, decoded alone), the
 special tokens, and every refusal with its message. The real tokenizers (SmolLM2's against the 151k Qwen vocabulary)
 are in the ``real`` group at the end."""
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from opdcache.alignment import (CrossTokenizerError, RowAlignment, TokenText, align_response, check_round_trip,
-                                group_lengths, group_lengths_reference)
+from opdcache.teacher.alignment import (CrossTokenizerError, RowAlignment, TokenText, align_response, check_round_trip,
+                                        group_lengths, group_lengths_reference)
 from opdcache.demo.models import build_tokenizer
 
 

@@ -1,4 +1,4 @@
-"""glibc's mmap threshold under --gradient-checkpointing (opdcache/allocator.py): freed large buffers leave the RSS."""
+"""glibc's mmap threshold under --gradient-checkpointing (opdcache/training/allocator.py): freed large buffers leave the RSS."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from opdcache import allocator
+from opdcache.training import allocator
 
 pytestmark = pytest.mark.skipif(allocator._glibc() is None, reason="glibc only")
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(allocator._glibc() is None, reason="glibc only")
 CHILD = """
 import sys, torch
 if sys.argv[1] == "fixed":
-    from opdcache.allocator import map_large_buffers
+    from opdcache.training.allocator import map_large_buffers
     print(map_large_buffers(), file=sys.stderr)
 def anon_kib():
     return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1])

@@ -18,7 +18,7 @@ import torch
 from opdcache.asyncopd import AsyncConfig, learner, run_async
 from opdcache.asyncopd import queue as Q
 from opdcache.backends.base import SamplingConfig
-from opdcache.prompts import PromptConfig
+from opdcache.inputs.prompts import PromptConfig
 
 FAST = SamplingConfig(temperature=1.0, max_new_tokens=8)
 
@@ -37,7 +37,7 @@ def _metrics(out, learner="learner"):
 
 
 def _hashes(cache):
-    from opdcache.fingerprint import sha256_file
+    from opdcache.inputs.fingerprint import sha256_file
 
     return {p.relative_to(cache).as_posix(): sha256_file(p) for p in sorted(Path(cache).rglob("*.parquet"))}
 
@@ -51,8 +51,8 @@ def reference(tmp_path_factory, weights, opd_prompts):
 
 @pytest.mark.slow
 def test_k0_equals_the_synchronous_online_trainer_step_for_step(tmp_path, weights, opd_prompts):
-    from opdcache.rollouts import GenerateJob, run_generate
-    from opdcache.train import TrainConfig, run_train
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
+    from opdcache.training.train import TrainConfig, run_train
 
     cfg = _cfg(weights, opd_prompts, tmp_path / "async", staleness=0)
     run_async(cfg)
@@ -73,7 +73,7 @@ def test_k0_equals_the_synchronous_online_trainer_step_for_step(tmp_path, weight
 @pytest.mark.slow
 def test_a_run_validates_and_records_each_shards_snapshot_and_staleness(reference, capsys):
     from opdcache.cli.main import main
-    from opdcache.validate import validate
+    from opdcache.format.validate import validate
 
     cfg, result = reference
     assert [s["student_version"] for s in result["async"]["shards"]] == [0, 0, 1, 2, 3, 4]  # max(0, b - 1)
@@ -100,7 +100,7 @@ def test_logged_importance_weights_equal_pi_theta_over_pi_old_recomputed(tmp_pat
     rho_mean must be exp(log pi_v3 - log pi_v2) over its tokens, recomputed here with a plain full-logits forward."""
     from transformers import AutoModelForCausalLM
 
-    from opdcache.data import DecodedShard, collate
+    from opdcache.training.data import DecodedShard, collate
 
     cfg = _cfg(weights, opd_prompts, tmp_path / "run", steps=5, keep_snapshots=True)
     run_async(cfg)
@@ -260,7 +260,7 @@ def test_settings_that_cannot_work_asynchronously_are_refused():
 @pytest.mark.parametrize("prompts,batch", [(5, 3), (7, 7), (3, 8), (10, 4)])
 def test_sample_indices_equal_counting_every_earlier_batch(prompts, batch):
     from opdcache.asyncopd.stages import sample_indices
-    from opdcache.schedule import PromptSchedule
+    from opdcache.training.schedule import PromptSchedule
 
     def reference(schedule, b):  # the plain definition: count each prompt's draws in batches 0..b-1, then within b
         seen = {}
@@ -298,7 +298,7 @@ def test_the_python_default_temperature_is_the_clis():
 def test_the_learner_has_no_kl_penalty_whatever_trains_default(weights, opd_prompts, tmp_path):
     """papers/001's learner has no penalty to pi_ref, and a queued batch's ref_logprobs are its sampling snapshot's, not
     pi_ref's: the learner's settings turn the penalty off although `train` defaults to one."""
-    from opdcache.trainconfig import TrainConfig
+    from opdcache.training.trainconfig import TrainConfig
 
     run = _cfg(weights, opd_prompts, tmp_path / "run").learner
     assert TrainConfig.kl_coef > 0 and run.kl_coef == 0.0
@@ -318,7 +318,7 @@ def test_the_learner_is_trains_settings_and_a_recorded_run_keeps_its_identity():
     learner's settings were flat fields of AsyncConfig is the one the same settings give now, so such a run resumes;
     the run record round-trips; a learner setting async does not take, or a KL penalty, is refused in one line."""
     from opdcache.errors import ConfigError
-    from opdcache.trainconfig import TrainConfig
+    from opdcache.training.trainconfig import TrainConfig
 
     cfg = AsyncConfig(learner=learner("/m/student", steps=4, batch_size=4, lr=1e-4), teacher=Path("/m/teacher"),
                       prompts=PromptConfig(Path("/p.jsonl")), out=Path("/run"), sampling=FAST, device="cpu", threads=1)

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from opdcache.audit import UNIT_ROUNDOFF, AuditConfig, audit, render, tolerance_for
+from opdcache.teacher.audit import UNIT_ROUNDOFF, AuditConfig, audit, render, tolerance_for
 from opdcache.errors import ConfigError
 
 
@@ -17,9 +17,9 @@ from opdcache.errors import ConfigError
 def low_precision_cache(request, tmp_path_factory, weights, opd_prompts):
     from opdcache.backends import EngineConfig
     from opdcache.backends.base import SamplingConfig
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob, run_generate
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     dtype = request.param
     out = tmp_path_factory.mktemp(dtype) / "cache"
@@ -55,8 +55,8 @@ def test_a_float32_re_score_of_the_same_table_would_not_reproduce_it(low_precisi
     """What audit did before it read the dtype: a float32 re-score of this table differs from it by far more than the
     float32 tolerance (1e-4), so an honest low-precision table failed its own audit. In the recorded dtype it passes."""
     from opdcache.backends import engine_for_table
-    from opdcache.cache import Cache
-    from opdcache.scoring import score_requests
+    from opdcache.format.cache import Cache
+    from opdcache.teacher.scoring import score_requests
 
     dtype, cache_dir = low_precision_cache
     cache = Cache(str(cache_dir))

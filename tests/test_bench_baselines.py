@@ -30,7 +30,7 @@ def _staggered(batch: dict) -> dict:
 def test_the_full_logits_baseline_is_the_fused_steps_loss_and_gradients(hf_cache, weights, tmp_path, loss):
     from bench_scale import full_logits_loss
 
-    from opdcache.train import TrainConfig, Trainer
+    from opdcache.training.train import TrainConfig, Trainer
 
     trainer = Trainer(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss=loss, batch_size=6, kl_coef=0.0))  # the main loss
     batch = _staggered(trainer.source.next_batch())

@@ -97,15 +97,15 @@ def test_checks_made_from_arguments_and_configs_come_before_any_model_loads(tmp_
     assert p.stdout.strip().endswith("False"), p.stdout + p.stderr
 
     from opdcache.errors import ConfigError
-    from opdcache.prompts import PromptConfig
+    from opdcache.inputs.prompts import PromptConfig
     from opdcache.backends import EngineConfig
-    from opdcache.rollouts import GenerateJob
+    from opdcache.teacher.rollouts import GenerateJob
 
     with pytest.raises(ConfigError, match="does not divide the model's hidden_size .* of 64; pick one that does"):
         GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=tmp_path / "c", engine=EngineConfig(quantize="w4a16"))
     GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=tmp_path / "c", engine=EngineConfig(quantize="w4a16:g32"))
 
-    from opdcache import verifiers
+    from opdcache.inputs import verifiers
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))

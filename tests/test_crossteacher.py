@@ -1,4 +1,4 @@
-"""A teacher with its own tokenizer (opdcache/crossteacher.py, the aligned store, the span losses): the demo student's
+"""A teacher with its own tokenizer (opdcache/teacher/crossteacher.py, the aligned store, the span losses): the demo student's
 rollouts scored by a teacher whose tokenizer reads digit pairs as one token. The stored group log-probs equal an
 independent forward of the teacher over its own rendering of the same text; validate, the loader and train read the
 table; every refusal is one line, before any model loads; and the group losses reduce to the per-token ones when
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from opdcache import schema as S
-from opdcache import shards
+from opdcache.format import schema as S
+from opdcache.format import shards
 from opdcache.errors import ConfigError, InputError
 
 STUDENT_STEPS = 2
@@ -43,9 +43,9 @@ def cross(tmp_path_factory, weights):
     """(cache, prompts, teacher): 24 demo prompts x 2 samples from the demo student, scored by a pair-tokenizer teacher."""
     from opdcache.backends.base import SamplingConfig
     from opdcache.demo.task import write_prompts
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob, run_generate
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     root = tmp_path_factory.mktemp("cross")
     prompts = write_prompts(root / "opd.jsonl", "opd", 24)
@@ -70,8 +70,8 @@ def _forward_logprobs(model_dir: Path, prompt_ids: list[int], response_ids: list
 
 
 def test_group_logprobs_equal_an_independent_forward_over_the_teachers_own_rendering(cross):
-    from opdcache.alignment import TokenText, align_response
-    from opdcache.cache import Cache
+    from opdcache.teacher.alignment import TokenText, align_response
+    from opdcache.format.cache import Cache
     from opdcache.demo.models import build_tokenizer
 
     root, prompts, teacher = cross
@@ -133,8 +133,8 @@ def _forward_topk(model_dir: Path, prompt_ids: list[int], response_ids: list[int
 def _rewrite_rows(root: Path, table: str, shard: int, change) -> None:
     """Rewrite one shard of ``teachers/<table>`` with ``change(rows)`` applied to its rows (lists of Python values), its
     footer kept, and the manifest's size and hash updated: damage that only the row rules can find."""
-    from opdcache import manifest as M
-    from opdcache.cache import Cache
+    from opdcache.format import manifest as M
+    from opdcache.format.cache import Cache
 
     cache = Cache(root)
     path, entry = cache.shard_paths(f"teachers/{table}")[shard], cache.table(f"teachers/{table}")
@@ -151,7 +151,7 @@ def _rewrite_rows(root: Path, table: str, shard: int, change) -> None:
 
 
 def test_validate_passes_it_and_finds_a_damaged_row(cross, tmp_path):
-    from opdcache.validate import validate
+    from opdcache.format.validate import validate
 
     root = tmp_path / "cache"
     shutil.copytree(cross[0], root)
@@ -168,8 +168,8 @@ def test_validate_passes_it_and_finds_a_damaged_row(cross, tmp_path):
 
 
 def test_the_loader_and_train_read_it_and_the_losses_that_compare_ids_are_refused_first(cross, weights, tmp_path):
-    from opdcache.data import CacheLoader, CacheLoaderConfig
-    from opdcache.train import TrainConfig, run_train
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
+    from opdcache.training.train import TrainConfig, run_train
 
     root = cross[0]
     batch = next(iter(CacheLoader(CacheLoaderConfig(cache=root, teacher="pairs", stores=("logprob", "aligned"), batch_size=8,
@@ -190,11 +190,11 @@ def test_the_loader_and_train_read_it_and_the_losses_that_compare_ids_are_refuse
 def test_refusals_are_one_line_and_come_before_the_teacher_loads(cross, weights, tmp_path):
     from tokenizers import normalizers
 
-    from opdcache.alignment import CrossTokenizerError
+    from opdcache.teacher.alignment import CrossTokenizerError
     from opdcache.demo.task import write_prompts
     from opdcache.errors import TokenizerMismatchError
-    from opdcache.prompts import PromptConfig
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     root, prompts, teacher = cross
     with pytest.raises(TokenizerMismatchError, match="to score a teacher with its own tokenizer, pass --prompts with the "
@@ -256,7 +256,7 @@ def _span_sums_reference(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 
 
 def test_span_sums_equal_a_plain_loop_and_pass_gradients():
-    from opdcache import losses as L
+    from opdcache.training import losses as L
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 17, generator=g, dtype=torch.float64, requires_grad=True)
@@ -272,7 +272,7 @@ def test_span_sums_equal_a_plain_loop_and_pass_gradients():
 
 
 def test_with_every_group_one_token_the_group_losses_are_the_per_token_ones():
-    from opdcache import losses as L
+    from opdcache.training import losses as L
 
     g = torch.Generator().manual_seed(1)
     s = torch.randn(3, 9, generator=g, dtype=torch.float64).clamp(max=-0.01).requires_grad_()
@@ -299,7 +299,7 @@ def _uld_reference(student_lp: np.ndarray, teacher_lp: np.ndarray) -> float:
 
 
 def test_uld_equals_its_plain_definition_and_is_zero_for_the_same_distribution():
-    from opdcache import losses as L
+    from opdcache.training import losses as L
 
     g = torch.Generator().manual_seed(2)
     student = torch.log_softmax(torch.randn(2, 5, 9, generator=g, dtype=torch.float64), -1)[..., :4].requires_grad_()
@@ -317,17 +317,17 @@ def test_uld_equals_its_plain_definition_and_is_zero_for_the_same_distribution()
 
 
 def test_uld_and_gold_need_a_table_with_its_top_k(cross, weights, tmp_path):
-    from opdcache.train import TrainConfig, run_train
+    from opdcache.training.train import TrainConfig, run_train
 
     with pytest.raises(ConfigError, match=re.escape("--loss uld compares a teacher of another tokenizer with the student: it "
                                                     "needs a table scored with `score-teacher --prompts ... --top-k K`")):
-        from opdcache.trainconfig import stores_for
+        from opdcache.training.trainconfig import stores_for
 
         stores_for("uld", "teacher", ("logprob",))
     root = tmp_path / "cache"
     shutil.copytree(cross[0], root)
-    from opdcache.prompts import PromptConfig
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     run_score(ScoreJob(cache=root, teacher=cross[2], prompts=PromptConfig(cross[1]), slug="nok"))
     with pytest.raises(ConfigError, match=re.escape("--loss gold reads the teacher's top-k where each group starts: score "
@@ -339,7 +339,7 @@ def test_uld_and_gold_need_a_table_with_its_top_k(cross, weights, tmp_path):
 def test_a_packed_step_equals_the_padded_one_on_a_table_of_another_tokenizer(cross, weights, tmp_path, loss):
     """The group columns (span_tokens, the span top-k) survive packing: the same rows packed and padded give the same
     loss, gradients and logged numbers (float32, to its rounding)."""
-    from opdcache.train import TrainConfig, Trainer
+    from opdcache.training.train import TrainConfig, Trainer
 
     results = []
     for pack in (False, True):
@@ -364,8 +364,8 @@ def test_gold_equals_its_plain_definition():
     teacher's mass as one tail bin, the student's likewise), plus span at each group's last token."""
     from types import SimpleNamespace
 
-    from opdcache import losses as L
-    from opdcache.estimators import ESTIMATORS
+    from opdcache.training import losses as L
+    from opdcache.training.estimators import ESTIMATORS
 
     g = torch.Generator().manual_seed(4)
     B, T, K = 2, 5, 3
@@ -396,7 +396,7 @@ def test_gold_equals_its_plain_definition():
 
 
 def test_audit_re_scores_the_teachers_own_tokens_and_finds_a_changed_value(cross, tmp_path):
-    from opdcache.audit import AuditConfig, audit
+    from opdcache.teacher.audit import AuditConfig, audit
 
     report = audit(AuditConfig(cache=cross[0], table="pairs", rows="all"))
     table = report["tables"][0]
@@ -415,7 +415,7 @@ def test_audit_re_scores_the_teachers_own_tokens_and_finds_a_changed_value(cross
 
 
 def test_export_carries_the_groups_and_refuses_the_per_token_layout(cross, tmp_path):
-    from opdcache.export import export
+    from opdcache.format.export import export
 
     root = cross[0]
     export(root, "jsonl", tmp_path / "flat", teacher="pairs")
@@ -429,11 +429,11 @@ def test_export_carries_the_groups_and_refuses_the_per_token_layout(cross, tmp_p
 
 def test_a_table_without_the_top_k_has_its_rules_checked_too(cross, tmp_path):
     """The store's optional columns absent (no --top-k): validate and the loader still apply its rules."""
-    from opdcache.data import CacheLoader, CacheLoaderConfig
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
     from opdcache.errors import SchemaError
-    from opdcache.prompts import PromptConfig
-    from opdcache.scoring import ScoreJob, run_score
-    from opdcache.validate import validate
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.scoring import ScoreJob, run_score
+    from opdcache.format.validate import validate
 
     root = tmp_path / "cache"
     shutil.copytree(cross[0], root)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from opdcache import shards
-from opdcache.cache import Cache
-from opdcache.data import CacheLoader, CacheLoaderConfig
+from opdcache.format import shards
+from opdcache.format.cache import Cache
+from opdcache.training.data import CacheLoader, CacheLoaderConfig
 from opdcache.errors import ConfigError
 
 
@@ -99,7 +99,7 @@ def test_a_consumer_that_stops_at_len_gets_the_next_epoch(hf_cache):
 def test_kept_decoded_shards_give_the_same_batches_and_are_not_reread(hf_cache, monkeypatch):
     """Warm epochs slice the shards decoded in the first (within keep_decoded_bytes): the same batches as a loader
     that keeps nothing, and no shard read again."""
-    from opdcache import data as D
+    from opdcache.training import data as D
 
     reads = []
     original = D.shards.read_table
@@ -166,7 +166,7 @@ def test_decoding_ahead_in_a_thread_changes_no_batch_and_no_refusal(hf_cache, tm
 def test_the_loaders_collate_equals_the_plain_reference(request, cache, teacher, stores, rollout_stores):
     """collate_decoded (what the loader yields) against collate, the plain reference, on the same rows: every store's
     tensors equal in dtype, shape and value, for shuffled batches, a batch that spans shards and a batch of one."""
-    from opdcache.data import CacheDataset, collate, collate_decoded
+    from opdcache.training.data import CacheDataset, collate, collate_decoded
 
     ds = CacheDataset(CacheLoaderConfig(cache=request.getfixturevalue(cache), teacher=teacher, stores=stores,
                                         rollout_stores=rollout_stores, prefetch=False))

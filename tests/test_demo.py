@@ -5,7 +5,7 @@ import json
 import pytest
 
 from opdcache.demo.pipeline import DemoConfig, run_demo, run_name
-from opdcache.validate import validate
+from opdcache.format.validate import validate
 
 
 @pytest.mark.slow

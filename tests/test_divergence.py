@@ -4,7 +4,7 @@ awkward shapes, and the properties every divergence has."""
 import pytest
 import torch
 
-from opdcache.divergence import KINDS, chunked_divergence, divergence_reference
+from opdcache.logits.divergence import KINDS, chunked_divergence, divergence_reference
 
 
 def _inputs(N, V, H, K, dtype=torch.float64, seed=0, bias=True):
@@ -60,7 +60,7 @@ def test_zero_for_identical_distributions_and_never_negative(kind):
 
 def test_memory_stays_per_chunk(monkeypatch):
     """No tensor with a full vocabulary dimension is created by the chunked path."""
-    import opdcache.divergence as dv
+    import opdcache.logits.divergence as dv
 
     seen = []
     original = dv._logits
@@ -110,7 +110,7 @@ def check_autocast_gradients(kind, uniform, hs, Ws, bs, ht, Wt, **options):
 def test_uniform_path_matches_the_reference_and_the_per_position_path(kind, dtype, tol, monkeypatch):
     """uniform=True (gradients computed in the forward) gives the reference's values and, for a mean over positions,
     its gradients; blocks of 5 rows (BLOCK_BYTES shrunk) do not divide the 13 positions."""
-    import opdcache.divergence as dv
+    import opdcache.logits.divergence as dv
 
     monkeypatch.setattr(dv, "UNIFORM_BLOCK_BYTES", 4 * 1003 * 5)
     monkeypatch.setattr(dv, "INNER_CHUNK", 64)  # 64 does not divide 1,003 either
@@ -155,7 +155,7 @@ def test_uniform_path_gradcheck(kind):
 def test_uniform_path_memory_stays_per_row_block(monkeypatch):
     """No logit block holds more than UNIFORM_BLOCK_BYTES // (4 V) positions, and the blocks are reused; without
     gradients none are computed; no positions give zero gradients."""
-    import opdcache.divergence as dv
+    import opdcache.logits.divergence as dv
 
     monkeypatch.setattr(dv, "UNIFORM_BLOCK_BYTES", 4 * 1000 * 3)
     monkeypatch.setattr(dv, "INNER_CHUNK", 300)
@@ -176,7 +176,7 @@ def test_uniform_path_memory_stays_per_row_block(monkeypatch):
 def test_uniform_path_layout_per_device(monkeypatch):
     """CPU: 128 MiB blocks in 2,048-column pieces; a GPU: 1 GiB blocks in one piece, at most a quarter of its free memory
     (no device needed to check it: the free memory is stubbed)."""
-    import opdcache.divergence as dv
+    import opdcache.logits.divergence as dv
 
     free = {"bytes": 80 << 30}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 << 30))
@@ -191,7 +191,7 @@ def test_uniform_path_layout_per_device(monkeypatch):
 def test_scaled_gradient_is_the_multiply_then_the_cast_bit_for_bit(dtype):
     """The uniform path's backward scales its float32 gradient and casts it to the weights' dtype in one pass: the same
     bits as the multiply in place followed by the cast (the product rounded once), and the cast alone without a scale."""
-    from opdcache.divergence import scaled
+    from opdcache.logits.divergence import scaled
 
     g = torch.randn(257, 33, generator=torch.Generator().manual_seed(1)) * 3
     for scale in (torch.tensor(1 / 4096, dtype=torch.bfloat16), torch.tensor(0.3), torch.tensor(-7.0, dtype=torch.float64)):

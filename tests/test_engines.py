@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from opdcache import shards
+from opdcache.format import shards
 from opdcache.backends.base import GenerateRequest, SamplingConfig, ScoreRequest
 from opdcache.backends.hf import TransformersBackend, sampling_logprobs
-from opdcache.cache import Cache
+from opdcache.format.cache import Cache
 from opdcache.demo.evaluate import chat_prompt_ids
-from opdcache.validate import validate
+from opdcache.format.validate import validate
 
 
 def _full_logits(model, prompt, response):
@@ -293,10 +293,10 @@ def test_streamed_draws_equal_the_plain_inverse_cdf(P, V, softcap, monkeypatch):
 def test_sampled_store_is_reproducible_and_batch_invariant(hf_cache, weights):
     """Each row's draws depend on (seed, row id) alone: scoring a row alone or among others gives the same draws, and
     their frequencies follow the teacher's distribution."""
-    from opdcache import shards
+    from opdcache.format import shards
     from opdcache.backends.hf import TransformersBackend
-    from opdcache.cache import Cache
-    from opdcache.scoring import score_requests
+    from opdcache.format.cache import Cache
+    from opdcache.teacher.scoring import score_requests
 
     cache = Cache(hf_cache)
     rows = shards.read_table(cache.shard_paths("rollouts")[0], ["id", "prompt_ids", "response_ids"])

@@ -408,7 +408,7 @@ def test_a_consumed_batch_that_cannot_be_sampled_again_is_refused(tmp_path, weig
     from opdcache.asyncopd.config import AsyncConfig, learner
     from opdcache.asyncopd.run import _check_regenerable
     from opdcache.errors import ResumeError
-    from opdcache.prompts import PromptConfig
+    from opdcache.inputs.prompts import PromptConfig
 
     cfg = AsyncConfig(learner=learner(weights / "student", steps=6, batch_size=2), teacher=weights / "teacher",
                       prompts=PromptConfig(opd_prompts), out=tmp_path / "run", staleness=2)
@@ -458,7 +458,7 @@ def test_the_canonical_top_k_by_one_sort_equals_the_candidate_path():
 def test_train_exact_on_rollouts_of_the_gpu_arithmetic_without_a_gpu_is_one_line(hf_cache, weights, tmp_path, monkeypatch):
     from opdcache.errors import ConfigError
     from opdcache.exact import GPU_ARITHMETIC
-    from opdcache.train import TrainConfig, run_train
+    from opdcache.training.train import TrainConfig, run_train
 
     if torch.cuda.is_available():
         pytest.skip("checks the refusal on a machine without a GPU")

@@ -5,8 +5,8 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from opdcache import shards
-from opdcache.cache import Cache
+from opdcache.format import shards
+from opdcache.format.cache import Cache
 from opdcache.cli.main import main
 
 
@@ -64,7 +64,7 @@ def test_lightning_opd_export_round_trips_through_the_release_reader(hf_cache, t
     import pyarrow as pa
     from transformers import AutoTokenizer
 
-    from opdcache import manifest as M
+    from opdcache.format import manifest as M
 
     cache = tmp_path / "cache"
     shutil.copytree(hf_cache, cache)

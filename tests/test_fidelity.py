@@ -1,4 +1,4 @@
-"""The error against the full vocabulary that every teacher table records (opdcache/fidelity.py): the streamed
+"""The error against the full vocabulary that every teacher table records (opdcache/format/fidelity.py): the streamed
 moments and the closed forms against plain full-vocabulary references, the record through score-teacher, info, the
 card and validate, and --hidden-dtype."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from opdcache import fidelity
+from opdcache.format import fidelity
 
 
 def _full_kl_to_maxent(lp_V: np.ndarray, kept_ids: np.ndarray, stored_lp: np.ndarray, stored_tail: float) -> float:
@@ -26,7 +26,7 @@ def _full_kl_to_maxent(lp_V: np.ndarray, kept_ids: np.ndarray, stored_lp: np.nda
 
 @pytest.mark.parametrize("mass", [None, 1e-3])
 def test_kl_to_the_maxent_completion_equals_the_full_vocabulary_sum(mass):
-    from opdcache import compact
+    from opdcache.stores import compact
 
     rng = np.random.default_rng(0)
     T, V, k = 40, 3000, 32
@@ -57,7 +57,7 @@ def test_kl_to_the_maxent_completion_equals_the_full_vocabulary_sum(mass):
 def test_streamed_moments_and_rounding_kl_equal_a_plain_full_forward(weights):
     from opdcache.backends.base import ScoreRequest
     from opdcache.backends.hf import TransformersBackend
-    from opdcache.models import load_causal_lm
+    from opdcache.inputs.models import load_causal_lm
 
     backend = TransformersBackend(weights / "teacher", dtype="float32")
     reqs = [ScoreRequest([1, 5, 7, 9], [11, 4, 20, 3, 8]), ScoreRequest([2, 6], [30, 31, 1])]
@@ -85,7 +85,7 @@ def test_score_teacher_records_the_error_and_info_card_and_validate_show_it(hf_c
     import shutil
 
     from opdcache.cli.main import main
-    from opdcache.validate import validate
+    from opdcache.format.validate import validate
 
     cache = tmp_path / "c"
     shutil.copytree(hf_cache, cache)
@@ -122,7 +122,7 @@ def test_validate_checks_the_fidelity_record(hf_cache, tmp_path):
 
     import pyarrow.parquet as pq
 
-    from opdcache.validate import validate
+    from opdcache.format.validate import validate
 
     cache = tmp_path / "c"
     shutil.copytree(hf_cache, cache)
@@ -133,7 +133,7 @@ def test_validate_checks_the_fidelity_record(hf_cache, tmp_path):
     meta = dict(table.schema.metadata)
     meta[fidelity.META] = json.dumps({"entropy": {"sum": "x", "max": [], "positions": None}}).encode()
     pq.write_table(table.replace_schema_metadata(meta), path)
-    from opdcache.fingerprint import sha256_file
+    from opdcache.inputs.fingerprint import sha256_file
 
     info["bytes"], info["sha256"] = path.stat().st_size, sha256_file(path)
     (cache / "opdcache.json").write_text(json.dumps(manifest))
@@ -142,13 +142,13 @@ def test_validate_checks_the_fidelity_record(hf_cache, tmp_path):
 
 
 def test_hidden_dtype_bfloat16_stores_rounded_states_and_records_their_kl(weights, tmp_path, opd_prompts):
-    from opdcache import shards
+    from opdcache.format import shards
     from opdcache.backends.base import SamplingConfig
-    from opdcache.cache import Cache
+    from opdcache.format.cache import Cache
     from opdcache.errors import ConfigError
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob, run_generate
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     out = tmp_path / "c"
     run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=4), out=out, num_shards=1,
@@ -177,9 +177,9 @@ def test_svd_calibration_is_drawn_from_all_shards_and_its_size_recorded(hf_cache
     before any model loads."""
     import shutil
 
-    from opdcache.cache import Cache
+    from opdcache.format.cache import Cache
     from opdcache.errors import ConfigError
-    from opdcache.scoring import ScoreJob, calibration_rows, run_score
+    from opdcache.teacher.scoring import ScoreJob, calibration_rows, run_score
 
     cache = Cache(hf_cache)
     picks, target = calibration_rows(cache, 16, 0)
@@ -204,7 +204,7 @@ def test_svd_rank_above_the_hidden_size_is_refused_in_one_line_before_the_model_
     hidden size is checked against the loaded head instead."""
     import shutil
 
-    import opdcache.scoring as scoring
+    import opdcache.teacher.scoring as scoring
     from opdcache.cli.main import main
     from opdcache.errors import ConfigError
 

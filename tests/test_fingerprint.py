@@ -10,7 +10,7 @@ import torch
 
 from opdcache.demo import models
 from opdcache.errors import ConfigError
-from opdcache.fingerprint import config_fingerprint, model_fingerprint, row_id, tokenizer_fingerprint
+from opdcache.inputs.fingerprint import config_fingerprint, model_fingerprint, row_id, tokenizer_fingerprint
 
 
 def _model_dir(tmp_path, name="m", value=1.0):
@@ -34,7 +34,7 @@ def test_fingerprints_are_stable_across_processes(tmp_path):
     models.build_tokenizer().save_pretrained(tok_dir)
     code = (
         "import sys; from transformers import AutoTokenizer;"
-        "from opdcache.fingerprint import model_fingerprint, tokenizer_fingerprint, config_fingerprint, row_id;"
+        "from opdcache.inputs.fingerprint import model_fingerprint, tokenizer_fingerprint, config_fingerprint, row_id;"
         f"print(model_fingerprint({str(d)!r}), tokenizer_fingerprint(AutoTokenizer.from_pretrained({str(tok_dir)!r})),"
         "config_fingerprint({'t': 0.8, 'k': [1, 2]}), row_id([1, 2, 3], 4))"
     )

@@ -1,4 +1,4 @@
-"""``opdcache plan`` and opdcache/frontier.py: each number against a plain full-vocabulary reference on the demo
+"""``opdcache plan`` and opdcache/teacher/frontier.py: each number against a plain full-vocabulary reference on the demo
 teacher, the choice, and the command's errors."""
 
 import json
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from opdcache.frontier import Model, Setting, choose, measure
+from opdcache.teacher.frontier import Model, Setting, choose, measure
 
 
 @pytest.fixture(scope="module")
@@ -18,15 +18,15 @@ def demo_models(weights):
 
 
 def _requests(hf_cache, n):
-    from opdcache.cache import Cache
-    from opdcache.scoring import score_requests
+    from opdcache.format.cache import Cache
+    from opdcache.teacher.scoring import score_requests
 
     table = Cache(hf_cache).read_shard("rollouts", 0, ["id", "prompt_ids", "response_ids"]).slice(0, n)
     return score_requests(table), table["id"].to_pylist()
 
 
 def test_frontier_numbers_equal_plain_full_vocabulary_references(hf_cache, demo_models):
-    from opdcache import compact
+    from opdcache.stores import compact
 
     teacher, student = demo_models
     reqs, ids = _requests(hf_cache, 3)
@@ -126,8 +126,8 @@ def test_a_padding_slot_never_touches_token_0():
     """A compact row whose support holds token 0 and ends in padding (id -1, clamped to 0 for indexing): q* at token 0
     must be its stored value, so KL(p || q*) equals the plain sum. (The first version scattered the padding slots too,
     and token 0's entry could lose to one of them.)"""
-    from opdcache import compact
-    from opdcache.frontier import _block_errors
+    from opdcache.stores import compact
+    from opdcache.teacher.frontier import _block_errors
 
     V = 50
     logits = torch.full((1, V), -6.0)

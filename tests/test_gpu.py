@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from opdcache.divergence import KINDS, chunked_divergence, divergence_reference
+from opdcache.logits.divergence import KINDS, chunked_divergence, divergence_reference
 from opdcache.exact import arith as X
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -39,7 +39,7 @@ def _inputs(N, V, H, K, seed=0, device=CUDA, dtype=torch.float32):
 @pytest.mark.parametrize("uniform", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
 def test_divergence_on_cuda_matches_the_float64_reference(kind, uniform, monkeypatch):
-    import opdcache.divergence as dv
+    import opdcache.logits.divergence as dv
 
     monkeypatch.setattr(dv, "UNIFORM_BLOCK_BYTES", 4 * 5003 * 8)  # blocks of 8 rows: 37 positions take 5 blocks
     monkeypatch.setattr(dv, "GPU_UNIFORM_BLOCK_BYTES", 4 * 5003 * 8)  # on CUDA too (the fused kernel's blocks)
@@ -67,10 +67,10 @@ def test_divergence_under_bf16_autocast_on_cuda_matches_the_full_logits_path(kin
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_divergence_kernel_equals_the_torch_row_pass_on_cuda(kind, dtype, monkeypatch):
-    """opdcache/kernels.py compiled for the GPU against the torch pass it replaces (tests/test_kernels.py runs the same
+    """opdcache/logits/kernels.py compiled for the GPU against the torch pass it replaces (tests/test_kernels.py runs the same
     in Triton's interpreter): blocks of 8 rows, a vocabulary of 5,003 (ragged last tile), bias, non-uniform weights."""
-    import opdcache.divergence as dv
-    from opdcache import kernels
+    import opdcache.logits.divergence as dv
+    from opdcache.logits import kernels
 
     assert kernels.available(CUDA)
     monkeypatch.setattr(dv, "GPU_UNIFORM_BLOCK_BYTES", 2 * 5003 * 8)
@@ -102,7 +102,7 @@ class _ScaledHead:
 
 @pytest.mark.parametrize("block", [1, None], ids=["1024-column slices", "as shipped"])
 def test_the_fused_scoring_kernel_equals_the_torch_ops_on_cuda(block, monkeypatch):
-    """streamed_logit_stats with its Triton kernel (opdcache/kernels.py) against its torch ops on CUDA, a bf16 head of
+    """streamed_logit_stats with its Triton kernel (opdcache/logits/kernels.py) against its torch ops on CUDA, a bf16 head of
     a 5,003-token vocabulary with bias and a logit scale: every figure a score-teacher pass keeps."""
     import opdcache.backends.streamed as st
 
@@ -131,8 +131,8 @@ def test_the_fused_scoring_kernel_equals_the_torch_ops_on_cuda(block, monkeypatc
 @pytest.mark.parametrize("block_rows", [None, 8])
 def test_streamed_logprobs_on_cuda_match_the_float64_reference(block_rows, monkeypatch):
     """The GPU layout (whole-vocabulary rows: one block, or blocks of 8 rows), repeated ids included."""
-    from opdcache import logprobs as LP
-    from opdcache.logprobs import chunked_logprobs
+    from opdcache.logits import logprobs as LP
+    from opdcache.logits.logprobs import chunked_logprobs
 
     if block_rows:
         monkeypatch.setattr(LP, "GPU_BLOCK_BYTES", 4 * 7001 * block_rows)

@@ -7,9 +7,9 @@ import pytest
 from opdcache.backends.base import SamplingConfig
 from opdcache.cli.main import main
 from opdcache.errors import ResumeError
-from opdcache.prompts import PromptConfig
+from opdcache.inputs.prompts import PromptConfig
 from opdcache.backends import EngineConfig
-from opdcache.rollouts import GenerateJob, run_generate
+from opdcache.teacher.rollouts import GenerateJob, run_generate
 
 FAST = SamplingConfig(max_new_tokens=12)
 
@@ -92,8 +92,8 @@ def test_training_on_a_non_finite_teacher_value_is_one_line_exit_2(hf_cache, wei
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from opdcache import manifest as M
-    from opdcache import shards
+    from opdcache.format import manifest as M
+    from opdcache.format import shards
 
     cache = tmp_path / "cache"
     shutil.copytree(hf_cache, cache)
@@ -114,7 +114,7 @@ def test_training_on_a_non_finite_teacher_value_is_one_line_exit_2(hf_cache, wei
     code, out = _cli(["train", "--model", weights / "student", "--cache", cache, "--out", tmp_path / "run", "--loss", loss,
                       "--steps", "2", "--batch-size", "48", "--no-progress"], capsys)
     assert code == 2 and "Traceback" not in out  # bad input: exit 2, as every command but validate says of a damaged cache
-    # the loader's row rules (opdcache/rowrules.py) name the shard, row and column of a top-k store; the trainer's
+    # the loader's row rules (opdcache/stores/rowrules.py) name the shard, row and column of a top-k store; the trainer's
     # finiteness check names the batch's column for the rest
     assert ("non-finite values in teacher_" in out and f"run `opdcache validate {cache}`" in out) or \
         ("row 0, column topk_logprobs: non-finite log-prob" in out and "run `opdcache validate`" in out)
@@ -139,9 +139,9 @@ def test_training_refuses_a_shard_that_does_not_match_the_manifest(hf_cache, wei
 def test_trust_band_defaults_are_the_papers_and_act_on_int8_rollouts(tmp_path, weights, opd_prompts):
     """papers/004 App. B bands (3e-4 / 4e-4 / dual clip 1 + 7e-4, cap 2) reject sequences of the demo's int8 rollouts once
     the student moves; the old defaults (0.2 / 0.2 / 3) kept every one."""
-    from opdcache.losses import Corrections
-    from opdcache.scoring import ScoreJob, run_score
-    from opdcache.train import TrainConfig, run_train
+    from opdcache.training.losses import Corrections
+    from opdcache.teacher.scoring import ScoreJob, run_score
+    from opdcache.training.train import TrainConfig, run_train
 
     c = Corrections(trust_band=True)
     assert (c.band_low, c.band_high, c.dual_clip, c.band_cap) == (3e-4, 4e-4, 1.0007, 2.0)
@@ -171,7 +171,7 @@ def test_progress_is_reported_per_sequence_as_plain_lines_when_not_on_a_terminal
     counts = [l.split(":")[1].split()[0] for l in lines]
     assert counts[:4] == ["2/6", "3/6", "5/6", "6/6"], lines  # per generation batch (3 rows a shard: 2 + 1), not per shard
     assert "shards=2/2" in lines[-1] and "seq" in lines[-1]
-    from opdcache.cache import Cache
+    from opdcache.format.cache import Cache
 
     total = sum(s["tokens"] for s in Cache(tmp_path / "c").table("rollouts")["shards"])
     assert f"tokens={total:,}" in lines[-1]  # the tokens written so far, not the last shard's

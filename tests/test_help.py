@@ -64,8 +64,8 @@ def test_each_setting_is_described_once_where_it_is_declared():
     import inspect
 
     from opdcache.asyncopd.config import LEARNER_SETTINGS, AsyncConfig, learner
-    from opdcache.losses import Corrections
-    from opdcache.trainconfig import TrainConfig
+    from opdcache.training.losses import Corrections
+    from opdcache.training.trainconfig import TrainConfig
 
     def source(cls):
         return " ".join(inspect.getsource(cls).replace('"""', " ").split())
@@ -143,8 +143,8 @@ def test_the_engine_sampling_and_prompt_options_are_their_settings_docstrings():
     from opdcache.backends import EngineConfig
     from opdcache.backends.base import SamplingConfig
     from opdcache.cli import options as O
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.rollouts import GenerateJob
 
     sources = {cls.__name__: " ".join(inspect.getsource(cls).replace('"""', " ").replace("\\\\", "\\").split())
                for cls in (EngineConfig, SamplingConfig, PromptConfig, GenerateJob)}  # the source escapes \boxed
@@ -164,7 +164,7 @@ def test_score_teachers_store_options_are_scorejobs_docstrings():
     import dataclasses
     import inspect
 
-    from opdcache.scoring import ScoreJob
+    from opdcache.teacher.scoring import ScoreJob
 
     source = " ".join(inspect.getsource(ScoreJob).replace('"""', " ").split())
     fields = {f.name for f in dataclasses.fields(ScoreJob)}

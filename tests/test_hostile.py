@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from opdcache import manifest as M
-from opdcache import shards
+from opdcache.format import manifest as M
+from opdcache.format import shards
 from opdcache.cli.main import main
 
 
@@ -136,7 +136,7 @@ def test_a_symlinked_shard_leading_outside_is_reported_not_read(cache, tmp_path,
 def _finalize_at_barrier(root, slug, barrier):
     from synth import TOKENIZER  # noqa: F401 (tests/ is on the path of the forked child)
 
-    from opdcache.cache import TableJob, finalize_table
+    from opdcache.format.cache import TableJob, finalize_table
 
     job = TableJob.from_job_file(root, f"teachers/{slug}")
     barrier.wait()
@@ -146,8 +146,8 @@ def _finalize_at_barrier(root, slug, barrier):
 def test_two_teacher_tables_finalized_at_the_same_moment_both_survive(tmp_path):
     from synth import make_cache, teacher_rows  # noqa: F401
 
-    from opdcache import schema as S
-    from opdcache.cache import Cache, TableJob, run_table_job
+    from opdcache.format import schema as S
+    from opdcache.format.cache import Cache, TableJob, run_table_job
 
     ctx = multiprocessing.get_context("fork")
     for trial in range(5):
@@ -168,7 +168,7 @@ def test_two_teacher_tables_finalized_at_the_same_moment_both_survive(tmp_path):
             assert p.exitcode == 0
         tables = set(M.load(root)["tables"])
         assert {"teachers/a", "teachers/b", "teachers/synth", "rollouts"} <= tables, f"trial {trial}: {sorted(tables)}"
-        from opdcache.validate import validate
+        from opdcache.format.validate import validate
 
         assert not [p for p in validate(root) if not p.warning]
 
@@ -215,9 +215,9 @@ def test_a_damaged_tokenizer_file_is_found_by_validate(cache, capsys):
 
 def test_an_unfinished_tokenizer_folder_is_rewritten_by_the_rerun(tmp_path, weights, opd_prompts):
     from opdcache.backends.base import SamplingConfig
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob, run_generate
-    from opdcache.validate import validate
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
+    from opdcache.format.validate import validate
 
     out = tmp_path / "c"
     (out / "tokenizer").mkdir(parents=True)
@@ -273,8 +273,8 @@ def test_a_manifest_declaring_a_trillion_rows_is_refused_before_allocating(cache
 
 def test_hostile_prompt_lines_fail_their_row_only(tmp_path, weights):
     from opdcache.backends.base import SamplingConfig
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
 
     src = tmp_path / "p.jsonl"
     deep = "[" * 200_000 + "]" * 200_000
@@ -288,7 +288,7 @@ def test_hostile_prompt_lines_fail_their_row_only(tmp_path, weights):
 
 
 def test_verifier_shapes_and_imports(tmp_path, weights, opd_prompts, capsys, monkeypatch):
-    from opdcache import verifiers as V
+    from opdcache.inputs import verifiers as V
 
     assert V.score(lambda r, t: (1.0,), "x", {}).reason.startswith("verifier returned a tuple of 1 items")
     assert V.score(lambda r, t: float("nan"), "x", {}).score is None
@@ -314,7 +314,7 @@ def test_chat_template_kwargs_that_collide_with_the_call_are_refused(tmp_path, w
 
 @pytest.mark.parametrize("left", ["old-and-tmp", "checkpoint-and-tmp", "tmp-only-incomplete"])
 def test_a_resume_takes_the_newest_complete_checkpoint_and_leaves_no_temporary_directory(tmp_path, left):
-    from opdcache.checkpoint import STATE_FILE, newest_complete
+    from opdcache.training.checkpoint import STATE_FILE, newest_complete
 
     out = tmp_path / "run"
 

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from opdcache import shards
+from opdcache.format import shards
 
 pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), not by the README's test command
 
@@ -277,7 +277,7 @@ def test_prompts_that_are_not_files_are_refused_at_argument_checking(tmp_path, w
 
 
 def test_an_overlong_prompt_line_is_skipped_without_being_held(tmp_path):
-    from opdcache.prompts import MAX_LINE_BYTES, _rows
+    from opdcache.inputs.prompts import MAX_LINE_BYTES, _rows
 
     path = tmp_path / "p.jsonl"
     with open(path, "w") as f:
@@ -391,7 +391,7 @@ def test_a_verifier_that_calls_sys_exit_marks_its_rows_and_the_job_finishes(tmp_
 def test_a_verifier_raising_keyboardinterrupt_itself_marks_the_row():
     import signal
 
-    from opdcache.verifiers import score
+    from opdcache.inputs.verifiers import score
 
     def rude(response, task):
         raise KeyboardInterrupt

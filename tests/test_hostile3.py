@@ -242,7 +242,7 @@ def test_a_page_holding_more_values_than_its_footer_says_is_refused_before_decod
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from opdcache import shards
+    from opdcache.format import shards
     from opdcache.errors import SchemaError
 
     path = tmp_path / "bomb.parquet"  # a few KB on disk
@@ -260,7 +260,7 @@ def test_pages_that_decompress_far_beyond_the_files_bytes_are_refused(tmp_path, 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from opdcache import pagecheck, shards
+    from opdcache.format import pagecheck, shards
     from opdcache.errors import SchemaError
 
     path = tmp_path / "zeros.parquet"
@@ -276,7 +276,7 @@ def test_pages_that_decompress_far_beyond_the_files_bytes_are_refused(tmp_path, 
 def test_page_headers_of_every_store_agree_with_their_footers(hf_cache):
     """Every shard opdcache writes (rollouts with top-k and MC, teacher tables in every store) passes the page check, and
     decompresses to a small multiple of its bytes on disk."""
-    from opdcache import pagecheck, shards
+    from opdcache.format import pagecheck, shards
 
     paths = sorted(hf_cache.rglob("part-*.parquet"))
     assert len(paths) >= 6
@@ -293,7 +293,7 @@ def test_the_page_header_parser_reads_what_pyarrow_wrote(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from opdcache import pagecheck
+    from opdcache.format import pagecheck
 
     table = pa.table({"ids": pa.array([np.arange(i, dtype=np.int32) for i in range(300)], pa.list_(pa.int32())),
                       "name": pa.array([f"row-{i % 7}" for i in range(300)]),
@@ -488,7 +488,7 @@ def test_one_huge_row_among_short_ones_is_refused_row_by_row(cache, tmp_path, we
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from opdcache.shardcheck import MAX_ROW_TOKENS
+    from opdcache.format.shardcheck import MAX_ROW_TOKENS
     from test_hostile2 import _replace, _set_list_column
 
     rel = sorted(p.relative_to(cache).as_posix() for p in (cache / "rollouts").glob("part-*.parquet"))[0]
@@ -515,7 +515,7 @@ def test_a_huge_string_is_refused_row_by_row(tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from opdcache import shardcheck
+    from opdcache.format import shardcheck
     from opdcache.errors import SchemaError
 
     monkeypatch.setattr(shardcheck, "MAX_STRING_BYTES", 1000)

@@ -8,8 +8,8 @@ import uuid
 import pytest
 from huggingface_hub import HfApi
 
-from opdcache import hub
-from opdcache.cache import Cache
+from opdcache.format import hub
+from opdcache.format.cache import Cache
 from opdcache.cli.main import main
 
 SECRET = "hf_" + "x" * 34
@@ -101,7 +101,7 @@ def test_real_round_trip(synth_cache, tmp_path):
         hub.push(synth_cache, repo, private=True)
         out = hub.pull(repo, tmp_path / "pulled")
         assert Cache(out).manifest["tables"].keys() == Cache(synth_cache).manifest["tables"].keys()
-        from opdcache.validate import validate
+        from opdcache.format.validate import validate
 
         url = f"hf://datasets/{repo}"  # read in place through huggingface_hub's fsspec filesystem, no download
         assert Cache(url).manifest == Cache(out).manifest and validate(url) == []

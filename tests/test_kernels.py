@@ -1,4 +1,4 @@
-"""The fused Triton kernels (opdcache/kernels.py) against their torch references, on the CPU in Triton's interpreter.
+"""The fused Triton kernels (opdcache/logits/kernels.py) against their torch references, on the CPU in Triton's interpreter.
 
 Marked ``triton``: CI installs triton and runs ``TRITON_INTERPRET=1 python -m pytest -m triton``; tests/test_gpu.py runs
 the same kernels compiled on CUDA. Without triton, or without TRITON_INTERPRET=1, these tests skip."""
@@ -13,9 +13,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # read at triton's first import; 
                 allow_module_level=True)
 pytest.importorskip("triton")
 
-import opdcache.divergence as dv  # noqa: E402
-from opdcache import kernels  # noqa: E402
-from opdcache.divergence import KINDS, chunked_divergence, divergence_reference  # noqa: E402
+import opdcache.logits.divergence as dv  # noqa: E402
+from opdcache.logits import kernels  # noqa: E402
+from opdcache.logits.divergence import KINDS, chunked_divergence, divergence_reference  # noqa: E402
 
 pytestmark = pytest.mark.triton
 

@@ -1,10 +1,10 @@
-"""The student's streamed log-probs (opdcache/logprobs.py) against the plain full-logits reference."""
+"""The student's streamed log-probs (opdcache/logits/logprobs.py) against the plain full-logits reference."""
 
 import pytest
 import torch
 
 from opdcache.errors import ConfigError
-from opdcache.logprobs import chunked_logprobs, logprobs_reference
+from opdcache.logits.logprobs import chunked_logprobs, logprobs_reference
 
 
 def _inputs(N, H, V, K, dtype=torch.float64, bias=True, seed=0):
@@ -81,7 +81,7 @@ def test_bad_chunk_is_a_clear_error(chunk):
     h, W, _, ids = _inputs(2, 3, 10, 1)
     with pytest.raises(ConfigError, match="--chunk .* must be a positive integer"):
         chunked_logprobs(h, W, ids, chunk=chunk)
-    from opdcache.divergence import chunked_divergence
+    from opdcache.logits.divergence import chunked_divergence
 
     with pytest.raises(ConfigError, match="--chunk .* must be a positive integer"):
         chunked_divergence("rkl", h, W, h, W, chunk=chunk)
@@ -95,8 +95,8 @@ def test_out_of_range_ids_are_refused():
 
 def test_position_blocks_give_the_same_values_and_gradients(monkeypatch):
     """With blocks of 3 rows (BLOCK_BYTES shrunk), values and gradients equal the one-block computation."""
-    from opdcache import logprobs as LP
-    from opdcache.divergence import chunked_divergence
+    from opdcache.logits import logprobs as LP
+    from opdcache.logits.divergence import chunked_divergence
 
     h, W, b, ids = _inputs(10, 4, 29, 2)
     ht, Wt = torch.randn(10, 5, dtype=torch.float64), torch.randn(29, 5, dtype=torch.float64)
@@ -117,7 +117,7 @@ def test_position_blocks_give_the_same_values_and_gradients(monkeypatch):
 def test_a_gpu_takes_whole_vocabulary_rows_in_blocks_capped_by_its_free_memory(monkeypatch):
     """layout: a CPU keeps --chunk slices in row_blocks; a CUDA device takes the whole vocabulary in one slice, in
     blocks of GPU_BLOCK_BYTES of float32 logits, or a quarter of the free memory when that is less (at least a row)."""
-    from opdcache import logprobs as LP
+    from opdcache.logits import logprobs as LP
 
     assert LP.layout(5000, 151_936, 8192, torch.device("cpu")) == (LP.row_blocks(5000, 8192), 8192)
     free = {"bytes": 80 << 30}
@@ -134,7 +134,7 @@ def test_a_gpu_takes_whole_vocabulary_rows_in_blocks_capped_by_its_free_memory(m
 def test_the_gpu_layout_gives_the_reference_values_and_gradients(monkeypatch, K):
     """The GPU's layout (whole-vocabulary slices, here in blocks of 3 rows), run on the CPU: the same log-probs,
     log-partitions and gradients as the full-logits reference, repeated ids included (their gradients add up)."""
-    from opdcache import logprobs as LP
+    from opdcache.logits import logprobs as LP
 
     monkeypatch.setattr(LP, "layout", lambda n, V, chunk, device: ([slice(a, min(a + 3, n)) for a in range(0, n, 3)], V))
     h, W, b, ids = _inputs(10, 4, 29, K)
@@ -156,7 +156,7 @@ def test_under_autocast_the_backward_matmuls_run_in_the_forward_dtype(monkeypatc
     """Autocast is off inside a backward: the gradient matmuls must still run in bf16, as the forward's and the model's
     own head do (in float32 they made the fused train step 3x slower than the full-logits step on an H100), and the
     gradients must equal the full-logits path's under the same autocast to bf16 rounding."""
-    import opdcache.logprobs as lpm
+    import opdcache.logits.logprobs as lpm
 
     h, W, b, ids = _inputs(33, 16, 300, 2, dtype=torch.float32)
     seen = []
@@ -178,7 +178,7 @@ def test_under_autocast_the_backward_matmuls_run_in_the_forward_dtype(monkeypatc
 
 
 def test_matmul_dtype_follows_autocast():
-    from opdcache.logprobs import matmul_dtype
+    from opdcache.logits.logprobs import matmul_dtype
 
     x = torch.zeros(2, 2)
     assert matmul_dtype(x) == torch.float32 and matmul_dtype(x.double()) == torch.float64
@@ -192,8 +192,8 @@ def test_the_head_gradient_is_one_buffer_whatever_the_number_of_position_blocks(
     which made training memory step up with the number of blocks (2 at 2,048 tokens, 4 at 8,192)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from opdcache import logprobs as LP
-    from opdcache.divergence import chunked_divergence
+    from opdcache.logits import logprobs as LP
+    from opdcache.logits.divergence import chunked_divergence
 
     class HeadShaped(TorchDispatchMode):
         def __init__(self, shape):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from opdcache import losses as L
+from opdcache.training import losses as L
 
 
 def _rand(*shape, seed=0):

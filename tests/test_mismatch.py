@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from opdcache import mismatch as MM
+from opdcache.teacher import mismatch as MM
 from opdcache.backends.base import SamplingConfig
-from opdcache.cache import Cache
+from opdcache.format.cache import Cache
 from opdcache.cli.main import main
-from opdcache.prompts import PromptConfig
+from opdcache.inputs.prompts import PromptConfig
 from opdcache.backends import EngineConfig
-from opdcache.rollouts import GenerateJob, run_generate
-from opdcache.validate import validate
-from opdcache.scoring import ScoreJob, run_score
+from opdcache.teacher.rollouts import GenerateJob, run_generate
+from opdcache.format.validate import validate
+from opdcache.teacher.scoring import ScoreJob, run_score
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def _plain_deltas(cache_root, model_dir) -> list[np.ndarray]:
     """The reference: one sequence at a time, full float32 log-softmax, minus the stored ref_logprobs."""
     from transformers import AutoModelForCausalLM
 
-    from opdcache import shards
+    from opdcache.format import shards
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from opdcache.errors import ConfigError, TokenizerMismatchError
-from opdcache.models import ModelRef, resolve_model
+from opdcache.inputs.models import ModelRef, resolve_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -68,7 +68,7 @@ def test_hub_id_resolves_offline_to_the_snapshot_with_its_commit(hub):
 
 
 def test_fingerprint_from_blob_names_equals_the_local_copy_and_reads_no_weights(hub, weights, monkeypatch):
-    from opdcache import fingerprint
+    from opdcache.inputs import fingerprint
 
     local = fingerprint.model_fingerprint(weights / "teacher")
     read = []
@@ -101,7 +101,7 @@ def test_a_model_path_that_does_not_exist_is_one_line_and_fast(tmp_path, opd_pro
 
 
 def test_tokenizer_larger_than_the_vocabulary_is_refused_and_undecodable_samples_are_named():
-    from opdcache.lineage import check_vocab_sizes, undecodable_reason
+    from opdcache.inputs.lineage import check_vocab_sizes, undecodable_reason
 
     class Tok:
         def __len__(self):

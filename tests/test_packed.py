@@ -1,12 +1,12 @@
-"""Packed batches (opdcache/packing.py): the same rows and values as the padded batches, no padding, zero-copy
+"""Packed batches (opdcache/training/packing.py): the same rows and values as the padded batches, no padding, zero-copy
 views of the decoded shard where the rows are consecutive, and a model attending within each packed sequence only."""
 
 import numpy as np
 import pytest
 import torch
 
-from opdcache.data import CacheLoader, CacheLoaderConfig, collate_decoded
-from opdcache.packing import _ranges, collate_packed, unpack
+from opdcache.training.data import CacheLoader, CacheLoaderConfig, collate_decoded
+from opdcache.training.packing import _ranges, collate_packed, unpack
 
 ROLLOUT_STORES = ("ref_topk", "mc")
 TEACHER_STORES = ("logprob", "topk", "hidden", "svd", "sampled")
@@ -100,9 +100,9 @@ def test_a_model_given_packed_position_ids_attends_within_each_sequence(hf_cache
 def test_a_packed_train_step_equals_the_padded_one(hf_cache, weights, tmp_path, loss):
     """Every loss: the same rows packed and padded give the same loss and the same gradient of every parameter (float32,
     to its rounding: the attention sums run over differently masked rows), and the same logged numbers."""
-    from opdcache.estimators import ESTIMATORS
-    from opdcache.losses import Corrections
-    from opdcache.train import TrainConfig, Trainer
+    from opdcache.training.estimators import ESTIMATORS
+    from opdcache.training.losses import Corrections
+    from opdcache.training.train import TrainConfig, Trainer
 
     # every loss: here on one tokenizer's table; uld and gold (a teacher of another tokenizer) in tests/test_crossteacher.py
     assert set(ESTIMATORS) == {"lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "sampled-fkl", "full-fkl", "full-rkl", "jsd",
@@ -133,18 +133,18 @@ def test_pack_is_refused_with_exact_and_online():
     from pathlib import Path
 
     from opdcache.errors import ConfigError
-    from opdcache.train import TrainConfig
+    from opdcache.training.train import TrainConfig
 
     with pytest.raises(ConfigError, match="--pack lays a cache's rows end to end for the student's forward; --exact's decoder"):
         TrainConfig(model=Path("m"), cache="c", out=Path("o"), pack=True, exact=True)
 
 
 def test_packed_attention_runs_each_sequence_alone_and_gives_the_padded_logits(hf_cache, weights, monkeypatch):
-    """The trainer's packed attention (opdcache/student.py): the padded batch's logits at every response position
+    """The trainer's packed attention (opdcache/training/student.py): the padded batch's logits at every response position
     (float64), from one attention call per sequence of at most that sequence's length: nothing [N, N] over the batch."""
     from transformers import AutoModelForCausalLM
 
-    from opdcache.student import enable_packed_attention
+    from opdcache.training.student import enable_packed_attention
 
     padded_loader, packed_loader = _loaders(hf_cache, shuffle=True)
     padded, packed = next(iter(padded_loader)), next(iter(packed_loader))
@@ -176,7 +176,7 @@ def test_a_run_resumes_with_or_without_pack(hf_cache, weights, tmp_path):
     written before the setting existed resumes), at the step it stopped."""
     import json
 
-    from opdcache.train import TrainConfig, Trainer
+    from opdcache.training.train import TrainConfig, Trainer
 
     common = dict(model=weights / "student", cache=hf_cache, out=tmp_path / "run", batch_size=4, seed=2, dtype="float32",
                   checkpoint_every=1)
@@ -195,8 +195,8 @@ def test_a_run_resumes_with_or_without_pack(hf_cache, weights, tmp_path):
 def test_max_batch_tokens_gives_the_whole_batchs_loss_and_gradient(hf_cache, weights, tmp_path, pack, loss):
     """A batch cut into groups of at most --max-batch-tokens tokens (here about three rows each), one forward and
     backward a group: the same loss and gradient as the batch at once, and each group within its budget."""
-    from opdcache.packing import split_batch
-    from opdcache.train import TrainConfig, Trainer
+    from opdcache.training.packing import split_batch
+    from opdcache.training.train import TrainConfig, Trainer
 
     results = []
     for budget in (None, 60):
@@ -225,7 +225,7 @@ def test_max_batch_tokens_is_checked_in_one_line():
     from pathlib import Path
 
     from opdcache.errors import ConfigError
-    from opdcache.train import TrainConfig
+    from opdcache.training.train import TrainConfig
 
     with pytest.raises(ConfigError, match="--max-batch-tokens must be at least 1, got 0"):
         TrainConfig(model=Path("m"), cache="c", out=Path("o"), max_batch_tokens=0)

@@ -6,19 +6,19 @@ import shutil
 import numpy as np
 import pytest
 
-from opdcache import manifest as M
-from opdcache import shards
+from opdcache.format import manifest as M
+from opdcache.format import shards
 from opdcache.backends.base import SamplingConfig
 from opdcache.backends.hf import TransformersBackend
-from opdcache.cache import Cache
+from opdcache.format.cache import Cache
 from opdcache.cli.main import main
 from opdcache.errors import ConsistencyError, InputError, TokenizerMismatchError
-from opdcache.fingerprint import sha256_file
-from opdcache.prompts import PromptConfig
+from opdcache.inputs.fingerprint import sha256_file
+from opdcache.inputs.prompts import PromptConfig
 from opdcache.backends import EngineConfig
-from opdcache.rollouts import GenerateJob, run_generate
-from opdcache.scoring import ScoreJob, run_score
-from opdcache.validate import validate
+from opdcache.teacher.rollouts import GenerateJob, run_generate
+from opdcache.teacher.scoring import ScoreJob, run_score
+from opdcache.format.validate import validate
 
 FAST = SamplingConfig(max_new_tokens=30)
 
@@ -147,7 +147,7 @@ def test_without_lineage_the_verdict_is_unknown(tmp_path, weights, opd_prompts):
 
 def test_sft_lineage_file_and_conflicting_flag(tmp_path, weights, opd_prompts):
     from opdcache.errors import ConfigError
-    from opdcache.lineage import model_info, write_sft_lineage
+    from opdcache.inputs.lineage import model_info, write_sft_lineage
 
     pi_ref = _copy_model(weights / "student", tmp_path / "pi_ref")
     write_sft_lineage(pi_ref, model_info(weights / "teacher"), "d" * 64, model_info(weights / "student"))
@@ -177,11 +177,11 @@ def test_one_two_or_three_workers_give_identical_caches(tmp_path, weights, opd_p
 
 
 def test_finalize_command_completes_a_job_whose_workers_are_done(tmp_path, weights, opd_prompts, monkeypatch):
-    import opdcache.cache
+    import opdcache.format.cache
 
     out = tmp_path / "c"
     with monkeypatch.context() as m:
-        m.setattr(opdcache.cache, "finalize_table", lambda job: None)  # as if both workers finished at the same moment
+        m.setattr(opdcache.format.cache, "finalize_table", lambda job: None)  # as if both workers finished at the same moment
         for w in range(2):
             run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=4), out=out, num_shards=2,
                                      sampling=FAST, num_workers=2, worker_index=w))
@@ -212,7 +212,7 @@ def test_cli_chain_build_sft_rollouts_score(tmp_path, weights, opd_prompts, caps
 def test_svd_full_rank_is_exact_and_distortion_falls_with_rank():
     import torch
 
-    from opdcache import svd
+    from opdcache.stores import svdprojection as svd
 
     g = torch.Generator().manual_seed(0)
     W = torch.randn(200, 32, generator=g) * torch.logspace(0, -2, 32)
@@ -236,7 +236,7 @@ def test_svd_full_rank_is_exact_and_distortion_falls_with_rank():
 def test_svd_store_records_the_chosen_variant_and_its_measured_distortion(hf_cache):
     import torch
 
-    from opdcache import svd
+    from opdcache.stores import svdprojection as svd
 
     cache = Cache(hf_cache)
     svd_info = cache.table("teachers/teacher")["svd"]
@@ -259,7 +259,7 @@ def test_bounded_svd_fit_equals_the_plain_fit(method, monkeypatch):
     than the vocabulary and the positions, so every blocked path runs)."""
     import torch
 
-    from opdcache import svd
+    from opdcache.stores import svdprojection as svd
 
     monkeypatch.setattr(svd, "ROW_BLOCK", 37)
     monkeypatch.setattr(svd, "BLOCK", 50)
@@ -276,7 +276,7 @@ def test_bounded_svd_fit_equals_the_plain_fit(method, monkeypatch):
 
 def test_a_teacher_producing_nan_stops_the_shard_with_a_reason_and_writes_nothing(tmp_path, weights, opd_prompts, monkeypatch):
     from opdcache.errors import SchemaError
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     cache = tmp_path / "c"
     run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=4), out=cache, num_shards=2, sampling=FAST,

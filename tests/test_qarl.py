@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from opdcache import losses as L
-from opdcache import mismatch as MM
+from opdcache.training import losses as L
+from opdcache.teacher import mismatch as MM
 from opdcache.backends.base import SamplingConfig
-from opdcache.cache import Cache
+from opdcache.format.cache import Cache
 from opdcache.cli.main import main
 from opdcache.errors import ConfigError
-from opdcache.prompts import PromptConfig
+from opdcache.inputs.prompts import PromptConfig
 from opdcache.backends import EngineConfig
-from opdcache.rollouts import GenerateJob, run_generate
-from opdcache.scoring import ScoreJob, run_score
-from opdcache.train import TrainConfig, Trainer
+from opdcache.teacher.rollouts import GenerateJob, run_generate
+from opdcache.teacher.scoring import ScoreJob, run_score
+from opdcache.training.train import TrainConfig, Trainer
 
 
 def run(args) -> int:
@@ -102,7 +102,7 @@ def test_mismatch_report_measures_both(w4_cache, tmp_path, capsys):
 
 
 def test_error_token_rule_by_hand():
-    from opdcache.errortokens import error_token_mask, is_error_sequence, tail_repetition
+    from opdcache.inputs.errortokens import error_token_mask, is_error_sequence, tail_repetition
 
     learner = np.log(np.array([0.5, 1e-4, 1e-4, 0.2, 1e-5]))
     rollout = np.log(np.array([0.5, 1e-4, 5e-3, 0.2, 1e-3]))

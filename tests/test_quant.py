@@ -1,4 +1,4 @@
-"""The emulated low-bit kernels (opdcache/quant.py) against references written by hand, element by element in plain
+"""The emulated low-bit kernels (opdcache/backends/quant.py) against references written by hand, element by element in plain
 Python, and the straight-through gradient against the full-precision gradient at the dequantized weights."""
 
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opdcache.errors import ConfigError
-from opdcache.quant import QuantScheme, apply_scheme, fp8_rows, fp8_tensor, int4_groups, int8_rows
+from opdcache.backends.quant import QuantScheme, apply_scheme, fp8_rows, fp8_tensor, int4_groups, int8_rows
 
 
 def f32(x: float) -> float:
@@ -251,8 +251,8 @@ def test_int8_is_not_alignable():
 
 
 def test_keep_adds_to_lm_head_head_quantizes_it_and_unknown_names_are_refused(weights):
-    from opdcache.models import load_causal_lm
-    from opdcache.quant import QuantScheme, apply_scheme
+    from opdcache.inputs.models import load_causal_lm
+    from opdcache.backends.quant import QuantScheme, apply_scheme
 
     s = QuantScheme.parse("w4a16:g32:keep=down_proj")
     assert s.keep == ("lm_head", "down_proj") and s.spec() == "w4a16:g32:sym:compressed-tensors:keep=lm_head,down_proj"

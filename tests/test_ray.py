@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from opdcache import manifest as M
+from opdcache.format import manifest as M
 from opdcache.backends.base import SamplingConfig
-from opdcache.fingerprint import sha256_file
-from opdcache.prompts import PromptConfig
+from opdcache.inputs.fingerprint import sha256_file
+from opdcache.inputs.prompts import PromptConfig
 from opdcache.backends import EngineConfig
-from opdcache.rollouts import GenerateJob, run_generate
-from opdcache.scoring import ScoreJob, run_score
+from opdcache.teacher.rollouts import GenerateJob, run_generate
+from opdcache.teacher.scoring import ScoreJob, run_score
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # slow: run by .ci/run, not the README's test command
 TESTS = str(Path(__file__).parent)
@@ -54,8 +54,8 @@ def _hashes(out):
 
 
 def test_ray_workers_write_the_same_bytes_as_one_local_process(ray_cluster, weights, opd_prompts, tmp_path):
-    from opdcache.executors import RayConfig, run_on_ray
-    from opdcache.validate import validate
+    from opdcache.teacher.executors import RayConfig, run_on_ray
+    from opdcache.format.validate import validate
 
     gen, score = _jobs(weights, opd_prompts, tmp_path / "local")
     _local(run_generate, gen)
@@ -78,7 +78,7 @@ def test_ray_workers_write_the_same_bytes_as_one_local_process(ray_cluster, weig
 
 
 def test_a_killed_worker_leaves_no_partial_shard_and_the_job_completes(ray_cluster, weights, opd_prompts, tmp_path):
-    from opdcache.executors import RayConfig, run_on_ray
+    from opdcache.teacher.executors import RayConfig, run_on_ray
     from ray_helpers import crash_once_after_two_shards
 
     gen, _ = _jobs(weights, opd_prompts, tmp_path / "c")

@@ -47,9 +47,9 @@ def prompts(tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_cache(smollm2, prompts, tmp_path_factory):
     from opdcache.backends.base import SamplingConfig
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob, run_generate
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     out = tmp_path_factory.mktemp("real") / "cache"
     run_generate(GenerateJob(model=smollm2, prompts=PromptConfig(prompts, messages_field="messages", system_prompt=SYSTEM), out=out,
@@ -69,9 +69,9 @@ def _plain_logprobs(model, prompt_ids, response_ids) -> tuple[np.ndarray, np.nda
 
 
 def test_prompt_ids_are_the_chat_templates_and_text_round_trips(real_cache, smollm2):
-    from opdcache import shards
-    from opdcache.cache import Cache
-    from opdcache.models import load_tokenizer
+    from opdcache.format import shards
+    from opdcache.format.cache import Cache
+    from opdcache.inputs.models import load_tokenizer
 
     tok = load_tokenizer(smollm2)
     rows = [r for p in Cache(real_cache).shard_paths("rollouts") for r in shards.read_table(p).to_pylist()]
@@ -90,9 +90,9 @@ def test_prompt_ids_are_the_chat_templates_and_text_round_trips(real_cache, smol
 
 
 def test_stored_logprobs_equal_an_independent_float32_forward(real_cache, smollm2):
-    from opdcache import shards
-    from opdcache.cache import Cache
-    from opdcache.models import load_causal_lm
+    from opdcache.format import shards
+    from opdcache.format.cache import Cache
+    from opdcache.inputs.models import load_causal_lm
 
     model = load_causal_lm(smollm2, torch.float32).eval()
     cache = Cache(real_cache)
@@ -145,11 +145,11 @@ def test_v3_stores_on_the_real_model_against_an_independent_forward(real_cache, 
     forward-KL estimators train."""
     import shutil
 
-    from opdcache import shards
-    from opdcache.cache import Cache
+    from opdcache.format import shards
+    from opdcache.format.cache import Cache
     from opdcache.cli.main import main
-    from opdcache.models import load_causal_lm
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.inputs.models import load_causal_lm
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     cache_dir = tmp_path / "cache"
     shutil.copytree(real_cache, cache_dir)
@@ -191,13 +191,13 @@ def test_v3_stores_on_the_real_model_against_an_independent_forward(real_cache, 
 @pytest.mark.vllm  # CI runs it in the vllm group, after the real group has converted the model
 def test_vllm_rollouts_of_the_real_model_mean_what_the_schema_says(smollm2, prompts, tmp_path):
     pytest.importorskip("vllm")
-    from opdcache import shards
+    from opdcache.format import shards
     from opdcache.backends.base import SamplingConfig
-    from opdcache.cache import Cache
-    from opdcache.models import load_causal_lm
-    from opdcache.prompts import PromptConfig
+    from opdcache.format.cache import Cache
+    from opdcache.inputs.models import load_causal_lm
+    from opdcache.inputs.prompts import PromptConfig
     from opdcache.backends import EngineConfig
-    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
 
     out = tmp_path / "vllm"
     run_generate(GenerateJob(model=smollm2, prompts=PromptConfig(prompts, messages_field="messages", system_prompt=SYSTEM), out=out,

@@ -11,11 +11,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from opdcache import manifest as M
-from opdcache.cache import run_table_job
-from opdcache.workers import shards_for_worker, worker_from_env
+from opdcache.format import manifest as M
+from opdcache.format.cache import run_table_job
+from opdcache.format.workers import shards_for_worker, worker_from_env
 from opdcache.errors import ConfigError, ResumeError, SchemaError
-from opdcache.fingerprint import sha256_file
+from opdcache.inputs.fingerprint import sha256_file
 from synth import rollout_rows
 from writer_job import job
 
@@ -63,7 +63,7 @@ def test_sigkill_at_random_points_then_resume_gives_identical_shards(tmp_path, r
             assert sha256_file(path) == ref_hashes[path.name], f"attempt {attempt}: {path.name} differs"
     _run(root)
     assert {p.name: sha256_file(p) for p in _final_shards(root)} == ref_hashes
-    from opdcache.validate import validate
+    from opdcache.format.validate import validate
 
     problems = validate(root)
     assert not [p for p in problems if not p.warning]  # ...but are only ever warnings
@@ -90,7 +90,7 @@ def test_each_shard_is_written_while_the_next_is_made_and_equals_an_inline_write
     the background (inline, it would wait for a shard that is never started: the wait's guard fails the test)."""
     import threading
 
-    import opdcache.cache as cache_mod
+    import opdcache.format.cache as cache_mod
 
     j = job(tmp_path / "behind", 4)
     started = {i: threading.Event() for i in range(5)}
@@ -192,7 +192,7 @@ def test_workers_get_disjoint_deterministic_shards(monkeypatch):
 
 
 def test_generation_groups_fill_a_batch_across_shards():
-    from opdcache.rollouts import generation_groups
+    from opdcache.teacher.rollouts import generation_groups
 
     assert generation_groups([2, 2, 2, 2, 2], 4) == [[0, 1], [2, 3], [4]]
     assert generation_groups([8, 1, 1], 4) == [[0], [1, 2]]
@@ -207,10 +207,10 @@ def test_batches_spanning_shards_give_the_same_shards_for_any_worker_count_and_r
     a shard was lost all write identical shard bytes."""
     from opdcache.backends.base import SamplingConfig
     from opdcache.backends.hf import TransformersBackend
-    from opdcache.fingerprint import sha256_file
-    from opdcache.prompts import PromptConfig
+    from opdcache.inputs.fingerprint import sha256_file
+    from opdcache.inputs.prompts import PromptConfig
     from opdcache.backends import EngineConfig
-    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
 
     def job(out, **kw):
         return GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts, limit=16), out=out, num_shards=8,

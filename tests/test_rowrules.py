@@ -1,4 +1,4 @@
-"""opdcache/rowrules.py's fast paths (whole-array tests first, per-row reductions only for a broken shard) against the
+"""opdcache/stores/rowrules.py's fast paths (whole-array tests first, per-row reductions only for a broken shard) against the
 plain per-row rules they replace, on valid and damaged stores of every layout."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from opdcache import rowrules
-from opdcache import schema as S
+from opdcache.stores import rowrules
+from opdcache.format import schema as S
 
 V = 1000
 

@@ -23,10 +23,10 @@ pytest.importorskip("moto.server")
 
 from opdcache.backends.base import SamplingConfig  # noqa: E402
 from opdcache.cli.main import main  # noqa: E402
-from opdcache.fingerprint import sha256_file  # noqa: E402
-from opdcache.prompts import PromptConfig  # noqa: E402
-from opdcache.rollouts import GenerateJob, run_generate  # noqa: E402
-from opdcache.scoring import ScoreJob, run_score  # noqa: E402
+from opdcache.inputs.fingerprint import sha256_file  # noqa: E402
+from opdcache.inputs.prompts import PromptConfig  # noqa: E402
+from opdcache.teacher.rollouts import GenerateJob, run_generate  # noqa: E402
+from opdcache.teacher.scoring import ScoreJob, run_score  # noqa: E402
 
 WRITER = Path(__file__).parent / "writer_job.py"
 BUCKET = "opd"
@@ -111,7 +111,7 @@ def s3_cache(s3, weights, opd_prompts, local_cache):
 
 
 def test_build_and_score_on_s3_write_the_local_bytes_manifest_last(s3, s3_cache, local_cache):
-    from opdcache import manifest as M
+    from opdcache.format import manifest as M
 
     assert _remote_hashes(s3, "runs/cache") == _local_hashes(local_cache)
     keys = _keys(s3, "runs/cache")
@@ -130,7 +130,7 @@ def test_validate_and_info_read_the_url(s3_cache, capsys):
 
 
 def test_validate_finds_a_corrupted_object(s3, s3_cache, weights, opd_prompts, capsys):
-    from opdcache.validate import validate
+    from opdcache.format.validate import validate
 
     url = f"s3://{BUCKET}/corrupt/cache"
     s3.copy(f"{BUCKET}/runs/cache", f"{BUCKET}/corrupt/cache", recursive=True)
@@ -147,9 +147,9 @@ def test_validate_finds_a_corrupted_object(s3, s3_cache, weights, opd_prompts, c
 def test_the_loader_reads_the_url_like_the_local_cache(s3_cache, local_cache):
     import torch
 
-    from opdcache.data import CacheLoader, CacheLoaderConfig
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
 
-    from opdcache.cache import Cache
+    from opdcache.format.cache import Cache
 
     slug = Cache(local_cache).teachers[0]
 
@@ -197,7 +197,7 @@ def _writer(root, n_shards, wait=True):
 def test_a_killed_writer_leaves_no_visible_shard_and_the_rerun_resumes(s3):
     import pyarrow.parquet as pq
 
-    from opdcache.validate import validate
+    from opdcache.format.validate import validate
 
     n = 6
     _writer(f"s3://{BUCKET}/ref/cache", n)
@@ -273,7 +273,7 @@ def test_push_reads_a_remote_cache(s3_cache, monkeypatch, tmp_path):
     the downloaded copy is gone when push returns."""
     import tempfile
 
-    from opdcache import hub
+    from opdcache.format import hub
 
     seen = {}
 
@@ -318,8 +318,8 @@ def test_ray_workers_write_a_cache_on_s3(s3, weights, opd_prompts, tmp_path):
     """--executor ray with an s3:// cache: every worker uploads its own shards, the driver finalizes, and the bytes
     equal a local one-thread run's (a Ray task with one CPU runs one torch thread)."""
     ray = pytest.importorskip("ray")
-    from opdcache.executors import RayConfig, run_on_ray
-    from opdcache.validate import validate
+    from opdcache.teacher.executors import RayConfig, run_on_ray
+    from opdcache.format.validate import validate
     from test_ray import TESTS, _local
 
     root = str(Path(__file__).parent.parent)
@@ -354,7 +354,7 @@ def test_an_async_run_with_its_cache_on_s3_writes_the_local_runs_bytes(s3, tmp_p
     from asyncsmall import small_async
 
     from opdcache.asyncopd import run_async
-    from opdcache.validate import validate
+    from opdcache.format.validate import validate
 
     url = f"s3://{BUCKET}/async/cache"
     remote = run_async(small_async(weights, opd_prompts, tmp_path / "remote", cache=url))

@@ -6,8 +6,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from opdcache import manifest as M
-from opdcache import schema as S
+from opdcache.format import manifest as M
+from opdcache.format import schema as S
 from opdcache.errors import ConfigError, SchemaError
 
 SCHEMAS = Path(__file__).parent.parent / "schemas"

@@ -5,9 +5,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from opdcache import schema as S
-from opdcache import shards
-from opdcache.cache import Cache
+from opdcache.format import schema as S
+from opdcache.format import shards
+from opdcache.format.cache import Cache
 from opdcache.errors import SchemaError
 from synth import rollout_rows
 
@@ -120,7 +120,7 @@ def test_the_cards_hidden_state_recipe_decodes_what_datasets_returns_bit_exact(s
     import datasets
     import torch
 
-    from opdcache.cache import Cache
+    from opdcache.format.cache import Cache
 
     card = (synth_cache / "README.md").read_text()
     assert "### Decoding `hidden` in `teacher-synth` (bfloat16)" in card
@@ -138,8 +138,8 @@ def test_the_cards_hidden_state_recipe_decodes_what_datasets_returns_bit_exact(s
 def test_the_loader_decodes_16_bit_hidden_states_bit_exact(synth_cache):
     import torch
 
-    from opdcache.cache import Cache
-    from opdcache.data import CacheLoader, CacheLoaderConfig
+    from opdcache.format.cache import Cache
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
 
     batch = next(iter(CacheLoader(CacheLoaderConfig(cache=synth_cache, teacher="synth", stores=("logprob", "hidden"), batch_size=6,
                                                     shuffle=False))))
@@ -184,7 +184,7 @@ def test_numpy_view_equals_pyarrows_to_numpy_and_a_loaded_shard_never_imports_pa
             assert got.dtype == part.to_numpy().dtype and np.array_equal(got, part.to_numpy(zero_copy_only=False))
     with_nulls = pa.array([1.0, None, 3.0], pa.float32())
     np.testing.assert_array_equal(shards.numpy_view(with_nulls), with_nulls.to_numpy(zero_copy_only=False))
-    code = ("import sys; from opdcache.data import CacheLoader, CacheLoaderConfig; "
+    code = ("import sys; from opdcache.training.data import CacheLoader, CacheLoaderConfig; "
             f"n = sum(1 for _ in CacheLoader(CacheLoaderConfig(cache={str(synth_cache)!r}, teacher='synth', stores=('logprob', 'topk', 'hidden')))); "
             "print(n, 'pandas' in sys.modules, 'pyarrow.compute' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from opdcache import manifest as M
-from opdcache import schema as S
-from opdcache import shards
+from opdcache.format import manifest as M
+from opdcache.format import schema as S
+from opdcache.format import shards
 from opdcache.errors import ConfigError
 from opdcache.stores import REGISTRY
 
@@ -32,7 +32,7 @@ def test_the_format_is_built_from_the_registry():
 
 def test_a_store_option_without_its_store_is_one_line_from_one_home():
     """The compact top-k's settings are checked in one place for a job and for a table's recorded parameters."""
-    from opdcache.scoring import ScoreJob
+    from opdcache.teacher.scoring import ScoreJob
 
     message = "--topk-precision and --topk-mass shape the topk store: add --store topk"
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -47,7 +47,7 @@ def test_a_store_option_without_its_store_is_one_line_from_one_home():
 
 def test_a_store_that_needs_the_whole_distribution_is_refused_on_vllm_before_any_model_loads():
     from opdcache.backends import EngineConfig
-    from opdcache.scoring import ScoreJob
+    from opdcache.teacher.scoring import ScoreJob
 
     with pytest.raises(ConfigError, match="--store entropy needs the teacher's whole distribution at every position, which "
                                           "vLLM's scoring does not return: use --backend transformers"):
@@ -57,7 +57,7 @@ def test_a_store_that_needs_the_whole_distribution_is_refused_on_vllm_before_any
 def test_the_entropy_store_lives_in_one_file_and_one_registry_line():
     """No library file but the store's own and the registry names the store, its module or its columns. The only
     other uses of the word are figures that predate the store and mean something else, pinned here by count: the
-    fidelity record's "entropy" moment (opdcache/fidelity.py) and plan's "teacher_entropy" (the frontier's mean)."""
+    fidelity record's "entropy" moment (opdcache/format/fidelity.py) and plan's "teacher_entropy" (the frontier's mean)."""
     store = REGISTRY["entropy"]
     words = {store.name} | {c.name for c in store.columns} | {"teacher_" + c.name for c in store.columns}
     found = {}
@@ -70,14 +70,14 @@ def test_the_entropy_store_lives_in_one_file_and_one_registry_line():
         module_uses = len(re.findall(r"stores\.entropy|stores import[^\n]*\bentropy\b", text))
         if quoted or module_uses:
             found[rel] = quoted + module_uses
-    assert found == {"opdcache/fidelity.py": 4, "opdcache/frontier.py": 1, "opdcache/plan.py": 1}
+    assert found == {"opdcache/format/fidelity.py": 4, "opdcache/teacher/frontier.py": 1, "opdcache/teacher/plan.py": 1}
     registry = (ROOT / "opdcache/stores/__init__.py").read_text()
     assert registry.count("entropy") == 2  # the import and the registry line
 
 
 @pytest.fixture(scope="module")
 def entropy_cache(hf_cache, weights, tmp_path_factory):
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     root = tmp_path_factory.mktemp("entropy") / "cache"
     shutil.copytree(hf_cache, root)
@@ -100,8 +100,8 @@ def _reference_entropy(model_dir: Path, prompt_ids, response_ids) -> np.ndarray:
 def test_an_entropy_table_is_v5_validates_and_holds_the_teachers_entropy(entropy_cache, weights, tmp_path):
     import datasets
 
-    from opdcache.cache import Cache
-    from opdcache.validate import validate
+    from opdcache.format.cache import Cache
+    from opdcache.format.validate import validate
 
     cache = Cache(entropy_cache)
     assert cache.manifest["format_version"] == 5 and cache.table("teachers/ent")["params"]["stores"] == ["logprob", "entropy"]
@@ -117,7 +117,7 @@ def test_an_entropy_table_is_v5_validates_and_holds_the_teachers_entropy(entropy
         assert (stored >= 0).all() and (stored <= np.log(M.load(entropy_cache)["tables"]["teachers/ent"]["config"]["vocab_size"])).all()
     ds = datasets.load_dataset(str(entropy_cache), "teacher-ent", split="train", cache_dir=str(tmp_path / "hf"))
     assert np.allclose(ds[0]["entropy"], table["entropy"][0].as_py())
-    from opdcache.export import export
+    from opdcache.format.export import export
 
     export(entropy_cache, "jsonl", tmp_path / "flat", teacher="ent")
     first = json.loads((tmp_path / "flat" / "rollouts.jsonl").read_text().splitlines()[0])
@@ -126,7 +126,7 @@ def test_an_entropy_table_is_v5_validates_and_holds_the_teachers_entropy(entropy
 
 def test_the_loader_yields_teacher_entropy_and_info_names_the_store(entropy_cache, capsys):
     from opdcache.cli.main import main
-    from opdcache.data import CacheLoader, CacheLoaderConfig
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
 
     loader = CacheLoader(CacheLoaderConfig(cache=entropy_cache, teacher="ent", stores=("logprob", "entropy"), batch_size=4, shuffle=False))
     batch = next(iter(loader))
@@ -139,10 +139,10 @@ def test_the_loader_yields_teacher_entropy_and_info_names_the_store(entropy_cach
 
 
 def test_a_damaged_entropy_row_is_found_by_validate_and_refused_by_the_loader(entropy_cache, tmp_path):
-    from opdcache.cache import Cache
-    from opdcache.data import CacheLoader, CacheLoaderConfig
+    from opdcache.format.cache import Cache
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
     from opdcache.errors import SchemaError
-    from opdcache.validate import validate
+    from opdcache.format.validate import validate
 
     root = tmp_path / "cache"
     shutil.copytree(entropy_cache, root)
@@ -191,11 +191,11 @@ def test_a_manifest_whose_store_list_is_not_names_is_one_line_everywhere(synth_c
         assert "is not a list of distinct store names" in captured.out + captured.err
 
 
-@pytest.mark.parametrize("module", ["opdcache.rowrules", "opdcache.compact", "opdcache.sampled", "opdcache.stores.base",
-                                    "opdcache.schema", "opdcache.stores.sampled"])
+@pytest.mark.parametrize("module", ["opdcache.stores.rowrules", "opdcache.stores.compact", "opdcache.stores.sampled", "opdcache.stores.base",
+                                    "opdcache.format.schema", "opdcache.stores.sampled"])
 def test_each_module_the_registry_reaches_imports_first(module):
     """The registry's package is initialised whichever of its neighbours a process imports first (an import order
-    that re-entered a half-initialised module broke `from opdcache.data import CacheLoader` once)."""
+    that re-entered a half-initialised module broke `from opdcache.training.data import CacheLoader` once)."""
     import subprocess
     import sys
 

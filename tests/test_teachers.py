@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from opdcache import shards
+from opdcache.format import shards
 from opdcache.errors import ConfigError, SchemaError
 
 TEACHERS = ("teacher", "teacher_carry")
@@ -22,9 +22,9 @@ def two_teachers(tmp_path_factory, weights):
     by the demo's two teachers (the same tokenizer, other traces)."""
     from opdcache.backends.base import SamplingConfig
     from opdcache.demo.task import problems
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob, run_generate
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     root = tmp_path_factory.mktemp("teachers")
     prompts = root / "routed.jsonl"
@@ -40,7 +40,7 @@ def two_teachers(tmp_path_factory, weights):
 
 def _first_loss(cache, weights, out, **settings) -> float:
     """The loss of a run's first step (before any update: every run starts from the same student and batch)."""
-    from opdcache.train import TrainConfig, run_train
+    from opdcache.training.train import TrainConfig, run_train
 
     result = run_train(TrainConfig(cache=cache, model=weights / "student", out=out, steps=1, batch_size=16, checkpoint="none",
                                    **settings))
@@ -48,8 +48,8 @@ def _first_loss(cache, weights, out, **settings) -> float:
 
 
 def test_the_loader_yields_every_teachers_columns_and_each_rows_route(two_teachers):
-    from opdcache.cache import Cache
-    from opdcache.data import CacheLoader, CacheLoaderConfig
+    from opdcache.format.cache import Cache
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
 
     loader = CacheLoader(CacheLoaderConfig(cache=two_teachers, teacher="teacher", more_teachers=("teacher_carry",),
                                            route_field="domain", batch_size=48, shuffle=False))
@@ -82,10 +82,10 @@ def test_the_loss_is_the_weighted_sum_of_each_teachers(two_teachers, weights, tm
 def test_routed_rows_train_on_their_own_teacher(two_teachers, weights, tmp_path):
     import torch
 
-    from opdcache import objective as O
-    from opdcache.data import CacheLoader, CacheLoaderConfig
-    from opdcache.estimators import ESTIMATORS
-    from opdcache.trainconfig import TrainConfig
+    from opdcache.training import objective as O
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
+    from opdcache.training.estimators import ESTIMATORS
+    from opdcache.training.trainconfig import TrainConfig
 
     cfg = TrainConfig(cache=two_teachers, model=weights / "student", out=tmp_path / "r", teacher="teacher,teacher_carry",
                       teacher_route="domain")
@@ -100,9 +100,9 @@ def test_routed_rows_train_on_their_own_teacher(two_teachers, weights, tmp_path)
 
 
 def test_what_cannot_be_combined_is_one_line(two_teachers, weights, tmp_path, capsys):
-    from opdcache.data import CacheLoader, CacheLoaderConfig
-    from opdcache.trainconfig import TrainConfig
-    from opdcache.train import run_train
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
+    from opdcache.training.trainconfig import TrainConfig
+    from opdcache.training.train import run_train
 
     base = dict(cache=two_teachers, model=weights / "student", out=tmp_path / "x")
     cases = [

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from opdcache.cli.main import main
 from opdcache.errors import ConfigError
-from opdcache.estimators import ESTIMATORS
-from opdcache.train import TrainConfig, run_train
+from opdcache.training.estimators import ESTIMATORS
+from opdcache.training.train import TrainConfig, run_train
 
 
 def _weights(path):
@@ -68,10 +68,10 @@ def test_cli_reads_yaml_and_flags_override(hf_cache, weights, tmp_path, capsys):
 
 def test_sft_command_records_the_teacher_as_lineage(tmp_path, weights, opd_prompts):
     from opdcache.backends.base import SamplingConfig
-    from opdcache.lineage import model_info, read_sft_lineage
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob, run_generate
-    from opdcache.sft import SFTConfig, run_sft
+    from opdcache.inputs.lineage import model_info, read_sft_lineage
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
+    from opdcache.training.sft import SFTConfig, run_sft
 
     run_generate(GenerateJob(model=weights / "teacher", prompts=PromptConfig(opd_prompts, limit=8), out=tmp_path / "sft", kind="sft",
                              num_shards=2, sampling=SamplingConfig(max_new_tokens=40), reward="addition"))
@@ -87,7 +87,7 @@ def test_ddp_with_two_cpu_processes(hf_cache, weights, tmp_path):
     script.write_text(
         # a rank stuck for 120 s prints every thread's stack and exits, so a hang fails with the place it hung
         "import faulthandler; faulthandler.dump_traceback_later(120, exit=True)\n"
-        "import sys, json\nfrom pathlib import Path\nfrom opdcache.train import TrainConfig, run_train\n"
+        "import sys, json\nfrom pathlib import Path\nfrom opdcache.training.train import TrainConfig, run_train\n"
         f"r = run_train(TrainConfig(model=Path({str(weights / 'student')!r}), cache=Path({str(hf_cache)!r}), out=Path({str(tmp_path / 'out')!r}), "
         "steps=2, batch_size=4, lr=1e-3, deterministic=True))\n"
         # one write per rank: torchrun runs the ranks unbuffered, and print()'s separate writes interleave character by character
@@ -139,8 +139,8 @@ def test_full_vocabulary_losses_train_from_an_svd_store(hf_cache, weights, tmp_p
     first step's loss equals the hidden store's."""
     import shutil
 
-    from opdcache.cache import Cache
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.format.cache import Cache
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     cache = tmp_path / "cache"
     shutil.copytree(hf_cache, cache)
@@ -165,8 +165,8 @@ def test_a_teacher_head_of_other_shapes_is_refused_in_one_line():
     """head.safetensors / svd.safetensors are untrusted: a matrix that is not [the student's vocabulary, the stored
     vectors' width] (or a bias of another length) is refused naming the file and the shapes, not inside a matmul."""
     from opdcache.errors import SchemaError
-    from opdcache.heads import Head
-    from opdcache.sources import checked_head
+    from opdcache.format.heads import Head
+    from opdcache.training.sources import checked_head
 
     good = Head(torch.zeros(10, 4), torch.zeros(10))
     assert checked_head(good, 10, 4, "svd.safetensors") is good

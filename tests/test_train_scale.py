@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from opdcache import losses as L
+from opdcache.training import losses as L
 from opdcache.errors import ConfigError
-from opdcache.train import TrainConfig, Trainer, learning_rate, run_train
+from opdcache.training.train import TrainConfig, Trainer, learning_rate, run_train
 
 pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), not by the README's test command
 
@@ -195,7 +195,7 @@ def test_label_smoothing_term_equals_the_full_logits_reference(weights):
     full logits, in value and gradient; and SFTConfig(label_smoothing=e) trains on (1 - e) CE(target) + e CE(uniform)."""
     from transformers import AutoModelForCausalLM
 
-    from opdcache.student import StudentForward
+    from opdcache.training.student import StudentForward
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(weights / "teacher", dtype=torch.float64)
@@ -218,7 +218,7 @@ def test_label_smoothing_keeps_every_token_above_the_floor(weights):
     """A model fitted with label smoothing e keeps wrong tokens near log(e / V), not near -inf."""
     from transformers import AutoModelForCausalLM
 
-    from opdcache.sft import SFTConfig, train_sft
+    from opdcache.training.sft import SFTConfig, train_sft
 
     pairs = [([3, 5, 6], [7, 8, 1])] * 8
     floor = {}

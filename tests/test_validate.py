@@ -6,12 +6,12 @@ import shutil
 import numpy as np
 import pytest
 
-from opdcache import manifest as M
-from opdcache import schema as S
-from opdcache import shards
-from opdcache.cache import Cache
+from opdcache.format import manifest as M
+from opdcache.format import schema as S
+from opdcache.format import shards
+from opdcache.format.cache import Cache
 from opdcache.cli.main import main
-from opdcache.validate import validate
+from opdcache.format.validate import validate
 from synth import rollout_rows
 
 
@@ -177,7 +177,7 @@ def test_side_files_are_hashed_and_checked(synth_cache, hf_cache, tmp_path):
 
     head = synth_cache / "teachers" / "synth" / "head.safetensors"
     entry = Cache(synth_cache).table("teachers/synth")
-    assert entry["files"]["head.safetensors"]["sha256"] == __import__("opdcache.fingerprint", fromlist=["x"]).sha256_file(head)
+    assert entry["files"]["head.safetensors"]["sha256"] == __import__("opdcache.inputs.fingerprint", fromlist=["x"]).sha256_file(head)
     data = bytearray(head.read_bytes())
     data[-1] ^= 0x01  # a low bit of the last weight
     head.write_bytes(bytes(data))
@@ -201,7 +201,7 @@ def test_token_counts_and_config_fingerprint_are_checked_against_the_manifest(sy
 
 
 def test_info_size_counts_the_side_files(synth_cache):
-    from opdcache.info import summary
+    from opdcache.format.info import summary
 
     t = summary(synth_cache)["tables"]["teachers/synth"]
     shard_bytes = sum(p.stat().st_size for p in (synth_cache / "teachers" / "synth").glob("part-*.parquet"))
@@ -235,7 +235,7 @@ def test_stray_and_temporary_files_are_warnings(synth_cache, capsys):
 
 def _replace_bytes(root, table, index, data):
     """Put ``data`` in a shard and record its size and sha256, so only what is inside can be caught."""
-    from opdcache.fingerprint import sha256_file
+    from opdcache.inputs.fingerprint import sha256_file
 
     path = Cache(root).shard_paths(table)[index]
     path.write_bytes(data)

@@ -6,14 +6,14 @@ import json
 import numpy as np
 import pytest
 
-from opdcache import verifiers as V
+from opdcache.inputs import verifiers as V
 from opdcache.backends.base import Generation, SamplingConfig
 from opdcache.backends.hf import TransformersBackend
-from opdcache.cache import Cache
+from opdcache.format.cache import Cache
 from opdcache.errors import ConfigError
-from opdcache.prompts import PromptConfig
-from opdcache.rollouts import GenerateJob, run_generate
-from opdcache import shards
+from opdcache.inputs.prompts import PromptConfig
+from opdcache.teacher.rollouts import GenerateJob, run_generate
+from opdcache.format import shards
 
 
 def tricky(response: str, task: dict):
@@ -89,7 +89,7 @@ def test_build_sft_with_math_verifier_chat_messages_and_rejection_sampling(tmp_p
     src.write_text("".join(json.dumps(r) + "\n" for r in MATH_ROWS))
     from transformers import AutoTokenizer
 
-    from opdcache.prompts import read_prompts
+    from opdcache.inputs.prompts import read_prompts
 
     tok = AutoTokenizer.from_pretrained(weights / "teacher")
     prompts = read_prompts(PromptConfig(src, messages_field="messages"), tok, None).prompts
@@ -119,7 +119,7 @@ def test_the_math_verifier_through_build_rollouts(tmp_path, weights, monkeypatch
     src.write_text("".join(json.dumps(r) + "\n" for r in MATH_ROWS))
     from transformers import AutoTokenizer
 
-    from opdcache.prompts import read_prompts
+    from opdcache.inputs.prompts import read_prompts
 
     tok = AutoTokenizer.from_pretrained(weights / "student")
     prompts = read_prompts(PromptConfig(src, messages_field="messages"), tok, None).prompts
@@ -134,7 +134,7 @@ def test_the_math_verifier_through_build_rollouts(tmp_path, weights, monkeypatch
 
 def test_info_shows_the_reward_mean_per_table(hf_cache, capsys):
     from opdcache.cli.main import main
-    from opdcache.info import summary
+    from opdcache.format.info import summary
 
     rewards = [r for p in Cache(hf_cache).shard_paths("rollouts") for r in shards.read_table(p, ["reward"])["reward"].to_pylist()]
     assert summary(hf_cache)["tables"]["rollouts"]["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
@@ -152,7 +152,7 @@ def test_system_prompt_and_chat_template_kwargs_decide_the_ids_and_the_fingerpri
 
     from transformers import AutoTokenizer
 
-    from opdcache.prompts import read_prompts
+    from opdcache.inputs.prompts import read_prompts
 
     model = tmp_path / "m"
     shutil.copytree(weights / "student", model)
@@ -234,9 +234,9 @@ def test_math_task_end_to_end_build_sft_build_rollouts_score_teacher(tmp_path, w
     """A math-style prompt file (chat messages with a system turn, LaTeX answers) through build-sft (math verifier,
     --keep correct) -> build-rollouts (math verifier) -> score-teacher, on the demo models' machinery, with constructed
     responses: exact, equivalent, wrong and unparseable."""
-    from opdcache.prompts import read_prompts
-    from opdcache.scoring import ScoreJob, run_score
-    from opdcache.validate import validate
+    from opdcache.inputs.prompts import read_prompts
+    from opdcache.teacher.scoring import ScoreJob, run_score
+    from opdcache.format.validate import validate
 
     models, tok = _math_models(tmp_path, weights)
     rows = [{"messages": [{"role": "system", "content": "answer in a box."}, {"role": "user", "content": "1+1"}], "answer": "2"},

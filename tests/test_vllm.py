@@ -14,16 +14,16 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-from opdcache import shards  # noqa: E402
+from opdcache.format import shards  # noqa: E402
 from opdcache.backends.base import SamplingConfig  # noqa: E402
 from opdcache.backends.hf import sampling_logprobs  # noqa: E402
-from opdcache.cache import Cache  # noqa: E402
-from opdcache.compare import compare_teachers  # noqa: E402
-from opdcache.prompts import PromptConfig  # noqa: E402
+from opdcache.format.cache import Cache  # noqa: E402
+from opdcache.teacher.compare import compare_teachers  # noqa: E402
+from opdcache.inputs.prompts import PromptConfig  # noqa: E402
 from opdcache.backends import EngineConfig  # noqa: E402
-from opdcache.rollouts import GenerateJob, run_generate
-from opdcache.scoring import ScoreJob, run_score  # noqa: E402
-from opdcache.validate import validate  # noqa: E402
+from opdcache.teacher.rollouts import GenerateJob, run_generate
+from opdcache.teacher.scoring import ScoreJob, run_score  # noqa: E402
+from opdcache.format.validate import validate  # noqa: E402
 
 TOL = 1e-4
 VLLM = EngineConfig(backend="vllm", gpu_memory_utilization=0.15)
@@ -85,7 +85,7 @@ def test_both_engines_score_the_same_rollouts_alike(vllm_cache):
 def test_mismatch_report_measures_vllm_against_transformers(vllm_cache, tmp_path, capsys):
     """mismatch-report on a cache built by vLLM: its rollouts against the float32 trainer, and its teacher scores
     against the transformers engine's (the pair is found from the manifest: same teacher weights, other engine)."""
-    from opdcache import mismatch
+    from opdcache.teacher import mismatch
     from opdcache.cli.main import main
 
     rep, _ = mismatch.report(vllm_cache)

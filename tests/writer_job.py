@@ -5,8 +5,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from opdcache import schema as S  # noqa: E402
-from opdcache.cache import TableJob, finalize_table, run_table_job  # noqa: E402
+from opdcache.format import schema as S  # noqa: E402
+from opdcache.format.cache import TableJob, finalize_table, run_table_job  # noqa: E402
 from synth import TOKENIZER, VOCAB, rollout_rows  # noqa: E402
 
 PARAMS = S.StoreParams(stores=("base", "ref_topk", "mc", "task"), ref_top_k=4, mc_samples=3)

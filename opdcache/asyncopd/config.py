@@ -6,12 +6,12 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from opdcache.estimators import ASYNC, ESTIMATORS
+from opdcache.training.estimators import ASYNC, ESTIMATORS
 from opdcache.backends.base import SamplingConfig
 from opdcache.errors import ConfigError
-from opdcache.prompts import PromptConfig
-from opdcache.losses import Corrections
-from opdcache.trainconfig import TrainConfig
+from opdcache.inputs.prompts import PromptConfig
+from opdcache.training.losses import Corrections
+from opdcache.training.trainconfig import TrainConfig
 
 EXECUTORS = ("local", "ray")
 
@@ -122,7 +122,7 @@ class AsyncConfig:
         return self.staleness is not None and 1 <= version <= self.learner.steps - 1 - self.staleness
 
     def teacher_stores(self) -> tuple[str, ...]:
-        """The teacher stores the learner's loss reads (opdcache/estimators.py)."""
+        """The teacher stores the learner's loss reads (opdcache/training/estimators.py)."""
         return ESTIMATORS[self.learner.loss].teacher_stores
 
     def rollout_stores(self) -> tuple[str, ...]:

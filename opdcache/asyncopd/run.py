@@ -21,7 +21,7 @@ from opdcache import storage
 from opdcache.asyncopd import queue as Q
 from opdcache.asyncopd.config import AsyncConfig
 from opdcache.asyncopd.stages import STAGES, table_paths
-from opdcache.cache import JOB_FILE, TableJob, config_diff, finalize_table, settings_summary
+from opdcache.format.cache import JOB_FILE, TableJob, config_diff, finalize_table, settings_summary
 from opdcache.errors import ConfigError, OpdcacheError, ResumeError
 from opdcache.progress import bar, detail
 
@@ -65,7 +65,7 @@ def _begin(cfg: AsyncConfig) -> None:
 
 def _check_inputs(cfg: AsyncConfig) -> None:
     """What a stage would only find out after starting its engine: refuse it before anything starts."""
-    from opdcache.models import is_hub_id, resolve_model
+    from opdcache.inputs.models import is_hub_id, resolve_model
 
     if cfg.out.exists() and not cfg.out.is_dir():
         raise ConfigError(f"--out {cfg.out} is a file; the run directory must be a directory (new or a run's to resume)")
@@ -209,7 +209,7 @@ def _run_ray(cfg: AsyncConfig, watch: _Watch) -> None:
 def finalize(cfg: AsyncConfig) -> dict:
     """Write the cache's manifest: both tables, and per rollout shard the snapshot that sampled it and the staleness at
     which the learner consumed it (from the ledger). Idempotent."""
-    from opdcache import manifest as M
+    from opdcache.format import manifest as M
     from opdcache.asyncopd.stages import teacher_slug
 
     root = storage.as_path(cfg.cache_root)

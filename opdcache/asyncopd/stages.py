@@ -4,11 +4,11 @@
   memory: the student and its KV cache [batch, prompt + response] per layer, as build-rollouts.
 * teacher: scores of batch b <- the teacher over prompt + response of rollout shard b; memory: the teacher, its
   activations of one scoring batch, [positions, chunk] logit blocks (never [tokens, vocabulary]), as score-teacher.
-* learner: the offline trainer's loop (opdcache/train.py) over batches read from the queue in order, logging each
+* learner: the offline trainer's loop (opdcache/training/train.py) over batches read from the queue in order, logging each
   batch's staleness and publishing the snapshots the rollout worker waits for; memory: as `opdcache train`.
 
 Each stage resumes where its files end: the rollout and teacher workers write only missing shards (the table jobs of
-opdcache/cache.py), and the learner resumes from its newest complete checkpoint, truncating the ledger to the batches
+opdcache/format/cache.py), and the learner resumes from its newest complete checkpoint, truncating the ledger to the batches
 that checkpoint has consumed, so no batch is consumed twice or skipped.
 """
 
@@ -18,23 +18,24 @@ import json
 import time
 from contextlib import closing
 
-from opdcache import schema as S
-from opdcache import shards, storage
+from opdcache.format import schema as S
+from opdcache import storage
+from opdcache.format import shards
 from opdcache.asyncopd import queue as Q
 from opdcache.asyncopd.config import AsyncConfig
 from opdcache.backends.base import GenerateRequest
-from opdcache.cache import JOB_FILE, TableJob
+from opdcache.format.cache import JOB_FILE, TableJob
 from opdcache.errors import InputError, SchemaError
-from opdcache.fingerprint import tokenizer_fingerprint
-from opdcache.models import load_tokenizer, resolve_model
+from opdcache.inputs.fingerprint import tokenizer_fingerprint
+from opdcache.inputs.models import load_tokenizer, resolve_model
 from opdcache.backends import EngineConfig, make_backend
-from opdcache.schedule import PromptSchedule
+from opdcache.training.schedule import PromptSchedule
 
 STAGES = ("rollout", "teacher", "learner")
 
 
 def teacher_slug(cfg: AsyncConfig) -> str:
-    from opdcache.scoring import ScoreJob
+    from opdcache.teacher.scoring import ScoreJob
 
     return ScoreJob(cache=cfg.cache_root, teacher=cfg.teacher).table_slug
 
@@ -66,9 +67,9 @@ def rollout_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
     """Sample every missing batch with the snapshot its staleness prescribes; return the batches written."""
     from dataclasses import asdict
 
-    from opdcache.lineage import check_vocab_sizes, model_info, resolve_sft_teacher, undecodable_reason
-    from opdcache.prompts import read_prompts, write_errors
-    from opdcache.rollouts import QUARANTINE_FILE, rollout_record
+    from opdcache.inputs.lineage import check_vocab_sizes, model_info, resolve_sft_teacher, undecodable_reason
+    from opdcache.inputs.prompts import read_prompts, write_errors
+    from opdcache.teacher.rollouts import QUARANTINE_FILE, rollout_record
 
     ref = resolve_model(cfg.learner.model, what="--model")
     tokenizer = load_tokenizer(ref.path)
@@ -138,8 +139,8 @@ def rollout_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
 
 def teacher_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
     """Score every rollout batch as soon as it lands; return the batches written."""
-    from opdcache.lineage import check_same_tokenizer, model_info
-    from opdcache.scoring import consistency_verdict, score_requests, teacher_columns, teacher_records
+    from opdcache.inputs.lineage import check_same_tokenizer, model_info
+    from opdcache.teacher.scoring import consistency_verdict, score_requests, teacher_columns, teacher_records
 
     root = storage.as_path(cfg.cache_root)
     waiter.for_file(root / "rollouts" / JOB_FILE, "the rollout worker's job record")
@@ -191,7 +192,7 @@ class QueueSource:
             ["topk_ids", "topk_logprobs"] if "topk" in cfg.teacher_stores() else [])
 
     def next_batch(self) -> dict:
-        from opdcache.data import DecodedShard, collate
+        from opdcache.training.data import DecodedShard, collate
 
         b = self.next
         rollout, teacher = table_paths(self.cfg, b)
@@ -245,7 +246,7 @@ class QueueSource:
 
 
 def learner_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> dict:
-    from opdcache.train import Trainer
+    from opdcache.training.train import Trainer
 
     return Trainer(cfg.learner, source=QueueSource(cfg, waiter, out)).fit()
 

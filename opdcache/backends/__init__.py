@@ -122,7 +122,7 @@ def engine_for_table(record: dict, path: Path, what: str, *, device: str = "cpu"
     exact table (refused when this opdcache implements another exact arithmetic), else the transformers reference in
     ``dtype`` (default float32) with the recorded emulated low-bit scheme when the table's engine was ours, or
     ``aligned`` (a scheme spec) when given. ``what`` names the table in messages."""
-    from opdcache.quant import recorded_spec
+    from opdcache.backends.quant import recorded_spec
 
     quant = recorded_spec(record.get("quantization"))
     if record.get("exact"):

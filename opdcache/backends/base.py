@@ -1,6 +1,6 @@
 """The contract every engine meets: generate with log-probs, and score given token ids.
 
-Column meanings are fixed here, whatever the engine (opdcache/schema.py documents them):
+Column meanings are fixed here, whatever the engine (opdcache/format/schema.py documents them):
 
 * ``sampling_logprobs``: log q(a_t), q = softmax(logits / temperature) restricted to the top-p nucleus and
   renormalised -- the distribution the token was actually drawn from (0 for greedy decoding);
@@ -103,7 +103,7 @@ class Scores:
 def split_scores(cat: dict, lengths: Sequence[int], top_k: int | None, hidden_NH=None) -> list[Scores]:
     """Per-sequence Scores from an engine's flat per-position values (torch tensors over the N = sum(lengths) scored
     positions): "lp" [N], "lse" [N], and where present "kid"/"klp" [N, k], "rk" [N, k_ref], "mc" [N, m], "sid"/"slp"
-    [N, D], "ent"/"var"/"rkl" [N] (opdcache/fidelity.py); ``hidden_NH`` [N, H] when the hidden store is wanted. Log-probs
+    [N, D], "ent"/"var"/"rkl" [N] (opdcache/format/fidelity.py); ``hidden_NH`` [N, H] when the hidden store is wanted. Log-probs
     are clamped at 0 (rounding can leave +1e-7)."""
     result, offset = [], 0
     for T in lengths:

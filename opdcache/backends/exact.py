@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from opdcache.backends.base import (GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations,
-                                     split_scores)
+                                    split_scores)
 from opdcache.backends import draws
 from opdcache.backends.hf import DONE_CHECK_EVERY, UNIFORM_BLOCK_STEPS, load_model
 from opdcache.errors import ConfigError
@@ -104,7 +104,7 @@ class ExactBackend:
         """``device``: where the model runs (``cpu``; ``cuda``/``cuda:N`` for the batch-invariant GPU arithmetic).
         ``arithmetic``: a name of :data:`ARITHMETICS` (default: the device's, :func:`arithmetic_for_device`); the
         batch-invariant one also runs on the CPU under Triton's interpreter (its tests)."""
-        from opdcache.quant import parse_quantize
+        from opdcache.backends.quant import parse_quantize
 
         spec = None if quantize is None else parse_quantize(quantize).spec()
         if dtype == "float16":
@@ -361,7 +361,7 @@ def check(engine) -> dict:
         raise ConfigError("--exact with --quantize int8 (torch's kernels) is not exact; use w8a8, its emulated equivalent")
     fixed = {} if engine.inject is None else {"inject": Injection.parse(engine.inject).spec()}
     if engine.quantize is not None:
-        from opdcache.quant import QuantScheme
+        from opdcache.backends.quant import QuantScheme
 
         fixed["quantize"] = QuantScheme.parse(engine.quantize).spec()
     return fixed

@@ -71,10 +71,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(path: str | Path, dtype: str = "auto", device: str = "auto", quantize: str | None = None):
-    """Load a local HF causal LM for inference. ``quantize``: a scheme of opdcache/quant.py -- ``int8`` applies
+    """Load a local HF causal LM for inference. ``quantize``: a scheme of opdcache/backends/quant.py -- ``int8`` applies
     torch's dynamic int8 linear layers (CPU); w4a16, w8a8 and fp8 are emulated (quantize, dequantize, compute)."""
-    from opdcache.models import load_causal_lm
-    from opdcache.quant import QuantScheme, apply_scheme
+    from opdcache.inputs.models import load_causal_lm
+    from opdcache.backends.quant import QuantScheme, apply_scheme
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -202,7 +202,7 @@ class TransformersBackend:
 
     def __init__(self, model_path: str | Path, dtype: str = "auto", device: str = "auto", quantize: str | None = None,
                  deterministic: bool = False, max_batch_tokens: int | None = None, generate_batch_size: int = 64):
-        from opdcache.quant import parse_quantize
+        from opdcache.backends.quant import parse_quantize
 
         spec = None if quantize is None else parse_quantize(quantize).spec()  # the canonical spec is what the manifest records
         self._attach(load_model(model_path, dtype, device, spec), deterministic, max_batch_tokens, generate_batch_size,
@@ -290,7 +290,7 @@ class TransformersBackend:
         """Decoder forwards in small batches (bounded activation memory); their hidden rows are pooled into
         blocks of about POSITION_BLOCK positions for the streamed head pass (a large matmul runs at full rate).
         In deterministic mode every sequence is its own batch and its own block. Every position also gets the full
-        distribution's entropy and variance (opdcache/fidelity.py); with ``hidden_dtype`` narrower than the model's,
+        distribution's entropy and variance (opdcache/format/fidelity.py); with ``hidden_dtype`` narrower than the model's,
         also the KL to the full distribution of the logits of the states rounded to it (the caller rounds what it stores)."""
         out: list[Scores | None] = [None] * len(requests)
         pending: list[tuple[int, torch.Tensor]] = []
@@ -481,7 +481,7 @@ def check(engine) -> dict:
     parse_device(engine.device)
     if engine.quantize is None:
         return {}
-    from opdcache.quant import QuantScheme
+    from opdcache.backends.quant import QuantScheme
 
     return {"quantize": QuantScheme.parse(engine.quantize).spec()}
 

@@ -2,15 +2,15 @@
 sampled token's log-prob, the log-partition, a running top-k, log-probs at given ids, draws from the distribution)
 without ever building a [positions, vocabulary] tensor. Memory: one [positions, slice] float32 block (LOGIT_BLOCK_BYTES
 on a CPU, up to GPU_LOGIT_BLOCK_BYTES on a GPU: :func:`block_bytes`), a second one while the full distribution's
-moments are summed (every score-teacher pass: opdcache/fidelity.py), and per-position running state. On a GPU with
-triton the block stays in the head's dtype and one kernel (opdcache/kernels.py) reads it for the log-sum-exp and the
+moments are summed (every score-teacher pass: opdcache/format/fidelity.py), and per-position running state. On a GPU with
+triton the block stays in the head's dtype and one kernel (opdcache/logits/kernels.py) reads it for the log-sum-exp and the
 moments: one block of at most the same bytes, no float32 copy."""
 
 from __future__ import annotations
 
 import torch
 
-from opdcache import kernels
+from opdcache.logits import kernels
 
 LOGIT_BLOCK_BYTES = 8 << 20  # float32 logits per [positions, vocabulary slice] block (1,024 columns at 2,048 positions; measured best on CPU)
 # on a GPU a 1,024-column slice is launch-bound, and fewer slices mean fewer top-k merges: at vocabulary 151,936,
@@ -24,7 +24,7 @@ GPU_MIN_BLOCK_BYTES = 256 << 20
 def block_bytes(device: torch.device) -> int:
     """The logit block for ``device``: LOGIT_BLOCK_BYTES on a CPU; on a GPU GPU_LOGIT_BLOCK_BYTES, at most a quarter
     of its free memory (at least GPU_MIN_BLOCK_BYTES)."""
-    from opdcache.logprobs import gpu_block_bytes
+    from opdcache.logits.logprobs import gpu_block_bytes
 
     if device.type != "cuda":
         return LOGIT_BLOCK_BYTES
@@ -33,7 +33,7 @@ def block_bytes(device: torch.device) -> int:
 
 def head_transform(model):
     """Elementwise logit transforms some models apply after the head (scaling, then soft-capping)."""
-    from opdcache.logprobs import head_transform_of
+    from opdcache.logits.logprobs import head_transform_of
 
     scale, cap = head_transform_of(model)
 
@@ -109,17 +109,17 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     inverse CDF over the vocabulary order (:func:`_draw_from_slices`): "sid" / "slp" = the drawn ids and their log-probs.
 
     With ``moments``, also the full distribution's entropy "ent" = -E_p[log p] and variance "var" = Var_p[log p] per
-    position (opdcache/fidelity.py turns them into each store's error against the full vocabulary). They are running
+    position (opdcache/format/fidelity.py turns them into each store's error against the full vocabulary). They are running
     sums about the running max, rescaled as it moves, kept in float64 per position. With ``rounded_PH`` (the hidden
     states as a store rounds them), also "rkl" = KL(p || softmax of the rounded states' logits) = log E_p[exp(delta)] -
     E_p[delta] with delta = z_rounded - z = (h_rounded - h) W^T: a second head product per slice, of the small
     difference, so the KL is not lost to float32 cancellation between two log-partitions.
 
-    ``fused`` (None: where opdcache.kernels.available, for heads without soft-capping and without ``rounded_PH``):
+    ``fused`` (None: where opdcache.logits.kernels.available, for heads without soft-capping and without ``rounded_PH``):
     :func:`_fused_logit_stats`, the same figures with the slice's float32 passes replaced by one Triton kernel; this
     function's torch ops are its reference.
     """
-    from opdcache.logprobs import head_transform_of
+    from opdcache.logits.logprobs import head_transform_of
 
     head = model.get_output_embeddings()
     W, b = head.weight, getattr(head, "bias", None)
@@ -214,7 +214,7 @@ def _finish(m: torch.Tensor, s: torch.Tensor, target: torch.Tensor, top_vals: to
 def _fused_logit_stats(hidden_PH: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, scale: float | None, sampled_P: torch.Tensor,
                        top_k: int | None, pick_ids: dict, uniforms_PD: torch.Tensor | None, moments: bool, model) -> dict:
     """:func:`streamed_logit_stats` with each slice's logits kept in the head's dtype and read once by
-    opdcache.kernels.logit_stats_rows (the slice's maximum, sum of exponentials and both moments' sums) instead of a
+    opdcache.logits.kernels.logit_stats_rows (the slice's maximum, sum of exponentials and both moments' sums) instead of a
     float32 copy and ~10 float32 passes; the top-k is torch's on the slice itself, the sampled token's and the given ids'
     logits are gathers from it (no host synchronisation). Slices as wide as :func:`block_bytes` allows in the head's dtype
     (a whole vocabulary row at 2,048 positions on a GPU). Each slice's sums are moved to the running maximum and added,

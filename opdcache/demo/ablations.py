@@ -17,8 +17,8 @@ from opdcache.demo.storage import run_storage_ablation
 def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
     """papers/000 Table 4 on the embedded task: pi_ref is fine-tuned on teacher 1's ("columns") trajectories; Lightning
     OPD from its rollouts with teacher 1 (consistent) and with teacher 2 ("carry" style: same task, other traces)."""
-    from opdcache.consistency import check
-    from opdcache.train import stores_for
+    from opdcache.teacher.consistency import check
+    from opdcache.training.train import stores_for
 
     report = DemoReport()
     start = time.perf_counter()
@@ -41,15 +41,15 @@ def run_consistency_ablation(cfg: DemoConfig) -> DemoReport:
 
 
 CROSS_LOSSES = ("lightning", "span", "uld", "gold")
-"""The losses the cross-tokenizer ablation trains from the digit-pair teacher's table (opdcache/estimators.py)."""
+"""The losses the cross-tokenizer ablation trains from the digit-pair teacher's table (opdcache/training/estimators.py)."""
 
 
 def run_cross_tokenizer_ablation(cfg: DemoConfig) -> DemoReport:
     """A teacher with its own tokenizer: Lightning OPD from pi_ref's rollouts scored by the demo teacher (pi_ref's
     tokenizer) against the same recipe trained on a tokenizer that reads each digit pair as one token, scored offline
     through the alignment (--prompts --top-k 8, the aligned store) and trained with each loss such a table feeds."""
-    from opdcache.prompts import PromptConfig
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     report = DemoReport()
     start = time.perf_counter()

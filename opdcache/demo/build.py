@@ -46,7 +46,7 @@ def build(name: str, out: Path, seed: int = 0, progress: bool = True, steps: int
 
     from opdcache.demo import models
     from opdcache.demo.evaluate import evaluate_accuracy
-    from opdcache.sft import SFTConfig, train_sft
+    from opdcache.training.sft import SFTConfig, train_sft
 
     recipe = dict(RECIPES[name], **({"steps": steps} if steps else {}))
     torch.manual_seed(seed)

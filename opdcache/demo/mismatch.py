@@ -51,11 +51,11 @@ def _online_run(arm: str, p: dict, cfg, steps: int = STEPS) -> tuple[Path, list[
 
     from opdcache.backends.base import GenerateRequest, SamplingConfig, ScoreRequest
     from opdcache.backends.exact import ExactBackend
-    from opdcache.data import collate
+    from opdcache.training.data import collate
     from opdcache.demo import task
     from opdcache.demo.pipeline import load
-    from opdcache.losses import Corrections, correction_weights, k1, k3
-    from opdcache.student import StudentForward
+    from opdcache.training.losses import Corrections, correction_weights, k1, k3
+    from opdcache.training.student import StudentForward
 
     sigma, mode, corr, objective = ARMS[arm]
     out = cfg.workdir / "runs" / f"mismatch-{arm.replace(' ', '-')}-seed{cfg.seed}"

@@ -84,7 +84,7 @@ FIGURES = {
               "teacher), int8_<correction> (OPD from int8 rollouts with that correction)",
     "consistency": "check-consistency on pi_ref's rollouts: lineage verdict per teacher; gap = mean per-token "
                    "ref_logprobs - teacher logprobs (nats), over every response token",
-    "mismatch": "mismatch-report's rollout figures per rollout cache (definitions in opdcache/mismatch.py DEFINITIONS)",
+    "mismatch": "mismatch-report's rollout figures per rollout cache (definitions in opdcache/teacher/mismatch.py DEFINITIONS)",
 }
 """What the numbers in demo_report.json and the ablation files mean (written into them as ``definitions``)."""
 
@@ -161,7 +161,7 @@ def setup(cfg: DemoConfig) -> dict[str, Path]:
 
 def load(path: Path):
     import torch
-    from opdcache.models import load_causal_lm, load_tokenizer
+    from opdcache.inputs.models import load_causal_lm, load_tokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -171,12 +171,12 @@ def load(path: Path):
 
 def evaluate(name: str, path: Path, teacher, cfg: DemoConfig, report: DemoReport, served: str | None = None) -> dict:
     """Held-out accuracy and reverse KL to the teacher of the model at ``path``; ``served``: also the accuracy of the
-    model run in that low-bit scheme (opdcache/quant.py), as a quantized engine would serve it."""
+    model run in that low-bit scheme (opdcache/backends/quant.py), as a quantized engine would serve it."""
     from opdcache.demo.evaluate import evaluate_accuracy, reverse_kl_to_teacher
 
     model, tok = load(path)
     if served is not None:
-        from opdcache.quant import QuantScheme, apply_scheme
+        from opdcache.backends.quant import QuantScheme, apply_scheme
 
         low, _ = load(path)
         apply_scheme(low, QuantScheme.parse(served), "inference")
@@ -222,9 +222,9 @@ def prepare(cfg: DemoConfig, report: DemoReport) -> dict:
 def sft_stages(cfg: DemoConfig, report: DemoReport, paths: dict[str, Path]) -> Path:
     """Teacher trajectories (build-sft) and the SFT of the base student on them; returns pi_ref's directory."""
     from opdcache.backends.base import SamplingConfig
-    from opdcache.prompts import PromptConfig
-    from opdcache.rollouts import GenerateJob, run_generate
-    from opdcache.sft import SFTConfig, run_sft
+    from opdcache.inputs.prompts import PromptConfig
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
+    from opdcache.training.sft import SFTConfig, run_sft
 
     sft_cache, pi_ref = cfg.workdir / "caches" / "sft", cfg.workdir / "models" / "pi_ref"
     stage(report, "build-sft", (sft_cache / "opdcache.json").is_file(), lambda: run_generate(GenerateJob(
@@ -237,9 +237,9 @@ def sft_stages(cfg: DemoConfig, report: DemoReport, paths: dict[str, Path]) -> P
 
 def rollouts_stage(cfg: DemoConfig, report: DemoReport, pi_ref: Path, prompts: Path, out: Path, quantize: str | None = None) -> None:
     from opdcache.backends.base import SamplingConfig
-    from opdcache.prompts import PromptConfig
+    from opdcache.inputs.prompts import PromptConfig
     from opdcache.backends import EngineConfig
-    from opdcache.rollouts import GenerateJob, run_generate
+    from opdcache.teacher.rollouts import GenerateJob, run_generate
 
     stage(report, "build-rollouts" + (f" --quantize {quantize}" if quantize else ""), (out / "opdcache.json").is_file(),
            lambda: run_generate(GenerateJob(
@@ -248,13 +248,13 @@ def rollouts_stage(cfg: DemoConfig, report: DemoReport, pi_ref: Path, prompts: P
 
 
 def score_stage(report: DemoReport, cache: Path, teacher: Path, stores=("logprob", "topk", "hidden", "svd"), allow_inconsistent: bool = False) -> str:
-    from opdcache.scoring import ScoreJob
+    from opdcache.teacher.scoring import ScoreJob
 
     slug = ScoreJob(cache=cache, teacher=teacher).table_slug
     done = f"teachers/{slug}" in json.loads((cache / "opdcache.json").read_text())["tables"]
 
     def run() -> str:
-        from opdcache.scoring import run_score
+        from opdcache.teacher.scoring import run_score
 
         res = run_score(ScoreJob(cache=cache, teacher=teacher, stores=tuple(stores), top_k=8, svd_rank=32 if "svd" in stores else None,
                                  allow_inconsistent_teacher=allow_inconsistent))
@@ -265,7 +265,7 @@ def score_stage(report: DemoReport, cache: Path, teacher: Path, stores=("logprob
 
 
 def train_run(cfg: DemoConfig, report: DemoReport, pi_ref: Path, cache: Path, run_dir: Path, teacher: str | None = None, **extra) -> Path:
-    from opdcache.train import TrainConfig, run_train
+    from opdcache.training.train import TrainConfig, run_train
 
     stage(report, f"train {run_dir.name}", (run_dir / "model" / "config.json").is_file(), lambda: "{loss}: {steps} steps, final loss {l:.4f}".format(
         loss=cfg.loss, steps=cfg.opd_steps, l=run_train(TrainConfig(model=pi_ref, cache=cache, out=run_dir, loss=cfg.loss, steps=cfg.opd_steps, teacher=teacher,
@@ -296,7 +296,7 @@ def finish(report: DemoReport, cfg: DemoConfig, start: float, name: str) -> Demo
 
 
 def run_demo(cfg: DemoConfig) -> DemoReport:
-    from opdcache.validate import validate
+    from opdcache.format.validate import validate
 
     report = DemoReport()
     start = time.perf_counter()

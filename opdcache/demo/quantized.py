@@ -47,9 +47,9 @@ def runs_of(label: str) -> dict:
 
 def run_quantized_ablation(cfg: DemoConfig) -> DemoReport:
     """One seed: the three low-bit caches, their mismatch, and every run; figures to ablation_quantized_<loss>.json."""
-    from opdcache import mismatch
-    from opdcache.losses import Corrections
-    from opdcache.train import stores_for
+    from opdcache.teacher import mismatch
+    from opdcache.training.losses import Corrections
+    from opdcache.training.train import stores_for
 
     report = DemoReport()
     start = time.perf_counter()

@@ -43,7 +43,7 @@ def run_staleness_ablation(cfg):
     from opdcache.asyncopd.config import LEARNER_SETTINGS
     from opdcache.backends.base import SamplingConfig
     from opdcache.demo.pipeline import DemoReport, evaluate, finish, prepare
-    from opdcache.prompts import PromptConfig
+    from opdcache.inputs.prompts import PromptConfig
 
     report = DemoReport()
     start = time.perf_counter()

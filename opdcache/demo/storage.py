@@ -36,9 +36,9 @@ RUNS = {  # run -> (teacher table, loss, extra TrainConfig fields, the store who
 
 def run_storage_ablation(cfg: DemoConfig) -> DemoReport:
     """One seed: the extra teacher tables, one run from each, figures to ablation_storage.json."""
-    from opdcache.cache import Cache
-    from opdcache.info import store_bytes
-    from opdcache.scoring import ScoreJob, run_score
+    from opdcache.format.cache import Cache
+    from opdcache.format.info import store_bytes
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     report = DemoReport()
     start = time.perf_counter()

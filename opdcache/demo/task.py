@@ -85,7 +85,7 @@ def is_correct(response: str, answer: str) -> bool:
 
 
 def verify_addition(response: str, task: dict) -> float:
-    """The demo's verifier (registered under the ``opdcache.verifiers`` entry points as ``addition``)."""
+    """The demo's verifier (registered under the ``opdcache.inputs.verifiers`` entry points as ``addition``)."""
     return float(is_correct(response, task["answer"]))
 
 

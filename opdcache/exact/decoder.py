@@ -101,7 +101,7 @@ class ExactDecoder:
 
     # ------------------------------------------------------------------ pieces
     def linear(self, module, x: torch.Tensor) -> torch.Tensor:
-        """A linear layer (or an emulated low-bit one, opdcache/quant.py) in the exact arithmetic, in the model's dtype."""
+        """A linear layer (or an emulated low-bit one, opdcache/backends/quant.py) in the exact arithmetic, in the model's dtype."""
         w = module.weight
         scheme = getattr(module, "_opd_scheme", None)
         if scheme is not None:

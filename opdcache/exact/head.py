@@ -69,7 +69,7 @@ def picks_and_stats(hidden_PH, weight_VH, bias_V, dtype, ids_PK: torch.Tensor, t
     """One pass over the vocabulary: (log-probs at ids_PK [P, K], lse [P], top-k (values, ids) or None), exact.
 
     With ``moments`` (an empty list), also appends the full distribution's entropy and Var_p[log p] per position
-    ([P] float64 each). They are statistics for the recorded error against the full vocabulary (opdcache/fidelity.py),
+    ([P] float64 each). They are statistics for the recorded error against the full vocabulary (opdcache/format/fidelity.py),
     summed in float64, not part of the exact arithmetic."""
     P, V = hidden_PH.shape[0], weight_VH.shape[0]
     device = hidden_PH.device

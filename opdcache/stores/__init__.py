@@ -1,7 +1,7 @@
 """The teacher stores, one file each; this registry is the only list of them.
 
 A new store is one file in this folder filling in :class:`opdcache.stores.base.Store` and one line below. The format
-(opdcache/schema.py), score-teacher's checks and encoding (opdcache/scoring.py), validate's row rules, the loader and
+(opdcache/format/schema.py), score-teacher's checks and encoding (opdcache/teacher/scoring.py), validate's row rules, the loader and
 ``info`` read this registry.
 """
 

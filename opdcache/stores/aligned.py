@@ -2,7 +2,7 @@
 
 The teacher renders each prompt with its own chat template and tokenizes exactly the text pi_ref generated (decoded
 from pi_ref's ids, byte for byte); the two tokenizations are cut into groups that end at the same byte
-(opdcache/alignment.py). The table stays row- and token-aligned with the rollouts, so every reader works unchanged:
+(opdcache/teacher/alignment.py). The table stays row- and token-aligned with the rollouts, so every reader works unchanged:
 
 * ``logprobs`` keeps its meaning, generalised: at a token that ends a group, the teacher's log-probability of the
   group's text given everything before it (the sum of its log-probs over its own tokens of the group); 0 inside a

@@ -5,7 +5,7 @@ asks of the engine, how a row's values are made from the engine's scores (encode
 and the line ``info`` prints for it. Schema, scoring, validate, the loader and ``info`` loop over the registry
 (``opdcache/stores/__init__.py``) instead of naming stores.
 
-This module imports nothing of opdcache, so that the format (opdcache/schema.py) can be built from the registry.
+This module imports nothing of opdcache, so that the format (opdcache/format/schema.py) can be built from the registry.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The svd store: the teacher's final hidden state projected to rank r (papers/002), with the projection and decoder
 fitted on calibration positions and kept in ``svd.safetensors``, its measured distortion in the manifest. The scoring
-module writes its column (the projection is fitted over the whole table first: opdcache/svd.py)."""
+module writes its column (the projection is fitted over the whole table first: opdcache/stores/svdprojection.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def _check_job(job, enabled: bool) -> None:
         raise ConfigError(f"--svd-rank must be a positive integer with --store svd, got {job.svd_rank}")
     if job.svd_min_positions is not None and (not enabled or job.svd_min_positions < 1):
         raise ConfigError(f"--svd-min-positions sets the svd fit's minimum calibration size: a positive integer with --store svd, got {job.svd_min_positions}")
-    from opdcache.svd import METHODS  # torch: imported only when a job is checked
+    from opdcache.stores.svdprojection import METHODS  # torch: imported only when a job is checked
 
     if job.svd_method not in METHODS:
         raise ConfigError(f"--svd-method must be one of {', '.join(METHODS)}, got {job.svd_method!r}")

@@ -1,5 +1,5 @@
 """The topk store: the teacher's own k most likely next tokens and their log-probs, exact (format v1), or compact
-(v3/v4: a residual-mass support, float16 log-probs or prob14 codes, and the tail's mass; opdcache/compact.py)."""
+(v3/v4: a residual-mass support, float16 log-probs or prob14 codes, and the tail's mass; opdcache/stores/compact.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ PRECISIONS = ("float32", "float16", "prob14")
 """Precisions of the compact top-k store's values: float32 or float16 log-probs (v3), or ``prob14`` (v4): each kept
 entry's probability as a uint16 code c = round(p x 2^14), decoded p = c x 2^-14 (|error| <= 2^-15), entries whose code
 would be 0 (p < 2^-15) moved into the tail, the kept entries in ascending id order (their ids then compress to half:
-bench_storage.py, BENCHMARKS.md). opdcache/compact.py measures q8 too: on bench_storage.py's data, 44x float16's
+bench_storage.py, BENCHMARKS.md). opdcache/stores/compact.py measures q8 too: on bench_storage.py's data, 44x float16's
 forward-KL error for 6 B/token less at mass 1e-3, so it is not offered."""
 PRECISION_SINCE = {"float32": 3, "float16": 3, "prob14": 4}
 MAX_K = 1024

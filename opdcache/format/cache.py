@@ -1,0 +1,489 @@
+"""A cache directory: its layout, the resumable shard-by-shard job that fills a table, and read access.
+
+Layout (DESIGN.md section 3)::
+
+    <cache>/opdcache.json                     manifest, written last
+    <cache>/README.md                         dataset card with `configs:` for datasets.load_dataset
+    <cache>/<sft|rollouts>/part-i-of-n.parquet
+    <cache>/teachers/<slug>/part-i-of-n.parquet   row-aligned with the rollout shard of the same index
+    <cache>/teachers/<slug>/head.safetensors      (hidden store) / svd.safetensors (svd store)
+
+A :class:`TableJob` owns one table. Its settings are hashed into a config fingerprint that a job file
+records at the start; a restarted job compares fingerprints and refuses with the difference shown, or
+writes only the shards that are missing. Shards are split across workers by index (opdcache/format/workers.py), so any
+launcher can run them in parallel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+
+from opdcache.format import manifest as M
+from opdcache.format import schema as S
+from opdcache import storage
+from opdcache.format import shards
+from opdcache.untrusted import loads, read_json
+from opdcache.errors import ConfigError, ManifestError, NotACacheError, ResumeError
+from opdcache.inputs.fingerprint import config_fingerprint, sha256_file
+from opdcache.format.workers import shards_for_worker
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+JOB_FILE = "_opdcache_job.json"
+
+
+SIDE_FILE_OF_STORE = {"hidden": "head.safetensors", "svd": "svd.safetensors"}
+"""Files next to a table's shards that its stores need (hidden: the head; svd: the projection), hashed in the manifest."""
+
+
+# ---------------------------------------------------------------- config diffs
+
+
+def _flatten(obj, prefix: str = "") -> dict:
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: obj}
+
+
+def settings_summary(diff: list[str], shown: int = 4) -> str:
+    """The first ``shown`` 'name: old -> new' differences on one line, and how many more there are."""
+    more = f"; and {len(diff) - shown} more" if len(diff) > shown else ""
+    return "; ".join(diff[:shown]) + more
+
+
+def config_diff(old: dict, new: dict) -> list[str]:
+    """Readable lines naming each setting that differs: 'sampling.temperature: 0.8 -> 1.0'."""
+    a, b = _flatten(old), _flatten(new)
+    lines = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key, "<unset>") != b.get(key, "<unset>"):
+            lines.append(f"{key}: {json.dumps(a.get(key, '<unset>'))} -> {json.dumps(b.get(key, '<unset>'))}")
+    return lines
+
+
+# ---------------------------------------------------------------- the job
+
+
+@dataclass
+class TableJob:
+    """Fills one table of a cache, shard by shard, resumably."""
+
+    root: storage.AnyPath  # a local directory or an object-store URL (opdcache.storage)
+    table: str  # "sft", "rollouts" or "teachers/<slug>"
+    kind: str
+    params: S.StoreParams
+    config: dict  # everything that determines the content; hashed into the fingerprint
+    num_shards: int
+    parent_fingerprint: str | None = None
+    meta: dict = field(default_factory=dict)  # what finalize records besides shards (model, lineage, ...); not hashed
+    groups: list[list[int]] | None = None  # shards computed together (dealt to workers whole); None: each on its own
+    fingerprint: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.root = storage.as_path(self.root)
+        if self.num_shards < 1:
+            raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
+        full = {"table": self.table, "kind": self.kind, "params": self.params.to_dict(), "num_shards": self.num_shards,
+                "format_version": S.version_of(self.params), **self.config}
+        self.config = full
+        self.fingerprint = config_fingerprint(full, self.parent_fingerprint)
+
+    @property
+    def dir(self) -> storage.AnyPath:
+        return self.root / self.table
+
+    def shard_path(self, index: int) -> storage.AnyPath:
+        return self.dir / shards.shard_name(index, self.num_shards)
+
+    def _job_record(self) -> dict:
+        return {"config_fingerprint": self.fingerprint, "parent_fingerprint": self.parent_fingerprint, "config": self.config,
+                "meta": self.meta}
+
+    @classmethod
+    def from_job_file(cls, root: str | os.PathLike, table: str) -> "TableJob":
+        """Rebuild a running job from the record it left, e.g. to finalize after all workers are done."""
+        path = storage.as_path(root) / table / JOB_FILE
+        if not path.is_file():
+            raise ManifestError(f"no job in progress for {table!r} under {root} ({path} is missing)")
+        rec = read_json(path, str(path), ManifestError)
+        cfg = dict(rec["config"])
+        job = cls(storage.as_path(root), cfg.pop("table"), cfg.pop("kind"), S.StoreParams.from_dict(cfg.pop("params")),
+                  {k: v for k, v in cfg.items() if k not in ("num_shards", "format_version")}, cfg["num_shards"],
+                  rec["parent_fingerprint"], rec.get("meta", {}))
+        if job.fingerprint != rec["config_fingerprint"]:
+            raise ManifestError(f"{path} is inconsistent (its fingerprint does not match its config); rerun the job")
+        return job
+
+    def begin(self) -> None:
+        """Record this job's settings, or check them against a partial run's; refuse a change."""
+        if M.exists(self.root):
+            done = M.load(self.root)["tables"].get(self.table)
+            if done is not None:
+                self._refuse_if_changed(done["config"], done["config_fingerprint"], "the finished cache")
+        job_file = storage.confined_write(self.root, self.dir / JOB_FILE)  # no folder of the table leads outside the cache
+        if job_file.is_file():
+            old = read_json(storage.confined(self.root, job_file), str(job_file), ManifestError)
+            self._refuse_if_changed(old["config"], old["config_fingerprint"], "the partial run")
+        else:
+            storage.write_text_atomic(job_file, json.dumps(self._job_record(), indent=2, sort_keys=True) + "\n")
+
+    def _refuse_if_changed(self, old_config: dict, old_fp: str, what: str) -> None:
+        if old_fp == self.fingerprint:
+            return
+        diff = config_diff(old_config, self.config) or [f"parent cache fingerprint changed (now {self.parent_fingerprint})"]
+        # a finished table's settings live in the manifest: deleting its folder alone would not start it afresh
+        if self.kind == "teacher":
+            fix = ("score under another --name" if what == "the finished cache" else f"delete {self.dir}") + " to start over"
+        else:
+            fix = f"write to a new --out directory (or delete {self.root})"
+        raise ResumeError(f"{self.dir} holds {what} with different settings ({settings_summary(diff)}); refusing to mix them. "
+                          f"Rerun with the original settings to resume, or {fix}")
+
+    def is_done(self, index: int) -> bool:
+        return self.shard_path(index).is_file()
+
+    def pending(self, num_workers: int = 1, worker_index: int = 0) -> list[int]:
+        return [i for i in shards_for_worker(self.num_shards, num_workers, worker_index, self.groups) if not self.is_done(i)]
+
+    def write_shard(self, index: int, records: Sequence[dict]) -> shards.ShardInfo:
+        return self.write_table(index, self.build_table(records))
+
+    def build_table(self, records: Sequence[dict]) -> pa.Table:
+        """A shard's checked Arrow table (every record refused here, not in the write); Records' meta goes into the footer."""
+        return shards.build_table(self.kind, self.params, records, self.fingerprint)
+
+    def write_table(self, index: int, table: pa.Table) -> shards.ShardInfo:
+        """Encode, compress and hash a built shard; it appears under its final name only when complete."""
+        return shards.write_table_atomic(table, self.shard_path(index), self.root)
+
+    def all_done(self) -> bool:
+        return all(self.is_done(i) for i in range(self.num_shards))
+
+    def shard_infos(self) -> list[dict]:
+        """Re-read every shard's size and hash from disk (the manifest never trusts memory)."""
+        infos = []
+        for i in range(self.num_shards):
+            path = storage.confined(self.root, self.shard_path(i))  # a planted link is never hashed as a shard
+            meta = shards.open_parquet(path).metadata
+            rows = meta.num_rows
+            tokens = shards.table_tokens(shards.read_table(path, [_token_column(self.kind)]))
+            infos.append(shards.ShardInfo(
+                path=path.relative_to(self.root).as_posix(), rows=rows, tokens=tokens,
+                bytes=path.stat().st_size, sha256=sha256_file(path),
+            ).to_dict())
+        return infos
+
+    def table_entry(self, **extra) -> dict:
+        if not self.all_done():
+            missing = [i for i in range(self.num_shards) if not self.is_done(i)]
+            raise ManifestError(f"{self.table}: shards {missing} are not written yet; run the remaining workers first")
+        entry = {
+            "kind": self.kind, "params": self.params.to_dict(), "config": self.config,
+            "config_fingerprint": self.fingerprint, "shards": self.shard_infos(),
+        }
+        side = {name: {"bytes": (self.dir / name).stat().st_size, "sha256": sha256_file(self.dir / name)}
+                for name in SIDE_FILE_OF_STORE.values() if (self.dir / name).is_file()}
+        if side:  # hashed like shards, checked by validate
+            entry["files"] = side
+        if self.params.topk_compact:  # the distortion each shard measured when it was written, merged
+            entry["topk"] = self.topk_record()
+        if self.kind == "teacher":
+            entry["fidelity"] = self.fidelity_record()
+            entry.update(self.store_records())
+        entry.update({k: v for k, v in extra.items() if v is not None})
+        return entry
+
+    def topk_record(self) -> dict:
+        """A compact top-k table's settings and its measured distortion against the exact top-k (opdcache/stores/compact.py),
+        merged from the sums every shard's footer carries."""
+        from opdcache.stores import compact
+
+        sums = []
+        for i in range(self.num_shards):
+            meta = shards.read_schema(self.shard_path(i)).metadata or {}
+            if compact.DISTORTION_META not in meta:
+                raise ManifestError(f"{self.shard_path(i)} has no recorded top-k distortion; delete it and rerun the job to rewrite it")
+            sums.append(loads(meta[compact.DISTORTION_META], f"{self.table} shard footer", ManifestError))
+        return {"precision": self.params.topk_precision or "float32", "mass": self.params.topk_mass,
+                "distortion": compact.distortion_summary(compact.merge_sums(sums))}
+
+    def store_records(self) -> dict:
+        """What each enabled store with a manifest record keeps in the table entry, merged from its shards' footers."""
+        from opdcache.stores import REGISTRY
+
+        out = {}
+        for store in REGISTRY.values():
+            if store.record is None or store.name not in self.params.stores:
+                continue
+            metas = [shards.read_schema(self.shard_path(i)).metadata or {} for i in range(self.num_shards)]
+            missing = [i for i, meta in enumerate(metas) if store.record_meta not in meta]
+            if missing:
+                raise ManifestError(f"{self.shard_path(missing[0])} has no {store.name} record in its footer; delete it "
+                                    "and rerun the job to rewrite it")
+            out[store.name] = store.record(metas)
+        return out
+
+    def fidelity_record(self) -> dict:
+        """A teacher table's error against the full vocabulary (opdcache/format/fidelity.py), merged from its shards' footers."""
+        from opdcache.format import fidelity
+
+        metas = [shards.read_schema(self.shard_path(i)).metadata or {} for i in range(self.num_shards)]
+        return fidelity.record_from_footers(metas, f"{self.table} shard footer", ManifestError)
+
+    def finish(self) -> None:
+        """Drop the job file (the manifest holds the finished table)."""
+        job_file = self.dir / JOB_FILE
+        if job_file.exists():
+            job_file.unlink()
+
+
+def _token_column(kind: str) -> str:
+    return "logprobs" if kind == "teacher" else "response_ids"
+
+
+WRITE_BEHIND = os.environ.get("OPDCACHE_WRITE_BEHIND", "1") != "0"
+"""Write each shard in a background thread while the next is made (:func:`run_table_job`); ``OPDCACHE_WRITE_BEHIND=0``
+writes inline (the reference the tests and the GPU suite compare against)."""
+
+
+def run_table_job(
+    job: TableJob,
+    make_shard: Callable[[int], Sequence[dict]],
+    num_workers: int = 1,
+    worker_index: int = 0,
+    desc: str | None = None,
+    progress: bool | None = None,
+    finalize: bool = False,
+    rows_of: Callable[[int], int] | None = None,
+) -> list[int]:
+    """Write this worker's missing shards; return the indices written. With ``finalize``, the worker that finds every
+    shard present writes the manifest. Progress: with ``rows_of`` (a shard's sequence count) in sequences, advanced by
+    the engines batch by batch (opdcache.progress.advance); otherwise in shards.
+
+    Each shard's records are checked and built into a table as soon as they are made (a bad record is refused at its
+    own shard), then written (Parquet encoding and compression, sha256, rename or upload) in one background thread
+    while the next shard is made (``WRITE_BEHIND``), so a scorer's device does not wait on the writer. At most one
+    write is in flight, so memory holds one more shard's table. A shard appears under its final name only when
+    complete. When making a shard fails or the job is interrupted, the shard before it still lands (the job waits for
+    its write); when a write fails, the shard made meanwhile is written before that error is raised. A resume makes
+    the rest."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from opdcache.progress import bar
+
+    job.begin()
+    written, tokens = [], 0
+    pending = job.pending(num_workers, worker_index)
+    by_rows = rows_of is not None
+    total = sum(rows_of(i) for i in pending) if by_rows else len(pending)
+
+    def landed(index: int, info: shards.ShardInfo) -> None:
+        nonlocal tokens
+        written.append(index)
+        tokens += info.tokens
+        pbar.set_postfix(shards=f"{len(written)}/{len(pending)}", tokens=f"{tokens:,}")  # response tokens written so far
+        if not by_rows:
+            pbar.update(1)
+
+    # the executor is left (waiting for the write in flight) before the bar, whatever ends the loop
+    with bar(total=total, desc=desc or job.table, unit="seq" if by_rows else "shard", enabled=progress, track=by_rows) as pbar, \
+            ThreadPoolExecutor(1, thread_name_prefix="opdcache-write") as writer:
+        in_flight = None  # (index, future) of the shard being written
+        for index in pending:
+            table = job.build_table(make_shard(index))
+            if in_flight is not None and in_flight[1].exception() is not None:
+                try:  # the write before failed: keep this shard's work if the writer still can, then raise that failure
+                    landed(index, job.write_table(index, table))
+                finally:
+                    in_flight[1].result()
+            if in_flight is not None:
+                landed(in_flight[0], in_flight[1].result())
+            if WRITE_BEHIND:
+                in_flight = (index, writer.submit(job.write_table, index, table))
+            else:
+                in_flight = None
+                landed(index, job.write_table(index, table))
+            del table  # held by the write alone
+        if in_flight is not None:
+            landed(in_flight[0], in_flight[1].result())
+    if finalize and job.all_done():
+        finalize_table(job)
+    return written
+
+
+# ---------------------------------------------------------------- reading a cache
+
+
+class Cache:
+    """A finished cache, on a local disk or an object store: its manifest and its tables' shard paths."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = storage.as_path(root)
+        why = M.not_a_cache(self.root)
+        if why is not None:
+            raise NotACacheError(why)
+        if not self.root.is_dir():
+            raise ManifestError(f"{self.root} does not exist or is not a directory")
+        self.manifest = M.load(self.root)
+
+    @property
+    def kind(self) -> str:
+        return self.manifest["kind"]
+
+    @property
+    def base_table(self) -> str:
+        return self.kind  # "sft" or "rollouts"
+
+    @property
+    def teachers(self) -> list[str]:
+        return sorted(t.split("/", 1)[1] for t in self.manifest["tables"] if t.startswith("teachers/"))
+
+    def table(self, name: str) -> dict:
+        tables = self.manifest["tables"]
+        if name not in tables:
+            if not name.startswith("teachers/") and f"teachers/{name}" in tables:
+                return tables[f"teachers/{name}"]
+            raise ManifestError(f"{self.root} has no table {name!r}; it has {', '.join(sorted(tables))}")
+        return tables[name]
+
+    def tokenizer(self):
+        """The tokenizer the cache carries (read from a local copy when the cache is remote), or None without one."""
+        path = self.root / "tokenizer"
+        if not path.is_dir():
+            return None
+        from transformers import AutoTokenizer
+
+        storage.confined_tree(self.root, path)  # no tokenizer file read through a link out of the cache
+        try:  # a cache is untrusted input: never run code it carries (auto_map), and a bad folder is one line, not a traceback
+            with storage.local_copy(path) as local:  # read whole: the copy of a remote cache's folder goes at the block's end
+                return AutoTokenizer.from_pretrained(local, trust_remote_code=False)
+        except Exception as exc:  # noqa: BLE001 (transformers raises ValueError, OSError, JSONDecodeError, TypeError...)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise ManifestError(f"{path} cannot be loaded as a tokenizer without running code from the cache "
+                                f"({type(exc).__name__}: {first}); run `opdcache validate {self.root}`") from None
+
+    def params(self, name: str) -> S.StoreParams:
+        return S.StoreParams.from_dict(self.table(name)["params"])
+
+    def shard_paths(self, name: str) -> list[storage.AnyPath]:
+        return [storage.confined(self.root, self.root / s["path"]) for s in self.table(name)["shards"]]
+
+    def side_file(self, table: str, name: str) -> storage.AnyPath:
+        """A side file of a table (head.safetensors, svd.safetensors), checked against the manifest's size and sha256
+        before anything loads it; refused in one line when missing, outside the cache, or changed."""
+        from opdcache.errors import SchemaError
+
+        path = storage.confined(self.root, self.root / table / name)
+        want = self.table(table).get("files", {}).get(name)
+        if not path.is_file():
+            raise SchemaError(f"{path} is missing; run `opdcache validate {self.root}`")
+        if want is not None and (path.stat().st_size != want["bytes"] or sha256_file(path) != want["sha256"]):
+            raise SchemaError(f"{path} does not match the manifest's size and sha256 (truncated, corrupted or replaced); "
+                              f"run `opdcache validate {self.root}`, then rescore the teacher or re-pull the cache")
+        return path
+
+    def sample_rows(self, table: str, rows: int, seed: int) -> dict[int, list[int]]:
+        """{shard index: sorted row indices in it}: ``rows`` rows drawn without replacement over the whole table, a
+        function of the seed and the shards' row counts (audit, plan and the svd fit draw their samples here)."""
+        counts = [int(s["rows"]) for s in self.table(table)["shards"]]
+        total = sum(counts)
+        picks = np.sort(np.random.default_rng(seed).choice(total, size=min(rows, total), replace=False))
+        starts = np.cumsum([0] + counts)
+        out: dict[int, list[int]] = {}
+        for g in picks.tolist():
+            shard = int(np.searchsorted(starts, g, side="right") - 1)
+            out.setdefault(shard, []).append(g - int(starts[shard]))
+        return out
+
+    def read_shard(self, table: str, index: int, columns=None, max_row_tokens: int | None = None):
+        """Shard ``index`` of ``table`` (some columns), its footer checked against the manifest's rows and tokens before
+        anything is decoded (opdcache/format/shardcheck.py, check_footer): the reading layer every command goes through."""
+        info = self.table(table)["shards"][index]
+        return shards.read_table(self.shard_paths(table)[index], columns, rows=info["rows"], tokens=info["tokens"],
+                                 max_row_tokens=max_row_tokens, where=info["path"])
+
+    def sequences(self, table: str, column: str) -> list[np.ndarray]:
+        """A per-token column of a whole table, one array per row, in row order over the shards."""
+        return [row for i in range(len(self.table(table)["shards"])) for row in shards.row_values(self.read_shard(table, i, [column])[column])]
+
+    def teacher_table(self, slug: str | None) -> str:
+        if slug is None:
+            if len(self.teachers) != 1:
+                raise ConfigError(f"--teacher is needed: the cache has teachers {self.teachers or 'none'}")
+            slug = self.teachers[0]
+        name = f"teachers/{slug}"
+        if name not in self.manifest["tables"]:
+            raise ConfigError(f"--teacher {slug!r} not in the cache; it has {', '.join(self.teachers) or 'no teachers'}")
+        return name
+
+
+TABLE_RECORD = "_table.json"
+"""Each finished table's manifest entry, beside its shards: finalize merges every table's record into opdcache.json."""
+
+
+def _table_records(root) -> dict[str, dict]:
+    """Every finished table's entry, from its record file (``<table>/_table.json``)."""
+    records = {}
+    for table_dir in [root / "sft", root / "rollouts"] + (sorted((root / "teachers").iterdir()) if (root / "teachers").is_dir() else []):
+        path = table_dir / TABLE_RECORD
+        if path.is_file():
+            rec = read_json(storage.confined(root, path), str(path), ManifestError)
+            records[rec["table"]] = rec["entry"]
+    return records
+
+
+def finalize_table(job: TableJob, tokenizer: dict | None = None, lineage: dict | None = None, **entry_extra) -> dict:
+    """Add the finished table to the manifest (creating it for a base table): card first, manifest last.
+
+    ``tokenizer`` and ``lineage`` are needed when the manifest does not exist yet (the base table); they and
+    the table's extra entries default to what the job recorded in ``job.meta``.
+    Safe to call from every worker: it refuses until all shards exist, and rewriting gives the same content.
+
+    Concurrent finalizes of different tables (two score-teacher jobs on one cache) lose nothing, on a local disk or an
+    object store alike, without a lock: each writes its table's entry to ``<table>/_table.json`` first, then merges
+    every table record it finds into the manifest, writes it, and lists the records again; if one appeared that its
+    manifest lacks, it merges and writes again. The last manifest written was written after its writer's final
+    listing, and any record written after that listing is merged by its own writer later still, so the last manifest
+    holds every table. (Object stores have no rename-based lock and s3fs no portable conditional put; this needs
+    neither.)
+    """
+    from opdcache.format import card
+
+    tokenizer = tokenizer or job.meta.get("tokenizer")
+    lineage = lineage or job.meta.get("lineage")
+    entry_extra = {k: v for k, v in job.meta.items() if k not in ("tokenizer", "lineage")} | entry_extra
+    svd_file = job.dir / SIDE_FILE_OF_STORE["svd"]
+    if "svd" in job.params.stores and "svd" not in entry_extra and svd_file.is_file():
+        from opdcache.stores.svdprojection import read_metadata  # a job rebuilt from its job file (finalize, Ray driver): the fit's record
+
+        entry_extra["svd"] = read_metadata(svd_file)["info"]
+    if job.kind == "teacher" and not M.exists(job.root):
+        raise ManifestError(f"{job.root} has no manifest: score a finished rollouts or sft cache")
+    storage.write_text_atomic(storage.confined_write(job.root, job.dir / TABLE_RECORD), json.dumps({"table": job.table, "entry": job.table_entry(**entry_extra)},
+                                                                 indent=2, sort_keys=True) + "\n")
+    for _ in range(100):
+        if M.exists(job.root):
+            manifest = M.load(job.root)
+        else:
+            manifest = M.new_manifest(job.kind, dict(tokenizer or {}), lineage)
+            if storage.folder_complete(job.root / "tokenizer"):  # hashed, so validate notices a damaged tokenizer folder
+                manifest["tokenizer"]["files"] = storage.folder_hashes(job.root / "tokenizer")
+        records = _table_records(job.root)
+        manifest["tables"].update(records)
+        for entry in records.values():  # the newest format version any table uses
+            manifest["format_version"] = max(manifest["format_version"], S.version_of(S.StoreParams.from_dict(entry["params"])))
+        card.write(job.root, manifest)
+        M.save(job.root, manifest)
+        if all(manifest["tables"].get(t) == e for t, e in _table_records(job.root).items()):
+            break
+    job.finish()
+    return manifest

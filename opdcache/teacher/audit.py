@@ -1,0 +1,323 @@
+"""``opdcache audit``: re-compute a seeded random sample of a cache's rows with the models and the arithmetic its
+manifest records, and say per column how many stored values the re-computation reproduces bit for bit.
+
+* rollouts (and sft) tables recorded as exact (``--exact``) are *re-generated*: the same prompt, the same per-sample
+  random stream, the same engine arithmetic, so the tokens, the sampling and ref log-probs, pi_ref's top-k and the MC
+  draws must all come back identical. Tables from other engines are re-scored (teacher-forced, by the transformers
+  engine in the table's recorded dtype) and their ``ref_logprobs`` compared within a tolerance: their sampling cannot
+  be replayed.
+* teacher tables are re-scored on the same rollout rows with the table's own store settings, in its recorded dtype
+  (or the exact arithmetic), and encoded as the writer encodes them (compact top-k, sampled ids and counts), then
+  compared column by column.
+
+An exact table passes only if every value matches bit for bit. Any other table was computed in an arithmetic whose
+last bits depend on the batch it was computed in, so it passes when each float column's max |delta| is within that
+column's tolerance, which follows from the dtype (:func:`tolerance_for`): the largest of ``--tolerance``, a few units
+of the dtype's rounding, and 4x the spread the re-computation itself shows between two batchings of the same rows
+(all sampled rows together, each row alone). Id columns report the share of ids that differ (near-ties reorder under
+another batching) and do not decide the verdict. Memory: one engine and the sampled rows' values, twice (the rows are
+read from their shards one shard at a time), as score-teacher for those rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from opdcache.format import shards
+from opdcache.backends import engine_for_table
+from opdcache.format.cache import Cache
+from opdcache.errors import ConfigError
+from opdcache.inputs.lineage import recorded_model
+
+DEFINITIONS = {
+    "values": "stored values compared (per-token entries; padding slots included as stored)",
+    "exact": "values whose stored bits the re-computation reproduces (floats compared as their bits, NaN never equal)",
+    "max_abs_delta": "largest |stored - recomputed| over the float values (0 when every one matches)",
+    "differing": "id columns: values whose stored id differs from the recomputed one (share in differing_share)",
+    "spread": "float columns of non-exact tables: largest |delta| between two re-computations of the same rows in two "
+              "batchings (all sampled rows together, each row alone): the arithmetic's own batch-to-batch variation",
+    "tolerance": "float columns of non-exact tables: the largest max |delta| that passes (see reasoning)",
+}
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+ROUNDING_UNITS = 8  # the tolerance floor: this many units of the dtype's rounding (nats, or the stored value's units)
+SPREAD_FACTOR = 4  # the table's own batching is a third, unseen one: allow this multiple of the measured spread
+
+
+def tolerance_for(dtype: str, spread: float, floor: float) -> float:
+    """A column's tolerance for a table computed in ``dtype``: max(``floor``, ROUNDING_UNITS x the dtype's unit
+    roundoff, SPREAD_FACTOR x the measured ``spread``). float32 keeps ``floor`` (1e-4 by default) unless its own
+    spread is larger; a bfloat16 table gets at least 8 x 2^-8 = 0.031."""
+    measured = SPREAD_FACTOR * spread if np.isfinite(spread) else 0.0  # no re-computation may widen it without bound
+    return max(floor, ROUNDING_UNITS * UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"]), measured)
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """What to audit and how."""
+
+    cache: str
+    """The cache: a directory or a URL (s3://...)."""
+    table: str | None = None
+    """One table (rollouts, sft or teachers/<name>, or a teacher's name); default every table."""
+    rows: int | str = 16
+    """Rows sampled per table (all when the table has fewer), or "all"."""
+    seed: int = 0
+    """Seed of the row sample."""
+    model: Path | None = None
+    """pi_ref (or the SFT teacher) for the rollout table, when it is not at the path the manifest records."""
+    teacher: Path | None = None
+    """The teacher for teacher tables, when it is not at the path the manifest records."""
+    tolerance: float = 1e-4
+    """Largest allowed max |delta| (nats) for tables that do not claim the exact arithmetic."""
+    device: str = "auto"
+    """Where tables not computed with --exact are re-computed: auto (a CUDA GPU when there is one), cpu, cuda, cuda:N.
+    An exact table is re-computed where its arithmetic runs (the CPU's, or a CUDA GPU's)."""
+
+    def __post_init__(self) -> None:
+        rows = self.rows
+        if isinstance(rows, str) and rows.strip().isdigit():
+            rows = int(rows)
+        if rows != "all" and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
+            raise ConfigError(f"--rows must be a positive number of rows or all, got {self.rows}")
+        object.__setattr__(self, "rows", rows)
+        if not self.tolerance >= 0:
+            raise ConfigError(f"--tolerance must be >= 0, got {self.tolerance}")
+
+
+def _compare(stored: list[np.ndarray], fresh: list[np.ndarray]) -> dict:
+    values = exact = 0
+    worst = 0.0
+    is_float = False
+    for a, b in zip(stored, fresh):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape:  # a different length counts every stored value as unreproduced
+            values += a.size
+            worst = float("inf") if a.dtype.kind == "f" else worst
+            continue
+        values += a.size
+        is_float = is_float or a.dtype.kind == "f"
+        if a.dtype.kind == "f":
+            same = (a.view(np.uint8).reshape(a.size, -1) == b.astype(a.dtype).view(np.uint8).reshape(b.size, -1)).all(1) if a.size else np.zeros(0, bool)
+            exact += int(same.sum())
+            if a.size:
+                x, y = a.astype(np.float64), b.astype(np.float64)
+                with np.errstate(invalid="ignore"):  # equal values (padding's -inf on both sides) differ by 0
+                    d = np.where(x == y, 0.0, np.abs(x - y))
+                d[np.isnan(d)] = np.inf
+                worst = max(worst, float(d.max()))
+        else:
+            exact += int((a == b).sum())
+    out = {"values": values, "exact": exact, "max_abs_delta": worst}
+    if not is_float:
+        out["differing"] = values - exact
+        out["differing_share"] = (values - exact) / values if values else 0.0
+    return out
+
+
+def _spread(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    """Largest |a - b| over two re-computations of the same values (shapes differ only if a row's length does)."""
+    worst = 0.0
+    for x, y in zip(a, b):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        if x.shape != y.shape:
+            return float("inf")
+        if x.size:
+            with np.errstate(invalid="ignore"):
+                d = np.where(x == y, 0.0, np.abs(x - y))
+            d[np.isnan(d)] = np.inf
+            worst = max(worst, float(d.max()))
+    return worst
+
+
+def _where(backend) -> str:
+    """The device an engine computes on, as the report names it."""
+    return str(getattr(backend, "device", "cpu"))
+
+
+def _recorded_dtype(record: dict) -> str:
+    dtype = str(record.get("dtype") or "float32").replace("torch.", "")
+    return dtype if dtype in UNIT_ROUNDOFF else "float32"
+
+
+def _rows_wanted(cache: Cache, name: str, rows: int | str) -> int:
+    return sum(int(s["rows"]) for s in cache.table(name)["shards"]) if rows == "all" else rows
+
+
+ROLLOUT_COLUMNS = ("response_ids", "sampling_logprobs", "ref_logprobs", "ref_topk_ids", "ref_topk_logprobs", "mc_ids", "mc_sampling_logprobs")
+
+
+def _judge(rep: dict, dtype: str, floor: float, spreads: dict[str, float]) -> dict:
+    """Each float column's tolerance and the table's verdict (see the module docstring)."""
+    if rep["exact_claimed"]:
+        rep["passed"] = all(c["exact"] == c["values"] for c in rep["columns"].values())
+        rep["reasoning"] = "computed in the exact arithmetic: every value must come back bit for bit"
+        return rep
+    for name, col in rep["columns"].items():
+        if "differing" in col:
+            continue
+        col["spread"] = spreads.get(name, 0.0)
+        col["tolerance"] = tolerance_for(dtype, col["spread"], floor)
+    rep["passed"] = all(c["max_abs_delta"] <= c["tolerance"] for c in rep["columns"].values() if "tolerance" in c)
+    rep["reasoning"] = (f"computed in {dtype}, whose last bits depend on the batch: a float column passes within "
+                        f"max(--tolerance {floor:g}, {ROUNDING_UNITS} x {dtype}'s unit roundoff {UNIT_ROUNDOFF[dtype]:.3g}, "
+                        f"{SPREAD_FACTOR} x its spread between two batchings of these rows); ids are counted, not judged")
+    return rep
+
+
+def _audit_base(cache: Cache, name: str, cfg: AuditConfig) -> dict:
+    from opdcache.backends.base import GenerateRequest, SamplingConfig
+    from opdcache.teacher.rollouts import sample_seed
+    from opdcache.teacher.scoring import score_requests
+
+    entry = cache.table(name)
+    record = entry.get("model") or {}
+    path = recorded_model(record, cfg.model, "--model", f"the {name} table")
+    exact = bool(record.get("exact"))
+    dtype = _recorded_dtype(record)
+    backend = engine_for_table(record, path, name, device=cfg.device, dtype=dtype)
+    replay = not exact and record.get("engine") == "transformers" and hasattr(backend, "replay")
+    stored_cols = [c for c in ROLLOUT_COLUMNS if c in shards.read_schema(cache.shard_paths(name)[0]).names]
+    sampling = SamplingConfig(**entry["config"]["sampling"]) if exact else None
+    stored: dict[str, list] = {c: [] for c in stored_cols}
+    fresh: dict[str, list] = {c: [] for c in stored_cols}
+    alone: list[np.ndarray] = []
+    picks = cache.sample_rows(name, _rows_wanted(cache, name, cfg.rows), cfg.seed)
+    for shard, rows in picks.items():
+        table = cache.read_shard(name, shard).take(rows)
+        for c in stored_cols:
+            stored[c] += shards.row_values(table[c])
+        if exact:  # replay: same prompt, same random stream, same arithmetic
+            reqs = [GenerateRequest(p, sample_seed(sampling.seed, p, k))
+                    for p, k in zip(table["prompt_ids"].to_pylist(), table["sample_index"].to_pylist())]
+            for gen in backend.generate(reqs, sampling):
+                for c in stored_cols:
+                    fresh[c].append(getattr(gen, c))
+        elif replay:  # our engine wrote them while decoding: the stored tokens fed through that same path, batched and alone
+            reqs = [GenerateRequest(p, 0) for p in table["prompt_ids"].to_pylist()]
+            responses = shards.row_values(table["response_ids"])
+            fresh["ref_logprobs"] += [g.ref_logprobs for g in backend.replay(reqs, responses)]
+            alone += [backend.replay([r], [x])[0].ref_logprobs for r, x in zip(reqs, responses)]
+        else:  # another engine's: the stored tokens' temperature-1 log-probs by a full forward, batched and each row alone
+            reqs = score_requests(table.select(["id", "prompt_ids", "response_ids"]))
+            fresh["ref_logprobs"] += [sc.logprobs for sc in backend.score(reqs)]
+            alone += [backend.score([r])[0].logprobs for r in reqs]
+    if not exact:
+        stored = {"ref_logprobs": stored["ref_logprobs"]} if "ref_logprobs" in stored else {}
+    columns = {c: _compare(stored[c], fresh[c]) for c in stored}
+    how = ("re-generated in the exact arithmetic" if exact else
+           f"replayed through the transformers engine's generation path (its tokens fed back, KV cache) in {dtype} on {_where(backend)}" if replay else
+           f"re-scored (teacher-forced, full forward) by the transformers engine in {dtype} on {_where(backend)}")
+    rep = {"table": name, "exact_claimed": exact, "dtype": dtype, "how": how, "rows": sum(map(len, picks.values())), "columns": columns}
+    return _judge(rep, dtype, cfg.tolerance, {} if exact else {"ref_logprobs": _spread(fresh["ref_logprobs"], alone)})
+
+
+def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
+    from opdcache.backends.base import ScoreRequest
+    from opdcache.teacher.scoring import score_requests, teacher_columns, teacher_records
+
+    entry = cache.table(name)
+    record = entry.get("model") or {}
+    path = recorded_model(record, cfg.teacher, "--teacher", f"the {name} table")
+    exact = bool(record.get("exact"))
+    dtype = _recorded_dtype(record)
+    params = cache.params(name)
+    backend = engine_for_table(record, path, name, device=cfg.device, dtype=dtype)
+    seed = int(entry["config"].get("sample_seed", 0))
+    want_hidden = "hidden" in params.stores
+    base = cache.base_table
+    names = [c for c in shards.read_schema(cache.shard_paths(name)[0]).names if c not in ("id", "svd")]
+    stored: dict[str, list] = {c: [] for c in names}
+    fresh: dict[str, list] = {c: [] for c in names}
+    alone: dict[str, list] = {c: [] for c in names}
+    params_no_svd = params
+    if params.svd_rank:
+        import dataclasses
+
+        params_no_svd = dataclasses.replace(params, stores=tuple(s for s in params.stores if s != "svd"), svd_rank=None, svd_dtype=None)
+
+    aligned = "aligned" in params.stores  # a teacher with its own tokenizer: its own tokens, stored in the table
+    if aligned:
+        from opdcache.teacher import crossteacher
+        from opdcache.teacher.alignment import RowAlignment, TokenText, Unaligned, align_response
+        from opdcache.inputs.models import load_tokenizer
+
+        # the response's alignment is computed afresh from pi_ref's ids; the teacher's prompt ids (its chat template on
+        # the prompts file, which the cache does not hold) and the skip reasons are taken as stored, not compared
+        names = [c for c in names if c not in ("align_skip", "teacher_prompt_ids")]
+        student_tt, teacher_tt = TokenText.from_hf(cache.tokenizer()), TokenText.from_hf(load_tokenizer(path))
+        student_of = crossteacher.same_bytes(student_tt, teacher_tt)
+
+    def rescore(base_rows, reqs, scores, where):
+        if aligned:
+            lengths = [len(r) for r in shards.row_values(base_rows["response_ids"])]
+            records = crossteacher.records(base_rows["id"].to_pylist(), lengths, rows_aligned, scores, None, where,
+                                           student_of, params.top_k)
+        else:
+            records = teacher_records(base_rows["id"].to_pylist(), scores, params_no_svd, None, where)
+        return shards.build_table("teacher", params_no_svd, records)
+
+    picks = cache.sample_rows(name, _rows_wanted(cache, name, cfg.rows), cfg.seed)
+    for shard, rows in picks.items():
+        table = cache.read_shard(name, shard, names).take(rows)
+        base_rows = cache.read_shard(base, shard, teacher_columns(params) + (["response_ids"] if aligned else [])).take(rows)
+        if aligned:
+            stored_rows = cache.read_shard(name, shard, ["teacher_prompt_ids", "align_skip"]).take(rows)
+            rows_aligned = [(align_response(student_tt, teacher_tt, response.tolist()) if len(prompt) else Unaligned("stored", skip),
+                             prompt.tolist())
+                            for response, prompt, skip in zip(shards.row_values(base_rows["response_ids"]),
+                                                              shards.row_values(stored_rows["teacher_prompt_ids"]),
+                                                              stored_rows["align_skip"].to_pylist())]
+            reqs = [ScoreRequest(prompt, row.teacher_ids.tolist(), None, None, None) for row, prompt in rows_aligned
+                    if isinstance(row, RowAlignment)]
+        else:
+            reqs = score_requests(base_rows, params.samples_per_position, seed)
+        built = rescore(base_rows, reqs, backend.score(reqs, top_k=params.top_k, hidden=want_hidden), f"audit of shard {shard}")
+        for c in names:
+            stored[c] += shards.row_values(table[c])
+            fresh[c] += shards.row_values(built[c])
+        if not exact:
+            one = [backend.score([r], top_k=params.top_k, hidden=want_hidden)[0] for r in reqs]
+            built = rescore(base_rows, reqs, one, f"audit of shard {shard}")
+            for c in names:
+                alone[c] += shards.row_values(built[c])
+    columns = {c: _compare(stored[c], fresh[c]) for c in names}
+    how = ("re-scored in the exact arithmetic" if exact else f"re-scored by the transformers engine in {dtype} on {_where(backend)}") + \
+        ", with the table's store settings and encodings" + (" (pi_ref's text aligned to the teacher's tokens afresh)" if aligned else "")
+    rep = {"table": name, "exact_claimed": exact, "dtype": dtype, "how": how, "rows": sum(map(len, picks.values())), "columns": columns}
+    spreads = {} if exact else {c: _spread(fresh[c], alone[c]) for c in names if "differing" not in columns[c]}
+    return _judge(rep, dtype, cfg.tolerance, spreads)
+
+
+def audit(cfg: AuditConfig) -> dict:
+    """The report: per table and column, values compared, bit-exact matches and max |delta| (float columns: their
+    spread and tolerance; id columns: how many differ); ``passed`` and its reasoning per table."""
+    from opdcache.backends.hf import resolve_device
+
+    resolve_device(cfg.device)  # a device this machine lacks is refused before any model loads
+    cache = Cache(cfg.cache)
+    tables = [cache.base_table] + [f"teachers/{t}" for t in cache.teachers]
+    if cfg.table is not None:
+        wanted = cfg.table if cfg.table in tables else f"teachers/{cfg.table}"
+        if wanted not in tables:
+            raise ConfigError(f"--table {cfg.table!r}: the cache has tables {', '.join(tables)}; name one of them")
+        tables = [wanted]
+    out = [_audit_teacher(cache, name, cfg) if name.startswith("teachers/") else _audit_base(cache, name, cfg) for name in tables]
+    return {"cache": str(cfg.cache), "seed": cfg.seed, "tables": out, "definitions": DEFINITIONS,
+            "passed": all(t["passed"] for t in out)}
+
+
+def render(report: dict) -> str:
+    lines = []
+    for t in report["tables"]:
+        lines.append(f"{t['table']}: {t['rows']} rows {t['how']}: {'PASS' if t['passed'] else 'FAIL'}")
+        lines.append(f"  {t['reasoning']}")
+        lines.append(f"  {'column':<22} {'values':>9} {'exact':>9} {'max |delta|':>12} {'tolerance':>10}  ids differing")
+        for name, c in t["columns"].items():
+            tol = f"{c['tolerance']:>10.3g}" if "tolerance" in c else f"{'-':>10}"
+            ids = f"  {c['differing']:,} ({c['differing_share']:.1%})" if "differing" in c else ""
+            delta = f"{c['max_abs_delta']:>12.3g}" if "differing" not in c else f"{'-':>12}"
+            lines.append(f"  {name:<22} {c['values']:>9,} {c['exact']:>9,} {delta} {tol}{ids}")
+    return "\n".join(lines)

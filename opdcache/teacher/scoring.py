@@ -1,0 +1,424 @@
+"""``score-teacher``: one teacher pass over prompt + response of every rollout, stored next to the rollouts.
+
+The teacher table ``teachers/<slug>/`` is row-aligned 1:1 with the rollout shards. Before any work it
+checks that the teacher shares the cache's tokenizer and, from lineage, that it is the teacher pi_ref was
+fine-tuned on (papers/000 teacher consistency); a mismatch is refused unless allowed, and the decision is
+recorded in the manifest. The hidden store saves the unembedding as ``head.safetensors``; the svd store
+fits its projection on calibration positions drawn from every shard first and records its measured distortion. Every
+table records its stores' error against the teacher's full vocabulary, measured while scoring (opdcache/format/fidelity.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import closing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from opdcache.format import schema as S
+from opdcache import threads
+from opdcache.format import shards
+from opdcache import stores as store_registry
+from opdcache.backends.base import ScoreRequest
+from opdcache.format.cache import Cache, TableJob, run_table_job
+from opdcache.format.workers import worker_from_env
+from opdcache.errors import ConfigError, ConsistencyError, SchemaError
+from opdcache.inputs.lineage import check_same_tokenizer, model_info
+from opdcache.inputs.models import load_tokenizer, resolve_model
+from opdcache.inputs.prompts import PromptConfig
+from opdcache.backends import EngineConfig, make_backend
+
+CALIBRATION_PER_RANK = 32  # the svd projection is fitted on at least 32 x rank positions when the table has them: on
+# SmolLM2 at rank 512 the held-out KL falls from 6.7e-3 (2,048 positions) to 4.8e-3 (8,192) and then stays (BENCHMARKS.md)
+CALIBRATION_MIN_POSITIONS = 2048  # ... and at least this many
+HELDOUT_POSITIONS = 1024  # further positions, for measuring its distortion
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    """A score-teacher job."""
+
+    cache: Path | str
+    """A finished rollouts (or sft) cache: a directory or an object-store URL (the teacher's tables are written there)."""
+    teacher: Path
+    """The teacher: a local model directory or a Hub id (org/name[@rev])."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when ``teacher`` is a Hub id."""
+    stores: tuple[str, ...] = ("logprob",)
+    """Teacher stores: logprob (always), topk, hidden, svd."""
+    top_k: int | None = None
+    """Width of the teacher's own top-k store. Default: none (required with --store topk)."""
+    svd_rank: int | None = None
+    """Rank of the svd store. Default: none (required with --store svd)."""
+    svd_method: str = "prob-weighted"
+    """naive, importance or prob-weighted (papers/002; prob-weighted had less KL than importance at equal rank on
+    SmolLM2: BENCHMARKS.md)."""
+    hidden_dtype: str | None = None
+    """Precision of the hidden store: float32, bfloat16 or float16 (default: the teacher's compute dtype). Narrower
+    than the compute dtype, the states are rounded (bfloat16 from a float32 teacher halves the bytes) and the
+    rounding's KL to the full distribution is recorded (SmolLM2's: BENCHMARKS.md)."""
+    svd_min_positions: int | None = None
+    """Refuse to fit the svd projection on fewer calibration positions than this (default: fit on what there is, with
+    a warning naming the count, when the rollouts hold fewer than max(32 x rank, 2,048); the positions are drawn from
+    all shards)."""
+    svd_seed: int = 0
+    """Seed of the svd calibration sample (rows drawn over all shards)."""
+    svd_dtype: str = "bfloat16"
+    """Precision of the stored svd states: bfloat16 (format v3; its rounding is inside the recorded distortion) or
+    float32 (v1)."""
+    topk_precision: str | None = None
+    """Compact top-k: float32, float16 (|error| <= |log-prob| x 2^-11; format v3), or prob14 (probabilities as uint16
+    codes to within 2^-15, ids ascending: the smallest, format v4; SmolLM2's figures in BENCHMARKS.md). Default: none
+    (and no --topk-mass): the exact v1 store."""
+    topk_mass: float | None = None
+    """Compact top-k (format v3): keep entries until the teacher mass left out is at most this (at most --top-k), the
+    rest kept as one tail column: a smaller mass keeps more entries. What each setting costs and loses on your
+    teacher's rollouts: `opdcache plan` (measured figures: BENCHMARKS.md, Storage). Default: none (every entry of
+    --top-k)."""
+    samples_per_position: int | None = None
+    """The sampled store (RS-KD): teacher draws per position (1-255), kept as distinct ids and counts; an unbiased
+    forward KL (train --loss sampled-fkl). Costs the head rows of the drawn slices again. Default: none (no sampled
+    store)."""
+    sample_seed: int = 0
+    """Seed of the sampled store's draws (each row's uniforms come from (seed, row id) alone)."""
+    prompts: PromptConfig | None = None
+    """For a teacher with its own tokenizer: the prompts file the rollouts were built from (with their --prompt-field /
+    --messages-field). The teacher renders them with its chat template, scores its own tokenization of pi_ref's text,
+    and the table stores its log-prob of each group of tokens both tokenizations cut at the same byte (the aligned
+    store; train --loss span or lightning). Default: none (the teacher must share the cache's tokenizer)."""
+    slug: str | None = None
+    """Teacher table name (default: the teacher directory's name)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Which engine runs the teacher."""
+    allow_inconsistent_teacher: bool = False
+    """Score even when the teacher is not pi_ref's SFT teacher (recorded in the manifest)."""
+    num_workers: int | None = None
+    """Workers sharing the job."""
+    worker_index: int | None = None
+    """This worker's index."""
+    progress: bool | None = None
+    """Show progress bars (default: only on a terminal)."""
+    finalize: bool = True
+    """Write the manifest when this worker finds every shard present (a Ray driver finalizes itself instead)."""
+    prepare_only: bool = False
+    """Write the side files (head, fitted svd projection) and the job record, then stop: a distributed driver runs this
+    once first, so every worker reads one projection instead of fitting its own."""
+
+    def __post_init__(self) -> None:
+        stores = tuple(dict.fromkeys(("logprob",) + tuple(self.stores) + (("aligned",) if self.prompts else ())))
+        if "aligned" in stores and self.prompts is None:
+            raise ConfigError("--store aligned is written for a teacher with its own tokenizer: pass --prompts with the "
+                              "prompts file the rollouts were built from")
+        object.__setattr__(self, "stores", stores)
+        unknown = set(stores) - set(S.TEACHER_STORES)
+        if unknown:
+            raise ConfigError(f"--store takes {', '.join(S.TEACHER_STORES)}; got {', '.join(sorted(unknown))}")
+        store_registry.check_job(self, stores)
+        needs_all = [name for name in stores if store_registry.REGISTRY[name].full_distribution]
+        if needs_all and self.engine.backend == "vllm":
+            raise ConfigError(f"--store {needs_all[0]} needs the teacher's whole distribution at every position, which vLLM's "
+                              "scoring does not return: use --backend transformers for this table")
+        if self.slug is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.slug):
+            raise ConfigError(f"--name must be letters, digits, '.', '_' or '-', got {self.slug!r}")
+
+    @property
+    def table_slug(self) -> str:
+        """--name, else the teacher directory's name, else the Hub repo's name (org/name@rev -> name)."""
+        if self.slug:
+            return self.slug
+        text = str(self.teacher)
+        local = Path(text).expanduser()
+        base = local.resolve().name if local.exists() else text.split("@", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-") or "teacher"
+
+
+def consistency_verdict(cache_lineage: dict, teacher: dict, allow: bool) -> dict:
+    """Teacher consistency from lineage (papers/000 section 3.3): is this the teacher pi_ref was fine-tuned on?"""
+    sft = cache_lineage.get("sft_teacher")
+    if sft is None:
+        verdict = "unknown"
+        note = ("pi_ref has no recorded SFT teacher; `opdcache check-consistency` measures the per-token gap to this teacher "
+                "(against an untrained baseline), and names the consistent teacher once a second one has scored the cache")
+    elif sft["fingerprint"] == teacher["fingerprint"]:
+        verdict, note = "consistent", "the scoring teacher is pi_ref's SFT teacher"
+    else:
+        verdict = "inconsistent"
+        note = f"pi_ref was fine-tuned on {sft['name_or_path']} ({sft['fingerprint'][:12]}), not on this teacher"
+        if not allow:
+            raise ConsistencyError(
+                f"teacher {teacher['name_or_path']} ({teacher['fingerprint'][:12]}) is not pi_ref's SFT teacher: {note}. "
+                "Lightning OPD assumes they are the same model (papers/000 section 3.3); pass --allow-inconsistent-teacher "
+                "to score anyway (the decision is recorded in the manifest)"
+            )
+        note += " (allowed by --allow-inconsistent-teacher)"
+    return {"verdict": verdict, "note": note, "sft_teacher": sft["fingerprint"] if sft else None,
+            "teacher": teacher["fingerprint"], "allowed": verdict != "inconsistent" or allow}
+
+
+def score_requests(table, draws: int | None = None, seed: int = 0) -> list[ScoreRequest]:
+    """One ScoreRequest per row of a rollout (or sft) table, with pi_ref's top-k and MC ids when the table has them,
+    and with ``draws``, each row's uniforms for the sampled store (from the seed and the row id)."""
+    from opdcache.stores.sampled import uniforms
+
+    response = shards.row_values(table["response_ids"])
+    ref = shards.row_values(table["ref_topk_ids"]) if "ref_topk_ids" in table.column_names else None
+    mc = shards.row_values(table["mc_ids"]) if "mc_ids" in table.column_names else None
+    row_ids = table["id"].to_pylist() if draws else None
+    return [ScoreRequest(p, response[i], None if ref is None else ref[i], None if mc is None else mc[i],
+                         None if not draws else uniforms(seed, row_ids[i], len(response[i]), draws))
+            for i, p in enumerate(table["prompt_ids"].to_pylist())]
+
+
+def teacher_columns(params: S.StoreParams) -> list[str]:
+    """The rollout columns a teacher pass over a table with these store parameters reads."""
+    return ["id", "prompt_ids", "response_ids"] + (["ref_topk_ids"] if params.ref_top_k else []) + (["mc_ids"] if params.mc_samples else [])
+
+
+def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, where: str = "", vocab_size: int | None = None) -> shards.Records:
+    """A teacher table's rows from the engine's scores of the rollout rows ``ids`` (row-aligned); refuses non-finite
+    values. A compact top-k store's rows are encoded here (opdcache/stores/compact.py) and the shard's distortion against the
+    exact top-k goes into its footer; the sampled store's draws are collapsed into distinct ids and counts. With
+    ``vocab_size`` and an engine that streams the full distribution, the stores' error against it (opdcache/format/fidelity.py)
+    goes into the footer too."""
+    import json
+
+    import torch
+
+    from opdcache.format import fidelity
+
+    from opdcache.stores import compact
+
+    enabled = [store_registry.REGISTRY[name] for name in params.stores]
+    records, sums, errors = shards.Records(), [], []
+    for row_id, sc in zip(ids, scores):
+        rec = {"id": row_id}
+        for store in enabled:
+            if store.encode is not None:
+                rec.update(store.encode(sc, params))
+        if proj is not None:
+            rec["svd"] = proj.encode(sc.hidden).numpy()
+        reason = shards.first_non_finite(rec)  # on the exact values, before any padding
+        if reason:
+            raise SchemaError(f"teacher produced {reason} for rollout row {row_id} ({where}); "
+                              "nothing was written for this shard. Check the teacher's dtype (try --dtype float32)")
+        enc = None
+        if params.topk_compact:
+            enc = compact.compact_topk(sc.topk_ids, sc.topk_logprobs, params.topk_precision or "float32", params.topk_mass)
+            rec["topk_ids"], rec["topk_logprobs"], rec["topk_tail"] = enc["ids"], enc["stored"], enc["tail"]
+            sums.append(compact.distortion_sums(enc))
+        if vocab_size:
+            errors.append(fidelity.row_sums(sc, enc, params, vocab_size))
+        for store in enabled:
+            if store.pack is not None:
+                rec.update(store.pack(sc, params))
+        if proj is not None and params.svd_dtype == "bfloat16":  # rounded after the finiteness check, as its bits
+            rec["svd"] = shards.hidden_to_numpy(torch.from_numpy(rec["svd"]).to(torch.bfloat16))
+        records.append(rec)
+    if params.topk_compact:
+        records.meta[compact.DISTORTION_META] = json.dumps(compact.merge_sums(sums), sort_keys=True).encode()
+    if vocab_size:
+        records.meta[fidelity.META] = fidelity.encode(fidelity.merge(errors))
+    return records
+
+
+def _config_hidden_size(model_dir: Path) -> int | None:
+    """The hidden size a model directory's config.json states (a multimodal config's text_config), else None."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    text = cfg.get("text_config")
+    size = cfg.get("hidden_size", text.get("hidden_size") if isinstance(text, dict) else None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def _check_svd_rank(rank: int, hidden: int | None, where: str) -> None:
+    """The svd store projects the teacher's hidden state: its rank is at most the hidden size."""
+    if hidden is not None and rank > hidden:
+        raise ConfigError(f"--svd-rank {rank} is above the teacher's hidden size {hidden} ({where}): the svd store projects the "
+                          f"hidden state, so its rank is at most {hidden}; pass --svd-rank {hidden} or less, or --store hidden "
+                          "for the states themselves")
+
+
+def _cross_plan(job: ScoreJob, cache: Cache, ref):
+    """None for a teacher that shares the cache's tokenizer (refused otherwise, unless ``--prompts`` makes it a
+    cross-tokenizer job, opdcache/teacher/crossteacher.py); checked before the teacher's weights load."""
+    from opdcache.inputs.fingerprint import tokenizer_fingerprint
+
+    tokenizer = load_tokenizer(ref.path)
+    expected = cache.manifest["tokenizer"]["fingerprint"]
+    if job.prompts is None:
+        check_same_tokenizer(expected, tokenizer, f"teacher {ref.name}", cache.tokenizer(),
+                             hint="; to score a teacher with its own tokenizer, pass --prompts with the prompts file the "
+                                  "rollouts were built from")
+        return None
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if fingerprint == expected:
+        raise ConfigError(f"--prompts is for a teacher with its own tokenizer; teacher {ref.name} shares the cache's: "
+                          "drop --prompts")
+    from opdcache.teacher import crossteacher
+
+    return crossteacher.prepare(cache, job.prompts, tokenizer, ref.name, fingerprint)
+
+
+def run_score(job: ScoreJob) -> dict:
+    """Run (or resume) score-teacher; return the verdict and what was written."""
+    cache = Cache(job.cache)
+    base = cache.base_table
+    base_entry = cache.table(base)
+    base_params = cache.params(base)
+    num_workers, worker_index = worker_from_env(job.num_workers, job.worker_index)
+    if "svd" in job.stores and job.svd_min_positions:  # known from the manifest: refused before any model loads
+        available = sum(int(sh["tokens"]) for sh in base_entry["shards"])
+        if available < job.svd_min_positions:
+            raise ConfigError(f"--svd-min-positions {job.svd_min_positions}: the {base} table has only {available:,} response "
+                              "positions to fit the svd projection on; add rollouts or lower --svd-min-positions")
+    ref = resolve_model(job.teacher, job.revision, "--teacher")
+    if "svd" in job.stores:  # from config.json, before the model loads; a config without it is checked once it has
+        _check_svd_rank(job.svd_rank, _config_hidden_size(ref.path), "config.json")
+    plan = _cross_plan(job, cache, ref)
+    teacher_fp_info = model_info(ref)
+    verdict = consistency_verdict(cache.manifest["lineage"], teacher_fp_info, job.allow_inconsistent_teacher)
+    want_hidden = "hidden" in job.stores or "svd" in job.stores
+    engine = job.engine
+    if want_hidden and engine.backend == "vllm":
+        print("note: vLLM offers no final post-norm hidden state at this version; the hidden/svd stores use the transformers engine")
+        engine = EngineConfig(**{**asdict(engine), "backend": "transformers"})
+    backend = make_backend(ref.path, engine, max_logprobs=max(job.top_k or 0, base_params.ref_top_k or 0, 1))
+    info = model_info(ref, **backend.model_info())
+    hidden_dtype = backend.dtype if want_hidden else None
+    H = None
+    if want_hidden:
+        H = int(backend.model.get_output_embeddings().weight.shape[1])
+        if "svd" in job.stores:
+            _check_svd_rank(job.svd_rank, H, "its output head")
+    params = S.StoreParams(
+        stores=job.stores, top_k=job.top_k if "topk" in job.stores or "aligned" in job.stores else None,
+        ref_top_k=None if plan else base_params.ref_top_k, mc_samples=None if plan else base_params.mc_samples, hidden_size=H if "hidden" in job.stores else None,
+        hidden_dtype=(job.hidden_dtype or hidden_dtype) if "hidden" in job.stores else None, svd_rank=job.svd_rank if "svd" in job.stores else None,
+        topk_precision=job.topk_precision, topk_mass=job.topk_mass, samples_per_position=job.samples_per_position,
+        svd_dtype="bfloat16" if "svd" in job.stores and job.svd_dtype == "bfloat16" else None,
+    )
+    slug = job.table_slug
+    config = {"teacher": info["fingerprint"], "engine": engine.fingerprint_view() | {"engine_version": backend.version},
+              "deterministic": engine.deterministic, "vocab_size": backend.vocab_size,
+              "svd_method": job.svd_method if "svd" in job.stores else None}
+    if "sampled" in job.stores:  # only then: older tables keep their config fingerprints
+        config["sample_seed"] = job.sample_seed
+    if plan is not None:
+        config["teacher_tokenizer"] = plan.fingerprint
+    table = TableJob(cache.root, f"teachers/{slug}", "teacher", params, config, len(base_entry["shards"]),
+                     parent_fingerprint=base_entry["config_fingerprint"], meta={"model": info, "consistency": verdict, "compute": threads.record()})
+    table.begin()
+    if "hidden" in job.stores and not (table.dir / "head.safetensors").is_file():
+        from opdcache.format.heads import head_of, save_head
+
+        save_head(head_of(backend.model), table.dir / "head.safetensors")
+    proj = None
+    if "svd" in job.stores:
+        proj, table.meta["svd"] = _svd_projection(job, cache, backend, table)
+    if job.prepare_only:  # the side files and the job record exist now: workers started after this share them
+        backend.close()
+        return {"slug": slug, "written": [], "finished": False, "consistency": verdict, "svd": table.meta.get("svd")}
+    base_paths = cache.shard_paths(base)
+    request_columns = teacher_columns(params)
+
+    def make_shard(index: int) -> list[dict]:
+        if plan is not None:  # a teacher with its own tokenizer (opdcache/teacher/crossteacher.py)
+            from opdcache.teacher import crossteacher
+
+            rows = shards.read_table(base_paths[index], ["id", "prompt_index", "response_ids"])
+            aligned, requests = crossteacher.align_rows(plan, rows, backend.max_length)
+            scores = backend.score(requests, top_k=params.top_k) if requests else []
+            return crossteacher.records(rows["id"].to_pylist(), [len(r) for r in shards.row_values(rows["response_ids"])],
+                                        aligned, scores, backend.vocab_size, f"shard {index}", plan.student_of, params.top_k)
+        rows = shards.read_table(base_paths[index], request_columns)
+        scores = backend.score(score_requests(rows, params.samples_per_position, job.sample_seed), top_k=params.top_k, hidden=want_hidden,
+                               hidden_dtype=params.hidden_dtype)
+        return teacher_records(rows["id"].to_pylist(), scores, params, proj, f"shard {index}", backend.vocab_size)
+
+    with closing(backend):
+        written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"score-teacher {slug}", progress=job.progress, finalize=job.finalize,
+                                rows_of=lambda i: base_entry["shards"][i]["rows"])
+    finished = table.all_done()
+    entry = Cache(job.cache).table(f"teachers/{slug}") if finished and job.finalize else {}
+    return {"slug": slug, "written": written, "finished": finished, "consistency": verdict, "svd": table.meta.get("svd"),
+            "topk": entry.get("topk"), "fidelity": entry.get("fidelity"), "aligned": entry.get("aligned")}
+
+
+def calibration_rows(cache: Cache, rank: int, seed: int) -> tuple[list[tuple[int, int]], int]:
+    """(rows, target positions) for the svd fit: rows (shard, index) drawn at random (seeded) over every shard of the
+    base table, in a seeded random order, enough (by the manifest's mean row length) for max(32 x rank, 2,048)
+    calibration positions and then 1,024 held-out ones."""
+    import numpy as np
+
+    base = cache.table(cache.base_table)
+    rows = sum(int(sh["rows"]) for sh in base["shards"])
+    tokens = sum(int(sh["tokens"]) for sh in base["shards"])
+    target = max(CALIBRATION_PER_RANK * rank, CALIBRATION_MIN_POSITIONS)
+    want = min(rows, int(np.ceil((target + HELDOUT_POSITIONS) / max(tokens / max(rows, 1), 1.0) * 1.25)) + 2)
+    picks = [(shard, i) for shard, idx in sorted(cache.sample_rows(cache.base_table, want, seed).items()) for i in idx]
+    order = np.random.default_rng(seed + 1).permutation(len(picks))
+    return [picks[i] for i in order], target
+
+
+def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):
+    """Fit (or reload) the chosen svd projection on positions drawn from all shards (:func:`calibration_rows`) and
+    measure its distortion on further held-out positions. Memory: the calibration and held-out hidden states
+    ([positions, H], decoded in the engine's token-budget batches), [H, H] float64 moments and [V, rank] decoder; never
+    [positions, vocabulary]."""
+
+    import torch
+
+    from opdcache.stores import svdprojection as svd
+    from opdcache.backends.exact import ExactBackend
+    from opdcache.backends.hf import TransformersBackend
+
+    path = table.dir / "svd.safetensors"
+    if path.is_file():
+        info = svd.read_metadata(path)["info"]
+        return svd.load(path), info
+    if not isinstance(backend, (TransformersBackend, ExactBackend)):
+        raise ConfigError("the svd store needs the transformers engine")
+    picks, target = calibration_rows(cache, job.svd_rank, job.svd_seed)
+    by_shard: dict[int, list[int]] = {}
+    for shard, i in picks:
+        by_shard.setdefault(shard, []).append(i)
+    lengths = {}
+    requests = {}
+    for shard, idx in by_shard.items():
+        rows = cache.read_shard(cache.base_table, shard, ["prompt_ids", "response_ids"]).take(sorted(idx))
+        for i, req in zip(sorted(idx), score_requests(rows)):
+            requests[(shard, i)] = req
+            lengths[(shard, i)] = len(req.response_ids)
+    calib_rows, held_rows, n = [], [], 0
+    for key in picks:  # in the seeded random order: calibration until the target, then the held-out rows
+        if n < target or not calib_rows:
+            calib_rows.append(key)
+            n += lengths[key]
+        elif sum(lengths[k] for k in held_rows) < HELDOUT_POSITIONS:
+            held_rows.append(key)
+    if n < target:
+        if job.svd_min_positions and n < job.svd_min_positions:
+            raise ConfigError(f"--svd-min-positions {job.svd_min_positions}: only {n:,} calibration positions are available")
+        print(f"warning: the svd projection is fitted on {n:,} positions, fewer than {target:,} (32 x rank {job.svd_rank}, at "
+              f"least {CALIBRATION_MIN_POSITIONS:,}): its distortion on other rollouts may be higher than measured; add "
+              "rollouts or lower --svd-rank (--svd-min-positions refuses instead)")
+    with torch.no_grad():
+        calib = backend.hidden_states([requests[k] for k in calib_rows]).float()
+        held = backend.hidden_states([requests[k] for k in (held_rows or calib_rows)]).float()
+    head = backend.model.get_output_embeddings()
+    W, b = head.weight.detach(), None if getattr(head, "bias", None) is None else head.bias.detach().float()
+    chosen = svd.fit(W, b, calib, job.svd_rank, job.svd_method)
+    dtype = "bfloat16" if job.svd_dtype == "bfloat16" else None
+    measured = {job.svd_method: svd.distortion(chosen, W, b, held, store_dtype=dtype) | {"rank": job.svd_rank}}
+    info = {"method": job.svd_method, "rank": job.svd_rank, "dtype": job.svd_dtype, "calibration_positions": int(calib.shape[0]),
+            "calibration_rows": len(calib_rows), "calibration_shards": len({s for s, _ in calib_rows}), "calibration_seed": job.svd_seed,
+            "calibration_target": target, "heldout_positions": int(held.shape[0]),
+            "heldout": "held-out rows" if held_rows else "the calibration rows (no other rows left: in-sample)",
+            "distortion": measured}
+    svd.save(chosen, path, info)
+    return chosen, info
