@@ -34,9 +34,7 @@ def require(name, device, what: str, fix: str) -> None:
     if name not in ARITHMETICS:
         raise ConfigError(f"{what} was computed in {name!r}, this opdcache implements {', '.join(map(repr, ARITHMETICS))}; {fix}")
     if name == GPU_ARITHMETIC:
-        from opdcache.exact import invariant
-
-        reason = invariant.unavailable_reason(device)
+        reason = primitives(name).unavailable_reason(device)
         if reason is not None:
             raise ConfigError(f"{what} was computed in {name}, the GPU's batch-invariant arithmetic: it re-computes on a CUDA "
                               f"GPU (here: {reason}); run this on a GPU machine")

@@ -1,0 +1,90 @@
+"""The library's folders follow the pipeline, and each imports only the folders below it (docs/concepts.md, "Where the
+code lives"): read from the source's imports (function-level ones included), nothing imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+
+ORDER = ["", "logits", "exact", "inputs", "backends", "stores", "format", "teacher", "training", "asyncopd", "demo", "cli"]
+"""Bottom to top: "" is the package's top level (errors, progress, threads, storage, untrusted)."""
+
+
+def modules() -> dict[str, Path]:
+    """Every library module by dotted name (cli/ is installed as opdcache.cli)."""
+    found = {}
+    for base, prefix in ((ROOT / "opdcache", "opdcache"), (ROOT / "cli", "opdcache.cli")):
+        for path in base.rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([prefix] + parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict) -> set[str]:
+    """The library modules ``name`` imports anywhere in its file (``from P import x``: the module P.x if x is one,
+    else P)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t.startswith("opdcache") and t != name:
+                out.add(t)
+    return out
+
+
+def folder(name: str) -> str:
+    """A module's folder in ORDER: its first component under opdcache (a top-level module's is "")."""
+    parts = name.split(".")
+    if len(parts) == 1:
+        return ""
+    return parts[1] if parts[1] in ORDER else ""
+
+
+def test_every_folder_is_placed():
+    assert {folder(m) for m in modules()} <= set(ORDER)
+    top = sorted(m for m in modules() if folder(m) == "" and m != "opdcache")
+    assert top == ["opdcache.errors", "opdcache.progress", "opdcache.storage", "opdcache.threads", "opdcache.untrusted"], top
+
+
+def test_no_module_imports_a_folder_above_its_own():
+    known = modules()
+    upward = [f"{a} -> {b}" for a, path in sorted(known.items()) for b in sorted(imports(a, path, known))
+              if ORDER.index(folder(b)) > ORDER.index(folder(a))]
+    assert not upward, upward
+
+
+def test_no_circle_of_imports():
+    known = modules()
+    graph = {a: imports(a, p, known) - {"opdcache"} for a, p in known.items()}
+    state: dict[str, int] = {}  # 1 on the path, 2 done
+    circles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                circles.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
+    assert not circles, circles
