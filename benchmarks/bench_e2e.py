@@ -27,15 +27,14 @@ from pathlib import Path
 
 import torch
 
-from opdcache.backends.base import SamplingConfig
-from opdcache.demo.pipeline import DemoConfig, DemoReport, load, sft_stages
-from opdcache.demo.pipeline import setup as demo_setup
-from opdcache.demo.evaluate import evaluate_accuracy, reverse_kl_to_teacher
-from opdcache.inputs.prompts import PromptConfig
 from opdcache.backends import EngineConfig
+from opdcache.backends.base import SamplingConfig
+from opdcache.demo.evaluate import evaluate_accuracy, reverse_kl_to_teacher
+from opdcache.demo.pipeline import DemoConfig, DemoReport, load, setup as demo_setup, sft_stages
+from opdcache.inputs.prompts import PromptConfig
 from opdcache.teacher.rollouts import GenerateJob, run_generate
-from opdcache.teacher.scoring import ScoreJob, run_score
-from opdcache.training.train import TrainConfig, run_train, stores_for
+from opdcache.teacher.scoring import run_score, ScoreJob
+from opdcache.training.train import run_train, stores_for, TrainConfig
 
 
 PAPER_SIZES = {  # random-weight Llama models; the teacher's forward costs ~4x the student's per token (measured and printed each run)

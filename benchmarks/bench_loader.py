@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from opdcache.format import schema as S
-from opdcache.format.cache import TableJob, finalize_table, run_table_job
+from opdcache.format.cache import finalize_table, run_table_job, TableJob
 
 V, K, SHARDS = 151_936, 20, 8
 

@@ -33,8 +33,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from opdcache.format import schema as S
-from opdcache.format import shards
+from opdcache.format import schema as S, shards
 
 V, H = 151_936, 4096
 

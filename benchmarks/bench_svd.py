@@ -25,8 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opdcache.format import schema as S
-from opdcache.format import shards
+from opdcache.format import schema as S, shards
 from opdcache.stores import svdprojection as svd
 
 HELD_PROMPTS = 32

@@ -18,7 +18,7 @@ prepare_environment()  # before anything imports torch: OpenMP reads its wait po
 
 import typer  # noqa: E402
 
-from opdcache.errors import USAGE_ERRORS, ManifestError, OpdcacheError, SchemaError
+from opdcache.errors import ManifestError, OpdcacheError, SchemaError, USAGE_ERRORS
 
 app = typer.Typer(
     name="opdcache", no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False, rich_markup_mode=None,

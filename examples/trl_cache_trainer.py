@@ -23,12 +23,12 @@ import torch
 from transformers import AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
 
-from opdcache.training import losses as L
 from opdcache.format.cache import Cache
-from opdcache.training.data import CacheLoader, CacheLoaderConfig
 from opdcache.format.heads import load_head
-from opdcache.training.student import StudentForward
+from opdcache.training import losses as L
+from opdcache.training.data import CacheLoader, CacheLoaderConfig
 from opdcache.training.estimators import ESTIMATORS, FULL_VOCABULARY
+from opdcache.training.student import StudentForward
 from opdcache.training.train import stores_for
 
 

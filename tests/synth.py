@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 from opdcache.format import schema as S
-from opdcache.format.cache import TableJob, finalize_table, run_table_job
-from opdcache.inputs.fingerprint import row_id
+from opdcache.format.cache import finalize_table, run_table_job, TableJob
 from opdcache.format.heads import Head, save_head
 from opdcache.format.shards import hidden_to_numpy
+from opdcache.inputs.fingerprint import row_id
 
 VOCAB, HIDDEN = 50, 16
 TOKENIZER = {"fingerprint": "a" * 64, "name_or_path": "synthetic", "chat_template_sha256": None}

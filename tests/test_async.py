@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from opdcache.asyncopd import AsyncConfig, learner, run_async
-from opdcache.asyncopd import queue as Q
+from opdcache.asyncopd import AsyncConfig, learner, queue as Q, run_async
 from opdcache.backends.base import SamplingConfig
 from opdcache.inputs.prompts import PromptConfig
 

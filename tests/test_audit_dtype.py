@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from opdcache.teacher.audit import UNIT_ROUNDOFF, AuditConfig, audit, render, tolerance_for
 from opdcache.errors import ConfigError
+from opdcache.teacher.audit import audit, AuditConfig, render, tolerance_for, UNIT_ROUNDOFF
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float16"])

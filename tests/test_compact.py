@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from opdcache.stores.compact import Q8_FLOOR, TopkCodec, distortion
 from opdcache.errors import ConfigError
+from opdcache.stores.compact import distortion, Q8_FLOOR, TopkCodec
 
 
 def adversarial_rows(k: int = 8):

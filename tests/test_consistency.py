@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from opdcache.format import manifest as M
 from opdcache.backends.base import SamplingConfig
 from opdcache.cli.main import main
-from opdcache.teacher.consistency import check
+from opdcache.format import manifest as M
 from opdcache.inputs.prompts import PromptConfig
+from opdcache.teacher.consistency import check
 from opdcache.teacher.rollouts import GenerateJob, run_generate
-from opdcache.teacher.scoring import ScoreJob, run_score
-from opdcache.training.sft import SFTConfig, run_sft
+from opdcache.teacher.scoring import run_score, ScoreJob
+from opdcache.training.sft import run_sft, SFTConfig
 
 
 @pytest.fixture(scope="module")

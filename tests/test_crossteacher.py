@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from opdcache.format import schema as S
-from opdcache.format import shards
 from opdcache.errors import ConfigError, InputError
+from opdcache.format import schema as S, shards
 
 STUDENT_STEPS = 2
 TOP_K = 6

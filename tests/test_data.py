@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
+from opdcache.errors import ConfigError
 from opdcache.format import shards
 from opdcache.format.cache import Cache
 from opdcache.training.data import CacheLoader, CacheLoaderConfig
-from opdcache.errors import ConfigError
 
 
 def _ids(batches):

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opdcache.demo import models, task
-from opdcache.demo.build import RECIPES, WEIGHTS, build
+from opdcache.demo.build import build, RECIPES, WEIGHTS
 from opdcache.demo.evaluate import chat_prompt_ids, evaluate_accuracy
 
 VLLM_CPU_HEAD_SIZES = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}

@@ -4,7 +4,7 @@ awkward shapes, and the properties every divergence has."""
 import pytest
 import torch
 
-from opdcache.logits.divergence import KINDS, chunked_divergence, divergence_reference
+from opdcache.logits.divergence import chunked_divergence, divergence_reference, KINDS
 
 
 def _inputs(N, V, H, K, dtype=torch.float64, seed=0, bias=True):

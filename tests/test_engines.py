@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from opdcache.format import shards
 from opdcache.backends.base import GenerateRequest, SamplingConfig, ScoreRequest
-from opdcache.backends.hf import TransformersBackend, sampling_logprobs
-from opdcache.format.cache import Cache
+from opdcache.backends.hf import sampling_logprobs, TransformersBackend
 from opdcache.demo.evaluate import chat_prompt_ids
+from opdcache.format import shards
+from opdcache.format.cache import Cache
 from opdcache.format.validate import validate
 
 

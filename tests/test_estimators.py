@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from opdcache.training import estimators as E
 from opdcache.errors import ConfigError
-from opdcache.training.train import TrainConfig, Trainer, stores_for
+from opdcache.training import estimators as E
+from opdcache.training.train import stores_for, TrainConfig, Trainer
 
 
 def test_a_loss_added_as_one_registry_entry_trains_with_no_other_change(hf_cache, weights, tmp_path, monkeypatch):

@@ -5,9 +5,9 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
+from opdcache.cli.main import main
 from opdcache.format import shards
 from opdcache.format.cache import Cache
-from opdcache.cli.main import main
 
 
 def _cache_rows(cache):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from opdcache.teacher.frontier import Model, Setting, choose, measure
+from opdcache.teacher.frontier import choose, measure, Model, Setting
 
 
 @pytest.fixture(scope="module")

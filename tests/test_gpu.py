@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from opdcache.logits.divergence import KINDS, chunked_divergence, divergence_reference
 from opdcache.exact import arith as X
+from opdcache.logits.divergence import chunked_divergence, divergence_reference, KINDS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

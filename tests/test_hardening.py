@@ -4,11 +4,11 @@ import json
 
 import pytest
 
+from opdcache.backends import EngineConfig
 from opdcache.backends.base import SamplingConfig
 from opdcache.cli.main import main
 from opdcache.errors import ResumeError
 from opdcache.inputs.prompts import PromptConfig
-from opdcache.backends import EngineConfig
 from opdcache.teacher.rollouts import GenerateJob, run_generate
 
 FAST = SamplingConfig(max_new_tokens=12)

@@ -15,9 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from opdcache.format import manifest as M
-from opdcache.format import shards
 from opdcache.cli.main import main
+from opdcache.format import manifest as M, shards
 
 
 def _cli(args, capsys):

@@ -8,9 +8,9 @@ import uuid
 import pytest
 from huggingface_hub import HfApi
 
+from opdcache.cli.main import main
 from opdcache.format import hub
 from opdcache.format.cache import Cache
-from opdcache.cli.main import main
 
 SECRET = "hf_" + "x" * 34
 

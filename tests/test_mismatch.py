@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from opdcache.teacher import mismatch as MM
-from opdcache.backends.base import SamplingConfig
-from opdcache.format.cache import Cache
-from opdcache.cli.main import main
-from opdcache.inputs.prompts import PromptConfig
 from opdcache.backends import EngineConfig
-from opdcache.teacher.rollouts import GenerateJob, run_generate
+from opdcache.backends.base import SamplingConfig
+from opdcache.cli.main import main
+from opdcache.format.cache import Cache
 from opdcache.format.validate import validate
-from opdcache.teacher.scoring import ScoreJob, run_score
+from opdcache.inputs.prompts import PromptConfig
+from opdcache.teacher import mismatch as MM
+from opdcache.teacher.rollouts import GenerateJob, run_generate
+from opdcache.teacher.scoring import run_score, ScoreJob
 
 
 @pytest.fixture(scope="module")

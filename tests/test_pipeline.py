@@ -6,19 +6,18 @@ import shutil
 import numpy as np
 import pytest
 
-from opdcache.format import manifest as M
-from opdcache.format import shards
+from opdcache.backends import EngineConfig
 from opdcache.backends.base import SamplingConfig
 from opdcache.backends.hf import TransformersBackend
-from opdcache.format.cache import Cache
 from opdcache.cli.main import main
 from opdcache.errors import ConsistencyError, InputError, TokenizerMismatchError
+from opdcache.format import manifest as M, shards
+from opdcache.format.cache import Cache
+from opdcache.format.validate import validate
 from opdcache.inputs.fingerprint import sha256_file
 from opdcache.inputs.prompts import PromptConfig
-from opdcache.backends import EngineConfig
 from opdcache.teacher.rollouts import GenerateJob, run_generate
-from opdcache.teacher.scoring import ScoreJob, run_score
-from opdcache.format.validate import validate
+from opdcache.teacher.scoring import run_score, ScoreJob
 
 FAST = SamplingConfig(max_new_tokens=30)
 

@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from opdcache.training import losses as L
-from opdcache.teacher import mismatch as MM
+from opdcache.backends import EngineConfig
 from opdcache.backends.base import SamplingConfig
-from opdcache.format.cache import Cache
 from opdcache.cli.main import main
 from opdcache.errors import ConfigError
+from opdcache.format.cache import Cache
 from opdcache.inputs.prompts import PromptConfig
-from opdcache.backends import EngineConfig
+from opdcache.teacher import mismatch as MM
 from opdcache.teacher.rollouts import GenerateJob, run_generate
-from opdcache.teacher.scoring import ScoreJob, run_score
+from opdcache.teacher.scoring import run_score, ScoreJob
+from opdcache.training import losses as L
 from opdcache.training.train import TrainConfig, Trainer
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from opdcache.backends.quant import apply_scheme, fp8_rows, fp8_tensor, int4_groups, int8_rows, QuantScheme
 from opdcache.errors import ConfigError
-from opdcache.backends.quant import QuantScheme, apply_scheme, fp8_rows, fp8_tensor, int4_groups, int8_rows
 
 
 def f32(x: float) -> float:

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from opdcache.format import manifest as M
+from opdcache.backends import EngineConfig
 from opdcache.backends.base import SamplingConfig
+from opdcache.format import manifest as M
 from opdcache.inputs.fingerprint import sha256_file
 from opdcache.inputs.prompts import PromptConfig
-from opdcache.backends import EngineConfig
 from opdcache.teacher.rollouts import GenerateJob, run_generate
-from opdcache.teacher.scoring import ScoreJob, run_score
+from opdcache.teacher.scoring import run_score, ScoreJob
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # slow: run by .ci/run, not the README's test command
 TESTS = str(Path(__file__).parent)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from opdcache.errors import ConfigError, ResumeError, SchemaError
 from opdcache.format import manifest as M
 from opdcache.format.cache import run_table_job
 from opdcache.format.workers import shards_for_worker, worker_from_env
-from opdcache.errors import ConfigError, ResumeError, SchemaError
 from opdcache.inputs.fingerprint import sha256_file
 from synth import rollout_rows
 from writer_job import job

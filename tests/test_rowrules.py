@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from opdcache.stores import rowrules
 from opdcache.format import schema as S
+from opdcache.stores import rowrules
 
 V = 1000
 

@@ -6,9 +6,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from opdcache.format import manifest as M
-from opdcache.format import schema as S
 from opdcache.errors import ConfigError, SchemaError
+from opdcache.format import manifest as M, schema as S
 
 SCHEMAS = Path(__file__).parent.parent / "schemas"
 

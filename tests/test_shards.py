@@ -5,10 +5,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from opdcache.format import schema as S
-from opdcache.format import shards
-from opdcache.format.cache import Cache
 from opdcache.errors import SchemaError
+from opdcache.format import schema as S, shards
+from opdcache.format.cache import Cache
 from synth import rollout_rows
 
 

@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from opdcache.format import manifest as M
-from opdcache.format import schema as S
-from opdcache.format import shards
 from opdcache.errors import ConfigError
+from opdcache.format import manifest as M, schema as S, shards
 from opdcache.stores import REGISTRY
 
 ROOT = Path(__file__).parent.parent

@@ -10,8 +10,8 @@ import re
 import numpy as np
 import pytest
 
-from opdcache.format import shards
 from opdcache.errors import ConfigError, SchemaError
+from opdcache.format import shards
 
 TEACHERS = ("teacher", "teacher_carry")
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from opdcache.cli.main import main
 from opdcache.errors import ConfigError
 from opdcache.training.estimators import ESTIMATORS
-from opdcache.training.train import TrainConfig, run_train
+from opdcache.training.train import run_train, TrainConfig
 
 
 def _weights(path):

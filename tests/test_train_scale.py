@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from opdcache.training import losses as L
 from opdcache.errors import ConfigError
-from opdcache.training.train import TrainConfig, Trainer, learning_rate, run_train
+from opdcache.training import losses as L
+from opdcache.training.train import learning_rate, run_train, TrainConfig, Trainer
 
 pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), not by the README's test command
 

@@ -6,11 +6,9 @@ import shutil
 import numpy as np
 import pytest
 
-from opdcache.format import manifest as M
-from opdcache.format import schema as S
-from opdcache.format import shards
-from opdcache.format.cache import Cache
 from opdcache.cli.main import main
+from opdcache.format import manifest as M, schema as S, shards
+from opdcache.format.cache import Cache
 from opdcache.format.validate import validate
 from synth import rollout_rows
 

@@ -6,14 +6,14 @@ import json
 import numpy as np
 import pytest
 
-from opdcache.inputs import verifiers as V
 from opdcache.backends.base import Generation, SamplingConfig
 from opdcache.backends.hf import TransformersBackend
-from opdcache.format.cache import Cache
 from opdcache.errors import ConfigError
+from opdcache.format import shards
+from opdcache.format.cache import Cache
+from opdcache.inputs import verifiers as V
 from opdcache.inputs.prompts import PromptConfig
 from opdcache.teacher.rollouts import GenerateJob, run_generate
-from opdcache.format import shards
 
 
 def tricky(response: str, task: dict):

@@ -6,10 +6,10 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from opdcache.training.estimators import ASYNC, ESTIMATORS
 from opdcache.backends.base import SamplingConfig
 from opdcache.errors import ConfigError
 from opdcache.inputs.prompts import PromptConfig
+from opdcache.training.estimators import ASYNC, ESTIMATORS
 from opdcache.training.losses import Corrections
 from opdcache.training.trainconfig import TrainConfig
 

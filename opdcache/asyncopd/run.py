@@ -21,8 +21,8 @@ from opdcache import storage
 from opdcache.asyncopd import queue as Q
 from opdcache.asyncopd.config import AsyncConfig
 from opdcache.asyncopd.stages import STAGES, table_paths
-from opdcache.format.cache import JOB_FILE, TableJob, config_diff, finalize_table, settings_summary
 from opdcache.errors import ConfigError, OpdcacheError, ResumeError
+from opdcache.format.cache import config_diff, finalize_table, JOB_FILE, settings_summary, TableJob
 from opdcache.progress import bar, detail
 
 WARMUP_UPDATES = 5  # papers/001 App. G: throughput discards the first five learner updates

@@ -18,17 +18,16 @@ import json
 import time
 from contextlib import closing
 
-from opdcache.format import schema as S
 from opdcache import storage
-from opdcache.format import shards
 from opdcache.asyncopd import queue as Q
 from opdcache.asyncopd.config import AsyncConfig
+from opdcache.backends import EngineConfig, make_backend
 from opdcache.backends.base import GenerateRequest
-from opdcache.format.cache import JOB_FILE, TableJob
 from opdcache.errors import InputError, SchemaError
+from opdcache.format import schema as S, shards
+from opdcache.format.cache import JOB_FILE, TableJob
 from opdcache.inputs.fingerprint import tokenizer_fingerprint
 from opdcache.inputs.models import load_tokenizer, resolve_model
-from opdcache.backends import EngineConfig, make_backend
 from opdcache.training.schedule import PromptSchedule
 
 STAGES = ("rollout", "teacher", "learner")

@@ -20,10 +20,9 @@ import torch
 from opdcache.backends.base import (GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations,
                                     split_scores)
 from opdcache.backends import draws
-from opdcache.backends.hf import DONE_CHECK_EVERY, UNIFORM_BLOCK_STEPS, load_model
+from opdcache.backends.hf import DONE_CHECK_EVERY, load_model, UNIFORM_BLOCK_STEPS
 from opdcache.errors import ConfigError
-from opdcache.exact import CPU_ARITHMETIC, arith, arithmetic_for_device, invariant, primitives, require
-from opdcache.exact import head as H
+from opdcache.exact import arith, arithmetic_for_device, CPU_ARITHMETIC, head as H, invariant, primitives, require
 from opdcache.exact.decoder import ExactDecoder
 from opdcache.progress import advance, detail
 

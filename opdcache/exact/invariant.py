@@ -35,8 +35,7 @@ import os
 
 import torch
 
-from opdcache.exact import GPU_ARITHMETIC as NAME
-from opdcache.exact import arith as X
+from opdcache.exact import arith as X, GPU_ARITHMETIC as NAME
 MATMUL_BLOCKS = (64, 64, 32)  # (BM, BN, BK): BK fixes the accumulation order; part of the definition
 SUM_BLOCK = 1024  # lanes of a row sum: part of the definition
 SUM_ROWS = 16  # rows per program of a row sum (each reduced alike)

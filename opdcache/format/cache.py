@@ -23,14 +23,12 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from opdcache.format import manifest as M
-from opdcache.format import schema as S
 from opdcache import storage
-from opdcache.format import shards
-from opdcache.untrusted import loads, read_json
 from opdcache.errors import ConfigError, ManifestError, NotACacheError, ResumeError
-from opdcache.inputs.fingerprint import config_fingerprint, sha256_file
+from opdcache.format import manifest as M, schema as S, shards
 from opdcache.format.workers import shards_for_worker
+from opdcache.inputs.fingerprint import config_fingerprint, sha256_file
+from opdcache.untrusted import loads, read_json
 
 if TYPE_CHECKING:
     import pyarrow as pa

@@ -33,11 +33,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from opdcache.format import schema as S
 from opdcache import storage
-from opdcache.format import shards
-from opdcache.format.cache import Cache
 from opdcache.errors import ConfigError, SchemaError
+from opdcache.format import schema as S, shards
+from opdcache.format.cache import Cache
 from opdcache.stores import REGISTRY
 
 FORMATS = ("jsonl", "parquet-flat", "lightning-opd")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from opdcache.format import manifest as M
 from opdcache.errors import OpdcacheError
+from opdcache.format import manifest as M
 
 _LAST = ("README.md", M.MANIFEST_NAME)
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from opdcache.format import schema as S
-from opdcache.format import shards
+from opdcache.format import schema as S, shards
 from opdcache.format.cache import Cache
 from opdcache.stores import REGISTRY
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import jsonschema
 
 from opdcache import __version__
-from opdcache.format import schema as S
 from opdcache.errors import ManifestError, NotACacheError
+from opdcache.format import schema as S
 from opdcache.inputs.fingerprint import canonical_json
 from opdcache.storage import write_text_atomic
 from opdcache.untrusted import quote

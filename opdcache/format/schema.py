@@ -24,9 +24,7 @@ import pyarrow as pa
 
 from opdcache import stores as store_registry
 from opdcache.errors import ConfigError, SchemaError
-from opdcache.stores import REGISTRY as TEACHER_REGISTRY
-from opdcache.stores import hidden as hidden_store
-from opdcache.stores import topk as topk_store
+from opdcache.stores import hidden as hidden_store, REGISTRY as TEACHER_REGISTRY, topk as topk_store
 from opdcache.stores.base import FIELD_DTYPE, PAD_ID, PROB14_STEP, Column  # noqa: F401 (the format's names, declared with the stores)
 
 FORMAT_NAME = "opdcache"

@@ -12,8 +12,8 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from opdcache.format import schema as S
 from opdcache.errors import SchemaError
+from opdcache.format import schema as S
 
 MAX_ROW_TOKENS = 1 << 20  # list entries per row and column a reader accepts when it knows no model context (1M tokens)
 MAX_STRING_BYTES = 16 << 20  # bytes of one string value (a task field): far above any task, far below a memory bomb

@@ -27,9 +27,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from opdcache.format import schema as S
 from opdcache import storage
 from opdcache.errors import SchemaError
+from opdcache.format import schema as S
 from opdcache.stores.base import hidden_to_numpy  # noqa: F401 (the writers' bit view of hidden states, declared with the stores)
 from opdcache.format.shardcheck import MAX_ROW_TOKENS, check_footer, check_nulls, check_rows, check_types  # noqa: F401 (the reading layer's checks)
 

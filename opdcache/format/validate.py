@@ -45,17 +45,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from opdcache.format import manifest as M
 from opdcache import storage
-from opdcache.format import shardcheck, shards
-from opdcache.stores import rowrules
-from opdcache.stores.compact import decode_logprobs
+from opdcache.errors import ManifestError, SchemaError
+from opdcache.format import manifest as M, schema as S, shardcheck, shards
 from opdcache.format.fidelity import check_record
 from opdcache.format.sidefiles import side_file_problem
-from opdcache.format import schema as S
-from opdcache.errors import ManifestError, SchemaError
 from opdcache.inputs.fingerprint import config_fingerprint, sha256_file
-from opdcache.stores import REGISTRY
+from opdcache.stores import REGISTRY, rowrules
+from opdcache.stores.compact import decode_logprobs
 
 MAX_ROWS_LISTED = 5  # per (file, column, check); the rest are counted
 LOGPROB_TOL = 1e-4  # agreement between two stores of the same float32 log-prob

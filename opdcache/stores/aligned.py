@@ -25,7 +25,7 @@ import json
 
 import numpy as np
 
-from opdcache.stores.base import PAD_ID, Column, Store
+from opdcache.stores.base import Column, PAD_ID, Store
 
 META = b"opdcache.alignment"
 """The shard footer key of a shard's alignment counts (merged into the manifest table entry ``aligned``)."""

@@ -5,7 +5,7 @@ trainer recomputes the teacher's full distribution."""
 from __future__ import annotations
 
 from opdcache.errors import ConfigError
-from opdcache.stores.base import Column, Store, hidden_to_numpy
+from opdcache.stores.base import Column, hidden_to_numpy, Store
 
 DTYPES = ("float32", "bfloat16", "float16")
 

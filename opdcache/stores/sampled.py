@@ -18,7 +18,7 @@ import hashlib
 import numpy as np
 
 from opdcache.errors import ConfigError
-from opdcache.stores.base import PAD_ID, Column, Store
+from opdcache.stores.base import Column, PAD_ID, Store
 from opdcache.stores.rowrules import sampled_rules
 
 MAX_DRAWS = 255

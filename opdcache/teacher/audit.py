@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from opdcache.format import shards
 from opdcache.backends import engine_for_table
-from opdcache.format.cache import Cache
 from opdcache.errors import ConfigError
+from opdcache.format import shards
+from opdcache.format.cache import Cache
 from opdcache.inputs.lineage import recorded_model
 
 DEFINITIONS = {

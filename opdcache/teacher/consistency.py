@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from opdcache.format.cache import Cache
 from opdcache.errors import ConfigError, SchemaError
+from opdcache.format.cache import Cache
 
 BOOTSTRAP = 1000
 MAX_GAP_VS_UNIFORM = 0.25

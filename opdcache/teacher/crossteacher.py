@@ -18,13 +18,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from opdcache.format import shards
-from opdcache.teacher.alignment import RowAlignment, TokenText, Unaligned, align_response, check_round_trip
 from opdcache.backends.base import ScoreRequest
 from opdcache.errors import InputError
+from opdcache.format import shards
 from opdcache.inputs.prompts import PromptConfig, read_prompts
-from opdcache.stores.aligned import META, SKIP_EXAMPLES, footer
+from opdcache.stores.aligned import footer, META, SKIP_EXAMPLES
 from opdcache.stores.base import PAD_ID
+from opdcache.teacher.alignment import align_response, check_round_trip, RowAlignment, TokenText, Unaligned
 
 PROBE_ROWS = 64
 """Rollout rows whose text the teacher's tokenizer must give back before its weights load ..."""

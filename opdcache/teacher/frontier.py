@@ -34,8 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opdcache.format import schema as S
-from opdcache.format import shards
+from opdcache.format import schema as S, shards
 
 BLOCK_POSITIONS = 128  # positions per full-vocabulary block (151,936 columns: 156 MiB of float64 log-probs)
 

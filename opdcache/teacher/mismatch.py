@@ -27,12 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
+from opdcache.backends.quant import recorded_spec
+from opdcache.errors import ConfigError
 from opdcache.format import shards
 from opdcache.format.cache import Cache
-from opdcache.errors import ConfigError
-from opdcache.inputs.errortokens import RULE, error_token_mask, is_error_sequence
+from opdcache.inputs.errortokens import error_token_mask, is_error_sequence, RULE
 from opdcache.progress import bar
-from opdcache.backends.quant import recorded_spec
 
 QUANTILES = (0.5, 0.9, 0.99, 0.999)
 DEFINITIONS = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from opdcache.teacher.frontier import Model, Setting, choose, default_settings, measure
+from opdcache.teacher.frontier import choose, default_settings, measure, Model, Setting
 
 DEFAULT_MAX_ERROR = 1e-2  # nats: the error budget plan recommends within when given neither --max-error nor --max-bytes
 

@@ -27,19 +27,18 @@ from typing import Sequence
 
 import numpy as np
 
-from opdcache.format import schema as S
 from opdcache import storage, threads
-from opdcache.format import shards
-from opdcache.inputs import verifiers
 from opdcache.backends import EngineConfig, make_backend
 from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig
-from opdcache.format.cache import TableJob, run_table_job
-from opdcache.format.workers import worker_from_env
 from opdcache.errors import ConfigError
+from opdcache.format import schema as S, shards
+from opdcache.format.cache import run_table_job, TableJob
+from opdcache.format.workers import worker_from_env
+from opdcache.inputs import verifiers
 from opdcache.inputs.fingerprint import row_id, tokenizer_fingerprint
 from opdcache.inputs.lineage import check_vocab_sizes, model_info, resolve_sft_teacher, undecodable_reason
 from opdcache.inputs.models import load_tokenizer, resolve_model
-from opdcache.inputs.prompts import PromptConfig, PromptSet, check_local_prompts, read_prompts, write_errors
+from opdcache.inputs.prompts import check_local_prompts, PromptConfig, PromptSet, read_prompts, write_errors
 
 QUARANTINE_FILE = "quarantine.jsonl"
 VERIFIER_ERRORS_FILE = "verifier_errors.jsonl"  # rows whose verifier failed (reward left empty), with the reason

@@ -16,18 +16,16 @@ from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from opdcache.format import schema as S
-from opdcache import threads
-from opdcache.format import shards
-from opdcache import stores as store_registry
+from opdcache import stores as store_registry, threads
+from opdcache.backends import EngineConfig, make_backend
 from opdcache.backends.base import ScoreRequest
-from opdcache.format.cache import Cache, TableJob, run_table_job
-from opdcache.format.workers import worker_from_env
 from opdcache.errors import ConfigError, ConsistencyError, SchemaError
+from opdcache.format import schema as S, shards
+from opdcache.format.cache import Cache, run_table_job, TableJob
+from opdcache.format.workers import worker_from_env
 from opdcache.inputs.lineage import check_same_tokenizer, model_info
 from opdcache.inputs.models import load_tokenizer, resolve_model
 from opdcache.inputs.prompts import PromptConfig
-from opdcache.backends import EngineConfig, make_backend
 
 CALIBRATION_PER_RANK = 32  # the svd projection is fitted on at least 32 x rank positions when the table has them: on
 # SmolLM2 at rank 512 the held-out KL falls from 6.7e-3 (2,048 positions) to 4.8e-3 (8,192) and then stays (BENCHMARKS.md)

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import re
 
-from opdcache.format import schema as S
-from opdcache.format import shards
-from opdcache.format.cache import Cache, TableJob, run_table_job
 from opdcache.errors import ConfigError
+from opdcache.format import schema as S, shards
+from opdcache.format.cache import Cache, run_table_job, TableJob
 
 
 def run_upgrade(cache_root, teacher: str | None, topk_precision: str | None, topk_mass: float | None, name: str | None = None,

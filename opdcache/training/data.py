@@ -30,11 +30,10 @@ from opdcache import storage
 
 from opdcache.format import shards
 
-from opdcache.stores import rowrules
-from opdcache.format.cache import Cache
 from opdcache.errors import ConfigError
+from opdcache.format.cache import Cache
+from opdcache.stores import REGISTRY, rowrules
 from opdcache.training.packing import BIT_COLUMNS, collate_packed
-from opdcache.stores import REGISTRY
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from opdcache.training import losses as L
 from opdcache.errors import SchemaError
-from opdcache.training.estimators import ESTIMATORS, group_ends
-from opdcache.inputs.errortokens import error_token_mask
 from opdcache.format.schema import PAD_ID
 from opdcache.format.shards import PADDED
+from opdcache.inputs.errortokens import error_token_mask
+from opdcache.training import losses as L
+from opdcache.training.estimators import ESTIMATORS, group_ends
 
 PADDED_TEACHER = {"teacher_" + lp: "teacher_" + ids for lp, ids in PADDED.items()}
 

@@ -11,13 +11,13 @@ import time
 
 import numpy as np
 
-from opdcache.format import shards
 from opdcache.backends.base import GenerateRequest, SamplingConfig, ScoreRequest
 from opdcache.backends.hf import TransformersBackend
+from opdcache.format import shards
 from opdcache.format.cache import Cache
+from opdcache.inputs.models import resolve_model
 from opdcache.training.data import collate
 from opdcache.training.estimators import FULL_VOCABULARY
-from opdcache.inputs.models import resolve_model
 from opdcache.training.schedule import PromptSchedule
 
 

@@ -44,15 +44,13 @@ import math
 import time
 import torch
 
-from opdcache.training import checkpoint
-from opdcache.training.allocator import map_large_buffers
-from opdcache.training import losses as L
-from opdcache.training import objective as O
-from opdcache.training.estimators import ESTIMATORS, group_ends
+from opdcache.backends.quant import apply_scheme
 from opdcache.errors import ConfigError, OpdcacheError
 from opdcache.inputs.models import load_causal_lm, load_tokenizer, resolve_model
 from opdcache.progress import bar
-from opdcache.backends.quant import apply_scheme
+from opdcache.training import checkpoint, losses as L, objective as O
+from opdcache.training.allocator import map_large_buffers
+from opdcache.training.estimators import ESTIMATORS, group_ends
 from opdcache.training.sources import check_teacher_table, open_source
 from opdcache.training.student import (StudentForward, autocast_dtype, enable_activation_checkpointing, enable_packed_attention, full_tensor,
                                        init_distributed, shard_fsdp)

@@ -8,10 +8,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opdcache.training import losses as L
-from opdcache.training.estimators import ESTIMATORS, ONLINE
 from opdcache.errors import ConfigError
 from opdcache.logits.logprobs import check_chunk
+from opdcache.training import losses as L
+from opdcache.training.estimators import ESTIMATORS, ONLINE
 from opdcache.training.student import DTYPES
 
 LR_SCHEDULES = ("constant", "cosine")
