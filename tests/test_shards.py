@@ -82,12 +82,12 @@ def test_length_and_shape_errors_name_row_and_column():
         shards.build_table("rollouts", params, bad)
 
 
-def test_datasets_reads_every_shard_and_column(synth_cache):
+def test_datasets_reads_every_shard_and_column(synth_cache, tmp_path):
     import datasets
 
     cache = Cache(synth_cache)
     for config, table in (("rollouts", "rollouts"), ("teacher-synth", "teachers/synth")):
-        ds = datasets.load_dataset(str(synth_cache), config, split="train")
+        ds = datasets.load_dataset(str(synth_cache), config, split="train", cache_dir=str(tmp_path / "hf"))
         direct = pq.read_table(cache.shard_paths(table))
         assert ds.num_rows == direct.num_rows
         assert set(ds.column_names) == set(direct.column_names)
@@ -111,7 +111,7 @@ def test_duckdb_queries_a_shard_with_plain_sql(synth_cache):
     assert worst[1] == min(min(r) for r in table["ref_logprobs"].to_pylist())
 
 
-def test_the_cards_hidden_state_recipe_decodes_what_datasets_returns_bit_exact(synth_cache):
+def test_the_cards_hidden_state_recipe_decodes_what_datasets_returns_bit_exact(synth_cache, tmp_path):
     """The card says per table how to decode 16-bit hidden states; its code, run on a `datasets` row, gives exactly the
     loader's tensor (bit for bit)."""
     import re
@@ -124,7 +124,7 @@ def test_the_cards_hidden_state_recipe_decodes_what_datasets_returns_bit_exact(s
     card = (synth_cache / "README.md").read_text()
     assert "### Decoding `hidden` in `teacher-synth` (bfloat16)" in card
     code = re.search(r"### Decoding `hidden` in `teacher-synth`.*?```python\n(.*?)```", card, re.S).group(1)
-    row = datasets.load_dataset(str(synth_cache), "teacher-synth", split="train")[0]
+    row = datasets.load_dataset(str(synth_cache), "teacher-synth", split="train", cache_dir=str(tmp_path / "hf"))[0]
     scope = {"row": row}
     exec(code, scope)
     path = Cache(synth_cache).shard_paths("teachers/synth")[0]

