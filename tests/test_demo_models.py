@@ -91,3 +91,25 @@ def test_build_script_produces_a_loadable_model(tmp_path):
     report = build("student", tmp_path, steps=5, progress=False)
     assert report["steps"] == 5 and 0.0 <= report["heldout_accuracy"] <= 1.0
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "student") is not None
+
+
+def test_a_second_conversion_of_the_real_model_keeps_the_first_and_removes_its_own(tmp_path):
+    """Two processes converting SmolLM2 at once (two test workers, two jobs): the first rename wins, the second's
+    temporary folder goes; a rename that fails for another reason is raised."""
+    from opdcache.demo.real import publish
+
+    out = tmp_path / "smollm2-135m-instruct"
+    for pid, text in ((1, "first"), (2, "second")):
+        tmp = tmp_path / f"smollm2-135m-instruct.tmp-{pid}"
+        tmp.mkdir()
+        (tmp / "model.safetensors").write_text(text)
+        assert publish(tmp, out) == out and not tmp.exists()
+    assert (out / "model.safetensors").read_text() == "first"
+    (out / "model.safetensors").unlink()  # a folder in the way that is not a finished conversion
+    (out / "other").write_text("x")
+    tmp = tmp_path / "smollm2-135m-instruct.tmp-3"
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_text("third")
+    with pytest.raises(OSError):
+        publish(tmp, out)
+    assert tmp.exists()

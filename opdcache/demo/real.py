@@ -51,9 +51,15 @@ def smollm2(root: str | os.PathLike | None = None) -> Path:
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    return publish(tmp, out)
+
+
+def publish(tmp: Path, out: Path) -> Path:
+    """Rename the finished conversion ``tmp`` to ``out``; if another process converted it first (two test workers, two
+    jobs at once), keep theirs and remove ``tmp``."""
     try:
         tmp.rename(out)
-    except OSError:  # another process converted it first (two test workers, two jobs): keep theirs
+    except OSError:
         if not (out / "model.safetensors").is_file():
             raise
         shutil.rmtree(tmp)
