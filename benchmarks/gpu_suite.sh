@@ -44,7 +44,8 @@ set +e
 [ -n "$first" ] && bench --sections "$first" --out "$OUT/gpu" "$@" 2>&1 | tee -a "$OUT/bench_gpu.log"
 bench --sections cli "$@" > "$OUT/cli.log" 2>&1 &
 cli=$!
-timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests/test_gpu.py" 2>&1 | tee "$OUT/tests.log"
+# -o addopts="": in this process, not pytest-xdist workers (the GPU machine has no xdist; one GPU, one process)
+timeout 300 python3 -m pytest -q -o addopts="" -m gpu -p no:cacheprovider "$REPO/tests/test_gpu.py" 2>&1 | tee "$OUT/tests.log"
 tests=${PIPESTATUS[0]}
 wait $cli
 clirc=$?
