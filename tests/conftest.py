@@ -55,10 +55,15 @@ def user_threads(monkeypatch):
 def _isolated_hash_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("OPDCACHE_HASH_CACHE", str(tmp_path_factory.getbasetemp() / "hashes"))
     monkeypatch.setenv("OPDCACHE_PROGRESS", "0")
+
+
+@pytest.fixture(autouse=True)
+def _threads_as_found():
+    """A test that sets torch's threads leaves them as it found them (a worker's one thread stays one)."""
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else None
     yield
-    if threads is not None and torch.get_num_threads() != threads:  # a test that set torch's threads leaves them as found
+    if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
 
 
