@@ -45,10 +45,11 @@ def machine_threads(env: dict) -> dict:
 @pytest.fixture
 def user_threads(monkeypatch):
     """The processes this test starts use the machine's threads, as a user's would, not a pytest-xdist worker's one."""
-    if THREADS_GIVEN is None:
+    threads = machine_threads(os.environ).get("OMP_NUM_THREADS")
+    if threads is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
-        monkeypatch.setenv("OMP_NUM_THREADS", THREADS_GIVEN)
+        monkeypatch.setenv("OMP_NUM_THREADS", threads)
 
 
 @pytest.fixture(autouse=True)
