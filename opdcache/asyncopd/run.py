@@ -124,7 +124,7 @@ def _run_local(cfg: AsyncConfig, watch: _Watch) -> None:
             handles.append(log)
             procs[name] = subprocess.Popen([sys.executable, "-m", "opdcache.asyncopd.worker", name, str(cfg.out), str(os.getpid())],
                                            stdout=log, stderr=subprocess.STDOUT, env=env)
-            (logs / f"{name}.pid").write_text(f"{procs[name].pid}\n")
+            storage.write_text_atomic(logs / f"{name}.pid", f"{procs[name].pid}\n")  # whole or absent to a reader
         while True:
             codes = {name: p.poll() for name, p in procs.items()}
             failed = [n for n, c in codes.items() if c not in (None, 0)]
