@@ -149,10 +149,17 @@ def split_generations(stacked: dict, n_tokens, done, s: SamplingConfig) -> list[
 
 
 class Backend(Protocol):
+    """An engine. Its facts (``version``, ``vocab_size``, ``max_length``, ``hidden_size``, :meth:`model_info`) are known
+    when it is built; its weights may load only on first use or :meth:`load`, so a job that finds its work done by
+    those facts never loads them."""
+
     name: str
     version: str
     vocab_size: int
     max_length: int
+    hidden_size: int
+
+    def load(self) -> None: ...
 
     def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingConfig) -> list[Generation]: ...
 

@@ -144,14 +144,17 @@ class ExactBackend:
         self.dtype = str(self.decoder.dtype).replace("torch.", "")
         head = self.model.get_output_embeddings()
         self.W, self.b = head.weight, getattr(head, "bias", None)
-        self.vocab_size = int(self.W.shape[0])
-        self.max_length = int(getattr(self.model.config, "max_position_embeddings", 1 << 20))
+        self.vocab_size, self.hidden_size = int(self.W.shape[0]), int(self.W.shape[1])
+        self.max_length = int(getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or 1 << 20)
         self.generate_batch_size, self.max_batch_tokens = generate_batch_size, max_batch_tokens
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = sorted(set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
 
     def close(self) -> None:
         """Nothing to release."""
+
+    def load(self) -> None:
+        """Nothing to do: the exact engine loads its weights when it starts (its arithmetic is checked on them)."""
 
     def model_info(self) -> dict:
         record = arithmetic_record(self.dtype, self.arithmetic, self.device)

@@ -70,6 +70,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
 
 
+def check_load(path: str | Path, dtype: str, device: str, quantize: str | None) -> torch.device:
+    """The device :func:`load_model` would load ``path`` onto, each setting refused in one line before any weights load."""
+    from opdcache.backends.quant import QuantScheme
+
+    dev = resolve_device(device)
+    resolve_dtype(dtype, dev)
+    scheme = None if quantize is None else QuantScheme.parse(quantize)
+    if scheme is not None and not scheme.emulated and dev.type != "cpu":
+        raise ConfigError("--quantize int8 on the transformers backend is CPU-only (torch dynamic quantisation); use an emulated scheme "
+                          "(w8a8) or --backend vllm on GPUs")
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"{path} is not a local Hugging Face model directory (no config.json); opdcache never downloads models")
+    return dev
+
+
 def load_model(path: str | Path, dtype: str = "auto", device: str = "auto", quantize: str | None = None):
     """Load a local HF causal LM for inference. ``quantize``: a scheme of opdcache/backends/quant.py -- ``int8`` applies
     torch's dynamic int8 linear layers (CPU); w4a16, w8a8 and fp8 are emulated (quantize, dequantize, compute)."""
@@ -78,14 +93,9 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "auto", quan
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    dev = resolve_device(device)
+    dev = check_load(path, dtype, device, quantize)
     torch_dtype = resolve_dtype(dtype, dev)
     scheme = None if quantize is None else QuantScheme.parse(quantize)
-    if scheme is not None and not scheme.emulated and dev.type != "cpu":
-        raise ConfigError("--quantize int8 on the transformers backend is CPU-only (torch dynamic quantisation); use an emulated scheme "
-                          "(w8a8) or --backend vllm on GPUs")
-    if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"{path} is not a local Hugging Face model directory (no config.json); opdcache never downloads models")
     model = load_causal_lm(path, torch_dtype).to(dev).eval()
     if scheme is not None and scheme.emulated:
         apply_scheme(model, scheme, "inference")
@@ -202,24 +212,39 @@ class TransformersBackend:
 
     def __init__(self, model_path: str | Path, dtype: str = "auto", device: str = "auto", quantize: str | None = None,
                  deterministic: bool = False, max_batch_tokens: int | None = None, generate_batch_size: int = 64):
-        from opdcache.backends.quant import parse_quantize
-
-        spec = None if quantize is None else parse_quantize(quantize).spec()  # the canonical spec is what the manifest records
-        self._attach(load_model(model_path, dtype, device, spec), deterministic, max_batch_tokens, generate_batch_size,
-                     Path(model_path), spec)
-
-    def _attach(self, model, deterministic: bool, max_batch_tokens: int | None, generate_batch_size: int, path: Path | None = None,
-                quantize: str | None = None) -> None:
+        """Checks the settings and reads the model's configuration; the weights load on first use (:meth:`load`), so a
+        job that finds its work done never loads them. What the engine reports before then (dtype, vocabulary, context,
+        hidden size, device) is what the loaded model is checked to have."""
         import transformers
 
-        self.model, self.path, self.quantize = model, path, quantize
+        from opdcache.backends.quant import QuantScheme, parse_quantize
+        from opdcache.inputs.models import model_facts
+
+        spec = None if quantize is None else parse_quantize(quantize).spec()  # the canonical spec is what the manifest records
+        dev = check_load(model_path, dtype, device, spec)
+        facts = model_facts(model_path)
+        self._model, self._load_args = None, (model_path, dtype, device, spec)
+        self.path, self.quantize = Path(model_path), spec
+        self.version = transformers.__version__
+        self.device = dev if dev.type != "cuda" or dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+        int8 = spec is not None and not QuantScheme.parse(spec).emulated  # torch's int8 layers run around a float32 head
+        self.dtype = "float32" if int8 else str(resolve_dtype(dtype, dev)).replace("torch.", "")
+        self.max_batch_tokens = max_batch_tokens or SCORE_BATCH_TOKENS.get(self.device.type, 1024)
+        self.deterministic, self.generate_batch_size = deterministic, generate_batch_size
+        self.vocab_size, self.max_length, self.hidden_size = facts.vocab_size, facts.max_length, facts.hidden_size
+
+    def _attach(self, model, deterministic: bool, max_batch_tokens: int | None, generate_batch_size: int) -> None:
+        import transformers
+
+        self._model = model
         self.version = transformers.__version__
         self.device = next(model.parameters()).device
         self.dtype = str(next(model.get_output_embeddings().parameters()).dtype).replace("torch.", "")
         self.max_batch_tokens = max_batch_tokens or SCORE_BATCH_TOKENS.get(self.device.type, 1024)
         self.deterministic, self.generate_batch_size = deterministic, generate_batch_size
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.max_length = int(getattr(model.config, "max_position_embeddings", 1 << 20))
+        head = model.get_output_embeddings().weight
+        self.vocab_size, self.hidden_size = int(head.shape[0]), int(head.shape[1])
+        self.max_length = int(getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 20)
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
 
@@ -227,8 +252,30 @@ class TransformersBackend:
     def from_model(cls, model, deterministic: bool = False) -> "TransformersBackend":
         """Wrap a model already in memory (the online baseline samples from the student being trained)."""
         self = cls.__new__(cls)
+        self.path, self.quantize = None, None
         self._attach(model, deterministic, None, 64)
         return self
+
+    def load(self) -> None:
+        """Bring the weights into memory now (before a job writes anything, so a model that cannot load leaves nothing
+        behind); refused in one line if the loaded model is not what its configuration said."""
+        if self._model is not None:
+            return
+        said = {"dtype": self.dtype, "vocabulary rows": self.vocab_size, "context": self.max_length,
+                "hidden size": self.hidden_size, "device": self.device}
+        self._attach(load_model(*self._load_args), self.deterministic, self.max_batch_tokens, self.generate_batch_size)
+        found = {"dtype": self.dtype, "vocabulary rows": self.vocab_size, "context": self.max_length,
+                 "hidden size": self.hidden_size, "device": self.device}
+        differ = [f"{k} {said[k]} by its configuration, {found[k]} loaded" for k in said if said[k] != found[k]]
+        if differ:
+            raise ConfigError(f"{self.path}: the model is not what its config.json says ({'; '.join(differ)}); "
+                              "fix the folder's config.json")
+
+    @property
+    def model(self):
+        """The model, loaded on first use."""
+        self.load()
+        return self._model
 
     def close(self) -> None:
         """Nothing to release (the model is freed with the object); here so every engine can be closed alike."""
@@ -245,7 +292,8 @@ class TransformersBackend:
         for start in range(0, len(order), self.generate_batch_size):
             idx = order[start: start + self.generate_batch_size]
             where = f"decoding {len(idx)} sequences"
-            for i, gen in zip(idx, decode_batch(self.model, [requests[i] for i in idx], sampling, self.eos_ids, where)):
+            model = self.model  # loads the weights on first use (and with them the stop tokens)
+            for i, gen in zip(idx, decode_batch(model, [requests[i] for i in idx], sampling, self.eos_ids, where)):
                 out[i] = gen
             advance(len(idx))
         return out  # type: ignore[return-value]
@@ -260,7 +308,8 @@ class TransformersBackend:
         for start in range(0, len(order), self.generate_batch_size):
             idx = order[start: start + self.generate_batch_size]
             steps = max(1, max(len(responses[i]) for i in idx))
-            gens = decode_batch(self.model, [requests[i] for i in idx], SamplingConfig(temperature=1.0, max_new_tokens=steps),
+            model = self.model  # loads the weights on first use (and with them the stop tokens)
+            gens = decode_batch(model, [requests[i] for i in idx], SamplingConfig(temperature=1.0, max_new_tokens=steps),
                                 self.eos_ids, f"replaying {len(idx)} sequences", forced=[responses[i] for i in idx])
             for i, gen in zip(idx, gens):
                 out[i] = gen

@@ -91,7 +91,7 @@ class VLLMBackend:
         self.version = vllm.__version__
         self.path = str(model_path)
         cfg = json.loads((Path(model_path) / "config.json").read_text())
-        self.vocab_size = int(cfg["vocab_size"])
+        self.vocab_size, self.hidden_size = int(cfg["vocab_size"]), int(cfg.get("hidden_size") or 0)
         self.max_length = int(max_model_len or cfg.get("max_position_embeddings", 4096))
         import torch
 
@@ -115,6 +115,9 @@ class VLLMBackend:
     def model_info(self) -> dict:
         return {"engine": self.name, "engine_version": self.version, "dtype": self.dtype, "quantization": self.recorded_quantization,
                 "logprobs_mode": "processed_logprobs (generation), raw_logprobs + raw_logits (scoring)"}
+
+    def load(self) -> None:
+        """Nothing to do: each of vLLM's engines (generation, scoring) starts when first used."""
 
     def close(self) -> None:
         """Shut the engine processes down now (not at interpreter exit), releasing their memory."""

@@ -273,10 +273,13 @@ def _open(path) -> tuple[pq.ParquetFile, int]:
 
 
 def check_shard_footer(path, rows: int | None = None, where: str | None = None, tokens: int | None = None,
-                       max_row_tokens: int | None = None) -> None:
-    """:func:`check_footer` of a shard, reading its footer only."""
+                       max_row_tokens: int | None = None, columns: list[str] | None = None) -> None:
+    """:func:`check_footer` of a shard, reading its footer only; with ``columns``, also their Arrow types
+    (:func:`check_types`), which the footer's schema states."""
     pf, nbytes = _open(path)
     check_footer(pf, nbytes, None, where or str(path), rows, max_row_tokens, tokens)
+    if columns is not None:
+        check_types(pf.schema_arrow, columns, where or str(path))
 
 
 def check_pages(path, pf: pq.ParquetFile, nbytes: int, columns: list[str] | None, where: str) -> None:

@@ -149,3 +149,36 @@ def load_causal_lm(path, dtype):
     from transformers import AutoModelForCausalLM
 
     return _untrusted_load("model", path, lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False))
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a command checks its inputs against before a model's weights load: read from its config.json."""
+
+    vocab_size: int
+    """The output head's rows (transformers builds the head from the text config's ``vocab_size``)."""
+    max_length: int
+    """The longest sequence the model takes (``max_position_embeddings``; 2**20 when the config states none)."""
+    hidden_size: int
+    """The width of the vectors the head reads (``hidden_size``)."""
+
+
+def model_facts(path) -> ModelFacts:
+    """The :class:`ModelFacts` of a local model folder, from its configuration alone (no weights, no code run): a cache
+    or a prompt file is checked against them in seconds whatever the model's size. :func:`check_facts` confirms them
+    once the weights are in memory."""
+    from transformers import AutoConfig
+
+    config = _untrusted_load("model configuration", path, lambda: AutoConfig.from_pretrained(path, trust_remote_code=False))
+    text = config.get_text_config()
+    return ModelFacts(vocab_size=int(text.vocab_size), max_length=int(getattr(text, "max_position_embeddings", None) or 1 << 20),
+                      hidden_size=int(text.hidden_size))
+
+
+def check_facts(model, facts: ModelFacts, path) -> None:
+    """Refuse, in one line, a loaded model whose head is not what its config.json said (the inputs were checked
+    against the config)."""
+    rows = int(model.get_output_embeddings().weight.shape[0])
+    if rows != facts.vocab_size:
+        raise ConfigError(f"{path}: the model's output head has {rows} rows but its config.json says vocab_size "
+                          f"{facts.vocab_size}; fix the folder's config.json (the inputs were checked against it)")

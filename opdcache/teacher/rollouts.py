@@ -216,6 +216,8 @@ def run_generate(job: GenerateJob) -> GenerateResult:
     samples_per_shard = [int(bounds[i + 1] - bounds[i]) * job.sampling.samples for i in range(num_shards)]
     groups = generation_groups(samples_per_shard, job.engine.generate_batch_size)
     table = TableJob(job.out, job.kind, job.kind, params, config, num_shards, meta=meta, groups=groups)
+    if table.pending(num_workers, worker_index):  # work to do: the weights load now, before the job writes anything
+        backend.load()
     table.begin()  # refuses changed inputs or settings before anything of the existing cache is touched
     write_errors(out / f"{job.kind}_errors.jsonl", prompts)
     group_of = {i: group for group in groups for i in group}

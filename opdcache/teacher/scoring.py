@@ -290,7 +290,7 @@ def run_score(job: ScoreJob) -> dict:
     hidden_dtype = backend.dtype if want_hidden else None
     H = None
     if want_hidden:
-        H = int(backend.model.get_output_embeddings().weight.shape[1])
+        H = backend.hidden_size  # the head's width (checked against the loaded head when the weights load)
         if "svd" in job.stores:
             _check_svd_rank(job.svd_rank, H, "its output head")
     params = S.StoreParams(
@@ -310,6 +310,8 @@ def run_score(job: ScoreJob) -> dict:
         config["teacher_tokenizer"] = plan.fingerprint
     table = TableJob(cache.root, f"teachers/{slug}", "teacher", params, config, len(base_entry["shards"]),
                      parent_fingerprint=base_entry["config_fingerprint"], meta={"model": info, "consistency": verdict, "compute": threads.record()})
+    if table.pending(num_workers, worker_index):  # work to do: the weights load now, before the job writes anything
+        backend.load()
     table.begin()
     if "hidden" in job.stores and not (table.dir / "head.safetensors").is_file():
         from opdcache.format.heads import head_of, save_head

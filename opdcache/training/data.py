@@ -347,8 +347,6 @@ class CacheDataset(torch.utils.data.IterableDataset):
         self.kept_bytes = 0
         self.rows_per_shard = [s["rows"] for s in cache.table(base)["shards"]]
         self.tokens_per_shard = [s["tokens"] for s in cache.table(base)["shards"]]
-        for path, rows, tokens in zip(self.rollout_paths, self.rows_per_shard, self.tokens_per_shard):  # before anything is sized by the manifest
-            shards.check_shard_footer(path, rows, tokens=tokens, max_row_tokens=config.max_length)
         rparams = cache.params(base)
         self.vocab = config.vocab_size or cache.table(base)["config"].get("vocab_size")
         self.teacher_params = None
@@ -362,6 +360,10 @@ class CacheDataset(torch.utils.data.IterableDataset):
                 raise ConfigError("the cache has no Monte-Carlo samples (build-rollouts --mc-samples)")
             cols += ["mc_ids", "mc_sampling_logprobs"]
         self.rollout_cols = cols
+        # each shard's footer, before anything is sized by the manifest: its rows and tokens, and the types of the
+        # columns this loader reads (a wrong type is refused here, before a model loads or a batch is read)
+        for path, rows, tokens in zip(self.rollout_paths, self.rows_per_shard, self.tokens_per_shard):
+            shards.check_shard_footer(path, rows, tokens=tokens, max_row_tokens=config.max_length, columns=cols)
         self.teacher_paths, self.teacher_cols = None, []
         self.more = []  # further teachers: (prefix, shard paths, columns, params) each
         for i, name in enumerate(config.teachers):

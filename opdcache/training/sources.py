@@ -54,18 +54,22 @@ def check_rollout_model(cfg, cache, model_path) -> None:
                           "--allow-other-model to train this one on them anyway")
 
 
-def open_source(cfg, model, model_path, device):
-    """(the batch source of ``cfg``, the teacher head for the full-vocabulary losses or None): live rollouts with
-    ``cfg.online``, else the cache's loader (after checking the cache's rollouts were sampled by ``model_path``)."""
-    if cfg.online:
-        from opdcache.training.online import OnlineSource
+def open_online(cfg, model, device):
+    """(live rollouts of ``model``, the teacher head for the full-vocabulary losses or None), for ``cfg.online``."""
+    from opdcache.training.online import OnlineSource
 
-        source = OnlineSource(cfg, model, device)
-        if source.want_hidden:
-            from opdcache.format.heads import head_of
+    source = OnlineSource(cfg, model, device)
+    if source.want_hidden:
+        from opdcache.format.heads import head_of
 
-            return source, head_of(source.teacher.model)
-        return source, None
+        return source, head_of(source.teacher.model)
+    return source, None
+
+
+def open_cache(cfg, facts, model_path):
+    """(the cache's loader, the teacher head for the full-vocabulary losses or None), checked against the student's
+    :class:`~opdcache.inputs.models.ModelFacts` (its vocabulary and context) before its weights load, after checking
+    the cache's rollouts were sampled by ``model_path``."""
     from opdcache.format.cache import Cache
     from opdcache.training.data import CacheLoaderConfig
 
@@ -73,13 +77,12 @@ def open_source(cfg, model, model_path, device):
     check_rollout_model(cfg, cache, model_path)
     names = cfg.teachers or (None,)
     table = cache.teacher_table(names[0])  # the only teacher when not named
-    params, vocab = cache.params(table), int(model.get_output_embeddings().weight.shape[0])
+    params, vocab = cache.params(table), facts.vocab_size
     stores, rstores = stores_for(cfg.loss, cfg.topk_support, params.stores)
     source = CacheSource(CacheLoaderConfig(cache=cfg.cache, teacher=table.split("/", 1)[1], more_teachers=names[1:],
                                            route_field=cfg.teacher_route, stores=stores, rollout_stores=rstores,
                                            batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers,
-                                           max_length=getattr(model.config, "max_position_embeddings", None),
-                                           vocab_size=vocab, pack=cfg.pack))
+                                           max_length=facts.max_length, vocab_size=vocab, pack=cfg.pack))
     if "svd" in stores:  # teacher logits = z D^T + bias: the projection's decoder stands in for the head
         from opdcache.stores import svdprojection as svd
         from opdcache.format.heads import Head

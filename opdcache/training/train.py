@@ -46,12 +46,12 @@ import torch
 
 from opdcache.backends.quant import apply_scheme
 from opdcache.errors import ConfigError, OpdcacheError
-from opdcache.inputs.models import load_causal_lm, load_tokenizer, resolve_model
+from opdcache.inputs.models import check_facts, load_causal_lm, load_tokenizer, model_facts, resolve_model
 from opdcache.progress import bar
 from opdcache.training import checkpoint, losses as L, objective as O
 from opdcache.training.allocator import map_large_buffers
 from opdcache.training.estimators import ESTIMATORS, group_ends
-from opdcache.training.sources import check_teacher_table, open_source
+from opdcache.training.sources import check_teacher_table, open_cache, open_online
 from opdcache.training.student import (StudentForward, autocast_dtype, enable_activation_checkpointing, enable_packed_attention, full_tensor,
                                        init_distributed, shard_fsdp)
 from opdcache.training.trainconfig import LR_SCHEDULES, TrainConfig, learning_rate, stores_for  # noqa: F401 (the public names live here too)
@@ -77,9 +77,14 @@ class Trainer:
         arithmetic = self._exact_arithmetic(source) if cfg.exact else None  # checked before the model loads
         if source is None:
             check_teacher_table(cfg)
-        # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32
         self.model_path = resolve_model(cfg.model).path  # a local directory or a Hub id
+        facts = model_facts(self.model_path)
+        # the cache's batches and the teacher's unembedding (the full-vocabulary losses), checked against the student's
+        # configuration before its weights load: a damaged or mismatched cache is refused in seconds at any model size
+        self.source, head = (source, None) if source is not None or cfg.online else open_cache(cfg, facts, self.model_path)
+        # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32
         self.model = load_causal_lm(self.model_path, torch.float32).to(self.device)
+        check_facts(self.model, facts, self.model_path)
         self.allocator = None
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
@@ -108,8 +113,8 @@ class Trainer:
             self.forward = torch.nn.parallel.DistributedDataParallel(self.forward)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
         self.step = 0
-        # the batches, and the teacher's unembedding for the full-vocabulary losses
-        self.source, head = (source, None) if source is not None else open_source(cfg, self.model, self.model_path, self.device)
+        if cfg.online and source is None:  # live rollouts of the student being trained
+            self.source, head = open_online(cfg, self.model, self.device)
         # moved to the device in float32 once, not at every step
         self.teacher_w = None if head is None else head.weight.to(self.device, torch.float32)
         self.teacher_b = None if head is None or head.bias is None else head.bias.to(self.device, torch.float32)
