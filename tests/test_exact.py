@@ -152,13 +152,13 @@ def _same_generations(a, b):
                                                   ("teacher", "bfloat16", None), ("student", "float32", "w4a16:g32")])
 def test_generation_is_invariant_and_equals_scoring(weights, model, dtype, quantize):
     engine = ExactBackend(weights / model, dtype=dtype, quantize=quantize)
-    reqs = _requests(64, seed=len(model))
+    reqs = _requests(32, seed=len(model))
     sampling = SamplingConfig(temperature=0.9, top_p=0.9, max_new_tokens=20, ref_top_k=4, mc_samples=2)
-    engine.generate_batch_size = 64
+    engine.generate_batch_size = 32
     torch.set_num_threads(2)
     base = engine.generate(reqs, sampling)
-    # batch 1 on the first 16 rows: a row's bits do not depend on the others, and 64 one-row decodes cost 20x a batch
-    for batch, threads, order in ((7, 1, list(range(len(reqs)))[::-1]), (1, 2, list(range(16)))):
+    # batch 1 on the first 8 rows: a row's bits do not depend on the others, and a one-row decode costs nearly a whole batch
+    for batch, threads, order in ((7, 1, list(range(len(reqs)))[::-1]), (1, 2, list(range(8)))):
         engine.generate_batch_size = batch
         torch.set_num_threads(threads)
         again = engine.generate([reqs[i] for i in order], sampling)
@@ -172,7 +172,7 @@ def test_generation_is_invariant_and_equals_scoring(weights, model, dtype, quant
             assert np.array_equal(sc.logprobs, g.ref_logprobs)
             assert np.array_equal(sc.ref_topk_logprobs, g.ref_topk_logprobs)
             assert np.array_equal(sc.topk_ids, g.ref_topk_ids)
-    assert sum(len(g.response_ids) for g in base) > 300
+    assert sum(len(g.response_ids) for g in base) > 150
 
 
 def test_padding_does_not_change_a_row(weights):
