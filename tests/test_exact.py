@@ -193,7 +193,7 @@ def test_padding_does_not_change_a_row(weights):
 
 
 def test_exact_forward_is_the_models_maths(weights):
-    from opdcache.backends.hf import load_model
+    from opdcache.backends.loading import load_model
 
     for name in ("student", "teacher"):
         model = load_model(weights / name, "float32", "cpu")

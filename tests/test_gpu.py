@@ -171,7 +171,7 @@ def test_exact_primitives_give_the_cpus_bits(seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["student", "teacher"])
 def test_exact_decoder_and_head_give_the_cpus_bits(weights, name, dtype):
-    from opdcache.backends.hf import load_model
+    from opdcache.backends.loading import load_model
     from opdcache.exact.decoder import ExactDecoder
     from opdcache.exact.head import picks_and_stats
 

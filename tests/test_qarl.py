@@ -134,7 +134,7 @@ def test_alignment_refusals(hf_cache, weights, tmp_path, capsys):
                     teacher_model=weights / "teacher")
     with pytest.raises(ConfigError, match=r"group size 128 does not divide the 64 input columns of .*w4a16:g64"):
         EngineConfig(quantize="w4a16")  # parses; the model check is at load time
-        from opdcache.backends.hf import load_model
+        from opdcache.backends.loading import load_model
 
         load_model(weights / "student", quantize="w4a16")
 

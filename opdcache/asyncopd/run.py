@@ -75,7 +75,7 @@ def _check_inputs(cfg: AsyncConfig) -> None:
     resolve_model(cfg.teacher, what="--teacher")
     storage.as_path(cfg.cache_root)  # a URL whose filesystem package is missing fails here
     if cfg.executor == "local":  # a Ray task sees its own GPUs: there each stage resolves its device
-        from opdcache.backends.hf import resolve_device
+        from opdcache.backends.loading import resolve_device
 
         resolve_device(cfg.device)
 

@@ -20,7 +20,8 @@ import torch
 from opdcache.backends.base import (GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations,
                                     split_scores)
 from opdcache.backends import draws
-from opdcache.backends.hf import DONE_CHECK_EVERY, load_model, UNIFORM_BLOCK_STEPS
+from opdcache.backends.hf import DONE_CHECK_EVERY, UNIFORM_BLOCK_STEPS
+from opdcache.backends.loading import load_model
 from opdcache.errors import ConfigError
 from opdcache.exact import arith, arithmetic_for_device, CPU_ARITHMETIC, head as H, invariant, primitives, require
 from opdcache.exact.decoder import ExactDecoder

@@ -294,7 +294,7 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
 def audit(cfg: AuditConfig) -> dict:
     """The report: per table and column, values compared, bit-exact matches and max |delta| (float columns: their
     spread and tolerance; id columns: how many differ); ``passed`` and its reasoning per table."""
-    from opdcache.backends.hf import resolve_device
+    from opdcache.backends.loading import resolve_device
 
     resolve_device(cfg.device)  # a device this machine lacks is refused before any model loads
     cache = Cache(cfg.cache)
