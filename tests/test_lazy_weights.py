@@ -33,9 +33,10 @@ def test_the_facts_reported_before_the_load_are_the_loaded_models(weights, dtype
 
 
 def test_a_model_that_is_not_what_its_configuration_says_is_refused_in_one_line(weights, monkeypatch):
-    monkeypatch.setattr("opdcache.inputs.models.model_facts", lambda path: ModelFacts(vocab_size=999, max_length=128, hidden_size=64))
+    monkeypatch.setattr("opdcache.inputs.models.model_facts", lambda path: ModelFacts(vocab_size=999, max_length=128, hidden_size=32))
     engine = hf.TransformersBackend(weights / "student", dtype="float32")
-    with pytest.raises(ConfigError, match=r"not what its config.json says \(vocabulary rows 999 by its configuration, \d+ loaded"):
+    with pytest.raises(ConfigError, match=r"not what its config.json says \(vocabulary rows 999 by its configuration, \d+ loaded; "
+                                          r"hidden size 32 by its configuration, 64 loaded\)"):
         engine.load()
 
 

@@ -144,7 +144,7 @@ class TransformersBackend:
 
         spec = None if quantize is None else parse_quantize(quantize).spec()  # the canonical spec is what the manifest records
         dev = check_load(model_path, dtype, device, spec)
-        facts = model_facts(model_path)
+        self.facts = facts = model_facts(model_path)
         self._model, self._load_args = None, (model_path, dtype, device, spec)
         self.path, self.quantize = Path(model_path), spec
         self.version = transformers.__version__
@@ -183,15 +183,14 @@ class TransformersBackend:
         behind); refused in one line if the loaded model is not what its configuration said."""
         if self._model is not None:
             return
-        said = {"dtype": self.dtype, "vocabulary rows": self.vocab_size, "context": self.max_length,
-                "hidden size": self.hidden_size, "device": self.device}
+        from opdcache.inputs.models import check_facts
+
+        said = (self.dtype, self.device)
         self._attach(load_model(*self._load_args), self.deterministic, self.max_batch_tokens, self.generate_batch_size)
-        found = {"dtype": self.dtype, "vocabulary rows": self.vocab_size, "context": self.max_length,
-                 "hidden size": self.hidden_size, "device": self.device}
-        differ = [f"{k} {said[k]} by its configuration, {found[k]} loaded" for k in said if said[k] != found[k]]
-        if differ:
-            raise ConfigError(f"{self.path}: the model is not what its config.json says ({'; '.join(differ)}); "
-                              "fix the folder's config.json")
+        check_facts(self._model, self.facts, self.path)
+        if said != (self.dtype, self.device):  # what the engine reported before the load (the manifest may hold it)
+            raise ConfigError(f"{self.path}: loaded in {self.dtype} on {self.device}, not the {said[0]} on {said[1]} its settings "
+                              "gave; report this with the model's config.json")
 
     @property
     def model(self):

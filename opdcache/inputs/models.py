@@ -176,9 +176,13 @@ def model_facts(path) -> ModelFacts:
 
 
 def check_facts(model, facts: ModelFacts, path) -> None:
-    """Refuse, in one line, a loaded model whose head is not what its config.json said (the inputs were checked
-    against the config)."""
-    rows = int(model.get_output_embeddings().weight.shape[0])
-    if rows != facts.vocab_size:
-        raise ConfigError(f"{path}: the model's output head has {rows} rows but its config.json says vocab_size "
-                          f"{facts.vocab_size}; fix the folder's config.json (the inputs were checked against it)")
+    """Refuse, in one line, a loaded model that is not what its config.json said (its inputs were checked against the
+    configuration): its head's rows and width, its context."""
+    head = model.get_output_embeddings().weight
+    found = ModelFacts(vocab_size=int(head.shape[0]), hidden_size=int(head.shape[1]),
+                       max_length=int(getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 20))
+    differ = [f"{name} {said} by its configuration, {got} loaded" for name, said, got in
+              (("vocabulary rows", facts.vocab_size, found.vocab_size), ("hidden size", facts.hidden_size, found.hidden_size),
+               ("context", facts.max_length, found.max_length)) if said != got]
+    if differ:
+        raise ConfigError(f"{path}: the model is not what its config.json says ({'; '.join(differ)}); fix the folder's config.json")
