@@ -133,6 +133,8 @@ class ExactBackend:
     def _attach(self, generate_batch_size: int, max_batch_tokens: int, inject: Injection | None, arithmetic: str) -> None:
         import transformers
 
+        from opdcache.inputs.models import facts_of
+
         self.inject = inject
         self.arithmetic = arithmetic
         self.arith = primitives(arithmetic)
@@ -145,8 +147,8 @@ class ExactBackend:
         self.dtype = str(self.decoder.dtype).replace("torch.", "")
         head = self.model.get_output_embeddings()
         self.W, self.b = head.weight, getattr(head, "bias", None)
-        self.vocab_size, self.hidden_size = int(self.W.shape[0]), int(self.W.shape[1])
-        self.max_length = int(getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or 1 << 20)
+        facts = facts_of(self.model)
+        self.vocab_size, self.max_length, self.hidden_size = facts.vocab_size, facts.max_length, facts.hidden_size
         self.generate_batch_size, self.max_batch_tokens = generate_batch_size, max_batch_tokens
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = sorted(set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))

@@ -158,15 +158,16 @@ class TransformersBackend:
     def _attach(self, model, deterministic: bool, max_batch_tokens: int | None, generate_batch_size: int) -> None:
         import transformers
 
+        from opdcache.inputs.models import facts_of
+
         self._model = model
         self.version = transformers.__version__
         self.device = next(model.parameters()).device
         self.dtype = str(next(model.get_output_embeddings().parameters()).dtype).replace("torch.", "")
         self.max_batch_tokens = max_batch_tokens or SCORE_BATCH_TOKENS.get(self.device.type, 1024)
         self.deterministic, self.generate_batch_size = deterministic, generate_batch_size
-        head = model.get_output_embeddings().weight
-        self.vocab_size, self.hidden_size = int(head.shape[0]), int(head.shape[1])
-        self.max_length = int(getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 20)
+        facts = facts_of(model)
+        self.vocab_size, self.max_length, self.hidden_size = facts.vocab_size, facts.max_length, facts.hidden_size
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
 

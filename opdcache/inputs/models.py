@@ -163,6 +163,11 @@ class ModelFacts:
     """The width of the vectors the head reads (``hidden_size``)."""
 
 
+def _facts(text_config, vocab_size: int, hidden_size: int) -> ModelFacts:
+    return ModelFacts(vocab_size=int(vocab_size), hidden_size=int(hidden_size),
+                      max_length=int(getattr(text_config, "max_position_embeddings", None) or 1 << 20))
+
+
 def model_facts(path) -> ModelFacts:
     """The :class:`ModelFacts` of a local model folder, from its configuration alone (no weights, no code run): a cache
     or a prompt file is checked against them in seconds whatever the model's size. :func:`check_facts` confirms them
@@ -171,16 +176,19 @@ def model_facts(path) -> ModelFacts:
 
     config = _untrusted_load("model configuration", path, lambda: AutoConfig.from_pretrained(path, trust_remote_code=False))
     text = config.get_text_config()
-    return ModelFacts(vocab_size=int(text.vocab_size), max_length=int(getattr(text, "max_position_embeddings", None) or 1 << 20),
-                      hidden_size=int(text.hidden_size))
+    return _facts(text, text.vocab_size, text.hidden_size)
+
+
+def facts_of(model) -> ModelFacts:
+    """The :class:`ModelFacts` of a model in memory: its head's rows and width, its configuration's context."""
+    head = model.get_output_embeddings().weight
+    return _facts(model.config.get_text_config(), head.shape[0], head.shape[1])
 
 
 def check_facts(model, facts: ModelFacts, path) -> None:
     """Refuse, in one line, a loaded model that is not what its config.json said (its inputs were checked against the
     configuration): its head's rows and width, its context."""
-    head = model.get_output_embeddings().weight
-    found = ModelFacts(vocab_size=int(head.shape[0]), hidden_size=int(head.shape[1]),
-                       max_length=int(getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 20))
+    found = facts_of(model)
     differ = [f"{name} {said} by its configuration, {got} loaded" for name, said, got in
               (("vocabulary rows", facts.vocab_size, found.vocab_size), ("hidden size", facts.hidden_size, found.hidden_size),
                ("context", facts.max_length, found.max_length)) if said != got]
