@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from opdcache.training.data import CacheLoader, CacheLoaderConfig, collate_decoded
-from opdcache.training.packing import _ranges, collate_packed, unpack
+from opdcache.training.packing import _ranges, _take, collate_packed, unpack
 
 ROLLOUT_STORES = ("ref_topk", "mc")
 TEACHER_STORES = ("logprob", "topk", "hidden", "svd", "sampled")
@@ -21,6 +21,17 @@ def test_ranges_is_the_concatenation_of_aranges():
     starts, lengths = np.array([5, 0, 9, 3]), np.array([2, 0, 3, 1])
     assert _ranges(starts, lengths).tolist() == [5, 6, 9, 10, 11, 3]
     assert _ranges(np.array([], np.int64), np.array([], np.int64)).tolist() == []
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float32, np.uint16, np.int64])
+def test_take_of_rows_equals_numpys_take_along_the_first_axis(dtype):
+    rng = np.random.default_rng(0)
+    index = rng.integers(0, 50, 37)
+    for column in (rng.integers(-99, 99, (50, 20)).astype(dtype), rng.integers(-99, 99, (50, 1)).astype(dtype),
+                   rng.integers(-99, 99, 50).astype(dtype), rng.integers(-99, 99, (50, 40)).astype(dtype)[:, ::2]):
+        got, want = _take(column, index), np.take(column, index, axis=0)
+        assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
+    assert _take(np.zeros((5, 3), dtype), np.array([], np.int64)).shape == (0, 3)
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

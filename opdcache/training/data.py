@@ -386,6 +386,7 @@ class CacheDataset(torch.utils.data.IterableDataset):
         self.world = config.world_size if config.world_size is not None else world
         self.epoch = 0
         self.start_batch = 0
+        self._batches: tuple = (None, [])
 
     def order(self, epoch: int) -> list[tuple[int, int]]:
         """This rank's (shard, row) sequence for an epoch."""
@@ -398,9 +399,11 @@ class CacheDataset(torch.utils.data.IterableDataset):
         return seq[self.rank:: self.world]
 
     def batches(self, epoch: int) -> list[list[tuple[int, int]]]:
-        seq = self.order(epoch)
-        bs = self.config.batch_size
-        return [seq[i: i + bs] for i in range(0, len(seq), bs)]
+        """This rank's batches of (shard, row) for an epoch (the last epoch's kept: an epoch asks for them more than once)."""
+        if self._batches[0] != epoch:
+            seq, bs = self.order(epoch), self.config.batch_size
+            self._batches = (epoch, [seq[i: i + bs] for i in range(0, len(seq), bs)])
+        return self._batches[1]
 
     def __len__(self) -> int:
         return len(self.batches(self.epoch))

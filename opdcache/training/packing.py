@@ -23,6 +23,15 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts.astype(np.int64) - (ends - lengths), lengths) + np.arange(int(ends[-1]) if len(ends) else 0)
 
 
+def _take(column: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``column[index]`` along its first axis: a [tokens, k] column's rows taken as single k-wide items (a C-contiguous
+    [N, k] array viewed as N opaque items of its row's bytes), about 2x one take over [N, k] on a top-20 column."""
+    if column.ndim == 2 and column.flags.c_contiguous and column.shape[1] > 1:
+        row = np.dtype((np.void, column.shape[1] * column.itemsize))
+        return np.take(column.view(row).reshape(-1), index).view(column.dtype).reshape(len(index), column.shape[1])
+    return np.take(column, index, axis=0)
+
+
 def _runs(rows: list[tuple]) -> list[tuple]:
     """A batch's rows as maximal runs of one decoded shard, in batch order: (shard, row indices)."""
     runs: list[tuple] = []
@@ -70,8 +79,8 @@ def collate_packed(rows: list[tuple])  -> dict[str, torch.Tensor]:
         p0, p1 = d.prompt_offsets[idx], d.prompt_offsets[idx + 1]
         contiguous = bool((np.diff(idx) == 1).all())
         take = slice(int(a[0]), int(b[-1])) if contiguous else _ranges(a, b - a)
-        for name in parts:  # a run is a view; rows apart, one take a column (a [tokens, k] take is ~4x a fancy index)
-            parts[name].append(d.cols[name][take] if contiguous else np.take(d.cols[name], take, axis=0))
+        for name in parts:  # a run is a view; rows apart, one take a column (a [tokens, k] take is ~8x a fancy index)
+            parts[name].append(d.cols[name][take] if contiguous else _take(d.cols[name], take))
         prompt_parts.append(d.cols["prompt_ids"][_ranges(p0, p1 - p0)])
         n_parts.append(b - a)
         p_parts.append(p1 - p0)
