@@ -140,6 +140,10 @@ def train(
         for name in cfg.teachers or (None,):
             typer.echo(lineage_line(cfg.cache, name))
     result = run_train(cfg)
+    if result.get("already_done"):
+        typer.echo(f"{cfg.out}: already trained to step {result['steps']} with these settings (its checkpoint says so; the "
+                   f"model is in {cfg.out / 'model'}); nothing to do. Pass a larger --steps to go on, or another --out")
+        return
     last = result.get("last") or {}
     how = "resumed from its checkpoint" if result["resumed"] else "from the start"
     if "stopped_at" in result:

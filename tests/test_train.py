@@ -51,6 +51,33 @@ def test_resume_with_changed_settings_is_refused(hf_cache, weights, tmp_path):
         run_train(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, steps=2, batch_size=4, lr=1e-3))
 
 
+def test_a_finished_run_run_again_loads_nothing_and_writes_nothing(hf_cache, weights, tmp_path, capsys):
+    import shutil
+
+    student = tmp_path / "student"
+    shutil.copytree(weights / "student", student)
+    args = ["train", "--model", str(student), "--cache", str(hf_cache), "--out", str(tmp_path / "run"), "--steps", "2", "--batch-size", "4"]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 0, capsys.readouterr().err
+    capsys.readouterr()
+    written = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    (student / "model.safetensors").unlink()  # loading the student now fails: the rerun must not try
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "already trained to step 2 with these settings" in out and "nothing to do" in out, out
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*") if p.is_file()} == written
+    for more, why in ((["--steps", "3"], "more steps"), (["--save-dtype", "bfloat16"], "the model in another dtype")):
+        with pytest.raises(SystemExit) as e:  # not finished: resumed, so the student loads (and here cannot)
+            main(args + more)
+        assert e.value.code != 0 and "already trained" not in capsys.readouterr().out, why
+    with pytest.raises(SystemExit) as e:  # other settings: refused before the student would load
+        main(args + ["--lr", "1e-3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "was written with different settings (lr: 2e-06 -> 0.001)" in err and "Traceback" not in err, err
+
+
 def test_cli_reads_yaml_and_flags_override(hf_cache, weights, tmp_path, capsys):
     cfg = tmp_path / "train.yaml"
     cfg.write_text(f"model: {weights / 'student'}\ncache: {hf_cache}\nloss: is\nsteps: 5\nbatch_size: 4\ncorrections:\n  tis_cap: 2.0\n")

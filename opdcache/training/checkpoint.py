@@ -121,6 +121,45 @@ def settings_diff(saved: dict, mine: dict) -> list[str]:
     return [f"{k}: {saved.get(k)!r} -> {mine.get(k)!r}" for k in keys]
 
 
+def _newest(out: Path) -> Path | None:
+    """The complete checkpoint :func:`newest_complete` would keep, found without moving or removing anything."""
+    candidates = [p for p in [out / "checkpoint", *out.glob(".checkpoint.tmp-*"), *out.glob(".checkpoint.old-*")] if p.is_dir()]
+    complete = [(step, p.name == "checkpoint", p) for p in candidates if (step := _step_of(p)) is not None]
+    return max(complete, key=lambda c: c[:2])[2] if complete else None
+
+
+def _same_settings(ckpt: Path, state: dict, cfg) -> None:
+    diff = settings_diff(state["config"], json.loads(json.dumps(asdict(cfg), default=str)))
+    if diff:
+        raise ConfigError(f"{ckpt} was written with different settings ({', '.join(diff)}); use the original settings to resume, "
+                          "or a new --out")
+
+
+def prior_run(cfg) -> int | None:
+    """What ``cfg.out`` already holds, before anything loads: a checkpoint written with other settings is refused in one
+    line; the step of a run that already did what ``cfg`` asks is returned (its checkpoint complete, at ``cfg.steps`` or
+    beyond, and the final model beside it in the dtype asked for); else None (nothing there, or a run to resume). Reads
+    only: every rank of a distributed run may ask at once."""
+    ckpt = _newest(cfg.out)
+    if ckpt is None:
+        return None
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        step, saved = int(state["step"]), state["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable: the resume path says what is wrong
+    _same_settings(ckpt, {"config": saved}, cfg)
+    try:
+        model_dtype = json.loads((cfg.out / "model" / "config.json").read_text()).get("dtype")
+    except (OSError, ValueError, AttributeError):
+        return None  # no final model yet: the run resumes and saves it
+    if cfg.checkpoint != "full" or step < cfg.steps or ckpt.name != "checkpoint":
+        return None
+    if cfg.save_dtype != "auto" and model_dtype != cfg.save_dtype:
+        return None  # the same run, its final model wanted in another dtype: resumed, and saved again
+    return step
+
+
 def resume(trainer) -> bool:
     """Load the newest complete checkpoint into the trainer (model, optimizer, RNG, step, source position)."""
     from safetensors.torch import load_file
@@ -132,10 +171,7 @@ def resume(trainer) -> bool:
     if ckpt is None or not (ckpt / STATE_FILE).is_file():
         return False
     state = json.loads((ckpt / STATE_FILE).read_text())
-    diff = settings_diff(state["config"], json.loads(json.dumps(asdict(trainer.cfg), default=str)))
-    if diff:
-        raise ConfigError(f"{ckpt} was written with different settings ({', '.join(diff)}); use the original settings to resume, "
-                          "or a new --out")
+    _same_settings(ckpt, state, trainer.cfg)
     from opdcache.inputs.models import load_causal_lm
 
     weights = load_causal_lm(ckpt / "model", torch.float32).state_dict()

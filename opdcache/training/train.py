@@ -349,6 +349,11 @@ class Trainer:
 
 
 def run_train(cfg: TrainConfig) -> dict:
+    """Train to ``cfg.steps``, resuming from ``cfg.out``'s checkpoint (one of other settings refused before anything
+    loads); a run already finished there is reported, and nothing is loaded or written (``already_done``)."""
+    step = checkpoint.prior_run(cfg)
+    if step is not None:
+        return {"already_done": True, "steps": step}
     trainer = Trainer(cfg)
     try:
         return trainer.fit()
