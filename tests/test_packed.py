@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from opdcache.training.data import CacheLoader, CacheLoaderConfig, collate_decoded
-from opdcache.training.packing import _ranges, _take, collate_packed, unpack
+from opdcache.training.packing import _gather, _ranges, collate_packed, unpack
 
 ROLLOUT_STORES = ("ref_topk", "mc")
 TEACHER_STORES = ("logprob", "topk", "hidden", "svd", "sampled")
@@ -24,14 +24,15 @@ def test_ranges_is_the_concatenation_of_aranges():
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.float32, np.uint16, np.int64])
-def test_take_of_rows_equals_numpys_take_along_the_first_axis(dtype):
+def test_gather_of_spans_equals_numpys_take_of_their_tokens(dtype):
     rng = np.random.default_rng(0)
-    index = rng.integers(0, 50, 37)
+    starts = [7, 0, 30, 12, 12]
+    ends = [11, 0, 50, 19, 13]  # an empty span, spans out of order, one overlapping another
+    index = _ranges(np.array(starts), np.array(ends) - np.array(starts))
     for column in (rng.integers(-99, 99, (50, 20)).astype(dtype), rng.integers(-99, 99, (50, 1)).astype(dtype),
                    rng.integers(-99, 99, 50).astype(dtype), rng.integers(-99, 99, (50, 40)).astype(dtype)[:, ::2]):
-        got, want = _take(column, index), np.take(column, index, axis=0)
+        got, want = _gather(column, starts, ends, index), np.take(column, index, axis=0)
         assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
-    assert _take(np.zeros((5, 3), dtype), np.array([], np.int64)).shape == (0, 3)
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

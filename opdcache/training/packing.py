@@ -23,12 +23,12 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts.astype(np.int64) - (ends - lengths), lengths) + np.arange(int(ends[-1]) if len(ends) else 0)
 
 
-def _take(column: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """``column[index]`` along its first axis: a [tokens, k] column's rows taken as single k-wide items (a C-contiguous
-    [N, k] array viewed as N opaque items of its row's bytes), about 2x one take over [N, k] on a top-20 column."""
-    if column.ndim == 2 and column.flags.c_contiguous and column.shape[1] > 1:
-        row = np.dtype((np.void, column.shape[1] * column.itemsize))
-        return np.take(column.view(row).reshape(-1), index).view(column.dtype).reshape(len(index), column.shape[1])
+def _gather(column: np.ndarray, starts: list[int], ends: list[int], index: np.ndarray) -> np.ndarray:
+    """The spans [starts[i], ends[i]) of a per-token column, end to end (``index``: the same tokens as one index array).
+    A [tokens, k] column is copied a span at a time (each span is contiguous: one memcpy a row, about 1.6x faster than
+    one take along the first axis on a top-20 column); a [tokens] column with one take."""
+    if column.ndim == 2 and column.shape[1] > 1:
+        return np.concatenate([column[a:b] for a, b in zip(starts, ends)])
     return np.take(column, index, axis=0)
 
 
@@ -77,20 +77,24 @@ def collate_packed(rows: list[tuple])  -> dict[str, torch.Tensor]:
     for d, idx in runs:
         a, b = d.offsets[idx], d.offsets[idx + 1]
         p0, p1 = d.prompt_offsets[idx], d.prompt_offsets[idx + 1]
-        contiguous = bool((np.diff(idx) == 1).all())
-        take = slice(int(a[0]), int(b[-1])) if contiguous else _ranges(a, b - a)
-        for name in parts:  # a run is a view; rows apart, one take a column (a [tokens, k] take is ~8x a fancy index)
-            parts[name].append(d.cols[name][take] if contiguous else _take(d.cols[name], take))
+        if idx[-1] - idx[0] == len(idx) - 1 and bool((np.diff(idx) == 1).all()):  # a run is a view of each column
+            for name in parts:
+                parts[name].append(d.cols[name][int(a[0]): int(b[-1])])
+        else:  # rows apart: one gather a column
+            take, spans = _ranges(a, b - a), (a.tolist(), b.tolist())
+            for name in parts:
+                parts[name].append(_gather(d.cols[name], *spans, take))
         prompt_parts.append(d.cols["prompt_ids"][_ranges(p0, p1 - p0)])
         n_parts.append(b - a)
         p_parts.append(p1 - p0)
     n, prompt = np.concatenate(n_parts), np.concatenate(p_parts)
-    seq = n + prompt
-    cu_seqlens = np.concatenate([[0], np.cumsum(seq)]).astype(np.int64)
-    cu_response = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+    seq, B = n + prompt, len(n)
+    cu_seqlens, cu_response = np.zeros(B + 1, np.int64), np.zeros(B + 1, np.int64)
+    np.cumsum(seq, out=cu_seqlens[1:])
+    np.cumsum(n, out=cu_response[1:])
     flat = {name: v[0] if len(v) == 1 else np.concatenate(v) for name, v in parts.items()}
     prompts = prompt_parts[0] if len(prompt_parts) == 1 else np.concatenate(prompt_parts)
-    N, B = int(cu_seqlens[-1]), len(n)
+    N = int(cu_seqlens[-1])
     position_ids = np.arange(N) - np.repeat(cu_seqlens[:-1], seq)
     response = position_ids >= np.repeat(prompt, seq)  # each sequence's prompt, then its response
     input_ids = np.empty(N, np.int64)
