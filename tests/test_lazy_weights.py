@@ -10,7 +10,7 @@ import pytest
 from opdcache.backends import hf
 from opdcache.backends.base import SamplingConfig
 from opdcache.errors import ConfigError
-from opdcache.inputs.models import ModelFacts
+from opdcache.inputs.models import ModelFacts, model_facts
 from opdcache.inputs.prompts import PromptConfig
 from opdcache.teacher.rollouts import GenerateJob, run_generate
 from opdcache.teacher.scoring import ScoreJob, run_score
@@ -92,4 +92,29 @@ def test_train_refuses_a_column_of_the_wrong_type_before_the_students_weights_lo
     monkeypatch.setattr(T, "load_causal_lm", _no_load)
     cfg = TrainConfig(model=weights / "student", cache=cache, loss="lightning", steps=1, out=tmp_path / "run")
     with pytest.raises(SchemaError, match=r"ref_logprobs: list<element: double> \(expected list<item: float>\)"):
+        T.Trainer(cfg)
+
+
+def test_train_refuses_a_value_in_its_first_batch_before_the_students_weights_load(hf_cache, weights, tmp_path, monkeypatch):
+    """The shards the first batch reads are decoded and checked before the student's weights load (the next ones
+    decode in the loader's threads meanwhile): a top-k id beyond the student's vocabulary there is refused first."""
+    import pyarrow.parquet as pq
+
+    from test_hostile2 import _replace, _set_list_column
+
+    from opdcache.errors import SchemaError
+    from opdcache.training import train as T
+    from opdcache.training.trainconfig import TrainConfig
+
+    cache = tmp_path / "cache"
+    shutil.copytree(hf_cache, cache)
+    vocab = model_facts(weights / "student").vocab_size
+    for path in sorted((cache / "teachers" / "teacher").glob("part-*.parquet")):  # every shard: whichever comes first
+        table = pq.read_table(path)
+        ids = table["topk_ids"].to_pylist()
+        ids[0][0][0] = vocab + 7
+        _replace(cache, path.relative_to(cache).as_posix(), _set_list_column(table, "topk_ids", ids))
+    monkeypatch.setattr(T, "load_causal_lm", _no_load)
+    cfg = TrainConfig(model=weights / "student", cache=cache, loss="topk-fkl", steps=1, out=tmp_path / "run")
+    with pytest.raises(SchemaError, match=rf"row 0, column topk_ids: .*outside the vocabulary \[0, {vocab}\)"):
         T.Trainer(cfg)

@@ -21,9 +21,19 @@ class CacheSource:
         from opdcache.training.data import CacheLoader
 
         self.loader = CacheLoader(config)
-        self._iter = None
+        self._iter = self._first = None
+
+    def prime(self) -> None:
+        """Take the first batch now: its shards read, checked and decoded (the next ones start decoding in the
+        loader's threads). Called before the student's weights load, so that damage there is refused before minutes
+        of loading, and the decoding overlaps the load."""
+        self._iter = iter(self.loader)
+        self._first = next(self._iter, None)
 
     def next_batch(self) -> dict:
+        if self._first is not None:
+            batch, self._first = self._first, None
+            return batch
         if self._iter is None:
             self._iter = iter(self.loader)
         try:
@@ -36,6 +46,7 @@ class CacheSource:
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        self._iter = self._first = None  # a primed first batch is not where the run resumes
         self.loader.load_state_dict(state)
 
 
@@ -69,7 +80,8 @@ def open_online(cfg, model, device):
 def open_cache(cfg, facts, model_path):
     """(the cache's loader, the teacher head for the full-vocabulary losses or None), checked against the student's
     :class:`~opdcache.inputs.models.ModelFacts` (its vocabulary and context) before its weights load, after checking
-    the cache's rollouts were sampled by ``model_path``."""
+    the cache's rollouts were sampled by ``model_path``: every shard's footer, and the values of the shards the first
+    batch reads (the others are checked as they are first read)."""
     from opdcache.format.cache import Cache
     from opdcache.training.data import CacheLoaderConfig
 
@@ -83,6 +95,7 @@ def open_cache(cfg, facts, model_path):
                                            route_field=cfg.teacher_route, stores=stores, rollout_stores=rstores,
                                            batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers,
                                            max_length=facts.max_length, vocab_size=vocab, pack=cfg.pack))
+    source.prime()  # the first batch's shards checked against the student's vocabulary and context
     if "svd" in stores:  # teacher logits = z D^T + bias: the projection's decoder stands in for the head
         from opdcache.stores import svdprojection as svd
         from opdcache.format.heads import Head
