@@ -92,12 +92,13 @@ FIGURES = {
 SEED_RANGES = {
     "teacher": {"accuracy": (0.997, 1.0), "reverse_kl": (0.0, 0.0)},
     "base": {"accuracy": (0.0, 0.0), "reverse_kl": (2.3828, 2.3959)},
-    "pi_ref": {"accuracy": (0.853, 0.907), "reverse_kl": (0.0765, 0.0942)},
-    "opd": {"accuracy": (0.917, 0.923), "reverse_kl": (0.0495, 0.0674)},
+    "pi_ref": {"accuracy": (0.853, 0.907), "reverse_kl": (0.0765, 0.0985)},
+    "opd": {"accuracy": (0.887, 0.923), "reverse_kl": (0.0468, 0.0674)},
 }
 """(lowest, highest) of each figure over seeds 0, 1 and 2 of ``opdcache demo --seed S`` at the default settings, on 2
-cores with AVX-512 kernels (README, "What the demo shows"; another CPU's kernels round differently and move pi_ref's
-SFT, so its figures may fall outside); printed beside the figures, so a run far outside them points at a broken setup."""
+cores of two machines with AVX-512 kernels (README, "What the demo shows"; another CPU's kernels round differently and
+move pi_ref's SFT, so its figures may fall outside); printed beside the figures, so a run far outside them points at a
+broken setup."""
 
 
 def _seed_range(name: str, cfg: DemoConfig) -> str:
