@@ -2,6 +2,7 @@
 padding, KV cache and threads, and the CLI's --exact caches reproduced bit for bit by train, mismatch-report and audit."""
 
 import json
+from unittest.mock import ANY
 import math
 import shutil
 
@@ -192,6 +193,30 @@ def test_padding_does_not_change_a_row(weights):
         assert torch.equal(engine.decoder.forward(flipped)[1, :5], alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_sequences_have_their_padded_rows_bits(weights, dtype):
+    """forward_packed (train --pack --exact): sequences laid end to end, each at positions 0, 1, ..., give token for
+    token the bits forward gives them as right-padded rows of a batch."""
+    from opdcache.backends.loading import load_model
+    from opdcache.exact.decoder import ExactDecoder
+
+    decoder = ExactDecoder(load_model(weights / "student", "float32", "cpu"), dtype)
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 17, 1, 9]
+    rows = [torch.randint(2, 64, (n,), generator=g) for n in lengths]
+    padded = torch.randint(2, 64, (len(rows), max(lengths)), generator=g)  # padding of other tokens: it must not matter
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    want = decoder.forward(padded)
+    offsets = (0, *torch.tensor(lengths).cumsum(0).tolist())
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    got = decoder.forward_packed(torch.cat(rows)[None], positions, offsets)[0]
+    for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+        assert torch.equal(got[a:b], want[i, : b - a]), i
+    whole = decoder.forward_packed(torch.cat(rows)[None], torch.arange(offsets[-1])[None], (0, offsets[-1]))[0]
+    assert not torch.equal(whole[offsets[1]: offsets[2]], want[1, : lengths[1]])  # one sequence over all would differ
+
+
 def test_exact_forward_is_the_models_maths(weights):
     from opdcache.backends.loading import load_model
 
@@ -298,6 +323,11 @@ def test_exact_cache_reproduces_everywhere(exact_cache, tmp_path, weights, capsy
     assert code in (0, None), out
     step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert step["is_weight_mean"] == 1.0 and step["is_weight_std"] == 0.0 and step["k1"] == 0.0
+    code, out = _cli(["train", "--model", weights / "student", "--cache", exact_cache, "--loss", "lightning", "--steps", 1,
+                      "--batch-size", 32, "--out", tmp_path / "packed", "--exact", "--pack"], capsys)
+    assert code in (0, None), out  # packed batches (no padding in the forward): the same bits
+    packed = json.loads((tmp_path / "packed" / "metrics.jsonl").read_text().splitlines()[0])
+    assert packed == {**step, "seconds": ANY, "grad_norm": pytest.approx(step["grad_norm"], rel=1e-5)}  # the backward's sums: rounding
 
 
 def test_audit_catches_a_changed_value(exact_cache, tmp_path, capsys):

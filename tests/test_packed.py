@@ -141,14 +141,43 @@ def test_a_packed_train_step_equals_the_padded_one(hf_cache, weights, tmp_path, 
         assert sb[key] == pytest.approx(sa[key], rel=1e-4, abs=1e-6), key
 
 
-def test_pack_is_refused_with_exact_and_online():
+@pytest.mark.parametrize("loss,dtype", [("lightning", "float32"), ("lightning", "bfloat16"), ("topk-fkl", "float32"),
+                                        ("full-fkl", "float32"), ("is", "float32")])
+def test_a_packed_exact_train_step_has_the_padded_steps_bits(hf_cache, weights, tmp_path, loss, dtype):
+    """--pack --exact: the student's log-probs, the loss and every logged number are the padded step's to the bit (each
+    sequence's values are its padded row's bits); the gradients agree to float32's rounding (the backward's sums run
+    over other shapes)."""
+    from opdcache.training.losses import Corrections
+    from opdcache.training.train import TrainConfig, Trainer
+
+    common = dict(model=weights / "student", cache=hf_cache, steps=1, batch_size=6, seed=1, loss=loss, dtype=dtype, exact=True,
+                  corrections=Corrections(tis_cap=2.0) if loss == "is" else Corrections())
+    results = []
+    for pack in (False, True):
+        torch.manual_seed(0)
+        trainer = Trainer(TrainConfig(out=tmp_path / str(pack), pack=pack, **common))
+        batch = trainer.source.next_batch()
+        assert ("cu_seqlens" in batch) == pack
+        loss_value, stats = trainer.loss_and_stats(batch)
+        loss_value.backward()
+        results.append((loss_value.detach(), stats, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}))
+    (a, sa, ga), (b, sb, gb) = results
+    assert float(a) != 0 and torch.equal(a, b), (float(a), float(b))
+    assert sa == sb
+    assert ga.keys() == gb.keys() and len(ga) > 10
+    for name in ga:
+        relative = float((gb[name] - ga[name]).norm() / ga[name].norm().clamp_min(1e-30))
+        assert relative < (1e-5 if dtype == "float32" else 1e-2), (name, relative)
+
+
+def test_pack_is_refused_with_online():
     from pathlib import Path
 
     from opdcache.errors import ConfigError
     from opdcache.training.train import TrainConfig
 
-    with pytest.raises(ConfigError, match="--pack lays a cache's rows end to end for the student's forward; --exact's decoder"):
-        TrainConfig(model=Path("m"), cache="c", out=Path("o"), pack=True, exact=True)
+    with pytest.raises(ConfigError, match="--pack lays a cache's rows end to end for the student's forward; --online generates"):
+        TrainConfig(model=Path("m"), cache="c", out=Path("o"), pack=True, online=True)
 
 
 def test_packed_attention_runs_each_sequence_alone_and_gives_the_padded_logits(hf_cache, weights, monkeypatch):

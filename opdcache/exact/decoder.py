@@ -165,11 +165,13 @@ class ExactDecoder:
             out.append(self.arith.matmul(p, v).to(self.dtype).reshape(B, h, Qb, d))
         return torch.cat(out, 2)
 
-    def layer(self, layer, h: torch.Tensor, pos: torch.Tensor, cache: tuple | None = None, end: int | None = None) -> torch.Tensor:
+    def layer(self, layer, h: torch.Tensor, pos: torch.Tensor, cache: tuple | None = None, end: int | None = None,
+              segments: tuple[int, ...] | None = None) -> torch.Tensor:
         """One decoder layer over h [B, Q, H] at positions pos [B, Q]. Without a cache the Q tokens are the whole
         sequences (positions 0..Q-1); with one, their keys and values are written into it at ``pos`` first, and
         attention reads the cache's first ``end`` positions (default: up to the largest of ``pos``, which reads it
-        back from the device; a decode loop passes what it knows)."""
+        back from the device; a decode loop passes what it knows). ``segments``: h is [1, Q], sequences end to end
+        starting at these offsets (each at positions 0, 1, ...), each attending within itself."""
         attn, B, Q = layer.self_attn, h.shape[0], h.shape[1]
         x = self.norm(layer.input_layernorm, h)
         q, k, v = self.linears([attn.q_proj, attn.k_proj, attn.v_proj], x)
@@ -190,7 +192,12 @@ class ExactDecoder:
             V_cache.transpose(1, 2)[rows, pos] = v.transpose(1, 2)
             end = int(pos.max()) + 1 if end is None else end
             k, v = K_cache[:, :, :end], V_cache[:, :, :end]
-        o = self.attend(q, k, v, pos).transpose(1, 2).reshape(B, Q, self.heads * self.head_dim)
+        if segments is None:
+            o = self.attend(q, k, v, pos)
+        else:  # each sequence alone: the same products and sums as its right-padded row, without the padding
+            o = torch.cat([self.attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], pos[:, a:b])
+                           for a, b in zip(segments[:-1], segments[1:]) if b > a], 2)
+        o = o.transpose(1, 2).reshape(B, Q, self.heads * self.head_dim)
         h = h + self.linear(attn.o_proj, o)
         x = self.norm(layer.post_attention_layernorm, h)
         mlp = layer.mlp
@@ -207,6 +214,16 @@ class ExactDecoder:
         h = self.base.embed_tokens(input_ids_BL).to(self.dtype)
         for layer in self.base.layers:
             h = self._rounded(self.layer(layer, h, pos, end=L))
+        return self.norm(self.base.norm, h)
+
+    def forward_packed(self, input_ids_1N: torch.Tensor, position_ids_1N: torch.Tensor, offsets: tuple[int, ...]) -> torch.Tensor:
+        """Final post-norm hidden states [1, N, H] of sequences laid end to end (opdcache/training/packing.py): each
+        sequence starts at ``offsets`` (host-side ints) at position 0. Every token's values are the bits
+        :meth:`forward` gives it in its right-padded row (the arithmetic does not depend on the rows beside a token,
+        and a row's padding adds exact zeros). Differentiable."""
+        h = self.base.embed_tokens(input_ids_1N).to(self.dtype)
+        for layer in self.base.layers:
+            h = self._rounded(self.layer(layer, h, position_ids_1N, segments=offsets))
         return self.norm(self.base.norm, h)
 
     def _rounded(self, h: torch.Tensor) -> torch.Tensor:

@@ -88,7 +88,11 @@ class StudentForward(torch.nn.Module):
         base = getattr(self.model, self.model.base_model_prefix)
         if position_ids_1L is not None:
             offsets = tuple(packed_offsets)
-            h_LH = base(input_ids=input_ids_BL, position_ids=position_ids_1L, use_cache=False, packed_offsets=offsets).last_hidden_state[0]
+            if self.exact is not None:
+                with torch.autocast(input_ids_BL.device.type, enabled=False):
+                    h_LH = self.exact.forward_packed(input_ids_BL, position_ids_1L, offsets)[0]
+            else:
+                h_LH = base(input_ids=input_ids_BL, position_ids=position_ids_1L, use_cache=False, packed_offsets=offsets).last_hidden_state[0]
             h_NH = h_LH[logit_positions_BT]
         else:
             if self.exact is not None:  # right-padded rows (opdcache/training/data.py): the exact forward needs no mask

@@ -107,7 +107,7 @@ class TrainConfig:
     """Packed batches (opdcache/training/packing.py): the student's forward runs on the batch's sequences laid end to
     end with their position ids (attention within each sequence), so no compute goes to padding; the losses are the
     padded path's on the same numbers. Memory: activations grow with the batch's tokens, not its longest row times the
-    batch size. Not with --exact (its decoder takes right-padded rows) or --online."""
+    batch size. With --exact, each sequence's values are the bits of its padded row. Not with --online."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer state over the processes of a torchrun launch (FSDP2)."""
     corrections: L.Corrections = field(default_factory=L.Corrections)
@@ -182,9 +182,9 @@ class TrainConfig:
                               "gradient (E_theta[grad log pi_theta] = 0), so it would not pull toward pi_ref; use k3 (the default) or k2")
         if self.kl_cap < 0:
             raise ConfigError(f"--kl-cap must be >= 0 (0: no cap), got {self.kl_cap}")
-        if self.pack and (self.exact or self.online):
-            raise ConfigError("--pack lays a cache's rows end to end for the student's forward; --exact's decoder takes "
-                              "right-padded rows and --online generates its batches: drop --pack")
+        if self.pack and self.online:
+            raise ConfigError("--pack lays a cache's rows end to end for the student's forward; --online generates its "
+                              "batches: drop --pack")
         if self.exact and (self.fsdp or self.online):
             raise ConfigError("--exact trains one process from a cache; drop --fsdp/--online")
         if self.rollout_aligned and self.online:
