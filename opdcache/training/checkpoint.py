@@ -37,14 +37,23 @@ def _step_of(path: Path) -> int | None:
         return None  # incomplete (no state file yet) or unreadable: not a checkpoint
 
 
+def _candidates(out: Path) -> list[Path]:
+    return [p for p in [out / "checkpoint", *out.glob(".checkpoint.tmp-*"), *out.glob(".checkpoint.old-*")] if p.is_dir()]
+
+
+def _newest(out: Path) -> Path | None:
+    """The complete checkpoint with the highest step (on a tie, the one in place), found without moving anything."""
+    complete = [(step, p.name == "checkpoint", p) for p in _candidates(out) if (step := _step_of(p)) is not None]
+    return max(complete, key=lambda c: c[:2])[2] if complete else None
+
+
 def newest_complete(out: Path) -> Path | None:
     """The newest complete checkpoint under ``out``, moved to ``out/checkpoint``; every other candidate is removed."""
     final = out / "checkpoint"
-    candidates = [p for p in [final, *out.glob(".checkpoint.tmp-*"), *out.glob(".checkpoint.old-*")] if p.is_dir()]
+    candidates = _candidates(out)
     if not candidates:
         return None
-    complete = [(step, p != final, p) for p in candidates if (step := _step_of(p)) is not None]
-    best = max(complete, key=lambda c: (c[0], not c[1]))[2] if complete else None  # on a tie, keep the one in place
+    best = _newest(out)
     for p in candidates:
         if p != best and p != final:
             shutil.rmtree(p, ignore_errors=True)
@@ -119,13 +128,6 @@ def settings_diff(saved: dict, mine: dict) -> list[str]:
     """'name: old -> new' for every setting that differs and matters on resume."""
     keys = sorted(k for k in set(mine) | set(saved) if k not in IGNORED_ON_RESUME and mine.get(k) != saved.get(k))
     return [f"{k}: {saved.get(k)!r} -> {mine.get(k)!r}" for k in keys]
-
-
-def _newest(out: Path) -> Path | None:
-    """The complete checkpoint :func:`newest_complete` would keep, found without moving or removing anything."""
-    candidates = [p for p in [out / "checkpoint", *out.glob(".checkpoint.tmp-*"), *out.glob(".checkpoint.old-*")] if p.is_dir()]
-    complete = [(step, p.name == "checkpoint", p) for p in candidates if (step := _step_of(p)) is not None]
-    return max(complete, key=lambda c: c[:2])[2] if complete else None
 
 
 def _same_settings(ckpt: Path, state: dict, cfg) -> None:
