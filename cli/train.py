@@ -96,7 +96,8 @@ def train(
     Memory grows with the model (16 bytes per parameter in float32 with AdamW, split over processes with --fsdp),
     batch x length x hidden activations (with --pack the batch's tokens x hidden; with --max-batch-tokens that budget's;
     one layer's with --gradient-checkpointing) and [rows, --chunk] logit blocks (1 GiB blocks of [rows, vocabulary]
-    on a GPU); never with tokens x vocabulary (measured per token: BENCHMARKS.md). A --cache on an object store holds
+    on a GPU, where the head's softmax probabilities are kept for the backward within 8 GiB and a quarter of free
+    memory); never with tokens x vocabulary beyond that (measured per token: BENCHMARKS.md). A --cache on an object store holds
     one verified shard's bytes in memory while it
     is decoded. Several processes: torchrun --nproc-per-node N -m opdcache.cli.main train ...
     """

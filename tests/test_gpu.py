@@ -128,12 +128,16 @@ def test_the_fused_scoring_kernel_equals_the_torch_ops_on_cuda(block, monkeypatc
     assert all(len(set(row)) == 20 for row in got["kid"].tolist())
 
 
+@pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("block_rows", [None, 8])
-def test_streamed_logprobs_on_cuda_match_the_float64_reference(block_rows, monkeypatch):
-    """The GPU layout (whole-vocabulary rows: one block, or blocks of 8 rows), repeated ids included."""
+def test_streamed_logprobs_on_cuda_match_the_float64_reference(block_rows, keep, monkeypatch):
+    """The GPU layout (whole-vocabulary rows: one block, or blocks of 8 rows), repeated ids included; the backward from
+    the forward's kept probabilities (within KEEP_BYTES) and from recomputed logits (KEEP_BYTES 0)."""
     from opdcache.logits import logprobs as LP
     from opdcache.logits.logprobs import chunked_logprobs
 
+    if not keep:
+        monkeypatch.setattr(LP, "KEEP_BYTES", 0)
     if block_rows:
         monkeypatch.setattr(LP, "GPU_BLOCK_BYTES", 4 * 7001 * block_rows)
         assert len(LP.layout(50, 7001, 1024, CUDA)[0]) == 7
@@ -141,6 +145,7 @@ def test_streamed_logprobs_on_cuda_match_the_float64_reference(block_rows, monke
     ids = torch.randint(0, 7001, (50, 3), generator=torch.Generator().manual_seed(4))
     ids[1] = 17  # one row's ids all the same: their gradients add up
     lp, lse = chunked_logprobs(h_d, W_d, ids.to(CUDA), b_d, chunk=1024)
+    assert (lp.grad_fn.kept is not None) == keep
     (lp.sum() + lse.sum()).backward()
     z = h @ W.T + b
     ref_lp, ref_lse = torch.log_softmax(z, -1).gather(1, ids), torch.logsumexp(z, -1)

@@ -216,3 +216,33 @@ def test_the_head_gradient_is_one_buffer_whatever_the_number_of_position_blocks(
         with HeadShaped(tuple(W.shape)) as seen:
             value.backward()
         assert len(seen.storages) == 1 and W.grad is not None
+
+
+@pytest.mark.parametrize("transform", [{}, {"logit_scale": 0.7}])
+@pytest.mark.parametrize("block_rows", [1, 3, 100])
+def test_kept_probabilities_give_the_recomputed_gradients(monkeypatch, transform, block_rows):
+    """The backward from the forward's kept probabilities (on a GPU within KEEP_BYTES: no recomputed logit matmul),
+    forced here on the CPU with one vocabulary slice a block: the reference's values and gradients, the recomputing
+    backward's to float64's rounding, and the kept blocks released as the backward uses them."""
+    import opdcache.logits.logprobs as LP
+
+    N, H, V, K = 7, 5, 37, 3
+    monkeypatch.setattr(LP, "BLOCK_BYTES", 4 * V * block_rows)
+    assert not LP.keeps_probabilities(N, V, V, torch.device("cpu"), None)  # never on a CPU by itself
+    results, seen = [], []
+    for keep in (False, True):
+        monkeypatch.setattr(LP, "keeps_probabilities", lambda n, v, chunk, device, softcap: keep and chunk >= v and softcap is None)
+        h, W, b, ids = _inputs(N, H, V, K)
+        g = torch.Generator().manual_seed(1)
+        g_lp, g_lse = torch.randn(N, K, dtype=torch.float64, generator=g), torch.randn(N, dtype=torch.float64, generator=g)
+        lp, lse = chunked_logprobs(h, W, ids, b, chunk=V, **transform)
+        seen.append(lp.grad_fn.kept)
+        (lp * g_lp).sum().add((lse * g_lse).sum()).backward()
+        results.append((lp.detach(), lse.detach(), h.grad, W.grad, b.grad))
+    (recomputed, kept), (no_keep, keep_list) = results, seen
+    assert no_keep is None and len(keep_list) == -(-N // block_rows) and all(x is None for x in keep_list)
+    for a, b_ in zip(recomputed, kept):
+        torch.testing.assert_close(b_, a, rtol=1e-12, atol=1e-13)
+    h, W, b, ids = _inputs(N, H, V, K)
+    ref_lp, ref_lse = logprobs_reference(h, W, ids, b, **transform)
+    torch.testing.assert_close(kept[0], ref_lp.detach(), rtol=0, atol=1e-12)

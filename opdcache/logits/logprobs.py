@@ -11,7 +11,9 @@ The forward runs one pass over vocabulary slices of width ``chunk`` with an onli
 maximum m and rescaled sum s; lse = m + log s), picking up the logits at the requested ids in the slice
 that holds them. The backward recomputes each slice's logits from h and W, so both passes hold one
 [rows, chunk] block at a time, rows bounded by :data:`BLOCK_BYTES` (on a GPU one [rows, V] block of at most
-:data:`GPU_BLOCK_BYTES`: :func:`layout`): memory grows with N * K, never with N * V. This is the same online
+:data:`GPU_BLOCK_BYTES`: :func:`layout`): memory grows with N * K, never with N * V. On a GPU, when every position's
+probabilities fit in :data:`KEEP_BYTES` (:func:`keeps_probabilities`), the forward keeps them and the backward skips
+the recompute: one head matmul less, for [N, V] float32 within that budget. This is the same online
 idea as the teacher-side divergences of opdcache/logits/divergence.py (papers/002), applied to the student.
 
 :func:`logprobs_reference` is the plain full-logits implementation the parity tests compare against.
@@ -29,6 +31,12 @@ BLOCK_BYTES = 64 << 20  # one [rows, chunk] float32 logit block; rows = BLOCK_BY
 # slices in 64 MiB blocks are ~19 slices per pass, each a handful of kernel launches (the launch-bound pattern that made
 # GPU scoring 7x slower before its large blocks). Capped at a quarter of the device's free memory.
 GPU_BLOCK_BYTES = 1 << 30
+# On a GPU the forward's softmax probabilities are kept for the backward when all of them fit in this many bytes (and a
+# quarter of the free memory): the backward then needs no second logit matmul. Recomputing them costs a fourth head
+# matmul against the full-logits step's three, which is what a fused Lightning step lost to it on an H200 (0.88x, with
+# the head a third of the step's work); kept, the step holds [N, V] float32 probabilities, two thirds of what the
+# full-logits step holds (its bf16 logits and float32 log-softmax), and still nothing of [N, V] beyond that budget.
+KEEP_BYTES = 8 << 30
 
 
 def _blocks(n: int, rows: int) -> list[slice]:
@@ -55,6 +63,15 @@ def layout(n: int, V: int, chunk: int, device: torch.device) -> tuple[list[slice
     if device.type != "cuda":
         return row_blocks(n, chunk), chunk
     return _blocks(n, max(1, gpu_block_bytes(device, GPU_BLOCK_BYTES) // (4 * V))), V
+
+
+def keeps_probabilities(n: int, V: int, chunk: int, device: torch.device, softcap: float | None) -> bool:
+    """Whether the forward keeps every position's softmax probabilities for the backward (see KEEP_BYTES): on a GPU,
+    one vocabulary slice a block (:func:`layout`'s), no soft-capping (its derivative needs the logits), and N x V
+    float32 within KEEP_BYTES and a quarter of the free memory. Never on a CPU, whose passes stay in BLOCK_BYTES."""
+    if device.type != "cuda" or softcap is not None or chunk < V:
+        return False
+    return 4 * n * V <= gpu_block_bytes(device, KEEP_BYTES)
 
 
 def accumulate_(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, first: bool = False) -> None:
@@ -124,6 +141,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lse = torch.empty(N, dtype=dtype, device=h.device)
         out = torch.empty(ids.shape, dtype=dtype, device=h.device)
         blocks, chunk = layout(N, V, chunk, h.device)
+        kept = [] if any(ctx.needs_input_grad[:3]) and keeps_probabilities(N, V, chunk, h.device, softcap) else None
         for rows in blocks:
             hb, ib = h[rows], ids[rows]
             m = torch.full((hb.shape[0],), float("-inf"), dtype=dtype, device=h.device)
@@ -139,8 +157,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
             lse[rows] = m + torch.log(s)
             # (z - m) - log s rather than z - (m + log s): the subtraction then rounds at |z - m|, not at |lse|
             out[rows] = (picked - m[:, None]) - torch.log(s)[:, None]
+            if kept is not None:  # one slice (keeps_probabilities): z holds exp(z - m) of the whole vocabulary
+                kept.append(z.div_(s[:, None]))
         ctx.save_for_backward(h, W, b if b is not None else torch.empty(0), ids, lse)
         ctx.blocks, ctx.chunk, ctx.scale, ctx.softcap, ctx.has_b, ctx.mm = blocks, chunk, scale, softcap, b is not None, matmul_dtype(h)
+        ctx.kept = kept
         return out.to(h.dtype), lse.to(h.dtype)
 
     @staticmethod
@@ -157,13 +178,18 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_b = torch.zeros(W.shape[0], dtype=dtype, device=W.device) if need_b and b is not None else None
         mm = ctx.mm
         V = W.shape[0]
-        for rows in ctx.blocks:
+        for j, rows in enumerate(ctx.blocks):
             hm, ib, gb = h[rows].to(mm), ids[rows], g_lp[rows]
             for a in range(0, V, ctx.chunk):
-                z = _slice_logits(hm, W, b, a, ctx.chunk, ctx.scale, ctx.softcap, dtype)
-                C = z.shape[1]
-                capped = z.clone() if ctx.softcap is not None else None
-                dz = z.sub_(lse[rows, None]).exp_().mul_(coef[rows, None])  # (g_lse - sum g) * q
+                if ctx.kept is not None and ctx.kept[j] is not None:  # the forward's probabilities (one slice a block), used once
+                    z, ctx.kept[j] = ctx.kept[j], None
+                    C, capped = z.shape[1], None
+                    dz = z.mul_(coef[rows, None])
+                else:
+                    z = _slice_logits(hm, W, b, a, ctx.chunk, ctx.scale, ctx.softcap, dtype)
+                    C = z.shape[1]
+                    capped = z.clone() if ctx.softcap is not None else None
+                    dz = z.sub_(lse[rows, None]).exp_().mul_(coef[rows, None])  # (g_lse - sum g) * q
                 col, held = _inside(ib, a, C, V)  # + sum_k g_k [v = id_k]; ids outside the slice add 0
                 dz.scatter_add_(1, col, gb if held is None else torch.where(held, gb, 0))
                 if capped is not None:  # d(c tanh(x / c))/dx = 1 - tanh(x / c)^2 = 1 - (capped / c)^2

@@ -6,8 +6,9 @@ and the fused head pass (opdcache/logits/logprobs.py, and opdcache/logits/diverg
 all run inside its ``forward``, so FSDP has gathered the head's weight when it is used and gradients
 reach the sharded parameters. Memory per micro-batch: activations [B, L, H] (or one layer's with
 ``--gradient-checkpointing``), the head pass's [rows, chunk] float32 logit blocks (bounded by
-opdcache.logits.logprobs.BLOCK_BYTES whatever N; on a GPU [rows, V] blocks of at most GPU_BLOCK_BYTES) and one [V, H] head
-gradient; nothing grows with N x V.
+opdcache.logits.logprobs.BLOCK_BYTES whatever N; on a GPU [rows, V] blocks of at most GPU_BLOCK_BYTES, and the
+forward's probabilities kept for the backward within KEEP_BYTES) and one [V, H] head gradient; nothing grows with N x V
+beyond those budgets.
 """
 
 from __future__ import annotations
