@@ -107,20 +107,10 @@ def test_a_model_given_packed_position_ids_attends_within_each_sequence(hf_cache
     assert not torch.allclose(crossed[packed["logit_positions"]], want, atol=1e-6)  # one causal mask over all would differ
 
 
-@pytest.mark.parametrize("loss", ["lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "sampled-fkl", "full-fkl", "full-rkl", "jsd",
-                                  "span"])
-def test_a_packed_train_step_equals_the_padded_one(hf_cache, weights, tmp_path, loss):
-    """Every loss: the same rows packed and padded give the same loss and the same gradient of every parameter (float32,
-    to its rounding: the attention sums run over differently masked rows), and the same logged numbers."""
-    from opdcache.training.estimators import ESTIMATORS
-    from opdcache.training.losses import Corrections
+def _one_step_padded_and_packed(common: dict, tmp_path) -> list[tuple]:
+    """(loss, logged numbers, every parameter's gradient) of one step on the first batch, padded then packed."""
     from opdcache.training.train import TrainConfig, Trainer
 
-    # every loss: here on one tokenizer's table; uld and gold (a teacher of another tokenizer) in tests/test_crossteacher.py
-    assert set(ESTIMATORS) == {"lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "sampled-fkl", "full-fkl", "full-rkl", "jsd",
-                               "span", "uld", "gold"}
-    common = dict(model=weights / "student", cache=hf_cache, steps=1, batch_size=6, seed=1, loss=loss, dtype="float32",
-                  corrections=Corrections(tis_cap=2.0) if loss == "is" else Corrections())
     results = []
     for pack in (False, True):
         torch.manual_seed(0)
@@ -129,13 +119,33 @@ def test_a_packed_train_step_equals_the_padded_one(hf_cache, weights, tmp_path, 
         assert ("cu_seqlens" in batch) == pack
         loss_value, stats = trainer.loss_and_stats(batch)
         loss_value.backward()
-        results.append((float(loss_value.detach()), stats, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}))
-    (a, sa, ga), (b, sb, gb) = results
-    assert a != 0 and b == pytest.approx(a, rel=1e-5, abs=1e-7)
+        results.append((loss_value.detach(), stats, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}))
+    return results
+
+
+def _assert_gradients_close(ga: dict, gb: dict, tolerance: float) -> None:
     assert ga.keys() == gb.keys() and len(ga) > 10
     for name in ga:
         relative = float((gb[name] - ga[name]).norm() / ga[name].norm().clamp_min(1e-30))
-        assert relative < 1e-5, (name, relative)  # float32's rounding, summed over a parameter's entries
+        assert relative < tolerance, (name, relative)
+
+
+@pytest.mark.parametrize("loss", ["lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "sampled-fkl", "full-fkl", "full-rkl", "jsd",
+                                  "span"])
+def test_a_packed_train_step_equals_the_padded_one(hf_cache, weights, tmp_path, loss):
+    """Every loss: the same rows packed and padded give the same loss and the same gradient of every parameter (float32,
+    to its rounding: the attention sums run over differently masked rows), and the same logged numbers."""
+    from opdcache.training.estimators import ESTIMATORS
+    from opdcache.training.losses import Corrections
+
+    # every loss: here on one tokenizer's table; uld and gold (a teacher of another tokenizer) in tests/test_crossteacher.py
+    assert set(ESTIMATORS) == {"lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "sampled-fkl", "full-fkl", "full-rkl", "jsd",
+                               "span", "uld", "gold"}
+    common = dict(model=weights / "student", cache=hf_cache, steps=1, batch_size=6, seed=1, loss=loss, dtype="float32",
+                  corrections=Corrections(tis_cap=2.0) if loss == "is" else Corrections())
+    (a, sa, ga), (b, sb, gb) = _one_step_padded_and_packed(common, tmp_path)
+    assert float(a) != 0 and float(b) == pytest.approx(float(a), rel=1e-5, abs=1e-7)
+    _assert_gradients_close(ga, gb, 1e-5)  # float32's rounding, summed over a parameter's entries
     assert sb.keys() == sa.keys() and sb["tokens"] == sa["tokens"]
     for key in sa:
         assert sb[key] == pytest.approx(sa[key], rel=1e-4, abs=1e-6), key
@@ -148,26 +158,13 @@ def test_a_packed_exact_train_step_has_the_padded_steps_bits(hf_cache, weights, 
     sequence's values are its padded row's bits); the gradients agree to float32's rounding (the backward's sums run
     over other shapes)."""
     from opdcache.training.losses import Corrections
-    from opdcache.training.train import TrainConfig, Trainer
 
     common = dict(model=weights / "student", cache=hf_cache, steps=1, batch_size=6, seed=1, loss=loss, dtype=dtype, exact=True,
                   corrections=Corrections(tis_cap=2.0) if loss == "is" else Corrections())
-    results = []
-    for pack in (False, True):
-        torch.manual_seed(0)
-        trainer = Trainer(TrainConfig(out=tmp_path / str(pack), pack=pack, **common))
-        batch = trainer.source.next_batch()
-        assert ("cu_seqlens" in batch) == pack
-        loss_value, stats = trainer.loss_and_stats(batch)
-        loss_value.backward()
-        results.append((loss_value.detach(), stats, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}))
-    (a, sa, ga), (b, sb, gb) = results
+    (a, sa, ga), (b, sb, gb) = _one_step_padded_and_packed(common, tmp_path)
     assert float(a) != 0 and torch.equal(a, b), (float(a), float(b))
     assert sa == sb
-    assert ga.keys() == gb.keys() and len(ga) > 10
-    for name in ga:
-        relative = float((gb[name] - ga[name]).norm() / ga[name].norm().clamp_min(1e-30))
-        assert relative < (1e-5 if dtype == "float32" else 1e-2), (name, relative)
+    _assert_gradients_close(ga, gb, 1e-5 if dtype == "float32" else 1e-2)
 
 
 def test_pack_is_refused_with_online():
