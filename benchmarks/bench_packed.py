@@ -15,7 +15,9 @@ tokens. The padded side is what train does without --pack (and what a trainer wi
 row of a batch padded to its longest. The padding share of the batches is printed beside the figures: packing can gain
 at most 1 / (1 - that share) on the decoder's work.
 
-    python benchmarks/bench_packed.py [--steps 12 --batch-size 16 --rounds 3] [--max-batch-tokens N]
+``--exact`` runs both sides in the exact arithmetic (the packed side's values are the padded side's bits).
+
+    python benchmarks/bench_packed.py [--steps 12 --batch-size 16 --rounds 3] [--max-batch-tokens N] [--exact] [--cases spread]
 """
 
 from __future__ import annotations
@@ -100,14 +102,15 @@ def padding_share(cache: str, batch_size: int) -> float:
     return 1 - real / padded
 
 
-def setup(cache: str, model: str, steps: int, batch_size: int, pack: bool, out: str, max_batch_tokens: int | None = None) -> dict:
+def setup(cache: str, model: str, steps: int, batch_size: int, pack: bool, out: str, max_batch_tokens: int | None = None,
+          exact: bool = False) -> dict:
     from opdcache.training.train import TrainConfig, Trainer
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
     cfg = TrainConfig(model=Path(model), cache=cache, out=Path(tempfile.mkdtemp(prefix="bench-packed-", dir=out)), steps=steps,
                       batch_size=batch_size, dtype="float32", checkpoint="none", pack=pack, allow_other_model=True, progress=False,
-                      max_batch_tokens=max_batch_tokens)
+                      max_batch_tokens=max_batch_tokens, exact=exact)
     return {"trainer": Trainer(cfg)}
 
 
@@ -132,6 +135,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, default=None,
                         help="also time train --pack --max-batch-tokens N on the spread case (its peak memory beside the others)")
+    parser.add_argument("--exact", action="store_true", help="both sides with --exact (the exact arithmetic: bit-equal values)")
+    parser.add_argument("--cases", default="demo,spread", help="which of the demo and spread cases to run")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "packed.json")
     args = parser.parse_args()
     out = {}
@@ -139,12 +144,15 @@ def main() -> None:
         root = Path(tmp)
         cases = (("demo", str(build(root, args.prompts)), DEMO / "student"),
                  ("spread", str(build_spread(root, args.spread_rows, 64)), wide_model(root)))
+        flag = " --exact" if args.exact else ""
         for label, cache, model in cases:
+            if label not in args.cases.split(","):
+                continue
             share = padding_share(cache, args.batch_size)
-            common = {"cache": cache, "model": str(model), "steps": args.steps, "batch_size": args.batch_size, "out": tmp}
-            sides = [Side("train --pack", "run_fit", "setup", common | {"pack": True},
+            common = {"cache": cache, "model": str(model), "steps": args.steps, "batch_size": args.batch_size, "out": tmp, "exact": args.exact}
+            sides = [Side(f"train --pack{flag}", "run_fit", "setup", common | {"pack": True},
                           note="the rows end to end with position ids; the losses on the same numbers"),
-                     Side("train (padded)", "run_fit", "setup", common | {"pack": False}, baseline=True,
+                     Side(f"train{flag} (padded)", "run_fit", "setup", common | {"pack": False}, baseline=True,
                           note="every row padded to the batch's longest (train's default)")]
             if args.max_batch_tokens and label == "spread":
                 sides.insert(1, Side(f"train --pack --max-batch-tokens {args.max_batch_tokens}", "run_fit", "setup",
@@ -155,7 +163,9 @@ def main() -> None:
                              __file__, rounds=args.rounds,
                              meta={"command": f"python benchmarks/bench_packed.py --steps {args.steps} --batch-size {args.batch_size} "
                                               f"--rounds {args.rounds}" + (f" --max-batch-tokens {args.max_batch_tokens}"
-                                                                           if args.max_batch_tokens else ""), "padding_share": share})
+                                                                           if args.max_batch_tokens else "") + flag
+                                              + (f" --cases {args.cases}" if args.cases != "demo,spread" else ""),
+                                   "padding_share": share})
             report(result)
             out[label] = result
     args.json.parent.mkdir(parents=True, exist_ok=True)

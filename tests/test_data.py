@@ -182,3 +182,23 @@ def test_the_loaders_collate_equals_the_plain_reference(request, cache, teacher,
             assert fast[name].dtype == plain[name].dtype and torch.equal(fast[name], plain[name]), name
     assert {"teacher_hidden", "mc_ids", "ref_topk_ids"} <= set(fast) and fast["teacher_hidden"].dtype == (
         torch.bfloat16 if cache == "synth_cache" else torch.float32)
+
+
+def test_a_process_that_exits_with_an_epoch_open_prints_nothing(hf_cache, weights, tmp_path):
+    """A script that leaves a trainer (its loader mid-epoch, decoding threads alive) in a global and exits: the epoch is
+    closed at exit while the modules are whole, so no ignored exception from a half-torn-down thread pool is printed."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from pathlib import Path\n"
+        "from opdcache.training.train import TrainConfig, Trainer\n"
+        f"trainer = Trainer(TrainConfig(model=Path({str(weights / 'student')!r}), cache={str(hf_cache)!r}, out=Path({str(tmp_path / 'run')!r}),"
+        " steps=1, batch_size=2, checkpoint='none'))\n"
+        "trainer.fit()\n"
+        "print('trained')\n")
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-2000:]
+        assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -18,7 +18,9 @@ workers, and the loader yields batches in a fixed order that a saved count can s
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -461,6 +463,18 @@ class CacheDataset(torch.utils.data.IterableDataset):
             pool.shutdown(wait=True, cancel_futures=True)
 
 
+_OPEN_EPOCHS: weakref.WeakSet = weakref.WeakSet()
+"""Epochs still open (a loader's batches not all taken, its decoding threads alive), closed at exit."""
+
+
+@atexit.register
+def _close_open_epochs() -> None:
+    """At exit, while every module is still whole: each open epoch stops its decoding threads (closed later, during
+    the interpreter's teardown, its thread pool would find its own modules gone and print an ignored exception)."""
+    for epoch in list(_OPEN_EPOCHS):
+        epoch.close()
+
+
 class CacheLoader:
     """Batches from a cache with an exact, resumable position: epoch and batches consumed. ``num_workers`` > 0 runs the
     dataset in a torch DataLoader's worker processes; 0 iterates it in this process."""
@@ -480,7 +494,8 @@ class CacheLoader:
             loader = torch.utils.data.DataLoader(self.dataset, batch_size=None, num_workers=self.config.num_workers,
                                                  persistent_workers=False, prefetch_factor=4)
         else:  # the dataset's own batches: a DataLoader in the main process adds only its per-batch overhead (10% of a kept epoch)
-            loader = self.dataset
+            loader = iter(self.dataset)
+            _OPEN_EPOCHS.add(loader)
         total = len(self.dataset.batches(self.epoch))
         for batch in loader:
             self.consumed += 1
