@@ -99,7 +99,8 @@ def test_logged_importance_weights_equal_pi_theta_over_pi_old_recomputed(tmp_pat
     rho_mean must be exp(log pi_v3 - log pi_v2) over its tokens, recomputed here with a plain full-logits forward."""
     from transformers import AutoModelForCausalLM
 
-    from opdcache.training.data import DecodedShard, collate
+    from opdcache.training.data import collate
+    from opdcache.training.decoded import DecodedShard
 
     cfg = _cfg(weights, opd_prompts, tmp_path / "run", steps=5, keep_snapshots=True)
     run_async(cfg)

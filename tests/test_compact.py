@@ -412,7 +412,7 @@ def test_a_prob14_table_is_v4_validates_and_reads_back_everywhere_as_the_same_nu
     import datasets
 
     from opdcache.format.cache import Cache
-    from opdcache.training.data import DecodedShard
+    from opdcache.training.decoded import DecodedShard
     from opdcache.format.export import export
     from opdcache.format.validate import validate
 

@@ -191,7 +191,8 @@ class QueueSource:
             ["topk_ids", "topk_logprobs"] if "topk" in cfg.teacher_stores() else [])
 
     def next_batch(self) -> dict:
-        from opdcache.training.data import DecodedShard, collate
+        from opdcache.training.data import collate
+        from opdcache.training.decoded import DecodedShard
 
         b = self.next
         rollout, teacher = table_paths(self.cfg, b)

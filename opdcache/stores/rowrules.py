@@ -1,5 +1,5 @@
 """The rules a stored row of token ids and log-probs must meet, written once: ``opdcache validate`` reports every
-violation, and the loader (opdcache/training/data.py) refuses a shard at its first, naming the shard, the row and the column,
+violation, and the loader (opdcache/training/decoded.py) refuses a shard at its first, naming the shard, the row and the column,
 before anything trains on it.
 
 Each function takes a shard's flat per-token values ([tokens, width]) and returns (column, bad tokens [tokens] bool,

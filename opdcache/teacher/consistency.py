@@ -69,7 +69,7 @@ def check(cache_root: str | Path, teachers: list[str] | None = None, train_teach
     ref = [r.astype(np.float64) for r in cache.sequences("rollouts", "ref_logprobs")]
     lengths = np.array([len(r) for r in ref], dtype=np.float64)
     scores = {n: [t.astype(np.float64) for t in cache.sequences(cache.teacher_table(n), "logprobs")] for n in names}
-    for name, rows in scores.items():  # the same refusal as the loader's (opdcache/training/data.py) and export's
+    for name, rows in scores.items():  # the same refusal as the loader's (opdcache/training/decoded.py) and export's
         bad = next((i for i, (r, t) in enumerate(zip(ref, rows)) if len(r) != len(t)), None)
         if bad is not None or len(rows) != len(ref):
             where = f"row {bad}" if bad is not None else f"{len(rows)} rows against {len(ref)}"

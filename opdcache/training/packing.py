@@ -1,6 +1,6 @@
 """Packed batches: a batch's rows end to end, no padding (``CacheLoaderConfig(pack=True)``, ``train --pack``).
 
-:func:`collate_packed` lays out rows of decoded shards (opdcache/training/data.py ``DecodedShard``: their flat per-token
+:func:`collate_packed` lays out rows of decoded shards (opdcache/training/decoded.py ``DecodedShard``: their flat per-token
 buffers and row offsets) as one sequence with its position ids and offsets, every per-token column flat;
 :func:`unpack` gives a flat column back as the padded [B, T] of the padded loader. Memory: the batch's tokens.
 """
