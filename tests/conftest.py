@@ -99,15 +99,31 @@ def opd_prompts(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def hf_cache(tmp_path_factory, weights, opd_prompts):
-    """A small rollouts cache from the demo student (lineage: the demo teacher), scored by the teacher in every store."""
+def ragged_prompts(tmp_path_factory):
+    """24 prompts of the demo's task with 1- to 4-digit operands, 6 of each: prompts of 5-11 tokens, and the demo
+    student's responses 9-40 tokens long (the 3-digit prompts alone give every row the same 9 + 33 tokens, so a batch
+    of them has no padding to get wrong)."""
+    import json
+
+    from opdcache.demo.task import problems
+
+    path = tmp_path_factory.mktemp("prompts") / "ragged.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n"
+                            for digits in (1, 2, 3, 4) for p in problems("opd", 6, 0, digits)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_cache(tmp_path_factory, weights, ragged_prompts):
+    """A small rollouts cache from the demo student (lineage: the demo teacher), scored by the teacher in every store:
+    48 rows of 5-11 prompt and 9-40 response tokens (``ragged_prompts``), so batches carry padding."""
     from opdcache.backends.base import SamplingConfig
     from opdcache.inputs.prompts import PromptConfig
     from opdcache.teacher.rollouts import GenerateJob, run_generate
     from opdcache.teacher.scoring import ScoreJob, run_score
 
     out = tmp_path_factory.mktemp("hf") / "cache"
-    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=out, num_shards=3,
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(ragged_prompts), out=out, num_shards=3,
                              sampling=SamplingConfig(max_new_tokens=40, samples=2, ref_top_k=5, mc_samples=3),
                              sft_teacher=weights / "teacher", reward="addition"))
     run_score(ScoreJob(cache=out, teacher=weights / "teacher", stores=("logprob", "topk", "hidden", "svd", "sampled"), top_k=6, svd_rank=16,

@@ -107,14 +107,17 @@ def test_a_model_given_packed_position_ids_attends_within_each_sequence(hf_cache
     assert not torch.allclose(crossed[packed["logit_positions"]], want, atol=1e-6)  # one causal mask over all would differ
 
 
-def _one_step_padded_and_packed(common: dict, tmp_path) -> list[tuple]:
-    """(loss, logged numbers, every parameter's gradient) of one step on the first batch, padded then packed."""
+def _one_step_padded_and_packed(common: dict, tmp_path, model_dtype: torch.dtype | None = None) -> list[tuple]:
+    """(loss, logged numbers, every parameter's gradient) of one step on the first batch, padded then packed
+    (``model_dtype``: the student cast to it after the trainer is built)."""
     from opdcache.training.train import TrainConfig, Trainer
 
     results = []
     for pack in (False, True):
         torch.manual_seed(0)
         trainer = Trainer(TrainConfig(out=tmp_path / str(pack), pack=pack, **common))
+        if model_dtype is not None:
+            trainer.model.to(model_dtype)
         batch = trainer.source.next_batch()
         assert ("cu_seqlens" in batch) == pack
         loss_value, stats = trainer.loss_and_stats(batch)
@@ -149,6 +152,24 @@ def test_a_packed_train_step_equals_the_padded_one(hf_cache, weights, tmp_path, 
     assert sb.keys() == sa.keys() and sb["tokens"] == sa["tokens"]
     for key in sa:
         assert sb[key] == pytest.approx(sa[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("loss", ["lightning", "is", "mc", "ppo", "topk-fkl", "topk-rkl", "sampled-fkl", "full-fkl", "full-rkl", "jsd",
+                                  "span"])
+def test_a_packed_step_of_a_float64_student_has_the_padded_steps_gradients_to_float64s_rounding(hf_cache, weights, tmp_path, loss):
+    """The same parity with the student in float64: every parameter's gradient to 1e-12 (measured 2e-16 to 6e-16), so
+    what float32's 1e-5 above allows is rounding, not a slightly wrong position, mask or offset. The head pass and the
+    losses compute in float32 either way (the loss equal to the bit); with --tis-cap the token weights are float32
+    exp()s, which torch's CPU kernel rounds by the value's offset in its tensor (vectorised body, scalar tail), so a
+    weight may differ by an ulp between the [B, T] and the flat layout: 1e-6 there (measured 3e-7)."""
+    from opdcache.training.losses import Corrections
+
+    common = dict(model=weights / "student", cache=hf_cache, steps=1, batch_size=6, seed=1, loss=loss, dtype="float32",
+                  corrections=Corrections(tis_cap=2.0) if loss == "is" else Corrections())
+    (a, sa, ga), (b, sb, gb) = _one_step_padded_and_packed(common, tmp_path, model_dtype=torch.float64)
+    assert next(iter(ga.values())).dtype == torch.float64
+    assert float(a) != 0 and float(b) == pytest.approx(float(a), rel=1e-6)
+    _assert_gradients_close(ga, gb, 1e-6 if loss == "is" else 1e-12)
 
 
 @pytest.mark.parametrize("loss,dtype", [("lightning", "float32"), ("lightning", "bfloat16"), ("topk-fkl", "float32"),
