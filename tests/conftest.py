@@ -93,6 +93,8 @@ def student(weights):
 
 @pytest.fixture(scope="session")
 def opd_prompts(tmp_path_factory):
+    """The demo's OPD prompts (3-digit problems): the demo's own task, which its teacher solves. The demo student's
+    responses to them are all 33 tokens long: tests of padding use ``ragged_prompts``."""
     from opdcache.demo.task import write_prompts
 
     return write_prompts(tmp_path_factory.mktemp("prompts") / "opd.jsonl", "opd", 24)
@@ -103,13 +105,23 @@ def ragged_prompts(tmp_path_factory):
     """24 prompts of the demo's task with 1- to 4-digit operands, 6 of each: prompts of 5-11 tokens, and the demo
     student's responses 9-40 tokens long (the 3-digit prompts alone give every row the same 9 + 33 tokens, so a batch
     of them has no padding to get wrong)."""
+    return _write_ragged_prompts(tmp_path_factory.mktemp("prompts") / "ragged.jsonl", (6, 6, 6, 6))
+
+
+@pytest.fixture(scope="session")
+def write_ragged_prompts():
+    """``write_ragged_prompts(path, per_digits)``: a prompts file of the demo's task, ``per_digits[d - 1]`` problems
+    with d-digit operands (the opd split has 12 one-digit problems)."""
+    return _write_ragged_prompts
+
+
+def _write_ragged_prompts(path, per_digits: tuple[int, ...]):
     import json
 
     from opdcache.demo.task import problems
 
-    path = tmp_path_factory.mktemp("prompts") / "ragged.jsonl"
     path.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n"
-                            for digits in (1, 2, 3, 4) for p in problems("opd", 6, 0, digits)))
+                            for digits, n in enumerate(per_digits, 1) for p in problems("opd", n, 0, digits)))
     return path
 
 

@@ -14,7 +14,7 @@ from opdcache.teacher.audit import audit, AuditConfig, render, tolerance_for, UN
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float16"])
-def low_precision_cache(request, tmp_path_factory, weights, opd_prompts):
+def low_precision_cache(request, tmp_path_factory, weights, ragged_prompts):
     from opdcache.backends import EngineConfig
     from opdcache.backends.base import SamplingConfig
     from opdcache.inputs.prompts import PromptConfig
@@ -23,7 +23,7 @@ def low_precision_cache(request, tmp_path_factory, weights, opd_prompts):
 
     dtype = request.param
     out = tmp_path_factory.mktemp(dtype) / "cache"
-    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=out, num_shards=2,
+    run_generate(GenerateJob(model=weights / "student", prompts=PromptConfig(ragged_prompts), out=out, num_shards=2,
                              sampling=SamplingConfig(max_new_tokens=32, samples=2, ref_top_k=3), engine=EngineConfig(dtype=dtype),
                              sft_teacher=weights / "teacher"))
     run_score(ScoreJob(cache=out, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=4, engine=EngineConfig(dtype=dtype)))

@@ -28,7 +28,8 @@ def prompts(weights):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(weights / "student")
-    return [chat_prompt_ids(tok, p) for p in ("347+589", "001+002", "999+999", "120+305", "555+445", "010+990", "731+064")]
+    # prompts of three lengths: a batch of them is left-padded (prompts[3] among the first three as well)
+    return [chat_prompt_ids(tok, p) for p in ("347+589", "1+2", "999+999", "12+305", "555+445", "10+990", "731+064")]
 
 
 def test_generated_values_mean_what_the_schema_says(student, prompts):

@@ -285,11 +285,11 @@ def _cli(args, capsys):
 
 
 @pytest.fixture(scope="module")
-def exact_cache(tmp_path_factory, weights):
-    from opdcache.demo.task import write_prompts
-
+def exact_cache(tmp_path_factory, weights, write_ragged_prompts):
+    """256 exact rollouts of prompts of 5-11 tokens (1- to 4-digit problems: left padding in every generation batch,
+    responses of 9-12 tokens), scored exactly."""
     root = tmp_path_factory.mktemp("exact")
-    prompts = write_prompts(root / "opd.jsonl", "opd", 64)
+    prompts = write_ragged_prompts(root / "opd.jsonl", (8, 16, 20, 20))
     out = root / "cache"
     for args in (["build-rollouts", "--model", weights / "student", "--prompts", prompts, "--out", out, "--num-shards", 2,
                   "--samples", 4, "--temperature", 0.9, "--top-p", 0.95, "--max-new-tokens", 12, "--ref-top-k", 4, "--mc-samples", 2,
@@ -307,6 +307,11 @@ def test_exact_cache_reproduces_everywhere(exact_cache, tmp_path, weights, capsy
     rollouts = manifest["tables"]["rollouts"]
     assert sum(s["rows"] for s in rollouts["shards"]) == 256
     assert rollouts["model"]["engine"] == "exact" and rollouts["model"]["exact"]["arithmetic"] == "opdcache-exact-1"
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(exact_cache / rollouts["shards"][0]["path"], columns=["prompt_ids", "response_ids"])
+    assert len({len(p) for p in table["prompt_ids"].to_pylist()}) > 2  # padding in every batch: what the bits must not see
+    assert len({len(r) for r in table["response_ids"].to_pylist()}) > 1
     code, out = _cli(["mismatch-report", exact_cache, "--exact", "--out", tmp_path / "mm", "--no-png", "--max-abs-delta", 0], capsys)
     assert code in (0, None), out
     rep = json.loads((tmp_path / "mm" / "mismatch_report.json").read_text())
@@ -450,10 +455,11 @@ def test_a_consumed_batch_that_cannot_be_sampled_again_is_refused(tmp_path, weig
 
 
 @pytest.mark.slow
-def test_async_exact_at_staleness_zero_has_weights_of_exactly_one(tmp_path, weights, opd_prompts, capsys):
+def test_async_exact_at_staleness_zero_has_weights_of_exactly_one(tmp_path, weights, ragged_prompts, capsys):
     """async --exact: the rollout, teacher and learner stages share one arithmetic, so at K = 0 the learner's recompute of
-    the snapshot that sampled each batch gives old-to-current weights of exactly 1 (papers/001's rho), at every step."""
-    code, text = _cli(["async", "--model", weights / "student", "--teacher", weights / "teacher", "--prompts", opd_prompts,
+    the snapshot that sampled each batch gives old-to-current weights of exactly 1 (papers/001's rho), at every step
+    (prompts of 5-11 tokens: padded batches at every stage)."""
+    code, text = _cli(["async", "--model", weights / "student", "--teacher", weights / "teacher", "--prompts", ragged_prompts,
                        "--staleness", 0, "--steps", 2, "--batch-size", 8, "--max-new-tokens", 10, "--out", tmp_path / "run", "--exact"], capsys)
     assert code in (0, None), text
     steps = [json.loads(line) for line in (tmp_path / "run" / "learner" / "metrics.jsonl").read_text().splitlines()]
