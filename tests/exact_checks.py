@@ -97,6 +97,11 @@ def primitives_that_vary(A, device, dtype=torch.float32) -> list[str]:
         "temperature": (z, lambda t: t / 0.9), "log_softmax": (z, lambda t: H.log_softmax(t, A)),
         "top_p_mask": (H.log_softmax(z, A), lambda t: H.top_p_mask(t, 0.9, A)),
     }
+    if hasattr(A, "rms_norm"):  # the decoder's composites an arithmetic computes in its own kernels
+        norm_w = (torch.rand(200, generator=g) + 0.5).to(device, dtype)
+        ops["rms_norm"] = (x, lambda t: A.rms_norm(t, norm_w, 1e-6, dtype))
+        # each row sees its first 1-40 keys, a function of its own values (the slices keep row and limit together)
+        ops["attention_probs"] = (z[:, :40], lambda t: A.attention_probs(t, (t[:, 0].abs() * 7).long() % 40 + 1, 0.125, dtype))
     varying = []
     for name, (t, f) in ops.items():
         full = f(t)

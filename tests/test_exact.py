@@ -272,7 +272,7 @@ def test_a_table_of_the_gpu_arithmetic_is_replayed_only_on_a_gpu(tmp_path, monke
     with pytest.raises(ConfigError, match=f"the rollouts was computed in {GPU_ARITHMETIC}, the GPU's batch-invariant arithmetic: "
                                           "it re-computes on a CUDA GPU"):
         engine_for_table({"exact": {"arithmetic": GPU_ARITHMETIC}}, tmp_path, "the rollouts")
-    with pytest.raises(ConfigError, match="this opdcache implements 'opdcache-exact-1', 'opdcache-invariant-1'"):
+    with pytest.raises(ConfigError, match="this opdcache implements 'opdcache-exact-1', 'opdcache-invariant-2'"):
         engine_for_table({"exact": {"arithmetic": "opdcache-exact-0"}}, tmp_path, "the rollouts")
 
 

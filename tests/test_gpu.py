@@ -196,13 +196,12 @@ def test_exact_decoder_and_head_give_the_cpus_bits(weights, name, dtype):
 
 
 @pytest.mark.parametrize("settings", [[], ["--dtype", "bfloat16"]])
-def test_an_exact_cache_built_on_cpu_trains_on_cuda_with_weights_of_exactly_one(tmp_path, weights, settings, capsys):
+def test_an_exact_cache_built_on_cpu_trains_on_cuda_with_weights_of_exactly_one(tmp_path, weights, settings, capsys, write_ragged_prompts):
     """build-rollouts --exact runs on the CPU (the exact engine's device); train --exact on this machine's GPU
     recomputes every stored log-prob bit for bit: at step 1 every importance weight is exactly 1."""
     from opdcache.cli.main import main
-    from opdcache.demo.task import write_prompts
 
-    prompts = write_prompts(tmp_path / "p.jsonl", "opd", 16)
+    prompts = write_ragged_prompts(tmp_path / "p.jsonl", (4, 4, 4, 4))  # prompts of 5-11 tokens: padded batches
     cache, run = tmp_path / "cache", tmp_path / "run"
     torch.cuda.reset_peak_memory_stats()
     for args in (["build-rollouts", "--model", weights / "student", "--prompts", prompts, "--out", cache, "--num-shards", 1,
@@ -238,7 +237,7 @@ def test_generation_on_cuda_keeps_every_step_on_the_device_and_matches_the_cpu(w
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(weights / "student")
-    reqs = [GenerateRequest(chat_prompt_ids(tok, f"{a:03d}+{b:03d}"), seed=a * 1000 + b) for a, b in [(1, 2), (347, 589), (999, 1), (120, 305)]]
+    reqs = [GenerateRequest(chat_prompt_ids(tok, f"{a}+{b}"), seed=a * 1000 + b) for a, b in [(1, 2), (347, 589), (999, 1), (120, 305)]]
     s = SamplingConfig(temperature=0.9, top_p=0.95, max_new_tokens=30, ref_top_k=3, mc_samples=2)
     cpu = TransformersBackend(weights / "student", dtype="float32", device="cpu").generate(reqs, s)
     gpu = TransformersBackend(weights / "student", dtype="float32", device="cuda").generate(reqs, s)
@@ -289,14 +288,13 @@ def test_every_invariant_primitive_gives_a_row_the_same_bits_in_any_batch_on_cud
     assert primitives_that_vary(invariant, CUDA, dtype) == []
 
 
-def test_an_exact_cache_on_cuda_trains_and_audits_on_cuda(tmp_path, weights, capsys):
+def test_an_exact_cache_on_cuda_trains_and_audits_on_cuda(tmp_path, weights, capsys, write_ragged_prompts):
     """build-rollouts and score-teacher --exact --device cuda record the GPU arithmetic; train --exact recomputes
     every stored log-prob (importance weights exactly 1) and audit replays the table bit for bit."""
     from opdcache.cli.main import main
-    from opdcache.demo.task import write_prompts
     from opdcache.exact import GPU_ARITHMETIC
 
-    prompts = write_prompts(tmp_path / "p.jsonl", "opd", 16)
+    prompts = write_ragged_prompts(tmp_path / "p.jsonl", (4, 4, 4, 4))  # prompts of 5-11 tokens: padded batches
     cache, run = tmp_path / "cache", tmp_path / "run"
     for args in (["build-rollouts", "--model", weights / "student", "--prompts", prompts, "--out", cache, "--num-shards", 1,
                   "--samples", 2, "--temperature", 0.9, "--top-p", 0.95, "--max-new-tokens", 12, "--exact", "--device", "cuda",

@@ -102,6 +102,60 @@ def test_gradients_are_the_ordinary_ones():
     assert torch.allclose(gx, x.grad) and torch.allclose(gw, w.grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_in_one_kernel_is_the_formula_within_its_rounding_and_ignores_the_batch(dtype):
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(37, 3000, generator=g) * 3).to(dtype)  # wider than a block of lanes: three passes a row
+    w = (torch.rand(3000, generator=g) + 0.5).to(dtype)
+    y = I.rms_norm(x, w, 1e-6, dtype)
+    assert y.dtype == dtype and y.shape == x.shape
+    x64 = x.double()
+    scaled = (x64 * torch.rsqrt((x64 * x64).mean(-1, keepdim=True) + 1e-6)).to(dtype).double()  # rounded, as the kernel rounds
+    ulp = 2.0 ** -23 if dtype == torch.float32 else 2.0 ** -7
+    assert ((y.double() - w.double() * scaled).abs() <= 2 * ulp * (w.double() * scaled).abs() + 1e-30).all()
+    assert torch.equal(I.rms_norm(x[5:6], w, 1e-6, dtype), y[5:6]) and torch.equal(I.rms_norm(x[20:], w, 1e-6, dtype), y[20:])
+    assert torch.equal(I.rms_norm(x.reshape(37, 3, 1000)[:, 1], w[:1000], 1e-6, dtype),  # strided rows
+                       I.rms_norm(x.reshape(37, 3, 1000)[:, 1].contiguous(), w[:1000], 1e-6, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_probs_are_the_masked_softmax_and_a_rows_unseen_keys_change_nothing(dtype):
+    """The three-launch softmax against torch's in float64 (of the same rounded, scaled scores), exact zeros past a
+    row's limit, and a decode step's row (its keys so far) against the same row among more keys it does not see."""
+    g = torch.Generator().manual_seed(7)
+    scores = torch.randn(2, 3, 5, 1200, generator=g) * 4  # [B, kv heads, queries, keys]: 1,200 keys, two lane passes
+    limit = torch.randint(1, 1201, (2, 3, 5), generator=g)
+    p = I.attention_probs(scores, limit, 0.125, dtype)
+    assert p.dtype == dtype and p.shape == scores.shape
+    t = (scores.to(dtype) * 0.125).double()
+    seen = torch.arange(1200) < limit[..., None]
+    want = torch.softmax(t.masked_fill(~seen, float("-inf")), -1)
+    assert (p[~seen] == 0).all() and ((p.double() - want).abs() <= (2.0 ** -20 if dtype == torch.float32 else 2.0 ** -7) * want + 1e-30).all()
+    short = int(limit.max())
+    assert torch.equal(I.attention_probs(scores[..., :short].contiguous(), limit, 0.125, dtype), p[..., :short])
+    assert torch.equal(I.attention_probs(scores[1:, 2:], limit[1:, 2:], 0.125, dtype), p[1:, 2:])  # rows alone
+
+
+def test_the_composites_gradients_are_the_ordinary_ones():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 50, generator=g, requires_grad=True)
+    w = (torch.rand(50, generator=g) + 0.5).requires_grad_()
+    weights = torch.randn(6, 50, generator=g)
+    (I.rms_norm(x, w, 1e-6, torch.float32) * weights).sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    (w * x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * weights).sum().backward()
+    assert torch.allclose(gx, x.grad, atol=1e-6) and torch.allclose(gw, w.grad, atol=1e-5)
+    s = torch.randn(4, 30, generator=g, requires_grad=True)
+    limit = torch.tensor([1, 7, 30, 12])
+    (I.attention_probs(s, limit, 0.5, torch.float32) * weights[:4, :30]).sum().backward()
+    gs = s.grad.clone()
+    s.grad = None
+    seen = torch.arange(30) < limit[:, None]
+    (torch.softmax((s * 0.5).masked_fill(~seen, float("-inf")), -1) * weights[:4, :30]).sum().backward()
+    assert torch.allclose(gs, s.grad, atol=1e-6) and (gs[~seen] == 0).all()
+
+
 # ----------------------------------------------------------------------------------------------- the engine
 @pytest.mark.parametrize("dtype,n", [("float32", 16), ("bfloat16", 8)])
 def test_engine_rows_alone_and_batched_agree_and_scoring_and_the_trainer_give_them_back(weights, dtype, n):

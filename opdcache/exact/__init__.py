@@ -9,7 +9,7 @@ head take the primitives' module as a parameter.
 """
 
 CPU_ARITHMETIC = "opdcache-exact-1"  # arith.py's definition (with decoder.py and head.py): bump on any change
-GPU_ARITHMETIC = "opdcache-invariant-1"  # invariant.py's (with its kernels, decoder.py and head.py): bump on any change
+GPU_ARITHMETIC = "opdcache-invariant-2"  # invariant.py's (with its kernels, decoder.py and head.py): bump on any change
 ARITHMETICS = {CPU_ARITHMETIC: "opdcache.exact.arith", GPU_ARITHMETIC: "opdcache.exact.invariant"}
 
 

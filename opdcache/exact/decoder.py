@@ -135,7 +135,10 @@ class ExactDecoder:
         return list(torch.split(y, [m.weight.shape[0] for m in modules], dim=-1))
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm: x / sqrt(mean(x^2) + eps) in float32, then the weight in the model's dtype."""
+        """RMSNorm: x / sqrt(mean(x^2) + eps) in float32, then the weight in the model's dtype (an arithmetic with its
+        own ``rms_norm``, the GPU's one kernel, computes it there)."""
+        if hasattr(self.arith, "rms_norm"):
+            return self.arith.rms_norm(x, module.weight, module.variance_epsilon, self.dtype)
         x32 = x.float()
         var = self.arith.sum_last(x32 * x32, nonnegative=True) / x32.shape[-1]
         scaled = x32 * self.arith.rsqrt(var + module.variance_epsilon)[..., None]
@@ -157,11 +160,16 @@ class ExactDecoder:
             qb, pb = q[:, :, a: a + QUERY_BLOCK], qpos[:, a: a + QUERY_BLOCK]
             Qb = qb.shape[2]
             qg = qb.reshape(B, kv, rep * Qb, d)  # head g * rep + r reads key head g: rows (r, query) of group g
-            s = (self.arith.matmul(qg, kT).to(self.dtype) * self.scaling).float()  # [B, kv, rep x Qb, K]
-            seen = (keys[None, None, :] <= pb[:, :, None])[:, None, None].expand(B, 1, rep, Qb, K).reshape(B, 1, rep * Qb, K)
-            s = s.masked_fill(~seen, float("-inf"))
-            e = self.arith.exp(s - s.amax(-1, keepdim=True).detach())
-            p = (e / self.arith.sum_last(e, nonnegative=True)[..., None]).to(self.dtype)
+            scores = self.arith.matmul(qg, kT)  # [B, kv, rep x Qb, K]
+            if hasattr(self.arith, "attention_probs"):  # the GPU's kernels: each row sees its first pos + 1 keys
+                limit = (pb + 1)[:, None, None].expand(B, kv, rep, Qb).reshape(B, kv, rep * Qb)
+                p = self.arith.attention_probs(scores, limit, self.scaling, self.dtype)
+            else:
+                s = (scores.to(self.dtype) * self.scaling).float()
+                seen = (keys[None, None, :] <= pb[:, :, None])[:, None, None].expand(B, 1, rep, Qb, K).reshape(B, 1, rep * Qb, K)
+                s = s.masked_fill(~seen, float("-inf"))
+                e = self.arith.exp(s - s.amax(-1, keepdim=True).detach())
+                p = (e / self.arith.sum_last(e, nonnegative=True)[..., None]).to(self.dtype)
             out.append(self.arith.matmul(p, v).to(self.dtype).reshape(B, h, Qb, d))
         return torch.cat(out, 2)
 

@@ -16,6 +16,11 @@ arithmetic's bits, and it is recorded as its own arithmetic (:data:`NAME` and it
   lanes (the order depends on the row's own width only; appended zeros change nothing, as attention's masked keys
   need).
 * ``cumsum64``: one program per row, a scan per block of columns plus the carry (the inverse-CDF draws, top-p).
+* ``rms_norm``: one kernel a row block: the squares summed as ``sum_last`` sums, the reciprocal square root as a
+  correctly rounded square root and division, each product rounded to the model's dtype (bfloat16 by its bits, the
+  same rounding on a GPU and in the interpreter). ``attention_probs``: the scores scaled, masked past each row's
+  limit and shifted by the row's maximum in one kernel, ``exp``, then the row sum and division in another. The
+  decoder (opdcache/exact/decoder.py) calls them where torch would launch a dozen small kernels a layer.
 * ``exp``, ``log``, ``silu``, ``rsqrt``: on CUDA torch's float32 elementwise kernels, which compute each element by
   the same device function wherever it sits (on the CPU, under the interpreter, the exact arithmetic's functions:
   torch's CPU kernels round a tensor's tail differently from its vectorised body). Maxima, gathers, sorts and comparisons are exact in any order.
@@ -84,6 +89,13 @@ def _kernels():
     from opdcache.exact import invariantkernels
 
     return invariantkernels
+
+
+def _rounds(dtype: torch.dtype) -> bool:
+    """Whether a composite's kernels round to bfloat16 (True) or keep float32 (False)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the batch-invariant composites compute in float32 or bfloat16, got {dtype}")
+    return dtype == torch.bfloat16
 
 
 # ------------------------------------------------------------------------------------------- matmul
@@ -185,6 +197,79 @@ def cumsum64(t: torch.Tensor) -> torch.Tensor:
     if rows.numel():
         _kernels().row_cumsums[(rows.shape[0],)](rows, out, C, rows.stride(0), BLOCK=SCAN_BLOCK)
     return out.reshape(t.shape)
+
+
+# ------------------------------------------------------------------------------------------- the decoder's composites
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        ctx.save_for_backward(x, w)
+        ctx.eps = eps
+        C = x.shape[-1]
+        rows = x.detach().reshape(-1, C)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape, dtype=w.dtype, device=x.device)
+        if rows.shape[0]:
+            _kernels().rms_norm_rows[(_cdiv(rows.shape[0], SUM_ROWS),)](rows, w.detach().contiguous(), out, rows.shape[0], C,
+                                                                        rows.stride(0), eps, ROUND=_rounds(w.dtype),
+                                                                        ROWS=SUM_ROWS, BLOCK=SUM_BLOCK)
+        return out.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        with torch.enable_grad():  # the ordinary gradient: the plain formula's
+            x32, w_ = x.detach().float().requires_grad_(), w.detach().requires_grad_()
+            y = w_ * (x32 * torch.rsqrt((x32 * x32).mean(-1, keepdim=True) + ctx.eps)).to(w.dtype)
+            gx, gw = torch.autograd.grad(y, (x32, w_), g)
+        return gx.to(x.dtype), gw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm in one kernel: weight (in ``dtype``) times x / sqrt(mean(x^2) + eps) rounded to ``dtype``, the mean's
+    sum as :func:`sum_last` takes it and the reciprocal square root as a correctly rounded square root and division.
+    [..., C] -> [..., C] in ``dtype``. Differentiable (ordinary gradients). Memory: the output."""
+    return _RMSNorm.apply(x, weight.to(dtype), float(eps))
+
+
+class _AttentionProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, limit, scale, dtype):
+        ctx.save_for_backward(scores, limit)
+        ctx.scale, ctx.dtype = scale, dtype
+        K = scores.shape[-1]
+        s = scores.detach().reshape(-1, K).contiguous()
+        lim = limit.reshape(-1).to(torch.int32).contiguous()
+        R = s.shape[0]
+        shifted = torch.empty_like(s)
+        out = torch.empty(s.shape, dtype=dtype, device=s.device)
+        if R:
+            grid = (_cdiv(R, SUM_ROWS),)
+            _kernels().scores_shifted[grid](s, lim, shifted, R, K, scale, ROUND=_rounds(dtype), ROWS=SUM_ROWS, BLOCK=SUM_BLOCK)
+            e = exp(shifted)
+            _kernels().rows_normalized[grid](e, out, R, K, ROUND=_rounds(dtype), ROWS=SUM_ROWS, BLOCK=SUM_BLOCK)
+        return out.reshape(scores.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        scores, limit = ctx.saved_tensors
+        with torch.enable_grad():  # the ordinary gradient: the plain softmax's
+            s = scores.detach().requires_grad_()
+            t = (s.to(ctx.dtype) * ctx.scale).float()
+            seen = torch.arange(s.shape[-1], device=s.device) < limit[..., None]
+            p = torch.softmax(t.masked_fill(~seen, float("-inf")), -1).to(ctx.dtype)
+            (gs,) = torch.autograd.grad(p, s, g)
+        return gs, None, None, None
+
+
+def attention_probs(scores: torch.Tensor, limit: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Attention's softmax in three launches: scores (float32 [..., K], one query a row) rounded to ``dtype``, times
+    ``scale`` and rounded again, over the first ``limit[...]`` keys of each row (the rest weigh 0), shifted by the
+    row's maximum, :func:`exp`, then divided by their sum (taken as :func:`sum_last` takes it) and rounded to
+    ``dtype``. A row's keys past its limit add exact zeros, so a decode step's row and the same row in a full
+    forward agree. Differentiable in ``scores`` (ordinary gradients). Memory: two float32 copies of the scores."""
+    return _AttentionProbs.apply(scores, limit, float(scale), dtype)
 
 
 # ------------------------------------------------------------------------------------------- elementwise

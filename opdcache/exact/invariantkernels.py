@@ -73,3 +73,87 @@ def row_cumsums(x_ptr, out_ptr, C, stride, BLOCK: tl.constexpr):
         run = tl.cumsum(x, 0) + carry
         tl.store(out_ptr + row * C + c, run, mask=c < C)
         carry = tl.sum(tl.where(cols == BLOCK - 1, run, 0.0), 0)
+
+
+@triton.jit
+def rounded(x, ROUND: tl.constexpr):
+    """float32 x rounded to bfloat16 (to nearest, ties to even) and held in float32, by its bits: the same on a GPU
+    and in the interpreter (whose own float32 -> bfloat16 conversion truncates). x itself when not ROUND."""
+    if ROUND:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit(do_not_specialize=["R", "C"])
+def rms_norm_rows(x_ptr, w_ptr, out_ptr, R, C, stride, eps, ROUND: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r] = w * round(x[r] / sqrt(mean(x[r]^2) + eps)) in out's dtype (w in out's dtype; ROUND: bfloat16, else
+    float32), each product rounded once: the squares summed as
+    :func:`row_sums` sums a row (lane j takes columns j, j + BLOCK, ... in order, then one tree over the lanes), the
+    reciprocal square root as a correctly rounded square root and division (the same bits on any device), each
+    element then scaled, rounded to out's dtype and multiplied by its weight. ROWS rows per program, each alike."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    live = rows[:, None] < R
+    base = x_ptr + rows[:, None].to(tl.int64) * stride
+    acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    for a in range(0, C, BLOCK):
+        c = a + cols
+        x = tl.load(base + c[None, :], mask=live & (c[None, :] < C), other=0.0).to(tl.float32)
+        acc += x * x
+    r = 1.0 / tl.sqrt_rn(tl.sum(acc, 1) / C + eps)
+    out = out_ptr + rows[:, None].to(tl.int64) * C
+    for a in range(0, C, BLOCK):
+        c = a + cols
+        m = live & (c[None, :] < C)
+        x = tl.load(base + c[None, :], mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+        y = rounded(rounded(x * r[:, None], ROUND) * w[None, :], ROUND)
+        tl.store(out + c[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["R", "K"])
+def scores_shifted(s_ptr, limit_ptr, out_ptr, R, K, scale, ROUND: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r, k] = t[r, k] - max_k t[r, k], t = (s rounded to bfloat16 if ROUND, times scale, rounded again)
+    for k < limit[r] and -inf beyond (the keys a query does not see). Maxima and differences of two floats are exact
+    in any order: each element depends on its own row only."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    live = rows < R
+    lim = tl.load(limit_ptr + rows, mask=live, other=0)
+    base = rows[:, None].to(tl.int64) * K
+    top = tl.full([ROWS, BLOCK], float("-inf"), dtype=tl.float32)
+    for a in range(0, K, BLOCK):
+        c = a + cols
+        seen = live[:, None] & (c[None, :] < lim[:, None])
+        t = tl.load(s_ptr + base + c[None, :], mask=seen, other=0.0)
+        t = rounded(rounded(t, ROUND) * scale, ROUND)
+        top = tl.maximum(top, tl.where(seen, t, float("-inf")))
+    m = tl.max(top, 1)
+    for a in range(0, K, BLOCK):
+        c = a + cols
+        seen = live[:, None] & (c[None, :] < lim[:, None])
+        t = tl.load(s_ptr + base + c[None, :], mask=seen, other=0.0)
+        t = rounded(rounded(t, ROUND) * scale, ROUND)
+        tl.store(out_ptr + base + c[None, :], tl.where(seen, t - m[:, None], float("-inf")), mask=live[:, None] & (c[None, :] < K))
+
+
+@triton.jit(do_not_specialize=["R", "K"])
+def rows_normalized(e_ptr, out_ptr, R, K, ROUND: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r] = e[r] / sum(e[r]) in out's dtype (ROUND: bfloat16, rounded to nearest), the sum taken as :func:`row_sums` takes it (zeros appended to a row,
+    the keys it does not see, change nothing)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    live = rows[:, None] < R
+    base = rows[:, None].to(tl.int64) * K
+    acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    for a in range(0, K, BLOCK):
+        c = a + cols
+        acc += tl.load(e_ptr + base + c[None, :], mask=live & (c[None, :] < K), other=0.0)
+    total = tl.where(rows < R, tl.sum(acc, 1), 1.0)  # rows past R: never stored, kept finite
+    for a in range(0, K, BLOCK):
+        c = a + cols
+        m = live & (c[None, :] < K)
+        e = tl.load(e_ptr + base + c[None, :], mask=m, other=0.0)
+        tl.store(out_ptr + base + c[None, :], rounded(e / total[:, None], ROUND).to(out_ptr.dtype.element_ty), mask=m)
