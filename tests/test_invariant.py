@@ -46,6 +46,19 @@ def test_a_row_gets_the_same_bits_alone_in_7_and_in_64(dtype):
     assert torch.equal(I.linear(moved, w), torch.cat([full[5:], full[:5]]))
 
 
+def test_a_product_rounded_to_bfloat16_in_the_kernel_is_torchs_rounding_of_the_float32_product():
+    """The kernel's bfloat16 rounding (by the bits: the interpreter's own conversion truncates) is torch's, ties to even
+    included, over a million products; halfway cases forced through the same rounding agree too."""
+    g = torch.Generator().manual_seed(12)
+    x, w = torch.randn(1000, 64, generator=g).bfloat16(), torch.randn(1000, 64, generator=g).bfloat16()
+    assert torch.equal(I.linear(x, w, out_dtype=torch.bfloat16), I.linear(x, w).to(torch.bfloat16))
+    p, v = torch.rand(2, 3, 5, 40, generator=g).bfloat16(), torch.randn(2, 3, 40, 16, generator=g).bfloat16()
+    assert torch.equal(I.matmul(p, v, out_dtype=torch.bfloat16), I.matmul(p, v).to(torch.bfloat16))
+    ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 ** -100 * (1 + 2 ** -8), 3.0]).reshape(5, 1)
+    one = torch.ones(1, 1)
+    assert torch.equal(I.linear(ties, one, out_dtype=torch.bfloat16), ties.to(torch.bfloat16))  # float32 x 1: exact
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_primitive_gives_a_row_the_same_bits_in_any_batch(dtype):
     """Each primitive and sampler step, row by row: torch's CPU elementwise kernels alone would fail this (silu's
@@ -121,19 +134,54 @@ def test_rms_norm_in_one_kernel_is_the_formula_within_its_rounding_and_ignores_t
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_probs_are_the_masked_softmax_and_a_rows_unseen_keys_change_nothing(dtype):
     """The three-launch softmax against torch's in float64 (of the same rounded, scaled scores), exact zeros past a
-    row's limit, and a decode step's row (its keys so far) against the same row among more keys it does not see."""
+    query's position, and a decode step's row (its keys so far) against the same row among more keys it does not see;
+    rows alone and the batch's other rows."""
     g = torch.Generator().manual_seed(7)
-    scores = torch.randn(2, 3, 5, 1200, generator=g) * 4  # [B, kv heads, queries, keys]: 1,200 keys, two lane passes
-    limit = torch.randint(1, 1201, (2, 3, 5), generator=g)
-    p = I.attention_probs(scores, limit, 0.125, dtype)
+    scores = torch.randn(2, 3, 2 * 5, 1200, generator=g) * 4  # [B, kv heads, 2 query heads x 5 queries, 1,200 keys]
+    pos = torch.randint(0, 1200, (2, 5), generator=g)
+    p = I.attention_probs(scores, pos, 0.125, dtype)
     assert p.dtype == dtype and p.shape == scores.shape
     t = (scores.to(dtype) * 0.125).double()
-    seen = torch.arange(1200) < limit[..., None]
+    at = pos[:, None, None, :].expand(2, 3, 2, 5).reshape(2, 3, 10)  # row m is query m % 5
+    seen = torch.arange(1200) <= at[..., None]
     want = torch.softmax(t.masked_fill(~seen, float("-inf")), -1)
-    assert (p[~seen] == 0).all() and ((p.double() - want).abs() <= (2.0 ** -20 if dtype == torch.float32 else 2.0 ** -7) * want + 1e-30).all()
-    short = int(limit.max())
-    assert torch.equal(I.attention_probs(scores[..., :short].contiguous(), limit, 0.125, dtype), p[..., :short])
-    assert torch.equal(I.attention_probs(scores[1:, 2:], limit[1:, 2:], 0.125, dtype), p[1:, 2:])  # rows alone
+    assert (p[~seen] == 0).all()
+    assert ((p.double() - want).abs() <= (2.0 ** -20 if dtype == torch.float32 else 2.0 ** -8) * want + 1e-30).all()
+    short = int(pos.max()) + 1
+    assert torch.equal(I.attention_probs(scores[..., :short].contiguous(), pos, 0.125, dtype), p[..., :short])
+    assert torch.equal(I.attention_probs(scores[1:, 2:], pos[1:], 0.125, dtype), p[1:, 2:])  # a batch row alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_one_kernel_is_torchs_rotation_in_its_dtype(dtype):
+    """The kernel against the decoder's torch ops in the same dtype (each product and the sum rounded alike): equal bits
+    in bfloat16 (the roundings are the whole difference, and both round to nearest), float32 within a fused
+    multiply-add's rounding; a strided input (q as a view of the fused q, k, v output) and rows alone give the same."""
+    from opdcache.exact.decoder import _rotate_half, RotaryTable
+
+    g = torch.Generator().manual_seed(9)
+    qkv = torch.randn(3, 5, 6 * 16, generator=g).to(dtype)  # [B, Q, (4 q heads + 2 k heads) x 16]
+    q = qkv[..., :64].reshape(3, 5, 4, 16)
+    pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11], [2, 3, 4, 5, 6]])
+    table = RotaryTable(10000.0, 16)
+    cos, sin = table.tables(pos)
+    got = I.rotary(q, pos, cos, sin, dtype)
+    c, s = table(pos, dtype)
+    want = q * c[:, :, None] + _rotate_half(q) * s[:, :, None]
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        assert torch.allclose(got, want, rtol=2 ** -22, atol=1e-7)
+    assert torch.equal(I.rotary(q.contiguous(), pos, cos, sin, dtype), got)
+    assert torch.equal(I.rotary(q[1:2, 2:], pos[1:2, 2:], cos, sin, dtype), got[1:2, 2:])
+    x = q.float().detach().requires_grad_()
+    weights = torch.randn(3, 5, 4, 16, generator=g)
+    (I.rotary(x, pos, cos, sin, torch.float32) * weights).sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    c32, s32 = table(pos, torch.float32)
+    ((x * c32[:, :, None] + _rotate_half(x) * s32[:, :, None]) * weights).sum().backward()
+    assert torch.allclose(gx, x.grad, atol=1e-6)
 
 
 def test_the_composites_gradients_are_the_ordinary_ones():
@@ -146,14 +194,14 @@ def test_the_composites_gradients_are_the_ordinary_ones():
     x.grad = w.grad = None
     (w * x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * weights).sum().backward()
     assert torch.allclose(gx, x.grad, atol=1e-6) and torch.allclose(gw, w.grad, atol=1e-5)
-    s = torch.randn(4, 30, generator=g, requires_grad=True)
-    limit = torch.tensor([1, 7, 30, 12])
-    (I.attention_probs(s, limit, 0.5, torch.float32) * weights[:4, :30]).sum().backward()
+    s = torch.randn(1, 1, 4, 30, generator=g, requires_grad=True)  # one batch row, one group, 4 queries
+    pos = torch.tensor([[0, 6, 29, 11]])
+    (I.attention_probs(s, pos, 0.5, torch.float32) * weights[:4, :30]).sum().backward()
     gs = s.grad.clone()
     s.grad = None
-    seen = torch.arange(30) < limit[:, None]
+    seen = torch.arange(30) <= pos[0, :, None]
     (torch.softmax((s * 0.5).masked_fill(~seen, float("-inf")), -1) * weights[:4, :30]).sum().backward()
-    assert torch.allclose(gs, s.grad, atol=1e-6) and (gs[~seen] == 0).all()
+    assert torch.allclose(gs, s.grad, atol=1e-6) and (gs[0, 0][~seen] == 0).all()
 
 
 # ----------------------------------------------------------------------------------------------- the engine

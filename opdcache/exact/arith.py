@@ -147,20 +147,22 @@ class _Linear(torch.autograd.Function):
         return ga, gw
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in the exact arithmetic for batched [..., M, K] x [..., K, N] (attention): float32 [..., M, N], each
-    element round32(F(a_m * b_n)). Differentiable (ordinary gradients)."""
-    return _Dot.apply(a, b)
+def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """a @ b in the exact arithmetic for batched [..., M, K] x [..., K, N] (attention): [..., M, N], each element
+    round32(F(a_m * b_n)), then rounded to ``out_dtype``. Differentiable (ordinary gradients)."""
+    return _Dot.apply(a, b).to(out_dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) in the exact arithmetic, float32 [..., out]. The bias is added after rounding (one
-    correctly rounded float32 addition), in every context alike. Differentiable (ordinary gradients)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x @ weight.T (+ bias) in the exact arithmetic, [..., out] rounded to ``out_dtype``. The bias is added after
+    rounding to float32 (one correctly rounded float32 addition), in every context alike. Differentiable (ordinary
+    gradients)."""
     shape = x.shape
     y = _Linear.apply(x.reshape(-1, shape[-1]), weight)
     if bias is not None:
         y = y + bias.float()
-    return y.reshape(*shape[:-1], weight.shape[0])
+    return y.to(out_dtype).reshape(*shape[:-1], weight.shape[0])
 
 
 def _sum_exact(t: torch.Tensor, nonnegative: bool) -> torch.Tensor:

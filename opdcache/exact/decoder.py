@@ -62,6 +62,12 @@ class RotaryTable:
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at ``positions``; ``end``: one past the largest position when the caller knows it."""
+        cos, sin = self.tables(positions, end)
+        return cos[positions].to(dtype), sin[positions].to(dtype)
+
+    def tables(self, positions: torch.Tensor, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 tables [n, head dim], n past every position (``end``, when the caller knows it, saves reading
+        the largest position back), where ``positions`` are."""
         need = end if end is not None else int(positions.max()) + 1 if positions.numel() else 0
         if need > self.cos.shape[0]:
             n = max(need, 2 * self.cos.shape[0], 64)
@@ -71,7 +77,7 @@ class RotaryTable:
             self.cos, self.sin = torch.cat([cos, cos], -1).to(positions.device), torch.cat([sin, sin], -1).to(positions.device)
         if self.cos.device != positions.device:  # the table lives where the positions are (built once per device)
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        return self.cos, self.sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +115,7 @@ class ExactDecoder:
                 w = w + (scheme.weight(w) - w).detach()
             if scheme.quantizes_activations:
                 x = x + (scheme.activation(x) - x).detach()
-        return self.arith.linear(x.to(self.dtype), w.to(self.dtype), module.bias).to(self.dtype)
+        return self.arith.linear(x.to(self.dtype), w.to(self.dtype), module.bias, out_dtype=self.dtype)
 
     def linears(self, modules: list, x: torch.Tensor) -> list[torch.Tensor]:
         """Several linear layers reading the same x (q, k, v; gate, up) as one exact matmul over their stacked weights:
@@ -131,7 +137,7 @@ class ExactDecoder:
                 b = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules])
                 modules[0]._opd_fused = hit = (key, w, b)
             w, b = hit[1], hit[2]
-        y = self.arith.linear(x.to(self.dtype), w, b).to(self.dtype)
+        y = self.arith.linear(x.to(self.dtype), w, b, out_dtype=self.dtype)
         return list(torch.split(y, [m.weight.shape[0] for m in modules], dim=-1))
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
@@ -153,7 +159,6 @@ class ExactDecoder:
         kv = self.kv_heads
         rep = h // kv
         K = k.shape[2]
-        keys = torch.arange(K, device=q.device)
         kT = k.transpose(-1, -2)
         out = []
         for a in range(0, Q, QUERY_BLOCK):
@@ -161,16 +166,16 @@ class ExactDecoder:
             Qb = qb.shape[2]
             qg = qb.reshape(B, kv, rep * Qb, d)  # head g * rep + r reads key head g: rows (r, query) of group g
             scores = self.arith.matmul(qg, kT)  # [B, kv, rep x Qb, K]
-            if hasattr(self.arith, "attention_probs"):  # the GPU's kernels: each row sees its first pos + 1 keys
-                limit = (pb + 1)[:, None, None].expand(B, kv, rep, Qb).reshape(B, kv, rep * Qb)
-                p = self.arith.attention_probs(scores, limit, self.scaling, self.dtype)
+            if hasattr(self.arith, "attention_probs"):  # the GPU's kernels
+                p = self.arith.attention_probs(scores, pb, self.scaling, self.dtype)
             else:
+                keys = torch.arange(K, device=q.device)
                 s = (scores.to(self.dtype) * self.scaling).float()
                 seen = (keys[None, None, :] <= pb[:, :, None])[:, None, None].expand(B, 1, rep, Qb, K).reshape(B, 1, rep * Qb, K)
                 s = s.masked_fill(~seen, float("-inf"))
                 e = self.arith.exp(s - s.amax(-1, keepdim=True).detach())
                 p = (e / self.arith.sum_last(e, nonnegative=True)[..., None]).to(self.dtype)
-            out.append(self.arith.matmul(p, v).to(self.dtype).reshape(B, h, Qb, d))
+            out.append(self.arith.matmul(p, v, out_dtype=self.dtype).reshape(B, h, Qb, d))
         return torch.cat(out, 2)
 
     def layer(self, layer, h: torch.Tensor, pos: torch.Tensor, cache: tuple | None = None, end: int | None = None,
@@ -188,11 +193,16 @@ class ExactDecoder:
         v = v.reshape(B, Q, self.kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q, k = self.norm(attn.q_norm, q), self.norm(attn.k_norm, k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, Q, d]
-        cos, sin = self.rope(pos, self.dtype, end)
-        cos, sin = cos[:, None], sin[:, None]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if hasattr(self.arith, "rotary") and not self.head_dim & (self.head_dim - 1):  # the GPU's one kernel a tensor
+            cos, sin = self.rope.tables(pos, end)
+            q, k = self.arith.rotary(q, pos, cos, sin, self.dtype), self.arith.rotary(k, pos, cos, sin, self.dtype)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, Q, d]
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, Q, d]
+            cos, sin = self.rope(pos, self.dtype, end)
+            cos, sin = cos[:, None], sin[:, None]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
         if cache is not None:
             K_cache, V_cache = cache
             rows = torch.arange(B, device=h.device)[:, None]

@@ -26,7 +26,7 @@ def row_blocks(n: int) -> list[slice]:
 def logits(hidden_PH: torch.Tensor, weight_VH: torch.Tensor, bias_V, a: int, dtype: torch.dtype, arith=X) -> torch.Tensor:
     """Exact logits of slice [a, a + VOCAB_BLOCK) as float32, rounded through the model's dtype as its head rounds them."""
     w = weight_VH[a: a + VOCAB_BLOCK]
-    return arith.linear(hidden_PH.to(dtype), w.to(dtype), None if bias_V is None else bias_V[a: a + VOCAB_BLOCK]).to(dtype).float()
+    return arith.linear(hidden_PH.to(dtype), w.to(dtype), None if bias_V is None else bias_V[a: a + VOCAB_BLOCK], out_dtype=dtype).float()
 
 
 def slice_stats(z_PC: torch.Tensor, arith=X) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +60,7 @@ def full_logits(hidden_PH, weight_VH, bias_V, dtype, arith=X) -> torch.Tensor:
     """[P, V] float32 exact logits (decode steps: P is the batch). The batch-invariant arithmetic's matmul computes
     each element from its own row and column alone, so one call over the whole vocabulary gives the slices' bits."""
     if arith is not X:
-        return arith.linear(hidden_PH.to(dtype), weight_VH.to(dtype), bias_V).to(dtype).float()
+        return arith.linear(hidden_PH.to(dtype), weight_VH.to(dtype), bias_V, out_dtype=dtype).float()
     return torch.cat([logits(hidden_PH, weight_VH, bias_V, a, dtype, arith) for a in range(0, weight_VH.shape[0], VOCAB_BLOCK)], -1)
 
 

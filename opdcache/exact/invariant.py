@@ -99,8 +99,9 @@ def _rounds(dtype: torch.dtype) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- matmul
-def _matmul_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[..., M, K] x [..., K, N] (the same leading dims, or b without them) -> float32 [..., M, N]."""
+def _matmul_forward(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[..., M, K] x [..., K, N] (the same leading dims, or b without them) -> [..., M, N], the float32 result
+    (rounded to bfloat16 in the kernel for ``out_dtype`` bfloat16)."""
     if a.dtype != b.dtype:
         raise ValueError(f"matmul operands must share a dtype, got {a.dtype} and {b.dtype}")
     M, K = a.shape[-2:]
@@ -110,14 +111,15 @@ def _matmul_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Bt = b.reshape(-1, K, N) if b.dim() > 2 else b[None]
     if Bt.shape[0] not in (1, A.shape[0]):
         raise ValueError(f"matmul batch shapes differ: {tuple(a.shape)} and {tuple(b.shape)}")
-    out = torch.empty((A.shape[0], M, N), dtype=torch.float32, device=a.device)
+    out = torch.empty((A.shape[0], M, N), dtype=out_dtype, device=a.device)
     if out.numel():
         BM, BN, BK = MATMUL_BLOCKS
         sbb = Bt.stride(0) if Bt.shape[0] > 1 else 0
         grid = (_cdiv(M, BM), _cdiv(N, BN), A.shape[0])
         _kernels().matmul_tiles[grid](A, Bt, out, M, N, K, A.stride(0), A.stride(1), A.stride(2), sbb, Bt.stride(1),
                                       Bt.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                                      IEEE=a.dtype == torch.float32, SPELLED=interpreted(), BM=BM, BN=BN, BK=BK)
+                                      IEEE=a.dtype == torch.float32, SPELLED=interpreted(), ROUND=_rounds(out_dtype),
+                                      BM=BM, BN=BN, BK=BK)
     return out.reshape(*lead, M, N)
 
 
@@ -127,9 +129,9 @@ def _cdiv(a: int, b: int) -> int:
 
 class _Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b):
+    def forward(ctx, a, b, out_dtype=torch.float32):
         ctx.save_for_backward(a, b)
-        return _matmul_forward(a.detach(), b.detach())
+        return _matmul_forward(a.detach(), b.detach(), out_dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -141,22 +143,25 @@ class _Matmul(torch.autograd.Function):
             if b.dim() == 2 and gb.dim() > 2:
                 gb = gb.reshape(-1, *gb.shape[-2:]).sum(0)
             gb = gb.to(b.dtype)
-        return ga, gb
+        return ga, gb, None
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b for [..., M, K] x [..., K, N] (attention), float32 [..., M, N], each element a function of its own row
-    and column. Differentiable (ordinary gradients)."""
-    return _Matmul.apply(a, b)
+def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """a @ b for [..., M, K] x [..., K, N] (attention), [..., M, N], each element a function of its own row and
+    column: the float32 result, rounded to ``out_dtype`` (bfloat16: in the kernel). Differentiable (ordinary
+    gradients)."""
+    return _Matmul.apply(a, b, out_dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias, added after the float32 result) as float32 [..., out]. Differentiable."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x @ weight.T (+ bias, added to the float32 result) [..., out], rounded to ``out_dtype`` (without a bias, in the
+    kernel). Differentiable."""
     shape = x.shape
-    y = _Matmul.apply(x.reshape(-1, shape[-1]), weight.T)
-    if bias is not None:
-        y = y + bias.float()
-    return y.reshape(*shape[:-1], weight.shape[0])
+    if bias is None:
+        return _Matmul.apply(x.reshape(-1, shape[-1]), weight.T, out_dtype).reshape(*shape[:-1], weight.shape[0])
+    y = _Matmul.apply(x.reshape(-1, shape[-1]), weight.T) + bias.float()
+    return y.to(out_dtype).reshape(*shape[:-1], weight.shape[0])
 
 
 # ------------------------------------------------------------------------------------------- reductions
@@ -235,41 +240,85 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
 
 class _AttentionProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scores, limit, scale, dtype):
-        ctx.save_for_backward(scores, limit)
+    def forward(ctx, scores, pos, scale, dtype):
+        ctx.save_for_backward(scores, pos)
         ctx.scale, ctx.dtype = scale, dtype
-        K = scores.shape[-1]
+        B, Q, K = scores.shape[0], pos.shape[1], scores.shape[-1]
         s = scores.detach().reshape(-1, K).contiguous()
-        lim = limit.reshape(-1).to(torch.int32).contiguous()
+        p = pos.contiguous()
         R = s.shape[0]
         shifted = torch.empty_like(s)
         out = torch.empty(s.shape, dtype=dtype, device=s.device)
         if R:
             grid = (_cdiv(R, SUM_ROWS),)
-            _kernels().scores_shifted[grid](s, lim, shifted, R, K, scale, ROUND=_rounds(dtype), ROWS=SUM_ROWS, BLOCK=SUM_BLOCK)
+            _kernels().scores_shifted[grid](s, p, shifted, R, K, R // B, Q, scale, ROUND=_rounds(dtype), ROWS=SUM_ROWS,
+                                            BLOCK=SUM_BLOCK)
             e = exp(shifted)
             _kernels().rows_normalized[grid](e, out, R, K, ROUND=_rounds(dtype), ROWS=SUM_ROWS, BLOCK=SUM_BLOCK)
         return out.reshape(scores.shape)
 
     @staticmethod
     def backward(ctx, g):
-        scores, limit = ctx.saved_tensors
+        scores, pos = ctx.saved_tensors
         with torch.enable_grad():  # the ordinary gradient: the plain softmax's
             s = scores.detach().requires_grad_()
             t = (s.to(ctx.dtype) * ctx.scale).float()
-            seen = torch.arange(s.shape[-1], device=s.device) < limit[..., None]
-            p = torch.softmax(t.masked_fill(~seen, float("-inf")), -1).to(ctx.dtype)
+            p = torch.softmax(t.masked_fill(~_seen(scores, pos), float("-inf")), -1).to(ctx.dtype)
             (gs,) = torch.autograd.grad(p, s, g)
         return gs, None, None, None
 
 
-def attention_probs(scores: torch.Tensor, limit: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Attention's softmax in three launches: scores (float32 [..., K], one query a row) rounded to ``dtype``, times
-    ``scale`` and rounded again, over the first ``limit[...]`` keys of each row (the rest weigh 0), shifted by the
+def _seen(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[B, G, M, K] True where a row's query (m % Q, at pos[b, m % Q]) sees key k: k <= its position."""
+    B, G, M, K = scores.shape
+    Q = pos.shape[1]
+    at = pos[:, None, None, :].expand(B, G, M // Q, Q).reshape(B, G, M)
+    return torch.arange(K, device=scores.device) <= at[..., None]
+
+
+def attention_probs(scores: torch.Tensor, pos: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Attention's softmax in three launches. scores: float32 [B, G, M, K], row m of group g being query m % Q (pos
+    [B, Q], the queries' positions; Q divides M: grouped query heads stacked over a key head). Each row: its scores
+    rounded to ``dtype``, times ``scale``, rounded again, over keys 0..its position (the rest weigh 0), shifted by the
     row's maximum, :func:`exp`, then divided by their sum (taken as :func:`sum_last` takes it) and rounded to
-    ``dtype``. A row's keys past its limit add exact zeros, so a decode step's row and the same row in a full
+    ``dtype``. A row's keys past its position add exact zeros, so a decode step's row and the same row in a full
     forward agree. Differentiable in ``scores`` (ordinary gradients). Memory: two float32 copies of the scores."""
-    return _AttentionProbs.apply(scores, limit, float(scale), dtype)
+    return _AttentionProbs.apply(scores, pos, float(scale), dtype)
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pos, cos, sin, dtype):
+        ctx.save_for_backward(pos, cos, sin)
+        ctx.dtype = dtype
+        B, Q, heads, D = x.shape
+        xd = x.detach()
+        if xd.stride(-1) != 1 or xd.stride(-2) != D or xd.stride(0) != Q * xd.stride(1):
+            xd = xd.contiguous()  # each token's heads side by side, tokens evenly apart
+        p = pos.reshape(-1).contiguous()
+        out = torch.empty((B, Q, heads, D), dtype=dtype, device=x.device)
+        R = B * Q * heads
+        if R:
+            _kernels().rotary_rows[(_cdiv(R, SUM_ROWS),)](xd, p, cos.contiguous(), sin.contiguous(), out, R, heads, xd.stride(1),
+                                                          ROUND=_rounds(dtype), D=D, ROWS=SUM_ROWS)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        pos, cos, sin = ctx.saved_tensors
+        c, s = cos[pos][:, :, None].to(ctx.dtype), sin[pos][:, :, None].to(ctx.dtype)
+        gc, gs = g * c, g * s  # out = x c + rotate_half(x) s: the gradient rotates back
+        half = g.shape[-1] // 2
+        return gc + torch.cat((gs[..., half:], -gs[..., :half]), -1), None, None, None, None
+
+
+def rotary(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rotary embedding of x [B, Q, heads, D] at positions pos [B, Q] in one kernel: x cos + rotate_half(x) sin,
+    cos and sin (float32 tables [n, D]) rounded to ``dtype``, each product and the sum rounded to ``dtype`` (as torch
+    computes it in that dtype). D a power of two. Differentiable in x (ordinary gradients). Memory: the output."""
+    if x.shape[-1] & (x.shape[-1] - 1):
+        raise ValueError(f"the rotary kernel takes a power-of-two head dimension, got {x.shape[-1]}")
+    return _Rotary.apply(x, pos, cos, sin, dtype)
 
 
 # ------------------------------------------------------------------------------------------- elementwise

@@ -12,14 +12,27 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def rounded(x, ROUND: tl.constexpr):
+    """float32 x rounded to bfloat16 (to nearest, ties to even) and held in float32, by its bits: the same on a GPU
+    and in the interpreter (whose own float32 -> bfloat16 conversion truncates). x itself when not ROUND."""
+    if ROUND:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    return x
+
+
 @triton.jit(do_not_specialize=["M", "N", "K"])
 def matmul_tiles(a_ptr, b_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
-                 IEEE: tl.constexpr, SPELLED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 IEEE: tl.constexpr, SPELLED: tl.constexpr, ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr):
     """c[b] = a[b] @ b[b] in float32: element (m, n) is the float32 sum, over the K dimension in blocks of BK from 0
     up, of one block dot product each (tensor-core tf32 on values that tf32 holds exactly, bfloat16 or float16
-    upcast; IEEE float32 for float32 inputs). Lanes past K load 0: appended zero terms change nothing. ``SPELLED``
-    (Triton's CPU interpreter) writes the block dot product out as products and a sum over BK: the interpreter's
-    tl.dot is numpy's BLAS, whose result for a row depends on the row's position in the tile."""
+    upcast; IEEE float32 for float32 inputs). Lanes past K load 0: appended zero terms change nothing. ROUND: the
+    float32 result rounded to bfloat16 (:func:`rounded`), stored in c's dtype. ``SPELLED`` (Triton's CPU
+    interpreter) writes the block dot product out as products and a sum over BK: the interpreter's tl.dot is numpy's
+    BLAS, whose result for a row depends on the row's position in the tile."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
@@ -42,7 +55,8 @@ def matmul_tiles(a_ptr, b_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s_bb, s_bk, s_b
         else:
             acc += tl.dot(a, b, input_precision="tf32")
     c_base = c_ptr + pid_b * s_cb
-    tl.store(c_base + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(c_base + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn, rounded(acc, ROUND).to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit(do_not_specialize=["R", "C"])
@@ -75,17 +89,6 @@ def row_cumsums(x_ptr, out_ptr, C, stride, BLOCK: tl.constexpr):
         carry = tl.sum(tl.where(cols == BLOCK - 1, run, 0.0), 0)
 
 
-@triton.jit
-def rounded(x, ROUND: tl.constexpr):
-    """float32 x rounded to bfloat16 (to nearest, ties to even) and held in float32, by its bits: the same on a GPU
-    and in the interpreter (whose own float32 -> bfloat16 conversion truncates). x itself when not ROUND."""
-    if ROUND:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        return bits.to(tl.float32, bitcast=True)
-    return x
-
-
 @triton.jit(do_not_specialize=["R", "C"])
 def rms_norm_rows(x_ptr, w_ptr, out_ptr, R, C, stride, eps, ROUND: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """out[r] = w * round(x[r] / sqrt(mean(x[r]^2) + eps)) in out's dtype (w in out's dtype; ROUND: bfloat16, else
@@ -113,15 +116,17 @@ def rms_norm_rows(x_ptr, w_ptr, out_ptr, R, C, stride, eps, ROUND: tl.constexpr,
         tl.store(out + c[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["R", "K"])
-def scores_shifted(s_ptr, limit_ptr, out_ptr, R, K, scale, ROUND: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["R", "K", "per_batch", "Q"])
+def scores_shifted(s_ptr, pos_ptr, out_ptr, R, K, per_batch, Q, scale, ROUND: tl.constexpr, ROWS: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """out[r, k] = t[r, k] - max_k t[r, k], t = (s rounded to bfloat16 if ROUND, times scale, rounded again)
-    for k < limit[r] and -inf beyond (the keys a query does not see). Maxima and differences of two floats are exact
-    in any order: each element depends on its own row only."""
+    for k <= the row's query position and -inf beyond (the keys a query does not see): row r is query r % Q of batch
+    row r // per_batch, at position pos[r // per_batch, r % Q]. Maxima and differences of two floats are exact in any
+    order: each element depends on its own row only."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     live = rows < R
-    lim = tl.load(limit_ptr + rows, mask=live, other=0)
+    lim = tl.load(pos_ptr + (rows // per_batch).to(tl.int64) * Q + rows % Q, mask=live, other=-1) + 1
     base = rows[:, None].to(tl.int64) * K
     top = tl.full([ROWS, BLOCK], float("-inf"), dtype=tl.float32)
     for a in range(0, K, BLOCK):
@@ -157,3 +162,29 @@ def rows_normalized(e_ptr, out_ptr, R, K, ROUND: tl.constexpr, ROWS: tl.constexp
         m = live & (c[None, :] < K)
         e = tl.load(e_ptr + base + c[None, :], mask=m, other=0.0)
         tl.store(out_ptr + base + c[None, :], rounded(e / total[:, None], ROUND).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["R", "heads", "token_stride"])
+def rotary_rows(x_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, R, heads, token_stride, ROUND: tl.constexpr, D: tl.constexpr,
+                ROWS: tl.constexpr):
+    """The rotary embedding of one head's vector a row (row r: token r // heads, head r % heads; x's heads D apart, its
+    tokens token_stride apart; out contiguous): out = x * cos + rotate_half(x) * sin at the token's position, cos and
+    sin (float32 tables of width D) rounded to bfloat16 if ROUND, each product and the sum rounded alike. Elementwise:
+    each output depends on its own row only."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = rows < R
+    token = (rows // heads).to(tl.int64)
+    head = rows % heads
+    i = tl.arange(0, D)
+    half = D // 2
+    partner = tl.where(i < half, i + half, i - half)
+    sign = tl.where(i < half, -1.0, 1.0)
+    src = x_ptr + token[:, None] * token_stride + head[:, None] * D
+    m = live[:, None]
+    x = tl.load(src + i[None, :], mask=m, other=0.0).to(tl.float32)
+    xr = tl.load(src + partner[None, :], mask=m, other=0.0).to(tl.float32) * sign[None, :]
+    p = tl.load(pos_ptr + token, mask=live, other=0).to(tl.int64)
+    c = rounded(tl.load(cos_ptr + p[:, None] * D + i[None, :], mask=m, other=0.0), ROUND)
+    s = rounded(tl.load(sin_ptr + p[:, None] * D + i[None, :], mask=m, other=0.0), ROUND)
+    y = rounded(rounded(x * c, ROUND) + rounded(xr * s, ROUND), ROUND)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * D + i[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
