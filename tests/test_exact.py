@@ -200,21 +200,9 @@ def test_packed_sequences_have_their_padded_rows_bits(weights, dtype):
     from opdcache.backends.loading import load_model
     from opdcache.exact.decoder import ExactDecoder
 
-    decoder = ExactDecoder(load_model(weights / "student", "float32", "cpu"), dtype)
-    g = torch.Generator().manual_seed(3)
-    lengths = [5, 17, 1, 9]
-    rows = [torch.randint(2, 64, (n,), generator=g) for n in lengths]
-    padded = torch.randint(2, 64, (len(rows), max(lengths)), generator=g)  # padding of other tokens: it must not matter
-    for i, r in enumerate(rows):
-        padded[i, : len(r)] = r
-    want = decoder.forward(padded)
-    offsets = (0, *torch.tensor(lengths).cumsum(0).tolist())
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    got = decoder.forward_packed(torch.cat(rows)[None], positions, offsets)[0]
-    for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
-        assert torch.equal(got[a:b], want[i, : b - a]), i
-    whole = decoder.forward_packed(torch.cat(rows)[None], torch.arange(offsets[-1])[None], (0, offsets[-1]))[0]
-    assert not torch.equal(whole[offsets[1]: offsets[2]], want[1, : lengths[1]])  # one sequence over all would differ
+    from exact_checks import check_packed_has_padded_bits
+
+    check_packed_has_padded_bits(ExactDecoder(load_model(weights / "student", "float32", "cpu"), dtype))
 
 
 def test_exact_forward_is_the_models_maths(weights):

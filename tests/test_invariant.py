@@ -19,8 +19,8 @@ pytest.importorskip("triton")
 from opdcache.backends.exact import ExactBackend  # noqa: E402
 from opdcache.exact import GPU_ARITHMETIC  # noqa: E402
 from opdcache.exact import invariant as I  # noqa: E402
-from exact_checks import (check_engine_invariance, check_grouped_query_decoder, log_softmax_slice_by_slice,  # noqa: E402
-                          primitives_that_vary, wide_logits)
+from exact_checks import (check_engine_invariance, check_grouped_query_decoder, check_packed_has_padded_bits,  # noqa: E402
+                          log_softmax_slice_by_slice, primitives_that_vary, wide_logits)
 
 pytestmark = pytest.mark.triton
 
@@ -211,6 +211,15 @@ def test_engine_rows_alone_and_batched_agree_and_scoring_and_the_trainer_give_th
     engine = ExactBackend(weights / "student", dtype=dtype, arithmetic=GPU_ARITHMETIC)
     assert engine.model_info()["exact"]["arithmetic"] == GPU_ARITHMETIC
     assert check_engine_invariance(engine, n, batches=(7, 1), max_new_tokens=5, seed=n) >= 3 * n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_sequences_have_their_padded_rows_bits_in_the_gpu_arithmetic(weights, dtype):
+    """train --pack --exact on a GPU: each packed sequence's attention alone gives its right-padded row's bits."""
+    from opdcache.backends.loading import load_model
+    from opdcache.exact.decoder import ExactDecoder
+
+    check_packed_has_padded_bits(ExactDecoder(load_model(weights / "student", "float32", "cpu"), dtype, arith=I))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
