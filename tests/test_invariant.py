@@ -222,6 +222,30 @@ def test_packed_sequences_have_their_padded_rows_bits_in_the_gpu_arithmetic(weig
     check_packed_has_padded_bits(ExactDecoder(load_model(weights / "student", "float32", "cpu"), dtype, arith=I))
 
 
+def test_a_decode_step_launches_each_composite_once_where_it_is_used(weights):
+    """benchmarks/count_kernels.py's count of one decode step of the demo student (2 layers): one RMSNorm kernel a norm
+    (2 a layer and the final one), one rotary kernel for q and one for k, the softmax's two kernels a layer, every
+    matmul's output rounded in its kernel (no dtype conversion left in the layers but the silu's), and fewer kernels
+    than the default engine's step."""
+    import sys
+    from pathlib import Path
+
+    from opdcache.backends.hf import TransformersBackend
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import count_kernels
+
+    exact = count_kernels.per_step(ExactBackend(weights / "student", dtype="bfloat16", arithmetic=GPU_ARITHMETIC), 3)
+    layers = 2
+    assert exact["triton.rms_norm_rows"] == 2 * layers + 1
+    assert exact["triton.rotary_rows"] == 2 * layers
+    assert exact["triton.scores_shifted"] == exact["triton.rows_normalized"] == layers
+    assert exact.get("aten.rsqrt", 0) == 0 and exact.get("aten.masked_fill", 0) <= 1  # the sampler's top-p mask only
+    assert exact["aten._to_copy"] <= 3 * layers  # the silu's two and the head's float32 logits, no matmul's
+    default = count_kernels.per_step(TransformersBackend(weights / "student", dtype="bfloat16"), 3)
+    assert sum(exact.values()) < sum(default.values())
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_grouped_query_attention_in_the_gpu_arithmetic(family):
     check_grouped_query_decoder(family, I)
