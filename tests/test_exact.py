@@ -262,6 +262,8 @@ def test_a_table_of_the_gpu_arithmetic_is_replayed_only_on_a_gpu(tmp_path, monke
         engine_for_table({"exact": {"arithmetic": GPU_ARITHMETIC}}, tmp_path, "the rollouts")
     with pytest.raises(ConfigError, match="this opdcache implements 'opdcache-exact-1', 'opdcache-invariant-2'"):
         engine_for_table({"exact": {"arithmetic": "opdcache-exact-0"}}, tmp_path, "the rollouts")
+    with pytest.raises(ConfigError, match="computed in 'opdcache-invariant-1', this opdcache implements"):  # the previous GPU arithmetic
+        engine_for_table({"exact": {"arithmetic": "opdcache-invariant-1"}}, tmp_path, "the rollouts")
 
 
 # ----------------------------------------------------------------------------------------------- the CLI
@@ -274,8 +276,8 @@ def _cli(args, capsys):
 
 @pytest.fixture(scope="module")
 def exact_cache(tmp_path_factory, weights, write_ragged_prompts):
-    """256 exact rollouts of prompts of 5-11 tokens (1- to 4-digit problems: left padding in every generation batch,
-    responses of 9-12 tokens), scored exactly."""
+    """256 exact rollouts of prompts of 5-11 tokens (1- to 4-digit problems: padding in every generation and scoring
+    batch, responses of 9-12 tokens), scored exactly."""
     root = tmp_path_factory.mktemp("exact")
     prompts = write_ragged_prompts(root / "opd.jsonl", (8, 16, 20, 20))
     out = root / "cache"
