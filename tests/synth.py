@@ -31,7 +31,7 @@ def rollout_rows(shard: int, n_rows: int = 6, ref_top_k: int = 4, mc: int = 3, s
     g = torch.Generator().manual_seed(seed * 1000 + shard)
     rows = []
     for r in range(n_rows):
-        prompt = torch.randint(0, VOCAB, (5,), generator=g).numpy().astype(np.int32)
+        prompt = torch.randint(0, VOCAB, (3 + r % 5,), generator=g).numpy().astype(np.int32)  # prompts of 3-7 tokens
         T = int(torch.randint(1, 12, (1,), generator=g))
         logp = torch.log_softmax(torch.randn(T, VOCAB, generator=g) * 2, -1)
         resp = torch.multinomial(logp.exp(), 1, generator=g).squeeze(1)
