@@ -153,3 +153,49 @@ def check_packed_has_padded_bits(decoder) -> None:
         assert torch.equal(got[a:b], want[i, : b - a]), i
     whole = decoder.forward_packed(torch.cat(rows)[None], torch.arange(offsets[-1])[None], (0, offsets[-1]))[0]
     assert not torch.equal(whole[offsets[1]: offsets[2]], want[1, : lengths[1]])  # one sequence over all would differ
+
+
+AOT_SCRIPT = r'''
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from opdcache.exact import invariant, invariantkernels as K
+
+P, I, F = "*fp32", "i32", "fp32"
+def ptr(dtype): return {"float32": "*fp32", "bfloat16": "*bf16"}[dtype]
+capability = int(sys.argv[1])
+for dtype in ("float32", "bfloat16"):
+    rnd = dtype == "bfloat16"
+    kernels = [
+        (K.matmul_tiles, [ptr(dtype), ptr(dtype), ptr(dtype)] + [I] * 12,
+         dict(IEEE=dtype == "float32", SPELLED=False, ROUND=rnd, BM=64, BN=64, BK=32)),
+        (K.row_sums, [P, P, I, I, I], dict(ROWS=16, BLOCK=1024)),
+        (K.row_cumsums, [P, "*fp64", I, I], dict(BLOCK=1024)),
+        (K.rms_norm_rows, [ptr(dtype), ptr(dtype), ptr(dtype), I, I, I, F], dict(ROUND=rnd, ROWS=16, BLOCK=1024)),
+        (K.scores_shifted, [P, "*i64", P, I, I, I, I, F], dict(ROUND=rnd, ROWS=16, BLOCK=1024)),
+        (K.rows_normalized, [P, ptr(dtype), I, I], dict(ROUND=rnd, ROWS=16, BLOCK=1024)),
+        (K.rotary_rows, [ptr(dtype), "*i64", P, P, ptr(dtype), I, I, I], dict(ROUND=rnd, D=128, ROWS=16)),
+    ]
+    for fn, types, consts in kernels:
+        names = fn.arg_names
+        sig = dict(zip([n for n in names if n not in consts], types))
+        sig.update({n: "constexpr" for n in consts})
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                                  target=GPUTarget("cuda", capability, 32), options=dict(invariant.COMPILE_OPTIONS))
+        assert "cubin" in compiled.asm and len(compiled.asm["cubin"]) > 0, fn.__name__
+        print(fn.__name__, dtype, "sm_%d" % capability, len(compiled.asm["cubin"]))
+'''
+
+
+def compile_for_gpu(capability: int) -> str:
+    """Compile every batch-invariant kernel, in both dtypes, for a CUDA GPU of ``capability`` (80: A100, 90: H100 and
+    H200) with the installed triton's own ptxas, in a process without TRITON_INTERPRET (no GPU needed): a kernel the
+    interpreter runs but the compiler refuses would otherwise surface only on a GPU. Returns the script's output."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(capability)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

@@ -20,7 +20,7 @@ from opdcache.backends.exact import ExactBackend  # noqa: E402
 from opdcache.exact import GPU_ARITHMETIC  # noqa: E402
 from opdcache.exact import invariant as I  # noqa: E402
 from exact_checks import (check_engine_invariance, check_grouped_query_decoder, check_packed_has_padded_bits,  # noqa: E402
-                          log_softmax_slice_by_slice, primitives_that_vary, wide_logits)
+                          compile_for_gpu, log_softmax_slice_by_slice, primitives_that_vary, wide_logits)
 
 pytestmark = pytest.mark.triton
 
@@ -249,3 +249,11 @@ def test_a_decode_step_launches_each_composite_once_where_it_is_used(weights):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_grouped_query_attention_in_the_gpu_arithmetic(family):
     check_grouped_query_decoder(family, I)
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+def test_every_kernel_compiles_for_a_gpu(capability):
+    """Each batch-invariant kernel, float32 and bfloat16, compiled to a cubin for an A100 (8.0) and an H100/H200 (9.0)
+    by the installed triton, with the arithmetic's compile options; no GPU needed."""
+    out = compile_for_gpu(capability).splitlines()
+    assert len(out) == 14 and all(f"sm_{capability}" in line for line in out), out

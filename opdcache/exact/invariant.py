@@ -53,7 +53,7 @@ MIN_CAPABILITY = (8, 0)
 
 def constants() -> dict:
     """What fixes the arithmetic besides its name, for the manifest's record."""
-    return {"matmul_blocks": list(MATMUL_BLOCKS), "sum_block": SUM_BLOCK, "scan_block": SCAN_BLOCK}
+    return {"matmul_blocks": list(MATMUL_BLOCKS), "sum_block": SUM_BLOCK, "scan_block": SCAN_BLOCK, "fp_fusion": False}
 
 
 @functools.cache
@@ -88,10 +88,15 @@ def unavailable_reason(device: torch.device | str) -> str | None:
     return None
 
 
-def _kernels():
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
+"""Every kernel compiled without floating-point contraction: a product and the sum it enters round apart (as in
+Triton's interpreter), whatever Triton's default (which is to contract, and is to change): part of the definition."""
+
+
+def _launch(name: str, grid: tuple, *args, **constants) -> None:
     from opdcache.exact import invariantkernels
 
-    return invariantkernels
+    getattr(invariantkernels, name)[grid](*args, **constants, **COMPILE_OPTIONS)
 
 
 def _rounds(dtype: torch.dtype) -> bool:
@@ -119,7 +124,7 @@ def _matmul_forward(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = t
         BM, BN, BK = MATMUL_BLOCKS
         sbb = Bt.stride(0) if Bt.shape[0] > 1 else 0
         grid = (_cdiv(M, BM), _cdiv(N, BN), A.shape[0])
-        _kernels().matmul_tiles[grid](A, Bt, out, M, N, K, A.stride(0), A.stride(1), A.stride(2), sbb, Bt.stride(1),
+        _launch("matmul_tiles", grid, A, Bt, out, M, N, K, A.stride(0), A.stride(1), A.stride(2), sbb, Bt.stride(1),
                                       Bt.stride(2), out.stride(0), out.stride(1), out.stride(2),
                                       IEEE=a.dtype == torch.float32, SPELLED=interpreted(), ROUND=_rounds(out_dtype),
                                       BM=BM, BN=BN, BK=BK)
@@ -176,7 +181,7 @@ def _row_sums(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=t.device)
     if rows.shape[0]:
         R = rows.shape[0]
-        _kernels().row_sums[(_cdiv(R, SUM_ROWS),)](rows, out, R, C, rows.stride(0), ROWS=SUM_ROWS, BLOCK=SUM_BLOCK)
+        _launch("row_sums", (_cdiv(R, SUM_ROWS),), rows, out, R, C, rows.stride(0), ROWS=SUM_ROWS, BLOCK=SUM_BLOCK)
     return out.reshape(t.shape[:-1])
 
 
@@ -203,7 +208,7 @@ def cumsum64(t: torch.Tensor) -> torch.Tensor:
     rows = t.reshape(-1, C).contiguous()
     out = torch.empty(rows.shape, dtype=torch.float64, device=t.device)
     if rows.numel():
-        _kernels().row_cumsums[(rows.shape[0],)](rows, out, C, rows.stride(0), BLOCK=SCAN_BLOCK)
+        _launch("row_cumsums", (rows.shape[0],), rows, out, C, rows.stride(0), BLOCK=SCAN_BLOCK)
     return out.reshape(t.shape)
 
 
@@ -219,7 +224,7 @@ class _RMSNorm(torch.autograd.Function):
             rows = rows.contiguous()
         out = torch.empty(rows.shape, dtype=w.dtype, device=x.device)
         if rows.shape[0]:
-            _kernels().rms_norm_rows[(_cdiv(rows.shape[0], SUM_ROWS),)](rows, w.detach().contiguous(), out, rows.shape[0], C,
+            _launch("rms_norm_rows", (_cdiv(rows.shape[0], SUM_ROWS),), rows, w.detach().contiguous(), out, rows.shape[0], C,
                                                                         rows.stride(0), eps, ROUND=_rounds(w.dtype),
                                                                         ROWS=SUM_ROWS, BLOCK=SUM_BLOCK)
         return out.reshape(x.shape)
@@ -254,10 +259,10 @@ class _AttentionProbs(torch.autograd.Function):
         out = torch.empty(s.shape, dtype=dtype, device=s.device)
         if R:
             grid = (_cdiv(R, SUM_ROWS),)
-            _kernels().scores_shifted[grid](s, p, shifted, R, K, R // B, Q, scale, ROUND=_rounds(dtype), ROWS=SUM_ROWS,
+            _launch("scores_shifted", grid, s, p, shifted, R, K, R // B, Q, scale, ROUND=_rounds(dtype), ROWS=SUM_ROWS,
                                             BLOCK=SUM_BLOCK)
             e = exp(shifted)
-            _kernels().rows_normalized[grid](e, out, R, K, ROUND=_rounds(dtype), ROWS=SUM_ROWS, BLOCK=SUM_BLOCK)
+            _launch("rows_normalized", grid, e, out, R, K, ROUND=_rounds(dtype), ROWS=SUM_ROWS, BLOCK=SUM_BLOCK)
         return out.reshape(scores.shape)
 
     @staticmethod
@@ -302,7 +307,7 @@ class _Rotary(torch.autograd.Function):
         out = torch.empty((B, Q, heads, D), dtype=dtype, device=x.device)
         R = B * Q * heads
         if R:
-            _kernels().rotary_rows[(_cdiv(R, SUM_ROWS),)](xd, p, cos.contiguous(), sin.contiguous(), out, R, heads, xd.stride(1),
+            _launch("rotary_rows", (_cdiv(R, SUM_ROWS),), xd, p, cos.contiguous(), sin.contiguous(), out, R, heads, xd.stride(1),
                                                           ROUND=_rounds(dtype), D=D, ROWS=SUM_ROWS)
         return out
 
