@@ -174,7 +174,7 @@ for dtype in ("float32", "bfloat16"):
         (K.rms_norm_rows, [ptr(dtype), ptr(dtype), ptr(dtype), I, I, I, F], dict(ROUND=rnd, ROWS=16, BLOCK=1024)),
         (K.scores_shifted, [P, "*i64", P, I, I, I, I, F], dict(ROUND=rnd, ROWS=16, BLOCK=1024)),
         (K.rows_normalized, [P, ptr(dtype), I, I], dict(ROUND=rnd, ROWS=16, BLOCK=1024)),
-        (K.rotary_rows, [ptr(dtype), "*i64", P, P, ptr(dtype), I, I, I], dict(ROUND=rnd, D=128, ROWS=16)),
+        (K.rotary_rows, [ptr(dtype), "*i64", P, P, ptr(dtype), I, I, I, I], dict(ROUND=rnd, D=128, ROWS=16)),
     ]
     for fn, types, consts in kernels:
         names = fn.arg_names

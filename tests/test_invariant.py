@@ -174,6 +174,9 @@ def test_rotary_in_one_kernel_is_torchs_rotation_in_its_dtype(dtype):
         assert torch.allclose(got, want, rtol=2 ** -22, atol=1e-7)
     assert torch.equal(I.rotary(q.contiguous(), pos, cos, sin, dtype), got)
     assert torch.equal(I.rotary(q[1:2, 2:], pos[1:2, 2:], cos, sin, dtype), got[1:2, 2:])
+    step = qkv[:, 3:4, :64].reshape(3, 1, 4, 16)  # a decode step: one token a row, a view of the fused output
+    assert torch.equal(I.rotary(step, pos[:, 3:4], cos, sin, dtype), got[:, 3:4])
+    assert I.rotary(step, pos[:, 3:4], cos, sin, dtype).transpose(1, 2).is_contiguous()  # attention's layout
     x = q.float().detach().requires_grad_()
     weights = torch.randn(3, 5, 4, 16, generator=g)
     (I.rotary(x, pos, cos, sin, torch.float32) * weights).sum().backward()

@@ -301,19 +301,23 @@ class _Rotary(torch.autograd.Function):
         ctx.dtype = dtype
         B, Q, heads, D = x.shape
         xd = x.detach()
-        if xd.stride(-1) != 1 or xd.stride(-2) != D or xd.stride(0) != Q * xd.stride(1):
-            xd = xd.contiguous()  # each token's heads side by side, tokens evenly apart
+        # each token's heads side by side and tokens evenly apart (a size-1 dimension's stride is any: a decode step's Q)
+        token_stride = xd.stride(0) if Q == 1 else xd.stride(1)
+        if xd.stride(-1) != 1 or xd.stride(-2) != D or (B > 1 and xd.stride(0) != Q * token_stride):
+            xd = xd.contiguous()
+            token_stride = heads * D
         p = pos.reshape(-1).contiguous()
-        out = torch.empty((B, Q, heads, D), dtype=dtype, device=x.device)
+        out = torch.empty((B, heads, Q, D), dtype=dtype, device=x.device)
         R = B * Q * heads
         if R:
-            _launch("rotary_rows", (_cdiv(R, SUM_ROWS),), xd, p, cos.contiguous(), sin.contiguous(), out, R, heads, xd.stride(1),
-                                                          ROUND=_rounds(dtype), D=D, ROWS=SUM_ROWS)
+            _launch("rotary_rows", (_cdiv(R, SUM_ROWS),), xd, p, cos.contiguous(), sin.contiguous(), out, R, heads, token_stride,
+                    Q, ROUND=_rounds(dtype), D=D, ROWS=SUM_ROWS)
         return out
 
     @staticmethod
     def backward(ctx, g):
         pos, cos, sin = ctx.saved_tensors
+        g = g.transpose(1, 2)  # [B, Q, heads, D], as x
         c, s = cos[pos][:, :, None].to(ctx.dtype), sin[pos][:, :, None].to(ctx.dtype)
         gc, gs = g * c, g * s  # out = x c + rotate_half(x) s: the gradient rotates back
         half = g.shape[-1] // 2
@@ -323,10 +327,11 @@ class _Rotary(torch.autograd.Function):
 def rotary(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The rotary embedding of x [B, Q, heads, D] at positions pos [B, Q] in one kernel: x cos + rotate_half(x) sin,
     cos and sin (float32 tables [n, D]) rounded to ``dtype``, each product and the sum rounded to ``dtype`` (as torch
-    computes it in that dtype). D a power of two. Differentiable in x (ordinary gradients). Memory: the output."""
+    computes it in that dtype). D a power of two. The result is a [B, Q, heads, D] view of a [B, heads, Q, D] tensor,
+    attention's layout (its transpose is contiguous). Differentiable in x (ordinary gradients). Memory: the output."""
     if x.shape[-1] & (x.shape[-1] - 1):
         raise ValueError(f"the rotary kernel takes a power-of-two head dimension, got {x.shape[-1]}")
-    return _Rotary.apply(x, pos, cos, sin, dtype)
+    return _Rotary.apply(x, pos, cos, sin, dtype).transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------------------- elementwise

@@ -164,11 +164,12 @@ def rows_normalized(e_ptr, out_ptr, R, K, ROUND: tl.constexpr, ROWS: tl.constexp
         tl.store(out_ptr + base + c[None, :], rounded(e / total[:, None], ROUND).to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["R", "heads", "token_stride"])
-def rotary_rows(x_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, R, heads, token_stride, ROUND: tl.constexpr, D: tl.constexpr,
+@triton.jit(do_not_specialize=["R", "heads", "token_stride", "Q"])
+def rotary_rows(x_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, R, heads, token_stride, Q, ROUND: tl.constexpr, D: tl.constexpr,
                 ROWS: tl.constexpr):
-    """The rotary embedding of one head's vector a row (row r: token r // heads, head r % heads; x's heads D apart, its
-    tokens token_stride apart; out contiguous): out = x * cos + rotate_half(x) * sin at the token's position, cos and
+    """The rotary embedding of one head's vector a row (row r: token r // heads of Q a batch row, head r % heads; x's
+    heads D apart, its tokens token_stride apart; out laid out [batch, heads, Q, D], attention's layout): out = x * cos
+    + rotate_half(x) * sin at the token's position, cos and
     sin (float32 tables of width D) rounded to bfloat16 if ROUND, each product and the sum rounded alike. Elementwise:
     each output depends on its own row only."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -187,4 +188,5 @@ def rotary_rows(x_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, R, heads, token_strid
     c = rounded(tl.load(cos_ptr + p[:, None] * D + i[None, :], mask=m, other=0.0), ROUND)
     s = rounded(tl.load(sin_ptr + p[:, None] * D + i[None, :], mask=m, other=0.0), ROUND)
     y = rounded(rounded(x * c, ROUND) + rounded(xr * s, ROUND), ROUND)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * D + i[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+    at = ((token // Q) * heads + head) * Q + token % Q  # [batch, heads, Q, D]
+    tl.store(out_ptr + at[:, None] * D + i[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
