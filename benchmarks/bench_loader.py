@@ -1,7 +1,7 @@
 """Training batches per second from a cache: opdcache's loader against datasets + DataLoader, in one run.
 
-Cache: synthetic, written with opdcache's writer -- ROWS rollouts of 64-token prompts and 100-400-token
-responses (vocabulary 151,936), with one teacher's logprob and top-k (k=20) stores.
+Cache: synthetic, written with opdcache's writer -- ROWS rollouts of 64-token prompts and 100-399-token
+responses (``--response-tokens``; 8,48 for short rollouts such as the demo's; vocabulary 151,936), with one teacher's logprob and top-k (k=20) stores.
 The padded sides deliver the same padded tensors per batch (input ids, masks, response ids, teacher log-probs,
 teacher top-k ids and log-probs) for one full epoch with batch size 32 and no worker processes; the packed side the
 same rows and values without padding (``pack=True``: what a padding-free trainer reads, the same information):
@@ -19,7 +19,8 @@ Measured with benchmarks/harness.py, cold (the loader built inside the timed epo
 epoch), interleaved rounds, each run its own process with glibc's mmap threshold raised as a freed large array leaves
 it (``setup``; ``--loader-only-process`` leaves it as a process that only loads):
 
-    python benchmarks/bench_loader.py [--rows 4000 --rounds 3] [--no-datasets] [--loader-only-process]
+    python benchmarks/bench_loader.py [--rows 4000 --rounds 3 --batch-size 32 --response-tokens 100,400] [--no-datasets]
+        [--loader-only-process]
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ from opdcache.format.cache import finalize_table, run_table_job, TableJob
 V, K, SHARDS = 151_936, 20, 8
 
 
-def build(root: Path, rows: int) -> None:
+def build(root: Path, rows: int, lengths: tuple[int, int] = (100, 400)) -> None:
     rng = np.random.default_rng(0)
     per = rows // SHARDS
 
     def rollout(i):
         out = []
         for r in range(per):
-            T = int(rng.integers(100, 400))
+            T = int(rng.integers(*lengths))
             out.append(dict(id=f"{i}-{r}", prompt_index=i * per + r, sample_index=0, prompt_ids=rng.integers(0, V, 64).astype(np.int32),
                             response_ids=rng.integers(0, V, T).astype(np.int32), finish_reason="stop",
                             sampling_logprobs=-rng.random(T).astype(np.float32), ref_logprobs=-rng.random(T).astype(np.float32)))
@@ -227,6 +228,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4000)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--response-tokens", default="100,400",
+                        help="response lengths drawn uniformly from [LO, HI) (default 100,400; short rollouts: 8,48)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-datasets", action="store_true", help="leave out the datasets side (50 s a run here), for more rounds of the other two")
     parser.add_argument("--loader-only-process", action="store_true",
@@ -235,7 +238,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "cache"
-        build(root, args.rows)
+        lengths = tuple(int(x) for x in args.response_tokens.split(","))
+        build(root, args.rows, lengths)
         out = {}
         for temp in ("cold", "warm"):
             common = {"root": str(root), "bs": args.batch_size, "warm": temp == "warm", "trained": not args.loader_only_process}
@@ -250,10 +254,12 @@ def main() -> None:
             if temp == "cold":
                 sides.insert(3, Side("hand-written, pandas imported first", "run_epoch", "setup", common | {"side": "hand", "pandas": True},
                                      note="the baseline in a process that has imported pandas already (its to_numpy then costs no import)"))
-            result = compare(f"one {temp} epoch, {args.rows} rows, batch {args.batch_size}, top-k {K}"
+            result = compare(f"one {temp} epoch, {args.rows} rows of {lengths[0]}-{lengths[1] - 1} response tokens, batch {args.batch_size}, top-k {K}"
                              + (" (loader built inside the timer)" if temp == "cold" else " (after one untimed epoch)"),
                              sides, __file__, rounds=args.rounds,
                              meta={"command": "python benchmarks/bench_loader.py" + (f" --rounds {args.rounds}" if args.rounds != 3 else "")
+                                   + (f" --rows {args.rows}" if args.rows != 4000 else "") + (f" --batch-size {args.batch_size}" if args.batch_size != 32 else "")
+                                   + (f" --response-tokens {args.response_tokens}" if lengths != (100, 400) else "")
                                    + (" --no-datasets" if args.no_datasets else "")
                                    + (" --loader-only-process" if args.loader_only_process else "")})
             report(result)

@@ -38,6 +38,28 @@ def test_order_is_deterministic_and_changes_with_seed_and_epoch(hf_cache):
     assert _ids(list(CacheLoader(CacheLoaderConfig(cache=hf_cache, batch_size=4, seed=4)))) != ea
 
 
+@pytest.mark.parametrize("shuffle, rank, world, batch_size", [(True, 0, 1, 5), (True, 2, 3, 4), (False, 1, 2, 7)])
+def test_batches_are_the_plain_per_row_order_cut_into_runs(hf_cache, shuffle, rank, world, batch_size):
+    """The loader's batches (numpy, a run of one shard at a time) against the plain reference: shards in an order drawn
+    from (seed, epoch), each shard's rows in a permutation drawn next, every world-th row from rank on, cut every
+    batch_size rows. A checkpoint's position means the same rows before and after the batches were vectorised."""
+    loader = CacheLoader(CacheLoaderConfig(cache=hf_cache, batch_size=batch_size, shuffle=shuffle, seed=7, rank=rank, world_size=world))
+    dataset = loader.dataset
+    counts = [s["rows"] for s in Cache(hf_cache).table("rollouts")["shards"]]
+    assert len(counts) > 1
+    for epoch in (0, 1):
+        rng = np.random.default_rng([7, epoch])
+        shard_order = rng.permutation(len(counts)) if shuffle else range(len(counts))
+        seq = [(int(s), int(r)) for s in shard_order for r in (rng.permutation(counts[s]) if shuffle else range(counts[s]))]
+        seq = seq[rank::world]
+        want = [seq[i: i + batch_size] for i in range(0, len(seq), batch_size)]
+        got = [[(s, int(r)) for s, rows in batch for r in rows] for batch in dataset.batches(epoch)]
+        assert got == want
+        for batch in dataset.batches(epoch):  # runs are maximal: neighbours are of different shards
+            assert all(a[0] != b[0] for a, b in zip(batch, batch[1:])) and all(len(rows) for _, rows in batch)
+    assert any(len(batch) > 1 for batch in dataset.batches(0))  # some batch spans two shards
+
+
 def test_mid_epoch_resume_is_exact(hf_cache):
     cfg = CacheLoaderConfig(cache=hf_cache, teacher="teacher", stores=("logprob", "topk", "hidden"), batch_size=3, num_workers=2)
     full = list(CacheLoader(cfg))

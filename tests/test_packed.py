@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from opdcache.training.data import CacheLoader, CacheLoaderConfig, collate_decoded
-from opdcache.training.packing import _gather, _ranges, collate_packed, unpack
+from opdcache.training.packing import _ranges, collate_packed, unpack
 
 ROLLOUT_STORES = ("ref_topk", "mc")
 TEACHER_STORES = ("logprob", "topk", "hidden", "svd", "sampled")
@@ -21,18 +21,6 @@ def test_ranges_is_the_concatenation_of_aranges():
     starts, lengths = np.array([5, 0, 9, 3]), np.array([2, 0, 3, 1])
     assert _ranges(starts, lengths).tolist() == [5, 6, 9, 10, 11, 3]
     assert _ranges(np.array([], np.int64), np.array([], np.int64)).tolist() == []
-
-
-@pytest.mark.parametrize("dtype", [np.int32, np.float32, np.uint16, np.int64])
-def test_gather_of_spans_equals_numpys_take_of_their_tokens(dtype):
-    rng = np.random.default_rng(0)
-    starts = [7, 0, 30, 12, 12]
-    ends = [11, 0, 50, 19, 13]  # an empty span, spans out of order, one overlapping another
-    index = _ranges(np.array(starts), np.array(ends) - np.array(starts))
-    for column in (rng.integers(-99, 99, (50, 20)).astype(dtype), rng.integers(-99, 99, (50, 1)).astype(dtype),
-                   rng.integers(-99, 99, 50).astype(dtype), rng.integers(-99, 99, (50, 40)).astype(dtype)[:, ::2]):
-        got, want = _gather(column, starts, ends, index), np.take(column, index, axis=0)
-        assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -70,12 +58,11 @@ def test_a_batch_of_consecutive_rows_is_a_view_of_the_decoded_shard(hf_cache):
     _, packed_loader = _loaders(hf_cache, shuffle=False, prefetch=False)
     dataset = packed_loader.dataset
     decoded = dataset._decode(0)
-    rows = [(decoded, r) for r in range(3)]
-    packed = collate_packed(rows)
+    packed = collate_packed([(decoded, np.arange(3))])
     for name in ("sampling_logprobs", "teacher_logprobs", "teacher_topk_ids", "teacher_hidden", "teacher_sampled_counts"):
         assert np.shares_memory(packed[name].view(torch.int16).numpy() if packed[name].dtype == torch.bfloat16 else packed[name].numpy(),
                                 decoded.cols[name]), name
-    scattered = collate_packed([(decoded, 2), (decoded, 0), (decoded, 1)])
+    scattered = collate_packed([(decoded, np.array([2, 0, 1]))])
     assert not np.shares_memory(scattered["teacher_logprobs"].numpy(), decoded.cols["teacher_logprobs"])
     back = {r: i for i, r in enumerate([2, 0, 1])}
     for name in ("teacher_logprobs", "teacher_topk_ids"):
@@ -84,7 +71,7 @@ def test_a_batch_of_consecutive_rows_is_a_view_of_the_decoded_shard(hf_cache):
             a, b = packed["cu_response"][r], packed["cu_response"][r + 1]
             c, d = scattered["cu_response"][i], scattered["cu_response"][i + 1]
             assert torch.equal(packed[name][a:b], scattered[name][c:d])
-    padded = collate_decoded(rows)
+    padded = collate_decoded([(decoded, r) for r in range(3)])
     assert torch.equal(packed["teacher_logprobs"], padded["teacher_logprobs"][padded["response_mask"].bool()])
 
 

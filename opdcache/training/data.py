@@ -252,21 +252,28 @@ class CacheDataset(torch.utils.data.IterableDataset):
         self.start_batch = 0
         self._batches: tuple = (None, [])
 
-    def order(self, epoch: int) -> list[tuple[int, int]]:
-        """This rank's (shard, row) sequence for an epoch."""
+    def order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's (shard, row) sequence for an epoch, as two int64 arrays: the shard of each row and its index there."""
         rng = np.random.default_rng([self.config.seed, epoch])
         shard_order = rng.permutation(len(self.rollout_paths)) if self.config.shuffle else np.arange(len(self.rollout_paths))
-        seq = []
-        for s in shard_order:
-            rows = rng.permutation(self.rows_per_shard[s]) if self.config.shuffle else np.arange(self.rows_per_shard[s])
-            seq.extend((int(s), int(r)) for r in rows)
-        return seq[self.rank:: self.world]
+        counts = [self.rows_per_shard[s] for s in shard_order]
+        rows = [rng.permutation(n) if self.config.shuffle else np.arange(n) for n in counts]
+        shard_of = np.repeat(shard_order.astype(np.int64), counts)
+        row_of = np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64)
+        return shard_of[self.rank:: self.world], row_of[self.rank:: self.world]
 
-    def batches(self, epoch: int) -> list[list[tuple[int, int]]]:
-        """This rank's batches of (shard, row) for an epoch (the last epoch's kept: an epoch asks for them more than once)."""
+    def batches(self, epoch: int) -> list[list[tuple[int, np.ndarray]]]:
+        """This rank's batches for an epoch, each its rows in order as runs of one shard: [(shard, row indices), ...]
+        (the last epoch's kept: an epoch asks for them more than once). Built with one pass of numpy a batch, never a
+        Python step a row."""
         if self._batches[0] != epoch:
-            seq, bs = self.order(epoch), self.config.batch_size
-            self._batches = (epoch, [seq[i: i + bs] for i in range(0, len(seq), bs)])
+            shard_of, row_of = self.order(epoch)
+            bs, out = self.config.batch_size, []
+            for a in range(0, len(shard_of), bs):
+                s, r = shard_of[a: a + bs], row_of[a: a + bs]
+                cuts = [0, *(np.flatnonzero(s[1:] != s[:-1]) + 1).tolist(), len(s)]
+                out.append([(int(s[i]), r[i:j]) for i, j in zip(cuts[:-1], cuts[1:])])
+            self._batches = (epoch, out)
         return self._batches[1]
 
     def __len__(self) -> int:
@@ -319,8 +326,8 @@ class CacheDataset(torch.utils.data.IterableDataset):
                 return in_use[shard]
 
             for batch in mine:
-                decoded = [load(s) for s, _ in batch]
-                yield (collate_packed if self.config.pack else collate_decoded)([(d, r) for d, (_, r) in zip(decoded, batch)])
+                runs = [(load(s), rows) for s, rows in batch]
+                yield collate_packed(runs) if self.config.pack else collate_decoded([(d, r) for d, rows in runs for r in rows.tolist()])
         finally:  # an epoch cut short (the consumer stopped): nothing more is decoded
             pool.shutdown(wait=True, cancel_futures=True)
 

@@ -23,26 +23,6 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts.astype(np.int64) - (ends - lengths), lengths) + np.arange(int(ends[-1]) if len(ends) else 0)
 
 
-def _gather(column: np.ndarray, starts: list[int], ends: list[int], index: np.ndarray) -> np.ndarray:
-    """The spans [starts[i], ends[i]) of a per-token column, end to end (``index``: the same tokens as one index array).
-    A [tokens, k] column is copied a span at a time (each span is contiguous: one memcpy a row, about 1.3x faster than
-    one take along the first axis on a top-20 column); a [tokens] column with one take."""
-    if column.ndim == 2 and column.shape[1] > 1:
-        return np.concatenate([column[a:b] for a, b in zip(starts, ends)])
-    return np.take(column, index, axis=0)
-
-
-def _runs(rows: list[tuple]) -> list[tuple]:
-    """A batch's rows as maximal runs of one decoded shard, in batch order: (shard, row indices)."""
-    runs: list[tuple] = []
-    for d, r in rows:
-        if runs and runs[-1][0] is d:
-            runs[-1][1].append(r)
-        else:
-            runs.append((d, [r]))
-    return [(d, np.asarray(idx, np.int64)) for d, idx in runs]
-
-
 def _as_tensor(values: np.ndarray) -> torch.Tensor:
     import warnings
 
@@ -53,8 +33,9 @@ def _as_tensor(values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values)
 
 
-def collate_packed(rows: list[tuple])  -> dict[str, torch.Tensor]:
-    """The rows of :func:`collate_decoded` as one packed sequence, no padding anywhere.
+def collate_packed(runs: list[tuple]) -> dict[str, torch.Tensor]:
+    """A batch's rows as one packed sequence, no padding anywhere: ``runs`` are its rows in batch order as runs of one
+    decoded shard each, (``DecodedShard``, row indices) (the loader's batches: opdcache/training/data.py).
 
     Shapes (B sequences, N = their prompt + response tokens, R = their response tokens): input_ids [1, N] (each
     sequence's prompt then response, one after another), position_ids [1, N] (restarting at 0 for each sequence: a
@@ -65,25 +46,25 @@ def collate_packed(rows: list[tuple])  -> dict[str, torch.Tensor]:
     per-token column flat as [R] or [R, k] in its stored dtype (ids stay int32; hidden and svd vectors their stored
     dtype).
 
-    Zero-copy where the layout allows: when the batch is one run of consecutive rows of one decoded shard (the loader
-    with ``shuffle=False``), every per-token column is a view of the shard's decoded Arrow buffers (read-only); other
-    batches take each column with one vectorised gather (no per-row loop). input_ids interleave prompts and responses,
-    so they are always built. Memory: the batch's tokens, never the longest row times the batch size."""
-    runs = _runs(rows)
+    Zero-copy where the layout allows: a run of consecutive rows (the loader with ``shuffle=False``) gives every
+    per-token column as a view of the shard's decoded Arrow buffers (read-only); rows apart are taken with one
+    vectorised ``np.take`` a column, and nothing here loops over rows in Python. input_ids interleave prompts and
+    responses, so they are always built. Memory: the batch's tokens, never the longest row times the batch size."""
     first = runs[0][0]
     names = [name for name in first.cols if name not in ("prompt_ids", "response_ids")]
     parts: dict[str, list[np.ndarray]] = {name: [] for name in ["response_ids"] + names}
     prompt_parts, n_parts, p_parts = [], [], []
     for d, idx in runs:
+        idx = np.asarray(idx, np.int64)
         a, b = d.offsets[idx], d.offsets[idx + 1]
         p0, p1 = d.prompt_offsets[idx], d.prompt_offsets[idx + 1]
         if idx[-1] - idx[0] == len(idx) - 1 and bool((np.diff(idx) == 1).all()):  # a run is a view of each column
             for name in parts:
                 parts[name].append(d.cols[name][int(a[0]): int(b[-1])])
-        else:  # rows apart: one gather a column
-            take, spans = _ranges(a, b - a), (a.tolist(), b.tolist())
+        else:  # rows apart: one take a column
+            take = _ranges(a, b - a)
             for name in parts:
-                parts[name].append(_gather(d.cols[name], *spans, take))
+                parts[name].append(np.take(d.cols[name], take, axis=0))
         prompt_parts.append(d.cols["prompt_ids"][_ranges(p0, p1 - p0)])
         n_parts.append(b - a)
         p_parts.append(p1 - p0)
