@@ -217,6 +217,55 @@ def test_packed_attention_runs_each_sequence_alone_and_gives_the_padded_logits(h
     assert sorted(lengths) == sorted([(int(n), int(n)) for n in seq] * layers)  # one call a sequence a layer, none wider
 
 
+def _graph_nodes(t: torch.Tensor) -> list[str]:
+    seen, stack, names = set(), [t.grad_fn], []
+    while stack:
+        f = stack.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        names.append(type(f).__name__)
+        stack.extend(g for g, _ in f.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_packed_forwards_backward_does_not_grow_with_sequences_times_tokens(weights, exact, monkeypatch):
+    """Packed attention takes each sequence's queries, keys and values apart with one split a tensor, not one slice a
+    sequence: a slice's backward writes its gradient into a zero tensor of the whole packed length, so B sequences
+    would cost B x N a layer in the backward (and the exact decoder's query blocks Q / 256 x Q). The graph of a
+    packed forward has as many slice nodes for 12 sequences as for 2, and for a 100-token sequence (seven query
+    blocks of 16 here) as for a 16-token one."""
+    from transformers import AutoModelForCausalLM
+
+    from opdcache.training.student import enable_packed_attention
+
+    model = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float32)
+    if exact:
+        from opdcache.exact import primitives
+        from opdcache.exact import decoder as exact_decoder
+        from opdcache.exact.decoder import ExactDecoder
+
+        monkeypatch.setattr(exact_decoder, "QUERY_BLOCK", 16)
+        decoder = ExactDecoder(model, torch.float32, arith=primitives("opdcache-exact-1"))
+    else:
+        enable_packed_attention(model)
+
+    def slices(lengths: list[int]) -> int:
+        offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(lengths)]))
+        ids = torch.randint(3, model.config.vocab_size, (1, offsets[-1]))
+        pos = torch.cat([torch.arange(n) for n in lengths])[None]
+        if exact:
+            h = decoder.forward_packed(ids, pos, offsets)
+        else:
+            h = model.model(input_ids=ids, position_ids=pos, use_cache=False, packed_offsets=offsets).last_hidden_state
+        names = _graph_nodes(h.sum())
+        assert "SplitWithSizesBackward0" in names
+        return sum(name.startswith("SliceBackward") for name in names)
+
+    assert slices([20] * 2) == slices([20] * 12) == slices([16]) == slices([100])
+
+
 def test_a_run_resumes_with_or_without_pack(hf_cache, weights, tmp_path):
     """Packing lays the same rows out differently: a run stopped with --pack resumes without it (and a checkpoint
     written before the setting existed resumes), at the step it stopped."""

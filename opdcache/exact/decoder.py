@@ -161,8 +161,7 @@ class ExactDecoder:
         K = k.shape[2]
         kT = k.transpose(-1, -2)
         out = []
-        for a in range(0, Q, QUERY_BLOCK):
-            qb, pb = q[:, :, a: a + QUERY_BLOCK], qpos[:, a: a + QUERY_BLOCK]
+        for qb, pb in zip(q.split(QUERY_BLOCK, 2), qpos.split(QUERY_BLOCK, 1)):  # split: a slice's backward would zero all Q
             Qb = qb.shape[2]
             qg = qb.reshape(B, kv, rep * Qb, d)  # head g * rep + r reads key head g: rows (r, query) of group g
             scores = self.arith.matmul(qg, kT)  # [B, kv, rep x Qb, K]
@@ -212,9 +211,11 @@ class ExactDecoder:
             k, v = K_cache[:, :, :end], V_cache[:, :, :end]
         if segments is None:
             o = self.attend(q, k, v, pos)
-        else:  # each sequence alone: the same products and sums as its right-padded row, without the padding
-            o = torch.cat([self.attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], pos[:, a:b])
-                           for a, b in zip(segments[:-1], segments[1:]) if b > a], 2)
+        else:  # each sequence alone: the same products and sums as its right-padded row, without the padding (split,
+            # not sliced: a slice's backward writes into a zero tensor of all Q tokens, B x Q a layer for B sequences)
+            sizes = [b - a for a, b in zip(segments[:-1], segments[1:])]
+            o = torch.cat([self.attend(*parts) for parts in zip(q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2),
+                                                                 pos.split(sizes, 1)) if parts[0].shape[2]], 2)
         o = o.transpose(1, 2).reshape(B, Q, self.heads * self.head_dim)
         h = h + self.linear(attn.o_proj, o)
         x = self.norm(layer.post_attention_layernorm, h)

@@ -44,10 +44,12 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     ``packed_offsets`` (a tuple: no device sync) -> [1, N, heads, d], each sequence attending causally to itself."""
     offsets = kwargs["packed_offsets"]
     groups = getattr(module, "num_key_value_groups", 1)
-    parts = [torch.nn.functional.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
-                                                              dropout_p=dropout if module.training else 0.0, scale=scaling,
-                                                              enable_gqa=groups > 1)
-             for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
+    sizes = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+    # split, not one slice a sequence: a slice's backward writes its gradient into a zero tensor of the whole packed
+    # length, so B slices would cost B x N a layer; a split's backward is one concatenation of N
+    parts = [torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout if module.training else 0.0,
+                                                              scale=scaling, enable_gqa=groups > 1)
+             for q, k, v in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2)) if q.shape[2]]
     return torch.cat(parts, 2).transpose(1, 2).contiguous(), None
 
 
