@@ -265,7 +265,7 @@ def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: in
 
     torch.manual_seed(0)
     trainer = Trainer(TrainConfig(model=Path(model_path), cache=Path(cache), out=Path(out), loss=loss, batch_size=batch_size, lr=1e-5,
-                                  kl_coef=0.0))  # the main loss alone, as the full-logits baseline computes it
+                                  kl_coef=0.0, pack=False))  # the main loss alone on padded rows, as the full-logits baseline computes it
     batch = trainer.source.next_batch()
     device = str(trainer.device)
     losses: dict = {}

@@ -11,8 +11,8 @@ Two length spreads:
 
 Both sides run ``Trainer.fit`` for ``--steps`` Lightning steps (batch ``--batch-size`` rows, float32, no checkpoint
 written), each in a fresh process, interleaved over ``--rounds`` rounds after a warm-up; a step's tokens are its response
-tokens. The padded side is what train does without --pack (and what a trainer without padding-free support does): every
-row of a batch padded to its longest. The padding share of the batches is printed beside the figures: packing can gain
+tokens. The padded side is what train does with --no-pack (and what a trainer without padding-free support does): every
+row of a batch padded to its longest; the packed side is train's default. The padding share of the batches is printed beside the figures: packing can gain
 at most 1 / (1 - that share) on the decoder's work.
 
 ``--exact`` runs both sides in the exact arithmetic (the packed side's values are the padded side's bits).
@@ -150,12 +150,12 @@ def main() -> None:
                 continue
             share = padding_share(cache, args.batch_size)
             common = {"cache": cache, "model": str(model), "steps": args.steps, "batch_size": args.batch_size, "out": tmp, "exact": args.exact}
-            sides = [Side(f"train --pack{flag}", "run_fit", "setup", common | {"pack": True},
+            sides = [Side(f"train{flag} (packed, the default)", "run_fit", "setup", common | {"pack": True},
                           note="the rows end to end with position ids; the losses on the same numbers"),
-                     Side(f"train{flag} (padded)", "run_fit", "setup", common | {"pack": False}, baseline=True,
-                          note="every row padded to the batch's longest (train's default)")]
+                     Side(f"train --no-pack{flag} (padded)", "run_fit", "setup", common | {"pack": False}, baseline=True,
+                          note="every row padded to the batch's longest")]
             if args.max_batch_tokens and label == "spread":
-                sides.insert(1, Side(f"train --pack --max-batch-tokens {args.max_batch_tokens}", "run_fit", "setup",
+                sides.insert(1, Side(f"train --max-batch-tokens {args.max_batch_tokens} (packed)", "run_fit", "setup",
                                      common | {"pack": True, "max_batch_tokens": args.max_batch_tokens},
                                      note="each batch cut into groups within the token budget, one forward and backward a group"))
             result = compare(f"{args.steps} Lightning steps, batch {args.batch_size}, {label} model; padding {share:.0%} of the "

@@ -142,7 +142,7 @@ def child_train(student: str, cache: str, loss: str, path: str, out: str, batch:
 
     torch.manual_seed(0)
     trainer = Trainer(TrainConfig(model=Path(student), cache=Path(cache), out=Path(out), loss=loss, batch_size=int(batch), lr=1e-5, kl_coef=0.0,  # the main loss alone, as the baseline
-                                  gradient_checkpointing=path.endswith("+ckpt")))
+                                  gradient_checkpointing=path.endswith("+ckpt"), pack=False))  # padded rows, as the baseline's
     batch = trainer.source.next_batch()
 
     # the step's own memory: peak RSS during it, minus the RSS just before it; and the forward + backward's apart

@@ -86,7 +86,7 @@ def train(
     chunk: Annotated[Optional[int], T.option("chunk")] = None,
     dtype: Annotated[Optional[str], T.option("dtype")] = None,
     gradient_checkpointing: Annotated[Optional[bool], T.option("gradient_checkpointing")] = None,
-    pack: Annotated[Optional[bool], T.option("pack")] = None,
+    pack: Annotated[Optional[bool], T.option("pack", "--pack/--no-pack")] = None,
     fsdp: Annotated[Optional[bool], T.option("fsdp")] = None,
     stop_after: Annotated[Optional[int], typer.Option("--stop-after", hidden=True)] = None,
     progress: Annotated[Optional[bool], T.option("progress", "--progress/--no-progress")] = None,
@@ -94,7 +94,7 @@ def train(
     """Lightning OPD (or another estimator) from a cache: no teacher runs during training.
 
     Memory grows with the model (16 bytes per parameter in float32 with AdamW, split over processes with --fsdp),
-    batch x length x hidden activations (with --pack the batch's tokens x hidden; with --max-batch-tokens that budget's;
+    the batch's tokens x hidden activations (with --no-pack batch x longest row x hidden; with --max-batch-tokens that budget's;
     one layer's with --gradient-checkpointing) and [rows, --chunk] logit blocks (1 GiB blocks of [rows, vocabulary]
     on a GPU, where the head's softmax probabilities are kept for the backward within 8 GiB and a quarter of free
     memory); never with tokens x vocabulary beyond that (measured per token: BENCHMARKS.md). A --cache on an object store holds

@@ -32,7 +32,7 @@ def test_the_full_logits_baseline_is_the_fused_steps_loss_and_gradients(hf_cache
 
     from opdcache.training.train import TrainConfig, Trainer
 
-    trainer = Trainer(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss=loss, batch_size=6, kl_coef=0.0))  # the main loss
+    trainer = Trainer(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss=loss, batch_size=6, kl_coef=0.0, pack=False))  # the main loss
     batch = _staggered(trainer.source.next_batch())
     starts = batch["logit_positions"][:, 0]
     assert int(starts.min()) > 0 and int(starts.max()) > int(starts.min())  # logits are cut before the earliest response

@@ -175,14 +175,17 @@ def test_a_packed_exact_train_step_has_the_padded_steps_bits(hf_cache, weights, 
     _assert_gradients_close(ga, gb, 1e-5 if dtype == "float32" else 1e-2)
 
 
-def test_pack_is_refused_with_online():
+def test_train_packs_by_default_except_online_and_pack_is_refused_with_online():
     from pathlib import Path
 
     from opdcache.errors import ConfigError
     from opdcache.training.train import TrainConfig
 
+    common = dict(model=Path("m"), cache="c", out=Path("o"))
+    assert TrainConfig(**common).pack is True and TrainConfig(**common, pack=False).pack is False
+    assert TrainConfig(**common, online=True, teacher_model=Path("t"), loss="is").pack is False
     with pytest.raises(ConfigError, match="--pack lays a cache's rows end to end for the student's forward; --online generates"):
-        TrainConfig(model=Path("m"), cache="c", out=Path("o"), pack=True, online=True)
+        TrainConfig(**common, pack=True, online=True)
 
 
 def test_packed_attention_runs_each_sequence_alone_and_gives_the_padded_logits(hf_cache, weights, monkeypatch):
@@ -215,6 +218,25 @@ def test_packed_attention_runs_each_sequence_alone_and_gives_the_padded_logits(h
     seq = np.diff(offsets)
     layers = model.config.num_hidden_layers
     assert sorted(lengths) == sorted([(int(n), int(n)) for n in seq] * layers)  # one call a sequence a layer, none wider
+
+
+def test_a_model_running_packed_attention_still_takes_a_padded_batch(hf_cache, weights):
+    """A source that yields padded batches (the async learner's, a user's) beside a packed run's model: without
+    ``packed_offsets`` the packed attention is transformers' SDPA with the batch's mask, the same logits to the bit."""
+    from transformers import AutoModelForCausalLM
+
+    from opdcache.training.student import enable_packed_attention
+
+    padded = next(iter(_loaders(hf_cache, shuffle=True)[0]))
+    mask = padded["attention_mask"]
+    assert not mask.bool().all()  # rows of several lengths
+    reference = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float64, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float64).eval()
+    enable_packed_attention(model)
+    with torch.no_grad():
+        want = reference(input_ids=padded["input_ids"], attention_mask=mask).logits
+        got = model(input_ids=padded["input_ids"], attention_mask=mask).logits
+    assert torch.equal(got[mask.bool()], want[mask.bool()])
 
 
 def _graph_nodes(t: torch.Tensor) -> list[str]:

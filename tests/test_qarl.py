@@ -43,7 +43,7 @@ def w4_cache(tmp_path_factory, weights, opd_prompts):
 def _student_logprobs(cache, weights, tmp_path, aligned: bool):
     """The trainer's own forward of pi_ref on one batch of the cache: (its log-probs, the stored sampling log-probs, mask)."""
     trainer = Trainer(TrainConfig(model=weights / "student", cache=cache, out=tmp_path / f"run-{aligned}", batch_size=8,
-                                  rollout_aligned=aligned))
+                                  rollout_aligned=aligned, pack=False))
     batch = trainer.source.next_batch()
     sel = batch["response_mask"].bool()
     with torch.no_grad():
@@ -160,7 +160,7 @@ def test_the_k3_penalty_is_capped():
 def test_non_finite_values_at_masked_positions_do_not_leak(hf_cache, weights, tmp_path):
     """A NaN or inf in padding (outside the response mask) changes neither the loss nor any gradient."""
     for loss in ("lightning", "is"):
-        trainer = Trainer(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path / loss, batch_size=4, loss=loss, kl_coef=0.1))
+        trainer = Trainer(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path / loss, batch_size=4, loss=loss, kl_coef=0.1, pack=False))
         batch = trainer.source.next_batch()
         mask = batch["response_mask"].clone()
         last = mask.cumsum(-1) > mask.sum(-1, keepdim=True) - 3  # each row's last 3 response tokens become padding

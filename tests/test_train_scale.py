@@ -25,7 +25,7 @@ def _batch(trainer):
 def test_fused_step_equals_the_full_logits_step(hf_cache, weights, tmp_path, loss):
     """Loss and every parameter gradient of a step equal those of a plain log_softmax over [B, T, V] logits (the
     full-vocabulary losses through the divergence's uniform path, its gradient computed in the forward)."""
-    trainer = Trainer(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss=loss, batch_size=6, chunk=7))
+    trainer = Trainer(TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path, loss=loss, batch_size=6, chunk=7, pack=False))
     batch = _batch(trainer)
     fused, _ = trainer.loss_and_stats(batch)
     fused.backward()

@@ -15,10 +15,10 @@ from opdcache.training.trainconfig import TrainConfig
 
 EXECUTORS = ("local", "ray")
 
-LEARNER_DEFAULTS = {"loss": "is", "steps": 50, "lr": 1e-5, "checkpoint_every": 1, "kl_coef": 0.0}
+LEARNER_DEFAULTS = {"loss": "is", "steps": 50, "lr": 1e-5, "checkpoint_every": 1, "kl_coef": 0.0, "pack": False}
 """Where the async learner's defaults differ from `opdcache train`'s: papers/001's unclipped IS estimator, a learner
-checkpoint every step (a killed learner redoes no update) and no KL penalty (a batch's ref_logprobs are its sampling
-snapshot's, not pi_ref's)."""
+checkpoint every step (a killed learner redoes no update), no KL penalty (a batch's ref_logprobs are its sampling
+snapshot's, not pi_ref's) and padded batches (the learner reads each batch as the rollout worker lands it, padded)."""
 
 LEARNER_SETTINGS = ("model", "loss", "steps", "batch_size", "lr", "tau", "ppo_clip", "importance_weights", "max_grad_norm",
                     "weight_decay", "chunk", "seed", "deterministic", "exact", "checkpoint_every", "progress")
@@ -26,7 +26,7 @@ LEARNER_SETTINGS = ("model", "loss", "steps", "batch_size", "lr", "tau", "ppo_cl
 offline training's and stay at train's defaults."""
 
 
-DEFAULT = TrainConfig(model=Path(), cache="", out=Path())  # train's defaults, for what the learner leaves alone
+DEFAULT = TrainConfig(model=Path(), cache="", out=Path(), pack=False)  # train's defaults, for what the learner leaves alone
 
 
 def learner(model: Path | str, **settings) -> TrainConfig:

@@ -1,4 +1,4 @@
-"""Packed batches: a batch's rows end to end, no padding (``CacheLoaderConfig(pack=True)``, ``train --pack``).
+"""Packed batches: a batch's rows end to end, no padding (``CacheLoaderConfig(pack=True)``, ``opdcache train``'s default).
 
 :func:`collate_packed` lays out rows of decoded shards (opdcache/training/decoded.py ``DecodedShard``: their flat per-token
 buffers and row offsets) as one sequence with its position ids and offsets, every per-token column flat;

@@ -41,8 +41,13 @@ length squared as a block-diagonal mask over the whole batch would."""
 
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """query [1, heads, N, d], key and value [1, kv_heads, N, d] of sequences laid end to end at the host-side offsets
-    ``packed_offsets`` (a tuple: no device sync) -> [1, N, heads, d], each sequence attending causally to itself."""
-    offsets = kwargs["packed_offsets"]
+    ``packed_offsets`` (a tuple: no device sync) -> [1, N, heads, d], each sequence attending causally to itself.
+    Without ``packed_offsets`` (a padded batch, from a source that yields them) transformers' SDPA attention with its mask."""
+    offsets = kwargs.pop("packed_offsets", None)
+    if offsets is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     sizes = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
     # split, not one slice a sequence: a slice's backward writes its gradient into a zero tensor of the whole packed
@@ -54,7 +59,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
 
 
 def enable_packed_attention(model) -> None:
-    """Make ``model`` run :func:`packed_attention` (its forwards then take packed batches only)."""
+    """Make ``model`` run :func:`packed_attention`: packed batches with their ``packed_offsets``, padded ones as before."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)

@@ -103,11 +103,12 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward: the activation memory of one layer, for more
     compute (BENCHMARKS.md)."""
-    pack: bool = False
+    pack: bool | None = None
     """Packed batches (opdcache/training/packing.py): the student's forward runs on the batch's sequences laid end to
     end with their position ids (attention within each sequence), so no compute goes to padding; the losses are the
     padded path's on the same numbers. Memory: activations grow with the batch's tokens, not its longest row times the
-    batch size. With --exact, each sequence's values are the bits of its padded row. Not with --online."""
+    batch size. With --exact, each sequence's values are the bits of its padded row. Default: packed, except with
+    --online (whose batches are generated padded); --no-pack pads every row to the batch's longest."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer state over the processes of a torchrun launch (FSDP2)."""
     corrections: L.Corrections = field(default_factory=L.Corrections)
@@ -182,6 +183,8 @@ class TrainConfig:
                               "gradient (E_theta[grad log pi_theta] = 0), so it would not pull toward pi_ref; use k3 (the default) or k2")
         if self.kl_cap < 0:
             raise ConfigError(f"--kl-cap must be >= 0 (0: no cap), got {self.kl_cap}")
+        if self.pack is None:
+            object.__setattr__(self, "pack", not self.online)
         if self.pack and self.online:
             raise ConfigError("--pack lays a cache's rows end to end for the student's forward; --online generates its "
                               "batches: drop --pack")
