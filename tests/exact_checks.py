@@ -97,18 +97,18 @@ def primitives_that_vary(A, device, dtype=torch.float32) -> list[str]:
         "temperature": (z, lambda t: t / 0.9), "log_softmax": (z, lambda t: H.log_softmax(t, A)),
         "top_p_mask": (H.log_softmax(z, A), lambda t: H.top_p_mask(t, 0.9, A)),
     }
-    if hasattr(A, "rms_norm"):  # the decoder's composites an arithmetic computes in its own kernels
-        norm_w = (torch.rand(200, generator=g) + 0.5).to(device, dtype)
-        ops["rms_norm"] = (x, lambda t: A.rms_norm(t, norm_w, 1e-6, dtype))
-        # each row sees its first 1-40 keys, a function of its own values (the slices keep row and limit together)
-        # [batch rows, 1 group, 2 heads x 1 query, 40 keys]; each query's position from its row's values
-        ops["attention_probs"] = (z[:, :80].reshape(64, 1, 2, 40),
-                                  lambda t: A.attention_probs(t, (t[:, 0, 0, :1].abs() * 7).long() % 40, 0.125, dtype))
-        from opdcache.exact.decoder import RotaryTable
+    # the decoder's composites (the GPU arithmetic computes them in its own kernels)
+    norm_w = (torch.rand(200, generator=g) + 0.5).to(device, dtype)
+    ops["rms_norm"] = (x, lambda t: A.rms_norm(t, norm_w, 1e-6, dtype))
+    # each row sees its first 1-40 keys, a function of its own values (the slices keep row and limit together)
+    # [batch rows, 1 group, 2 heads x 1 query, 40 keys]; each query's position from its row's values
+    ops["attention_probs"] = (z[:, :80].reshape(64, 1, 2, 40),
+                              lambda t: A.attention_probs(t, (t[:, 0, 0, :1].abs() * 7).long() % 40, 0.125, dtype))
+    from opdcache.exact.decoder import RotaryTable
 
-        cos, sin = RotaryTable(10000.0, 16).tables(torch.arange(20, device=device))
-        ops["rotary"] = (z[:, :96].reshape(64, 3, 2, 16).to(dtype),  # [tokens, Q, heads, D], positions from each row's values
-                         lambda t: A.rotary(t, (t[:, :, 0, 0].float().abs() * 5).long() % 20, cos, sin, dtype))
+    cos, sin = RotaryTable(10000.0, 16).tables(torch.arange(20, device=device))
+    ops["rotary"] = (z[:, :96].reshape(64, 3, 2, 16).to(dtype),  # [tokens, Q, heads, D], positions from each row's values
+                     lambda t: A.rotary(t, (t[:, :, 0, 0].float().abs() * 5).long() % 20, cos, sin, dtype))
     varying = []
     for name, (t, f) in ops.items():
         full = f(t)

@@ -69,6 +69,16 @@ def test_matmul_is_invariant_to_rows_batch_and_threads():
             assert torch.equal(X.linear(x[rows], w), full[rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_primitive_and_composite_gives_a_row_the_same_bits_in_any_batch(dtype):
+    """The CPU arithmetic's primitives and the decoder's composites built from them (RMSNorm, attention's softmax, the
+    rotary embedding): a row alone, among 7 and among 64 gets the same bits (names the ones that do not); the GPU
+    arithmetic passes the same check (tests/test_invariant.py, tests/test_gpu.py)."""
+    from exact_checks import primitives_that_vary
+
+    assert primitives_that_vary(X, "cpu", dtype) == []
+
+
 def test_fold_ignores_appended_zeros():
     t = torch.randn(5, 37, dtype=torch.float64)
     for extra in (1, 27, 91):

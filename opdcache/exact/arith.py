@@ -275,3 +275,49 @@ def silu(x):
 
 def rsqrt(x):
     return unary("rsqrt", x)
+
+
+# ------------------------------------------------------------------------------------------- composites
+# The decoder's norm, attention softmax and rotary embedding, composed of the primitives above and torch's elementwise
+# ops (whose every element is one correctly rounded operation, wherever it sits); the GPU arithmetic
+# (opdcache/exact/invariant.py) fuses each into kernels with the same interface.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm: x / sqrt(mean(x^2) + eps) in float32 (the mean's sum by :func:`sum_last`, :func:`rsqrt`), then times the
+    weight in ``dtype``. [..., C] -> [..., C] in ``dtype``. Memory: float32 copies of x."""
+    x32 = x.float()
+    var = sum_last(x32 * x32, nonnegative=True) / x32.shape[-1]
+    scaled = x32 * rsqrt(var + eps)[..., None]
+    return weight.to(dtype) * scaled.to(dtype)
+
+
+def attention_probs(scores: torch.Tensor, pos: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Attention's softmax. scores: float32 [B, G, M, K], row m of group g being query m % Q (pos [B, Q], the queries'
+    positions; Q divides M: grouped query heads stacked over a key head). Each row: its scores rounded to ``dtype``,
+    times ``scale``, rounded again, over keys 0..its position (the rest weigh 0), shifted by the row's maximum,
+    :func:`exp`, divided by their :func:`sum_last` and rounded to ``dtype``. Memory: float32 copies of the scores."""
+    s = (scores.to(dtype) * scale).float().masked_fill(~visible(scores, pos), float("-inf"))
+    e = exp(s - s.amax(-1, keepdim=True).detach())
+    return (e / sum_last(e, nonnegative=True)[..., None]).to(dtype)
+
+
+def visible(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[B, 1, M, K] for scores [B, G, M, K]: True where row m's query (m % Q, at pos[b, m % Q]) sees key k, k <= its
+    position (causal attention over a sequence's keys held at positions 0..K-1)."""
+    B, M, K = scores.shape[0], scores.shape[2], scores.shape[-1]
+    Q = pos.shape[1]
+    at = pos[:, None, :].expand(B, M // Q, Q).reshape(B, 1, M)
+    return torch.arange(K, device=scores.device) <= at[..., None]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rotary embedding of x [B, Q, heads, D] at positions pos [B, Q]: x cos + rotate_half(x) sin, cos and sin
+    (float32 tables [n, D]) rounded to ``dtype``, in ``dtype``. The result is a [B, Q, heads, D] view of a
+    [B, heads, Q, D] tensor, attention's layout. Memory: the output and one temporary of its size."""
+    xt = x.transpose(1, 2)
+    c, s = cos[pos].to(dtype)[:, None], sin[pos].to(dtype)[:, None]
+    return (xt * c + _rotate_half(xt) * s).transpose(1, 2)

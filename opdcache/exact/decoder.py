@@ -60,11 +60,6 @@ class RotaryTable:
         self.cos = torch.empty(0, head_dim)
         self.sin = torch.empty(0, head_dim)
 
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin at ``positions``; ``end``: one past the largest position when the caller knows it."""
-        cos, sin = self.tables(positions, end)
-        return cos[positions].to(dtype), sin[positions].to(dtype)
-
     def tables(self, positions: torch.Tensor, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The float32 tables [n, head dim], n past every position (``end``, when the caller knows it, saves reading
         the largest position back), where ``positions`` are."""
@@ -78,11 +73,6 @@ class RotaryTable:
         if self.cos.device != positions.device:  # the table lives where the positions are (built once per device)
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         return self.cos, self.sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class ExactDecoder:
@@ -143,12 +133,7 @@ class ExactDecoder:
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm: x / sqrt(mean(x^2) + eps) in float32, then the weight in the model's dtype (an arithmetic with its
         own ``rms_norm``, the GPU's one kernel, computes it there)."""
-        if hasattr(self.arith, "rms_norm"):
-            return self.arith.rms_norm(x, module.weight, module.variance_epsilon, self.dtype)
-        x32 = x.float()
-        var = self.arith.sum_last(x32 * x32, nonnegative=True) / x32.shape[-1]
-        scaled = x32 * self.arith.rsqrt(var + module.variance_epsilon)[..., None]
-        return module.weight.to(self.dtype) * scaled.to(self.dtype)
+        return self.arith.rms_norm(x, module.weight, module.variance_epsilon, self.dtype)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
         """Causal attention of queries q [B, h, Q, d] at positions qpos [B, Q] over keys k, v [B, kv, K, d] held at
@@ -158,22 +143,13 @@ class ExactDecoder:
         B, h, Q, d = q.shape
         kv = self.kv_heads
         rep = h // kv
-        K = k.shape[2]
         kT = k.transpose(-1, -2)
         out = []
         for qb, pb in zip(q.split(QUERY_BLOCK, 2), qpos.split(QUERY_BLOCK, 1)):  # split: a slice's backward would zero all Q
             Qb = qb.shape[2]
             qg = qb.reshape(B, kv, rep * Qb, d)  # head g * rep + r reads key head g: rows (r, query) of group g
             scores = self.arith.matmul(qg, kT)  # [B, kv, rep x Qb, K]
-            if hasattr(self.arith, "attention_probs"):  # the GPU's kernels
-                p = self.arith.attention_probs(scores, pb, self.scaling, self.dtype)
-            else:
-                keys = torch.arange(K, device=q.device)
-                s = (scores.to(self.dtype) * self.scaling).float()
-                seen = (keys[None, None, :] <= pb[:, :, None])[:, None, None].expand(B, 1, rep, Qb, K).reshape(B, 1, rep * Qb, K)
-                s = s.masked_fill(~seen, float("-inf"))
-                e = self.arith.exp(s - s.amax(-1, keepdim=True).detach())
-                p = (e / self.arith.sum_last(e, nonnegative=True)[..., None]).to(self.dtype)
+            p = self.arith.attention_probs(scores, pb, self.scaling, self.dtype)
             out.append(self.arith.matmul(p, v, out_dtype=self.dtype).reshape(B, h, Qb, d))
         return torch.cat(out, 2)
 
@@ -192,16 +168,9 @@ class ExactDecoder:
         v = v.reshape(B, Q, self.kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q, k = self.norm(attn.q_norm, q), self.norm(attn.k_norm, k)
-        if hasattr(self.arith, "rotary") and not self.head_dim & (self.head_dim - 1):  # the GPU's one kernel a tensor
-            cos, sin = self.rope.tables(pos, end)
-            q, k = self.arith.rotary(q, pos, cos, sin, self.dtype), self.arith.rotary(k, pos, cos, sin, self.dtype)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, Q, d]
-        else:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, Q, d]
-            cos, sin = self.rope(pos, self.dtype, end)
-            cos, sin = cos[:, None], sin[:, None]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+        cos, sin = self.rope.tables(pos, end)
+        q, k = self.arith.rotary(q, pos, cos, sin, self.dtype), self.arith.rotary(k, pos, cos, sin, self.dtype)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, Q, d]
         if cache is not None:
             K_cache, V_cache = cache
             rows = torch.arange(B, device=h.device)[:, None]

@@ -271,17 +271,9 @@ class _AttentionProbs(torch.autograd.Function):
         with torch.enable_grad():  # the ordinary gradient: the plain softmax's
             s = scores.detach().requires_grad_()
             t = (s.to(ctx.dtype) * ctx.scale).float()
-            p = torch.softmax(t.masked_fill(~_seen(scores, pos), float("-inf")), -1).to(ctx.dtype)
+            p = torch.softmax(t.masked_fill(~X.visible(scores, pos), float("-inf")), -1).to(ctx.dtype)
             (gs,) = torch.autograd.grad(p, s, g)
         return gs, None, None, None
-
-
-def _seen(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """[B, G, M, K] True where a row's query (m % Q, at pos[b, m % Q]) sees key k: k <= its position."""
-    B, G, M, K = scores.shape
-    Q = pos.shape[1]
-    at = pos[:, None, None, :].expand(B, G, M // Q, Q).reshape(B, G, M)
-    return torch.arange(K, device=scores.device) <= at[..., None]
 
 
 def attention_probs(scores: torch.Tensor, pos: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -327,10 +319,10 @@ class _Rotary(torch.autograd.Function):
 def rotary(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The rotary embedding of x [B, Q, heads, D] at positions pos [B, Q] in one kernel: x cos + rotate_half(x) sin,
     cos and sin (float32 tables [n, D]) rounded to ``dtype``, each product and the sum rounded to ``dtype`` (as torch
-    computes it in that dtype). D a power of two. The result is a [B, Q, heads, D] view of a [B, heads, Q, D] tensor,
-    attention's layout (its transpose is contiguous). Differentiable in x (ordinary gradients). Memory: the output."""
-    if x.shape[-1] & (x.shape[-1] - 1):
-        raise ValueError(f"the rotary kernel takes a power-of-two head dimension, got {x.shape[-1]}")
+    computes it in that dtype); a D that is not a power of two takes torch's ops (``arith.rotary``). The result is a
+    [B, Q, heads, D] view of a [B, heads, Q, D] tensor, attention's layout (its transpose is contiguous). Differentiable in x (ordinary gradients). Memory: the output."""
+    if x.shape[-1] & (x.shape[-1] - 1):  # torch's elementwise ops: the same bits wherever an element sits
+        return X.rotary(x, pos, cos, sin, dtype)
     return _Rotary.apply(x, pos, cos, sin, dtype).transpose(1, 2)
 
 
