@@ -286,6 +286,12 @@ def test_a_packed_forwards_backward_does_not_grow_with_sequences_times_tokens(we
         return sum(name.startswith("SliceBackward") for name in names)
 
     assert slices([20] * 2) == slices([20] * 12) == slices([16]) == slices([100])
+    if exact:  # the rotary tables are sized from the host's offsets, never by reading the positions back from a device
+        ends = []
+        tables = decoder.rope.tables
+        monkeypatch.setattr(decoder.rope, "tables", lambda positions, end=None: ends.append(end) or tables(positions, end))
+        slices([7, 30, 12])
+        assert ends == [30] * model.config.num_hidden_layers
 
 
 def test_a_run_resumes_with_or_without_pack(hf_cache, weights, tmp_path):

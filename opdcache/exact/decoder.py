@@ -210,8 +210,9 @@ class ExactDecoder:
         :meth:`forward` gives it in its right-padded row (the arithmetic does not depend on the rows beside a token,
         and a row's padding adds exact zeros). Differentiable."""
         h = self.base.embed_tokens(input_ids_1N).to(self.dtype)
+        end = max((b - a for a, b in zip(offsets[:-1], offsets[1:])), default=0)  # one past every position, from the host
         for layer in self.base.layers:
-            h = self._rounded(self.layer(layer, h, position_ids_1N, segments=offsets))
+            h = self._rounded(self.layer(layer, h, position_ids_1N, end=end, segments=offsets))
         return self.norm(self.base.norm, h)
 
     def _rounded(self, h: torch.Tensor) -> torch.Tensor:
