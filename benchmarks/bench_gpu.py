@@ -25,6 +25,10 @@ minus what was allocated just before it: the model and inputs are not counted):
    AdamW; float32 masters, bf16 autocast) against the full-logits step (the model's logits from the first response position on,
    ``logits_to_keep``, a float32 log_softmax, the same loss, backward, AdamW), for the lightning, full-rkl and full-fkl losses (the full-vocabulary
    ones also with the divergence's fused kernel off), the steps on one trainer, interleaved as in 1; tokens/s from the median step, and peak GPU memory.
+   Then the Lightning step padded (``--no-pack``) against packed (train's default) on rows whose lengths spread
+   (bench_packed.py's spread cache: 4 x ``--train-batch`` rows of log-uniform 8-512 response tokens after 64-token
+   prompts, synthetic values; the rollouts of 2 all run to ``--train-response``, so they have no padding to save), two
+   trainers on the same weights and rows, interleaved; the padding share is in each row.
 4. ``bench_divergence.py --devices cuda`` at 4,096 tokens, hidden 4,096, bf16 parameters and float32 masters under bf16
    autocast (its own table, printed and saved); on a card of 120 GiB or more also at 16,384 tokens.
 0. ``generate`` (first: it decides the most): the rollout engine (``TransformersBackend.generate``, what
@@ -284,7 +288,7 @@ def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: in
     if loss.startswith("full-"):  # the uniform divergence's kernel (opdcache/logits/kernels.py) off: its torch ops
         fns["fused, torch ops"] = kernels_off(step("fused, torch ops", lambda: trainer.loss_and_stats(batch)[0]))
     padding = 1 - float(batch["attention_mask"].float().mean())
-    if loss == "lightning":  # the same rows packed (train --pack): its own trainer, since its model runs the packed attention
+    if loss == "lightning":  # the same rows packed (train's default): its own trainer, since its model runs the packed attention
         torch.manual_seed(0)
         packed_trainer = Trainer(TrainConfig(model=Path(model_path), cache=Path(cache), out=Path(out) / "packed", loss=loss,
                                              batch_size=batch_size, lr=1e-5, kl_coef=0.0, pack=True))
@@ -292,6 +296,36 @@ def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: in
         fns["fused, packed"] = step("fused, packed", lambda: packed_trainer.loss_and_stats(packed)[0], packed_trainer)
     res = interleaved(fns, device, rounds)
     tokens = int(batch["response_mask"].sum())
+    return {name: {**r, "tokens": tokens, "loss": losses[name], "padding_share": padding} for name, r in res.items()}
+
+
+def packed_sides(model_path: str, cache: str, out: str, batch_size: int, rounds: int) -> dict:
+    """One Lightning step on rows of spread lengths (bench_packed.py's spread cache), padded (``--no-pack``) against
+    packed (train's default): two trainers on the same weights and the same first batch's rows, interleaved."""
+    import torch
+
+    from opdcache.training.train import TrainConfig, Trainer
+
+    trainers, batches, losses = {}, {}, {}
+    for name, pack in (("padded", False), ("packed", True)):
+        torch.manual_seed(0)
+        trainers[name] = Trainer(TrainConfig(model=Path(model_path), cache=Path(cache), out=Path(out) / name, loss="lightning",
+                                             batch_size=batch_size, lr=1e-5, kl_coef=0.0, pack=pack, allow_other_model=True))
+        batches[name] = trainers[name].source.next_batch()
+
+    def step(name):
+        def run():
+            value = trainers[name].loss_and_stats(batches[name])[0]
+            value.backward()
+            trainers[name].opt.step()
+            trainers[name].opt.zero_grad(set_to_none=True)
+            losses[name] = float(value.detach())
+        return run
+
+    res = interleaved({name: step(name) for name in trainers}, str(trainers["padded"].device), rounds)
+    padded = batches["padded"]
+    padding = 1 - float(padded["attention_mask"].float().mean())
+    tokens = int(padded["response_mask"].sum())
     return {name: {**r, "tokens": tokens, "loss": losses[name], "padding_share": padding} for name, r in res.items()}
 
 
@@ -568,6 +602,17 @@ def run_train_section(args, models, root, add, rows) -> None:
         res = child("train", q, cache, loss, root / f"run-{loss}", args.train_batch, args.rounds)
         for side in ("full logits", "fused") + (("fused, torch ops",) if loss.startswith("full-") else ("fused, packed",) if loss == "lightning" else ()):
             add("train", "qwen3", f"{loss} {side}", res.get(side, res), res.get("full logits", res))
+    # padded against packed where lengths spread (the rollouts above all run to --train-response: no padding to save):
+    # bench_packed.py's spread cache, log-uniform 8-512 response tokens after 64-token prompts, synthetic values
+    from bench_packed import build_spread
+
+    spread = root / "spread-root"
+    if not (spread / "spread" / "opdcache.json").exists():
+        vocab = json.loads((Path(q) / "config.json").read_text())["vocab_size"]
+        build_spread(spread, 4 * args.train_batch, vocab)
+    res = child("packed", q, spread / "spread", root / "run-packed", args.train_batch, args.rounds)
+    for side in ("padded", "packed"):
+        add("train", "qwen3", f"lightning, spread lengths, {side}", res.get(side, res), res.get("padded", res))
 
 
 def run_divergence_section(args, models, root, add, rows) -> None:
@@ -629,6 +674,9 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "_exact":
         path, device, batch, length, rounds = sys.argv[2:7]
         print(json.dumps(exact_sides(path, device, int(batch), int(length), int(rounds))))
+    elif len(sys.argv) > 1 and sys.argv[1] == "_packed":
+        path, cache, out, bs, rounds = sys.argv[2:7]
+        print(json.dumps(packed_sides(path, cache, out, int(bs), int(rounds))))
     elif len(sys.argv) > 1 and sys.argv[1] == "_train":
         path, cache, loss, out, bs, rounds = sys.argv[2:8]
         print(json.dumps(train_sides(path, cache, loss, out, int(bs), int(rounds))))
