@@ -131,8 +131,8 @@ class ExactDecoder:
         return list(torch.split(y, [m.weight.shape[0] for m in modules], dim=-1))
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm: x / sqrt(mean(x^2) + eps) in float32, then the weight in the model's dtype (an arithmetic with its
-        own ``rms_norm``, the GPU's one kernel, computes it there)."""
+        """RMSNorm: x / sqrt(mean(x^2) + eps) in float32, then the weight in the model's dtype (the arithmetic's
+        ``rms_norm``: arith.py's composite of its primitives, the GPU arithmetic's one kernel)."""
         return self.arith.rms_norm(x, module.weight, module.variance_epsilon, self.dtype)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
