@@ -93,6 +93,18 @@ def test_cli_reads_yaml_and_flags_override(hf_cache, weights, tmp_path, capsys):
     assert e.value.code == 2 and "unknown training settings ['bogus']" in capsys.readouterr().err
 
 
+def test_train_packs_unless_no_pack_is_given(hf_cache, weights, tmp_path, capsys):
+    """`opdcache train` trains on packed batches by default and on padded ones with --no-pack; the checkpoint records
+    which."""
+    for flags, pack in (([], True), (["--no-pack"], False)):
+        out = tmp_path / ("packed" if pack else "padded")
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--model", str(weights / "student"), "--cache", str(hf_cache), "--out", str(out), "--steps", "1",
+                  "--batch-size", "4", *flags])
+        assert e.value.code == 0, capsys.readouterr().err
+        assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["config"]["pack"] is pack
+
+
 def test_sft_command_records_the_teacher_as_lineage(tmp_path, weights, opd_prompts):
     from opdcache.backends.base import SamplingConfig
     from opdcache.inputs.lineage import model_info, read_sft_lineage
