@@ -260,6 +260,17 @@ def kernel_profile(run, device: str, steps: int, top: int = 8) -> dict:
             "top": [[name[:80], round(us / 1e3, 3)] for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:top]]}
 
 
+def optimizer_step(trainer, loss_of, losses: dict, name: str):
+    """A timed side: ``loss_of()``, its backward and the trainer's AdamW step; the loss value kept in ``losses[name]``."""
+    def run():
+        value = loss_of()
+        value.backward()
+        trainer.opt.step()
+        trainer.opt.zero_grad(set_to_none=True)
+        losses[name] = float(value.detach())
+    return run
+
+
 def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: int, rounds: int) -> dict:
     """One train step, opdcache's fused step against the full-logits step, on one trainer (the same weights,
     optimizer and batch), interleaved."""
@@ -275,13 +286,7 @@ def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: in
     losses: dict = {}
 
     def step(name, loss_of, owner=trainer):
-        def run():
-            value = loss_of()
-            value.backward()
-            owner.opt.step()
-            owner.opt.zero_grad(set_to_none=True)
-            losses[name] = float(value)
-        return run
+        return optimizer_step(owner, loss_of, losses, name)
 
     fns = {"full logits": step("full logits", lambda: full_logits_loss(trainer, batch, loss)),  # [B, kept, V] bf16, then float32
            "fused": step("fused", lambda: trainer.loss_and_stats(batch)[0])}
@@ -301,7 +306,9 @@ def train_sides(model_path: str, cache: str, loss: str, out: str, batch_size: in
 
 def packed_sides(model_path: str, cache: str, out: str, batch_size: int, rounds: int) -> dict:
     """One Lightning step on rows of spread lengths (bench_packed.py's spread cache), padded (``--no-pack``) against
-    packed (train's default): two trainers on the same weights and the same first batch's rows, interleaved."""
+    packed (train's default): two trainers on the same weights and the same first batch's rows, interleaved. Each
+    side's ``tokens`` are the batch's response tokens; ``padding_share`` is the share of the padded batch's [B, L]
+    prompt + response positions that are padding (the decoder work packing can save)."""
     import torch
 
     from opdcache.training.train import TrainConfig, Trainer
@@ -314,13 +321,7 @@ def packed_sides(model_path: str, cache: str, out: str, batch_size: int, rounds:
         batches[name] = trainers[name].source.next_batch()
 
     def step(name):
-        def run():
-            value = trainers[name].loss_and_stats(batches[name])[0]
-            value.backward()
-            trainers[name].opt.step()
-            trainers[name].opt.zero_grad(set_to_none=True)
-            losses[name] = float(value.detach())
-        return run
+        return optimizer_step(trainers[name], lambda: trainers[name].loss_and_stats(batches[name])[0], losses, name)
 
     res = interleaved({name: step(name) for name in trainers}, str(trainers["padded"].device), rounds)
     padded = batches["padded"]

@@ -5,7 +5,7 @@ fold, a proof that the fast path rounds alike): identical on any machine, but it
 float64 rate. Here the contract is narrower and cheap: each result is a function of its own inputs and this module's
 block constants only, so sampling, scoring and the trainer's recompute give the same bits whatever the batch size,
 the padding, the row's position in the batch, or KV-cache decoding against a full forward; it is not the CPU
-arithmetic's bits, and it is recorded as its own arithmetic (:data:`NAME` and its constants).
+arithmetic's bits, and it is recorded as its own arithmetic (``opdcache.exact.GPU_ARITHMETIC`` and its constants).
 
 * ``linear`` / ``matmul``: one kernel with fixed tiles (``MATMUL_BLOCKS``), no split-K; element (m, n) sums the
   K dimension in blocks of BK from 0 up, each block one tensor-core dot product. bfloat16 and float16 inputs are
@@ -43,7 +43,7 @@ import os
 
 import torch
 
-from opdcache.exact import arith as X, GPU_ARITHMETIC as NAME
+from opdcache.exact import arith as X
 MATMUL_BLOCKS = (64, 64, 32)  # (BM, BN, BK): BK fixes the accumulation order; part of the definition
 SUM_BLOCK = 1024  # lanes of a row sum: part of the definition
 SUM_ROWS = 16  # rows per program of a row sum (each reduced alike)
@@ -320,7 +320,8 @@ def rotary(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     """The rotary embedding of x [B, Q, heads, D] at positions pos [B, Q] in one kernel: x cos + rotate_half(x) sin,
     cos and sin (float32 tables [n, D]) rounded to ``dtype``, each product and the sum rounded to ``dtype`` (as torch
     computes it in that dtype); a D that is not a power of two takes torch's ops (``arith.rotary``). The result is a
-    [B, Q, heads, D] view of a [B, heads, Q, D] tensor, attention's layout (its transpose is contiguous). Differentiable in x (ordinary gradients). Memory: the output."""
+    [B, Q, heads, D] view of a [B, heads, Q, D] tensor, attention's layout (its transpose is contiguous).
+    Differentiable in x (ordinary gradients). Memory: the output."""
     if x.shape[-1] & (x.shape[-1] - 1):  # torch's elementwise ops: the same bits wherever an element sits
         return X.rotary(x, pos, cos, sin, dtype)
     return _Rotary.apply(x, pos, cos, sin, dtype).transpose(1, 2)
