@@ -16,6 +16,10 @@ from opdcache.threads import prepare_environment
 
 prepare_environment()  # before anything imports torch: OpenMP reads its wait policy once, when it loads
 
+from opdcache.dependencies import distribution_of, exit_if_missing  # noqa: E402
+
+exit_if_missing()  # before typer loads: a required package missing is one line naming its pip install
+
 import typer  # noqa: E402
 
 from opdcache.errors import ManifestError, OpdcacheError, SchemaError, USAGE_ERRORS
@@ -143,6 +147,13 @@ def main(argv: list[str] | None = None) -> None:
         _exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         code = 130
+    except ModuleNotFoundError as exc:
+        distribution = distribution_of(exc.name or "")
+        if distribution is None:
+            raise
+        typer.echo(f"error: opdcache needs {distribution}, which this environment cannot import ({exc}): "
+                   f"pip install {distribution} (or reinstall opdcache)", err=True)
+        _exit(2)
     except Exception as exc:
         if isinstance(exc, _click_exception_types()):
             typer.echo(_usage_line(exc, argv), err=True)

@@ -48,6 +48,10 @@ class MissingDependencyError(OpdcacheError, ImportError):
     """An optional dependency is needed for the requested feature."""
 
 
+class InstallError(OpdcacheError, RuntimeError):
+    """opdcache's own install lacks a file it ships (a wheel built without its package data, a partial copy)."""
+
+
 USAGE_ERRORS = (ConfigError, ResumeError, InputError, TokenizerMismatchError, ConsistencyError, MissingDependencyError,
                 NotACacheError)
 """What a command was given that it does not take: exit 2, one line, at any stage that finds it."""

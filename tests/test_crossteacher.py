@@ -444,3 +444,50 @@ def test_a_table_without_the_top_k_has_its_rules_checked_too(cross, tmp_path):
                                            shuffle=False))
     with pytest.raises(SchemaError, match="row 1, column span_tokens: span_tokens must be between 0 and 65536"):
         list(loader)
+
+
+@pytest.fixture(scope="module")
+def cross_with_skips(cross, tmp_path_factory):
+    """The cross table with every third row of each shard as the scorer writes a row it could not align (no teacher
+    tokens, no groups, ``align_skip`` set): every batch holds such rows, as the demo's 41 of 2,048 do."""
+    root = tmp_path_factory.mktemp("cross-skips") / "cache"
+    shutil.copytree(cross[0], root)
+
+    def skip(rows):
+        for row in rows[1::3]:
+            n = len(row["span_tokens"])
+            row.update(teacher_response_ids=[], logprobs=[0.0] * n, span_tokens=[0] * n,
+                       align_skip="bytes that are not UTF-8 text: planted by the test")
+            for column, value in (("span_topk_ids", -1), ("span_topk_logprobs", -np.inf), ("span_topk_student_ids", -1)):
+                if column in row:
+                    row[column] = [[value] * len(row[column][0]) for _ in range(n)]
+
+    for shard in range(2):
+        _rewrite_rows(root, "pairs", shard, skip)
+    return root
+
+
+@pytest.mark.parametrize("loss", ["lightning", "span", "uld", "gold"])
+def test_rows_that_could_not_be_aligned_train_packed_and_padded_alike(cross_with_skips, weights, tmp_path, loss):
+    """A batch with skipped rows: they leave the loss (no teacher signal), and packed and padded agree (the packed
+    forward crashed: its logit positions listed the skipped rows' tokens, which the loss had already dropped)."""
+    from opdcache.format.validate import validate
+    from opdcache.training.train import TrainConfig, Trainer
+
+    assert not [p for p in validate(cross_with_skips) if not p.warning]
+    results = []
+    for pack in (False, True):
+        torch.manual_seed(0)
+        trainer = Trainer(TrainConfig(out=tmp_path / str(pack), model=weights / "student", cache=cross_with_skips, steps=1,
+                                      batch_size=6, seed=1, loss=loss, dtype="float32", pack=pack))
+        batch = trainer.source.next_batch()
+        value, stats = trainer.loss_and_stats(batch)
+        value.backward()
+        results.append((float(value.detach()), stats, {n: p.grad.clone() for n, p in trainer.model.named_parameters()
+                                                        if p.grad is not None}))
+    (a, sa, ga), (b, sb, gb) = results
+    assert a != 0 and b == pytest.approx(a, rel=1e-5, abs=1e-7)
+    assert ga.keys() == gb.keys() and len(ga) > 10
+    for name in ga:
+        assert float((gb[name] - ga[name]).norm() / ga[name].norm().clamp_min(1e-30)) < 1e-5, name
+    assert sb.keys() == sa.keys() and all(sb[k] == pytest.approx(sa[k], rel=1e-4, abs=1e-6) for k in sa)

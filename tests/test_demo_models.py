@@ -113,3 +113,22 @@ def test_a_second_conversion_of_the_real_model_keeps_the_first_and_removes_its_o
     with pytest.raises(OSError):
         publish(tmp, out)
     assert tmp.exists()
+
+
+def test_a_shipped_model_missing_from_the_install_is_one_line_naming_the_reinstall(tmp_path, monkeypatch, capsys):
+    """A wheel built without a model folder: the demo names the install, not the work directory's storage."""
+    import shutil
+
+    from opdcache.cli.main import main
+    from opdcache.demo import pipeline
+
+    partial = tmp_path / "weights"
+    for name in pipeline.SHIPPED[:-1]:
+        shutil.copytree(WEIGHTS / name, partial / name)
+    monkeypatch.setattr(pipeline, "WEIGHTS", partial)
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--workdir", str(tmp_path / "w")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 1 and len(err) == 1, err
+    assert f"shipped model {pipeline.SHIPPED[-1]!r} is not in this install" in err[0] and "reinstall opdcache" in err[0]
+    assert "disk space" not in err[0]

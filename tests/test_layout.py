@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 
 ORDER = ["", "logits", "exact", "inputs", "backends", "stores", "format", "teacher", "training", "asyncopd", "demo", "cli"]
-"""Bottom to top: "" is the package's top level (errors, progress, threads, storage, untrusted)."""
+"""Bottom to top: "" is the package's top level (dependencies, errors, progress, threads, storage, untrusted)."""
 
 
 def modules() -> dict[str, Path]:
@@ -59,7 +59,7 @@ def folder(name: str) -> str:
 def test_every_folder_is_placed():
     assert {folder(m) for m in modules()} <= set(ORDER)
     top = sorted(m for m in modules() if folder(m) == "" and m != "opdcache")
-    assert top == ["opdcache.errors", "opdcache.progress", "opdcache.storage", "opdcache.threads", "opdcache.untrusted"], top
+    assert top == ["opdcache.dependencies", "opdcache.errors", "opdcache.progress", "opdcache.storage", "opdcache.threads", "opdcache.untrusted"], top
 
 
 def test_no_module_imports_a_folder_above_its_own():

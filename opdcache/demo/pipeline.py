@@ -129,7 +129,7 @@ class DemoReport:
 def setup(cfg: DemoConfig) -> dict[str, Path]:
     """Copy the shipped models and write the prompt splits into the work directory; refuse a work directory whose
     stages were built with other settings (finished stages are reused, so their figures would not be this run's)."""
-    from opdcache.errors import ConfigError
+    from opdcache.errors import ConfigError, InstallError
     from opdcache.storage import write_text_atomic
 
     mine = {k: getattr(cfg, k) for k in STAGE_FIELDS}
@@ -149,7 +149,9 @@ def setup(cfg: DemoConfig) -> dict[str, Path]:
         if not (dst / "config.json").is_file():
             src = WEIGHTS / name
             if not (src / "config.json").is_file():
-                raise FileNotFoundError(f"shipped demo model {src} is missing; rebuild it with `python -m opdcache.demo.build`")
+                raise InstallError(f"the demo's shipped model {name!r} is not in this install ({src} has no config.json): "
+                                   "reinstall opdcache (pip install --force-reinstall opdcache, or pip install -e . in a "
+                                   "checkout); a checkout can rebuild it with `python -m opdcache.demo.build`")
             shutil.copytree(src, dst, dirs_exist_ok=True)
         paths[name] = dst
     for split, n in {"train": cfg.n_train, "opd": cfg.n_opd, "heldout": cfg.n_heldout}.items():

@@ -163,9 +163,10 @@ class Trainer:
     def loss_and_stats(self, batch: dict) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
         batch, packed = O.split_packed(batch)
+        loaded_BT = batch["response_mask"].to(self.device).bool()  # the tokens the packed logit positions are listed for
         batch = O.prepare_batch(batch, self.device, cfg.cache)
         mask = batch["response_mask"]
-        sel = mask.bool()
+        sel = mask.bool()  # within loaded_BT: prepare_batch drops tokens with no teacher signal (a row not aligned)
         B, T = mask.shape
         support = O.support_ids(cfg, batch, sel)
         ids_NK = batch["response_ids"][sel][:, None]  # column 0: the sampled token
@@ -175,7 +176,8 @@ class Trainer:
         if packed is None:
             inputs, packing = (batch["input_ids"], batch["attention_mask"], batch["logit_positions"], sel), {}
         else:  # the forward on the sequences end to end (no padding); the losses on the same [B, T] numbers
-            inputs = (packed["input_ids"].to(self.device), None, packed["logit_positions"].to(self.device), sel)
+            positions_N = packed["logit_positions"].to(self.device)[sel[loaded_BT]]  # the selected tokens', row-major
+            inputs = (packed["input_ids"].to(self.device), None, positions_N, sel)
             packing = {"position_ids_1L": packed["position_ids"].to(self.device), "packed_offsets": tuple(packed["cu_seqlens"].tolist())}
         with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
             # without corrections every token's divergence has the same weight in the loss (L.reduce's mean), so the
