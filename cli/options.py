@@ -6,12 +6,16 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import re
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 _NO_DEFAULT = object()
+STATES_DEFAULT = re.compile(r"\bdefault\s*[:=]|\(default\b|\bdefaults? (is|to)\b|\bby default\b", re.IGNORECASE)
+"""A docstring that states its field's default in words ("(default: none)", "by default ..."); one that only mentions
+the word ("the default engine") still gets "Default: X." added."""
 
 
 @functools.cache
@@ -79,7 +83,7 @@ class Fields:
         help = " ".join(part for part in (self.doc(name), note) if part)
         if state_default:
             default = (defaults or {}).get(name, self.default(name))
-            if default is not _NO_DEFAULT and "default" not in help.lower():
+            if default is not _NO_DEFAULT and not STATES_DEFAULT.search(help):
                 help += f" Default: {_said(default)}."
         if not flags:
             flag = "--" + name.replace("_", "-")
@@ -157,3 +161,52 @@ def announce_threads() -> None:
     if sys.stderr.isatty():
         typer.echo(line, err=True)
 
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a file of settings is a few hundred bytes; more is not one
+
+
+def read_config(path: Path, what: str) -> dict:
+    """The settings of a ``--config`` YAML file, as a mapping of field names (``what`` names the fields in messages).
+    Refused in one line, before anything loads: a path that is not a regular file, a file over 1 MiB, text that is not
+    YAML (with its line), a document that is not a mapping, a key given twice (YAML would keep the last silently)."""
+    import yaml
+
+    from opdcache.errors import ConfigError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: {'no such file' if not path.exists() else 'not a regular file'}; "
+                          f"give a YAML file of {what}")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"--config {path} holds {path.stat().st_size:,} bytes, more than a settings file's "
+                          f"{MAX_CONFIG_BYTES:,}; give a YAML file of {what}")
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node):
+        seen = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node)
+            if key in seen:
+                raise ConfigError(f"--config {path}, line {key_node.start_mark.line + 1}: {key!r} is given twice "
+                                  f"(first on line {seen[key]}); keep one")
+            seen[key] = key_node.start_mark.line + 1
+        return loader.construct_mapping(node)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    try:
+        values = yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path} is not UTF-8 text; give a YAML file of {what}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "not YAML"
+        raise ConfigError(f"--config {path}{where}: {problem}; give a YAML file of {what}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+        raise ConfigError(f"--config {path} must hold a mapping of {what} (name: value lines), got a {type(values).__name__}")
+    return values

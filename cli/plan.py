@@ -16,7 +16,7 @@ def plan(
     rows: Annotated[int, typer.Option("--rows", help="Rollout rows sampled (seeded, over all shards). With svd settings the first half fits the projection and the rest is measured.")] = 16,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the row sample and of the sampled store's draws.")] = 0,
     student: Annotated[Optional[List[str]], typer.Option("--student", help="A model on the same vocabulary (pi_ref, say; repeatable): adds the forward-KL estimate's and its gradient's error for this student. Default: none (student-independent errors only).", show_default=False)] = None,
-    max_error: Annotated[Optional[float], typer.Option("--max-error", help="Recommend the cheapest setting whose max KL(teacher || what the store implies) is at most this (nats; default 0.01).", show_default=False)] = None,
+    max_error: Annotated[Optional[float], typer.Option("--max-error", help="Recommend the cheapest setting whose max KL(teacher || what the store implies) is at most this (nats). Default: 0.01.", show_default=False)] = None,
     max_bytes: Annotated[Optional[float], typer.Option("--max-bytes", help="Pick the most accurate setting within this many bytes per token. Default: none.", show_default=False)] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype of the teacher and students: float32, bfloat16, float16.")] = "float32",
     as_json: O.JsonOut = False,

@@ -115,7 +115,7 @@ def finalize(cache: O.CachePath,
 def upgrade(
     cache: O.CachePath,
     teacher: Annotated[Optional[str], typer.Option("--teacher", help="The exact top-k teacher table to compact (default: the only one).", show_default=False)] = None,
-    topk_precision: Annotated[Optional[str], typer.Option("--topk-precision", help="float32 or float16 log-probs, or prob14 probability codes (format v4; default float16).", show_default=False)] = "float16",
+    topk_precision: Annotated[Optional[str], typer.Option("--topk-precision", help="float32 or float16 log-probs, or prob14 probability codes (format v4). Default: float16.", show_default=False)] = "float16",
     topk_mass: Annotated[Optional[float], typer.Option("--topk-mass", help="Keep entries until the mass left out is at most this (default 1e-4; 1e-3: the fast path).", show_default=False)] = 1e-4,
     name: Annotated[Optional[str], typer.Option("--name", help="The new table's name (default: <teacher>-compact).", show_default=False)] = None,
     progress: O.Progress = None,

@@ -102,13 +102,9 @@ def train(
     is decoded. Several processes: torchrun --nproc-per-node N -m opdcache.cli.main train ...
     """
     given = dict(locals())  # every flag by its field's name; None where not given
-    import yaml
-
     from opdcache.errors import ConfigError
 
-    values = yaml.safe_load(config.read_text()) if config else {}
-    if not isinstance(values, dict):
-        raise ConfigError(f"--config {config} must hold a mapping of TrainConfig fields")
+    values = O.read_config(config, "TrainConfig fields") if config else {}
     if teacher_weights is not None:
         try:
             weights = tuple(float(w) for w in teacher_weights.split(","))
@@ -135,12 +131,15 @@ def train(
         if values.get(key) is not None:
             values[key] = Path(values[key])
     cfg = TrainConfig(**values, corrections=Corrections(**corr))
-    if not cfg.online:
-        from opdcache.teacher.consistency import lineage_line
 
-        for name in cfg.teachers or (None,):
-            typer.echo(lineage_line(cfg.cache, name))
-    result = run_train(cfg)
+    def announce() -> None:  # once the checks have passed: a refused run prints only its error
+        if not cfg.online:
+            from opdcache.teacher.consistency import lineage_line
+
+            for name in cfg.teachers or (None,):
+                typer.echo(lineage_line(cfg.cache, name))
+
+    result = run_train(cfg, announce)
     if result.get("already_done"):
         typer.echo(f"{cfg.out}: already trained to step {result['steps']} with these settings (its checkpoint says so; the "
                    f"model is in {cfg.out / 'model'}); nothing to do. Pass a larger --steps to go on, or another --out")

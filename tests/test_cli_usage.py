@@ -192,3 +192,45 @@ def test_a_device_this_machine_lacks_is_one_line_before_any_model_loads(tmp_path
             lines = (out.out + out.err).strip().splitlines()
             assert e.value.code == 2 and len(lines) == 1 and words in lines[0], (args, lines)
     assert loads == [] and not cache.exists() and not (tmp_path / "run").exists()
+
+
+def _one_line(args, tmp_path, env=None):
+    proc = subprocess.run([OPDCACHE, *args], capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env={**os.environ, **(env or {})})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and not proc.stdout.strip(), (proc.returncode, proc.stdout, proc.stderr)
+    return lines[0]
+
+
+def test_train_mistakes_are_one_line_naming_them_and_print_nothing_else(tmp_path, hf_cache, weights):
+    """A --config that is missing, not YAML, holds a key twice or is not a mapping; an --out that is a file (before
+    the model loads); a refused run prints no `teacher consistency:` line before its error."""
+    base = ["train", "--model", str(weights / "student"), "--cache", str(hf_cache), "--teacher", "teacher"]
+    line = _one_line([*base, "--out", "run", "--config", "nope.yaml"], tmp_path)
+    assert line == "error: --config nope.yaml: no such file; give a YAML file of TrainConfig fields"
+    (tmp_path / "bad.yaml").write_text("steps: 3\nlr: [1,\n")
+    assert _one_line([*base, "--out", "run", "--config", "bad.yaml"], tmp_path).startswith("error: --config bad.yaml, line 3:")
+    (tmp_path / "twice.yaml").write_text("steps: 3\nlr: 1e-5\nsteps: 4\n")
+    assert _one_line([*base, "--out", "run", "--config", "twice.yaml"], tmp_path) == (
+        "error: --config twice.yaml, line 3: 'steps' is given twice (first on line 1); keep one")
+    (tmp_path / "list.yaml").write_text("- steps\n")
+    assert "must hold a mapping of TrainConfig fields" in _one_line([*base, "--out", "run", "--config", "list.yaml"], tmp_path)
+    (tmp_path / "afile").write_text("x")
+    assert _one_line([*base, "--out", "afile", "--steps", "1"], tmp_path) == (
+        "error: --out afile is a file, not a folder: give the folder that holds (or will hold) the run's checkpoint/, "
+        "model/ and metrics.jsonl")
+    other = ["train", "--model", str(weights / "teacher_pairs"), *base[3:]]  # refused by the trainer's checks of the cache
+    line = _one_line([*other, "--out", "run", "--steps", "1"], tmp_path)
+    assert "is not the model that sampled the cache's rollouts" in line and "teacher consistency" not in line
+
+
+def test_a_hub_shaped_path_that_is_nowhere_says_both(tmp_path):
+    """models/pi_ref with no models/ folder here: not on disk, and the Hub (a local endpoint that refuses, so no
+    network is used) cannot give it either: the error says both."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1"}\n')
+    line = _one_line(["build-rollouts", "--model", "models/pi_ref", "--prompts", "p.jsonl", "--out", "c"], tmp_path,
+                     env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0", "HF_HUB_ETAG_TIMEOUT": "2",
+                          "HF_HUB_DOWNLOAD_TIMEOUT": "2", "HF_HOME": str(tmp_path / "hf")})
+    assert line.startswith("error: --model models/pi_ref: no local folder of that name here, and the Hub could not give "
+                           "models/pi_ref (") and line.endswith("check the path, or the network and the repo id"), line
+    assert not (tmp_path / "c").exists()

@@ -491,3 +491,32 @@ def test_rows_that_could_not_be_aligned_train_packed_and_padded_alike(cross_with
     for name in ga:
         assert float((gb[name] - ga[name]).norm() / ga[name].norm().clamp_min(1e-30)) < 1e-5, name
     assert sb.keys() == sa.keys() and all(sb[k] == pytest.approx(sa[k], rel=1e-4, abs=1e-6) for k in sa)
+
+
+def test_teacher_prompts_longer_than_the_responses_validate_and_train(cross, weights, tmp_path):
+    """A teacher whose chat template adds a long system prompt: its prompt tokens are several times the responses'
+    (they are the row's, bounded by the context, not by the response tokens), and validate, the loader and export
+    all read the table."""
+    from opdcache.format.cache import Cache
+    from opdcache.format.export import export
+    from opdcache.format.validate import validate
+    from opdcache.training.train import TrainConfig, run_train
+
+    root = tmp_path / "cache"
+    shutil.copytree(cross[0], root)
+
+    def lengthen(rows):
+        for row in rows:
+            row["teacher_prompt_ids"] = row["teacher_prompt_ids"] * 16
+
+    for shard in range(2):
+        _rewrite_rows(root, "pairs", shard, lengthen)
+    table = shards.read_table(Cache(root).shard_paths("teachers/pairs")[0])
+    prompt_tokens = sum(len(p) for p in table["teacher_prompt_ids"].to_pylist())
+    assert prompt_tokens > 3 * Cache(root).table("teachers/pairs")["shards"][0]["tokens"]
+    assert not [p for p in validate(root) if not p.warning]
+    out = run_train(TrainConfig(cache=root, model=weights / "student", out=tmp_path / "run", loss="span", steps=1,
+                                batch_size=8, checkpoint="none"))
+    assert out["steps"] == 1 and np.isfinite(out["last"]["loss"])
+    export(root, "jsonl", tmp_path / "flat", teacher="pairs")
+    assert len((tmp_path / "flat" / "rollouts.jsonl").read_text().splitlines()) == 48

@@ -45,10 +45,15 @@ def _options(name):
     return {p.name: p for p in COMMAND.commands[name].params if p.param_type_name == "option" and not p.hidden}
 
 
+STATES_DEFAULT = re.compile(r"\bdefaults?\s*[:=]|\(default\b|\bdefaults? (is|to)\b|\bby default\b", re.IGNORECASE)
+"""A help text that states a default: "Default: X.", "(default: ...)", "by default ..."; the bare word ("the default
+engine") is not one (such a field's default was hidden from its help)."""
+
+
 def _stated_default(help: str) -> str | None:
     """The default the help states as "Default: X." at its end; None where the docstring says it in words."""
     match = re.search(r"Default: ([^ ]+?)\.?$", help)
-    assert match or "default" in help.lower(), help
+    assert match or STATES_DEFAULT.search(help), help
     return match.group(1) if match else None
 
 
@@ -118,7 +123,7 @@ def test_every_option_of_every_command_states_its_default_or_that_it_is_required
     m._register()
     silent = [f"{name} {p.opts[0]}" for name, cmd in get_command(m.app).commands.items() for p in cmd.params
               if not isinstance(p, TyperArgument) and not p.required and not getattr(p, "hidden", False) and p.name != "help"
-              and not any(w in (p.help or "").lower() for w in ("default", "required"))
+              and not STATES_DEFAULT.search(p.help or "") and "required" not in (p.help or "").lower()
               and not (p.show_default and p.default is not None)]
     assert silent == []
 
@@ -175,3 +180,14 @@ def test_score_teachers_store_options_are_scorejobs_docstrings():
             assert param.help.split(". ")[0] in source, param.opts[0]
             checked += 1
     assert checked >= 13
+
+
+def test_a_docstring_that_only_uses_the_word_default_still_gets_its_default_printed():
+    """--teacher-weights' docstring says "default equal" of the weights: the option's own default (none) is printed too;
+    a docstring that states its default ("(default: ...)") is left as it is."""
+    from opdcache.cli.options import Fields, P
+
+    weights = Fields("opdcache.training.trainconfig", "TrainConfig").option("teacher_weights").help
+    assert "default equal" in weights and weights.endswith("Default: none."), weights
+    messages = P.option("messages_field").help
+    assert "(default: none" in messages and "Default:" not in messages, messages

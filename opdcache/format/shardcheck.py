@@ -31,12 +31,23 @@ def list_width(field: pa.Field) -> int | None:
     return width
 
 
+def per_token_columns(schema: pa.Schema) -> set[str] | None:
+    """The shard's columns aligned with response_ids (a value or a vector per response token), by its declared kind and
+    store parameters; None when it declares none readable (check_types refuses such a shard)."""
+    try:
+        kind, params, _ = S.params_from_schema(schema)
+        return {c.name for c in S.columns(kind, params) if c.shape in ("token", "token_vector")}
+    except (SchemaError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def check_footer(pf: pq.ParquetFile, nbytes: int | None, columns: Iterable[str] | None, where: str,
                  rows: int | None = None, max_row_tokens: int | None = None, tokens: int | None = None) -> None:
     """Refuse, from the footer alone and before anything is decoded, a shard whose row count differs from ``rows`` (the
     manifest's) or exceeds ROWS_PER_BYTE x its bytes, or whose list columns hold more entries than rows x
     ``max_row_tokens`` (the model's context; default MAX_ROW_TOKENS) x the column's width, or (``tokens``: the
-    manifest's response tokens) whose per-token columns hold more than tokens x width. So what a reader decodes is
+    manifest's response tokens) whose per-token columns hold more than tokens x width (a row-level list, such as the
+    prompt or a teacher's own tokens, has only the context's bound). So what a reader decodes is
     bounded by the shard's own declared size, whatever its bytes claim. One line naming the shard."""
     md = pf.metadata
     n = md.num_rows
@@ -49,6 +60,7 @@ def check_footer(pf: pq.ParquetFile, nbytes: int | None, columns: Iterable[str] 
     limit = max_row_tokens or MAX_ROW_TOKENS
     wanted = None if columns is None else set(columns)
     schema = pf.schema_arrow
+    per_token = per_token_columns(schema) if tokens is not None else None
     leaves: dict[str, int] = {}
     for g in range(md.num_row_groups):
         group = md.row_group(g)
@@ -60,7 +72,8 @@ def check_footer(pf: pq.ParquetFile, nbytes: int | None, columns: Iterable[str] 
         if (wanted is not None and name not in wanted) or schema.get_field_index(name) < 0:
             continue
         width = list_width(schema.field(name))
-        if width is not None and tokens is not None and name != "prompt_ids" and count > tokens * width + n:
+        aligned = name in per_token if per_token is not None else name != "prompt_ids"
+        if width is not None and tokens is not None and aligned and count > tokens * width + n:
             raise SchemaError(f"{where}: column {name} holds {count:,} entries, the manifest's {tokens:,} response tokens allow "
                               f"{tokens * width:,}: refused before decoding")
         if width is not None and count > n * limit * width:

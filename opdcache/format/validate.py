@@ -375,6 +375,9 @@ def _check_base_rows(file: str, table: pa.Table, entry: dict, out: _Collector):
     vocab = entry["config"].get("vocab_size")
     offsets = shards.list_offsets(table["response_ids"])
     response = shards.token_values(table["response_ids"])
+    empty = rowrules.empty_prompts(shards.list_offsets(table["prompt_ids"]))
+    if len(empty):
+        out.rows(file, "prompt_ids", empty, rowrules.EMPTY_PROMPT)
     if vocab is not None:
         bad = (response < 0) | (response >= vocab)
         if bad.any():

@@ -88,14 +88,15 @@ def hub_snapshot(spec: str, revision: str | None, what: str, repo_type: str = "m
         path = snapshot_download(repo_id, revision=revision, repo_type=repo_type, cache_dir=cache_dir, local_files_only=True)
     except Exception as cached_exc:  # not in the local cache (or an incomplete snapshot)
         if offline:
-            raise ConfigError(f"{what} {repo_id}{'@' + revision if revision else ''} is not in the local Hub cache and HF_HUB_OFFLINE is set; "
+            raise ConfigError(f"{what} {spec}: no local folder of that name here, and {repo_id}{'@' + revision if revision else ''} is not in the local Hub cache and HF_HUB_OFFLINE is set; "
                               f"download it first (`hf download {repo_id}{' --repo-type dataset' if repo_type == 'dataset' else ''}`) "
                               "or unset HF_HUB_OFFLINE") from cached_exc
         try:
             path = snapshot_download(repo_id, revision=revision, repo_type=repo_type, cache_dir=cache_dir)
         except Exception as exc:
-            raise ConfigError(f"{what} {repo_id}: could not download it from the Hub ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                              "check the network and the repo id, or pass a local directory") from exc
+            raise ConfigError(f"{what} {spec}: no local folder of that name here, and the Hub could not give {repo_id} "
+                              f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}); check the path, or "
+                              "the network and the repo id") from exc
     return Path(path)
 
 

@@ -74,6 +74,17 @@ def _outside(ids: np.ndarray, vocab: int | None, pad: np.ndarray | None = None) 
     return _rows(bad if pad is None else bad & ~pad)
 
 
+EMPTY_PROMPT = ("prompt_ids is empty: the first response token has no position to be predicted from (a row needs at "
+                "least one prompt token, such as the chat template's first)")
+
+
+def empty_prompts(prompt_offsets: np.ndarray) -> np.ndarray:
+    """The rows whose prompt holds no token, from the prompt column's offsets [rows + 1]: a model predicts a row's first
+    response token from its prompt's last, so such a row has no value for it in any layout (padded, the row's logit
+    position would be -1, the end of its padding; packed, the last token of the sequence before it)."""
+    return np.flatnonzero(np.diff(prompt_offsets) == 0)
+
+
 def ids_in_vocabulary(column: str, ids: np.ndarray, vocab: int | None) -> list[Violation]:
     """Plain id columns (ref_topk_ids, mc_ids, v1 top-k): every id in [0, vocab)."""
     bad = _outside(ids.reshape(ids.shape[0], int(np.prod(ids.shape[1:]))), vocab)

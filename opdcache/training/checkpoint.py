@@ -142,6 +142,11 @@ def prior_run(cfg) -> int | None:
     line; the step of a run that already did what ``cfg`` asks is returned (its checkpoint complete, at ``cfg.steps`` or
     beyond, and the final model beside it in the dtype asked for); else None (nothing there, or a run to resume). Reads
     only: every rank of a distributed run may ask at once."""
+    if cfg.out.exists() and not cfg.out.is_dir():
+        from opdcache.errors import ConfigError
+
+        raise ConfigError(f"--out {cfg.out} is a file, not a folder: give the folder that holds (or will hold) the run's "
+                          "checkpoint/, model/ and metrics.jsonl")
     ckpt = _newest(cfg.out)
     if ckpt is None:
         return None

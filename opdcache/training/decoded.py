@@ -62,6 +62,9 @@ class DecodedShard:
         self.offsets = shards.list_offsets(r["response_ids"])
         self.prompt_offsets = shards.list_offsets(r["prompt_ids"])
         lengths = np.diff(self.offsets)
+        empty = rowrules.empty_prompts(self.prompt_offsets)
+        if len(empty):
+            refuse(f"row {int(empty[0])}, column prompt_ids: {rowrules.EMPTY_PROMPT}")
         if max_length is not None:
             total = lengths + np.diff(self.prompt_offsets)
             if len(total) and total.max() > max_length:

@@ -62,7 +62,9 @@ class TrainingDiverged(OpdcacheError, FloatingPointError):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, source=None):
+    def __init__(self, cfg: TrainConfig, source=None, announce=None):
+        """``announce``: called once every check that needs no weights has passed, right before the student loads (the
+        command line prints the teacher's lineage there, so a refused run prints only its error)."""
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -82,6 +84,8 @@ class Trainer:
         # the cache's batches and the teacher's unembedding (the full-vocabulary losses), checked against the student's
         # configuration before its weights load: a damaged or mismatched cache is refused in seconds at any model size
         self.source, head = (source, None) if source is not None or cfg.online else open_cache(cfg, facts, self.model_path)
+        if announce is not None:
+            announce()
         # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32
         self.model = load_causal_lm(self.model_path, torch.float32).to(self.device)
         check_facts(self.model, facts, self.model_path)
@@ -350,13 +354,14 @@ class Trainer:
             write_text_atomic(self.cfg.out / "model" / "opdcache_lineage.json", json.dumps(lineage, indent=2, sort_keys=True))
 
 
-def run_train(cfg: TrainConfig) -> dict:
+def run_train(cfg: TrainConfig, announce=None) -> dict:
     """Train to ``cfg.steps``, resuming from ``cfg.out``'s checkpoint (one of other settings refused before anything
-    loads); a run already finished there is reported, and nothing is loaded or written (``already_done``)."""
+    loads); a run already finished there is reported, and nothing is loaded or written (``already_done``).
+    ``announce``: :class:`Trainer`'s, called when the checks have passed, before the student loads."""
     step = checkpoint.prior_run(cfg)
     if step is not None:
         return {"already_done": True, "steps": step}
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, announce=announce)
     try:
         return trainer.fit()
     finally:
