@@ -234,3 +234,18 @@ def test_a_hub_shaped_path_that_is_nowhere_says_both(tmp_path):
     assert line.startswith("error: --model models/pi_ref: no local folder of that name here, and the Hub could not give "
                            "models/pi_ref (") and line.endswith("check the path, or the network and the repo id"), line
     assert not (tmp_path / "c").exists()
+
+
+def test_tensorboard_without_its_package_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from opdcache.cli.main import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--model", str(tmp_path / "not-loaded"), "--cache", str(tmp_path / "no-cache"), "--out",
+              str(tmp_path / "run"), "--tensorboard"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err == ["error: --tensorboard needs the tensorboard package: pip install tensorboard "
+                                             "(metrics.jsonl is written either way)"], err

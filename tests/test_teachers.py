@@ -119,9 +119,19 @@ def test_what_cannot_be_combined_is_one_line(two_teachers, weights, tmp_path, ca
         run_train(TrainConfig(**{**base, "model": tmp_path / "not-loaded"}, teacher="teacher,teacher_carry", loss="topk-fkl"))
     loader = CacheLoader(CacheLoaderConfig(cache=two_teachers, teacher="teacher", more_teachers=("teacher_carry",),
                                            route_field="answer_kind", batch_size=8, shuffle=False))
-    with pytest.raises(SchemaError, match=r"row 0: its prompt field 'answer_kind' is None, which names none of the teachers "
-                                          r"teacher, teacher_carry \(--teacher-route\)"):
+    with pytest.raises(ConfigError, match=re.escape("--teacher-route answer_kind: row 0's prompt has no field 'answer_kind' "
+                                                    "(its fields: domain); route by a field the prompts carry")):
         next(iter(loader))
+    from opdcache.training.decoded import _routes
+
+    def refuse(what):
+        raise SchemaError(what)
+
+    for value, shown in (([1, 2], "a list"), ({"a": 1}, "a dict"), ("teacher_x", "'teacher_x'")):
+        with pytest.raises(ConfigError, match=re.escape(f"--teacher-route domain: row 1's 'domain' is {shown}, which names "
+                                                        "none of the teachers teacher, teacher_carry; give each row one "
+                                                        "teacher's table name")):
+            _routes([json.dumps({"domain": "teacher"}), json.dumps({"domain": value})], "domain", TEACHERS, refuse)
     from opdcache.cli.main import main
 
     with pytest.raises(SystemExit) as exit_:

@@ -332,3 +332,26 @@ def test_a_row_with_an_empty_prompt_is_refused_by_validate_and_the_loader(synth_
     for pack in (False, True):
         with pytest.raises(SchemaError, match=r"row 2, column prompt_ids: prompt_ids is empty"):
             list(CacheLoader(CacheLoaderConfig(cache=synth_cache, teacher="synth", batch_size=4, pack=pack)))
+
+
+def test_the_loader_names_the_shard_that_breaks_a_rule(synth_cache):
+    """A teacher table's top-k id outside the vocabulary: the loader names the teacher's shard (it named the
+    rollouts'), and a rollout id outside it names the rollouts' shard."""
+    from opdcache.errors import SchemaError
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
+
+    def far_id(rows):
+        rows[1]["topk_ids"][0][0] = 10 ** 6
+
+    _rewrite_shard(synth_cache, "teachers/synth", 2, far_id)
+    loader = CacheLoader(CacheLoaderConfig(cache=synth_cache, teacher="synth", stores=("logprob", "topk"), batch_size=4, shuffle=False))
+    with pytest.raises(SchemaError, match=r"teachers/synth/part-00002-of-00003\.parquet: row 1, column topk_ids: ") as info:
+        list(loader)
+    assert "rollouts/" not in str(info.value)
+
+    def far_response(rows):
+        rows[0]["response_ids"][0] = 10 ** 6
+
+    _rewrite_shard(synth_cache, "rollouts", 0, far_response)
+    with pytest.raises(SchemaError, match=r"rollouts/part-00000-of-00003\.parquet: row 0, column response_ids: token id outside"):
+        list(CacheLoader(CacheLoaderConfig(cache=synth_cache, teacher="synth", batch_size=4, shuffle=False)))

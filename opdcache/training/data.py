@@ -293,7 +293,13 @@ class CacheDataset(torch.utils.data.IterableDataset):
         route = (self.config.route_field, self.config.teachers) if self.config.route_field else None
         return DecodedShard(*sources[:2], self.rollout_cols, self.teacher_cols, where=str(self.rollout_paths[shard]),
                             max_length=self.config.max_length, rows=self.rows_per_shard[shard], vocab=self.vocab, params=self.teacher_params,
-                            tokens=self.tokens_per_shard[shard], more=more, route=route)
+                            tokens=self.tokens_per_shard[shard], more=more, route=route,
+                            teacher_where=self._teacher_where(shard))
+
+    def _teacher_where(self, shard: int) -> dict[str, str]:
+        """Each teacher's shard of this index, as messages name it, by its columns' prefix."""
+        named = {} if self.teacher_paths is None else {"teacher_": str(self.teacher_paths[shard])}
+        return named | {prefix: str(paths[shard]) for prefix, paths, _, _ in self.more}
 
     def _keep(self, shard: int, decoded: DecodedShard) -> None:
         if shard not in self.kept and self.kept_bytes + decoded.nbytes <= self.config.keep_decoded_bytes:

@@ -46,16 +46,20 @@ class DecodedShard:
 
     def __init__(self, rollout_path, teacher_path, rollout_cols: list[str], teacher_cols: list[str], where: str = "this shard",
                  max_length: int | None = None, rows: int | None = None, vocab: int | None = None, params: dict | None = None,
-                 tokens: int | None = None, more: tuple = (), route: tuple[str, tuple[str, ...]] | None = None):
+                 tokens: int | None = None, more: tuple = (), route: tuple[str, tuple[str, ...]] | None = None,
+                 teacher_where: dict[str, str] | None = None):
         """Each source: a local path, an object-store path, or a shard's bytes already fetched (opdcache.format.shards.read_table).
         ``rows``: the manifest's row count (the footer must agree, and sizes are checked before decoding); ``vocab``: ids
         must lie in [0, vocab); ``params``: the teacher table's recorded store parameters, for the rules each store declares
         (opdcache/stores/: the sampled store's m, ...). The row rules are validate's. ``more``: further teachers, (prefix,
-        source, columns, params) each; ``route``: (metadata field, teacher names) for ``row_teacher``."""
+        source, columns, params) each; ``route``: (metadata field, teacher names) for ``row_teacher``;
+        ``teacher_where``: each teacher's shard as messages name it, by column prefix (default: ``where``)."""
         from opdcache.errors import SchemaError
 
-        def refuse(what: str):
-            raise SchemaError(f"{where}: {what}; run `opdcache validate` on the cache and rebuild that shard")
+        def refuse(what: str, shard: str = where):
+            raise SchemaError(f"{shard}: {what}; run `opdcache validate` on the cache and rebuild that shard")
+
+        teacher_where = teacher_where or {}
 
         r = shards.read_table(rollout_path, list(dict.fromkeys(["id"] + rollout_cols + (["metadata"] if route else []))),
                               rows=rows, max_row_tokens=max_length, where=where, tokens=tokens)
@@ -78,12 +82,13 @@ class DecodedShard:
         self.topk_layout = (1e-3, "logprobs")
         teachers = ([("teacher_", teacher_path, teacher_cols, params)] if teacher_path is not None else []) + list(more)
         for prefix, source, columns, _ in teachers:
-            t = shards.read_table(source, ["id"] + columns, rows=rows, max_row_tokens=max_length, where=where, tokens=tokens)
+            shard = teacher_where.get(prefix, where)
+            t = shards.read_table(source, ["id"] + columns, rows=rows, max_row_tokens=max_length, where=shard, tokens=tokens)
             if t.num_rows != r.num_rows or t["id"].to_pylist() != r["id"].to_pylist():
-                refuse("teacher rows are not aligned with the rollout rows (ids differ)")
+                refuse(f"teacher rows are not aligned with the rollout rows of {where} (ids differ)", shard)
             for name in columns:  # per-token columns only (CacheDataset leaves out row columns such as id)
                 if not np.array_equal(np.diff(shards.list_offsets(t[name])), lengths):
-                    refuse(f"teacher column {name} is not as long as the responses (shifted or truncated rows)")
+                    refuse(f"teacher column {name} is not as long as the responses (shifted or truncated rows)", shard)
                 values = shards.token_values(t[name])
                 if name not in ("hidden", "svd"):  # v3 float16 bits (compact top-k, sampled log-probs) -> float32
                     from opdcache.stores.compact import decode_logprobs
@@ -98,23 +103,26 @@ class DecodedShard:
                     self.svd_dtype = shards.hidden_dtype_of(t.schema.field("svd"))
         if route is not None:
             self.cols["row_teacher"] = np.repeat(_routes(r["metadata"].to_pylist(), *route, refuse), lengths)
-        for prefix, _, _, table_params in teachers:
-            for column, bad, message in self._violations(vocab, table_params, prefix):
+        checks = [(where, self._rollout_violations(vocab))]
+        checks += [(teacher_where.get(prefix, where), self._teacher_violations(vocab, table_params, prefix))
+                   for prefix, _, _, table_params in teachers]
+        for shard, violations in checks:
+            for column, bad, message in violations:
                 row = int(np.searchsorted(self.offsets, np.flatnonzero(bad)[0], side="right") - 1)
-                refuse(f"row {row}, column {column}: {message}")
-        if not teachers:
-            for column, bad, message in self._violations(vocab, params):
-                row = int(np.searchsorted(self.offsets, np.flatnonzero(bad)[0], side="right") - 1)
-                refuse(f"row {row}, column {column}: {message}")
+                refuse(f"row {row}, column {column}: {message}", shard)
 
-    def _violations(self, vocab: int | None, params: dict | None, prefix: str = "teacher_") -> list:
-        """The rules validate applies to these columns (opdcache/stores/rowrules.py), on the decoded values: the rollouts' and
-        those of the teacher whose columns carry ``prefix``."""
+    def _rollout_violations(self, vocab: int | None) -> list:
+        """The rules validate applies to the rollouts' columns (opdcache/stores/rowrules.py), on the decoded values."""
         c = self.cols
         out = rowrules.ids_in_vocabulary("response_ids", c["response_ids"], vocab)
         for name in ("ref_topk_ids", "mc_ids"):
             if name in c:
                 out += rowrules.ids_in_vocabulary(name, c[name], vocab)
+        return out
+
+    def _teacher_violations(self, vocab: int | None, params: dict | None, prefix: str) -> list:
+        """The rules validate applies to the columns of the teacher whose columns carry ``prefix``."""
+        c, out = self.cols, []
         if prefix + "topk_ids" in c:
             tol, order = self.topk_layout
             out += rowrules.topk_rules("topk", c[prefix + "topk_ids"], c[prefix + "topk_logprobs"], vocab, c.get(prefix + "topk_tail"), tol, order)
@@ -137,16 +145,22 @@ class DecodedShard:
 
 def _routes(metadata: list, field: str, names: tuple[str, ...], refuse) -> np.ndarray:
     """[rows] int8: the index in ``names`` of the teacher each row's metadata ``field`` names."""
-    from opdcache.errors import SchemaError
+    from opdcache.errors import ConfigError, SchemaError
     from opdcache.untrusted import loads
 
     index = {name: i for i, name in enumerate(names)}
     out = np.zeros(len(metadata), np.int8)
     for row, text in enumerate(metadata):
         value = (loads(text, f"row {row}'s metadata", SchemaError) if text else {}) if isinstance(text, str) else {}
-        value = value.get(field) if isinstance(value, dict) else None
-        if value not in index:
-            refuse(f"row {row}: its prompt field {field!r} is {value!r}, which names none of the teachers {', '.join(names)} "
-                   "(--teacher-route)")
+        fields = value if isinstance(value, dict) else {}
+        if field not in fields:  # the setting names a field these prompts do not carry: the cache is not at fault
+            carried = ", ".join(sorted(map(str, fields))[:8]) or "none"
+            raise ConfigError(f"--teacher-route {field}: row {row}'s prompt has no field {field!r} (its fields: {carried}); "
+                              "route by a field the prompts carry")
+        value = fields[field]
+        if not isinstance(value, str) or value not in index:
+            shown = repr(value) if isinstance(value, str) else f"a {type(value).__name__}"
+            raise ConfigError(f"--teacher-route {field}: row {row}'s {field!r} is {shown[:80]}, which names none of the "
+                              f"teachers {', '.join(names)}; give each row one teacher's table name")
         out[row] = index[value]
     return out

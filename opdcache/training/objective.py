@@ -146,6 +146,29 @@ def estimator_terms(cfg, batch: dict, s: torch.Tensor, lp_NK: torch.Tensor, sel:
     return terms, first[0], first[1]
 
 
+def merge_stats(parts: list[tuple[dict, float]]) -> dict:
+    """One step's logged numbers from its parts (the groups --max-batch-tokens cuts a batch into, the micro-batches of
+    --grad-accum), each with its weight (its share of the step's tokens; the weights sum to 1), defined as over the
+    step's tokens at once whatever the cut: ``tokens`` adds up, a ``*_max`` is the largest, a ``*_std`` beside its
+    ``*_mean`` is the standard deviation of the union (from each part's first and second moments: sqrt(sum w (std^2 +
+    mean^2) - mean^2)), every other number the weighted mean."""
+    out: dict = {}
+    for key in dict.fromkeys(k for stats, _ in parts for k in stats):
+        values = [(stats[key], w) for stats, w in parts if key in stats]
+        if key == "tokens":
+            out[key] = sum(v for v, _ in values)
+        elif key.endswith("_max"):
+            out[key] = max(v for v, _ in values)
+        elif key.endswith("_std") and key[:-4] + "_mean" in parts[0][0]:
+            mean_key = key[:-4] + "_mean"
+            mean = sum(w * stats[mean_key] for stats, w in parts)
+            second = sum(w * (stats[key] ** 2 + stats[mean_key] ** 2) for stats, w in parts)
+            out[key] = max(second - mean * mean, 0.0) ** 0.5
+        else:
+            out[key] = sum(w * v for v, w in values)
+    return out
+
+
 def step_stats(batch: dict, s: torch.Tensor, st: dict, advantage: torch.Tensor, sel: torch.Tensor) -> dict:
     """What a step logs besides its loss and corrections (the module docstring of opdcache/training/train.py says what each is)."""
     mask = batch["response_mask"]

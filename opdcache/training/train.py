@@ -273,12 +273,12 @@ class Trainer:
             pbar.update(self.step)
             while self.step < cfg.steps:
                 self.opt.zero_grad(set_to_none=True)
-                agg: dict = {}
+                parts = []
                 for _ in range(cfg.grad_accum):
                     for loss, stats, share in self._groups(self.source.next_batch()):
                         (loss * share / cfg.grad_accum).backward()
-                        for k, v in {"loss": self._global_mean(loss.item()), **stats}.items():
-                            agg[k] = agg.get(k, 0.0) + v * (1.0 if k == "tokens" else share) / cfg.grad_accum
+                        parts.append(({"loss": self._global_mean(loss.item()), **stats}, share / cfg.grad_accum))
+                agg = O.merge_stats(parts)  # as over the step's tokens at once, however --max-batch-tokens cut them
                 grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
                 if not math.isfinite(float(grad_norm)):
                     raise TrainingDiverged(f"non-finite gradient norm at step {self.step + 1} (the inputs were finite); lower --lr, "

@@ -158,6 +158,14 @@ class TrainConfig:
         return tuple(t.strip() for t in self.teacher.split(",")) if self.teacher else ()
 
     def __post_init__(self) -> None:
+        if self.tensorboard:
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboard") is None:
+                from opdcache.errors import MissingDependencyError
+
+                raise MissingDependencyError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                                             "(metrics.jsonl is written either way)")
         if self.loss not in ESTIMATORS:
             raise ConfigError(f"--loss must be one of {', '.join(ESTIMATORS)}, got {self.loss!r}")
         self._check_teachers()
