@@ -90,9 +90,19 @@ def build_qwen3(path: Path, vocab: int, hidden: int, layers: int, device: str) -
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     model.generation_config.eos_token_id = 1
     model.save_pretrained(path)
-    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t2"))
+    tok = Tokenizer(models.WordLevel(vocab=word_vocab(vocab), unk_token=SPECIAL[2]))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", pad_token="t0", unk_token="t2").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIAL[0], eos_token=SPECIAL[1], unk_token=SPECIAL[2]).save_pretrained(path)
+
+
+SPECIAL = ("<pad>", "<eos>", "<unk>")
+"""The qwen3 model's special tokens, ids 0-2: names no prompt word contains (named t0, t1 and t2 they matched inside the
+words t13, t27, ...: 37.5% of a prompt's ids were unknown or end-of-sequence)."""
+
+
+def word_vocab(vocab: int) -> dict[str, int]:
+    """The WordLevel vocabulary: the special tokens, then the words t3 ... t<vocab - 1>."""
+    return {**{name: i for i, name in enumerate(SPECIAL)}, **{f"t{i}": i for i in range(len(SPECIAL), vocab)}}
 
 
 def build_smollm2(path: Path, source: Path, device: str, layers: int | None) -> None:
@@ -336,7 +346,8 @@ def child(kind: str, *args) -> dict:
     out = subprocess.run([sys.executable, __file__, f"_{kind}", *map(str, args)], capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
-        return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:300]}
+        sys.stderr.write(out.stderr[-6000:])  # the whole traceback reaches the log; the row keeps its last lines
+        return {"error": "\n".join(out.stderr.strip().splitlines()[-12:])[-1500:] or f"exit {out.returncode}"}
     return json.loads(lines[-1])
 
 
@@ -420,8 +431,15 @@ def main() -> None:
     sections = args.sections.split(",")
     for section in sections:
         before, started = os.getloadavg()[0], time.perf_counter()
-        {"generate": run_generate_section, "exact": run_exact_section, "async": run_async_section, "quantize": run_quantize_section, "score": run_score_section, "cli": run_cli_section, "train": run_train_section,
-         "divergence": run_divergence_section, "write": run_write_section}[section](args, models, root, add, rows)
+        run = {"generate": run_generate_section, "exact": run_exact_section, "async": run_async_section, "quantize": run_quantize_section, "score": run_score_section, "cli": run_cli_section, "train": run_train_section,
+               "divergence": run_divergence_section, "write": run_write_section}[section]
+        try:
+            run(args, models, root, add, rows)
+        except (Exception, SystemExit) as exc:  # one section's failure (a CLI call, a timeout) is a row; the next runs
+            import traceback
+
+            traceback.print_exc()
+            rows.append({"section": section, "model": "-", "variant": "failed", "error": f"{type(exc).__name__}: {exc}"[:1500]})
         load[section] = [before, os.getloadavg()[0]]
         took[section] = round(time.perf_counter() - started, 1)
         print(f"section {section}: {took[section]} s", flush=True)
@@ -451,7 +469,7 @@ def _alternate(args, sides: dict, measure) -> dict:
 
 def _word_prompts(path: Path, n: int, stride: int) -> Path:
     """``n`` prompts of 16 words of the qwen3 model's WordLevel vocabulary, one JSON line each."""
-    path.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (stride * i + 3 * j) % 5000}" for j in range(16))}) + "\n"
+    path.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (stride * i + 3 * j) % 1000}" for j in range(16))}) + "\n"
                             for i in range(n)))
     return path
 
@@ -538,7 +556,7 @@ def run_cli_section(args, models, root, add, rows) -> None:
     env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
     q = models["qwen3"]
     prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (13 * i + 7 * j) % 5000}" for j in range(16))}) + "\n"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (13 * i + 7 * j) % 1000}" for j in range(16))}) + "\n"
                                for i in range(args.train_batch)))
     cache = root / "cache"
     if not (cache / "opdcache.json").exists():
@@ -576,7 +594,7 @@ def run_write_section(args, models, root, add, rows) -> None:
     q = models["qwen3"]
     n = 8 * args.train_batch
     prompts = root / "prompts-write.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (11 * i + 5 * j) % 5000}" for j in range(16))}) + "\n" for i in range(n)))
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"t{3 + (11 * i + 5 * j) % 1000}" for j in range(16))}) + "\n" for i in range(n)))
     cache = root / "cache-write"
     if not (cache / "opdcache.json").exists():
         cli("build-rollouts", "--model", q, "--prompts", prompts, "--out", cache, "--max-new-tokens", args.train_response, "--temperature", "1.0",

@@ -104,10 +104,27 @@ def test_figures_at_the_default_settings_print_the_measured_seed_range():
 
     line = _seed_range("opd", DemoConfig(workdir="anywhere", seed=7))
     lo, hi = SEED_RANGES["opd"]["accuracy"]
-    assert line.startswith("   [seeds 0-2: ") and f"{lo:.1%}-{hi:.1%}" in line
+    assert line.startswith("   [seeds 0-2 on AMD AVX-512: ") and f"{lo:.1%}-{hi:.1%}" in line
     assert _seed_range("opd", DemoConfig(opd_lr=1e-4)) == ""  # other settings: the range does not apply
     assert _seed_range("opd_teacher_carry", DemoConfig()) == ""  # a figure without a measured range
     assert {"teacher", "base", "pi_ref", "opd"} <= set(SEED_RANGES)
     for figure in SEED_RANGES.values():
         for low, high in figure.values():
             assert low <= high
+
+
+def test_the_health_check_judges_the_run_against_itself():
+    """The Intel machine's healthy seed 0 (OPD 93.3%, above the AMD seed range's 92.3%) is ok; a run whose KL did not
+    fall, or whose accuracy dropped by more than 5 points, is not."""
+    from opdcache.demo.pipeline import health
+
+    def run(ref_acc, ref_kl, opd_acc, opd_kl):
+        return health({"pi_ref": {"accuracy": ref_acc, "reverse_kl": ref_kl}, "opd": {"accuracy": opd_acc, "reverse_kl": opd_kl}})
+
+    ok, line = run(0.907, 0.092, 0.933, 0.055)
+    assert ok and line.startswith("[check] ok: OPD moved pi_ref toward the teacher")
+    ok, line = run(0.907, 0.092, 0.91, 0.093)
+    assert not ok and "the reverse KL to the teacher did not fall" in line
+    ok, line = run(0.907, 0.092, 0.85, 0.05)
+    assert not ok and "accuracy fell by more than 5%" in line
+    assert run(0.907, 0.092, 0.86, 0.05)[0]  # a 4.7-point drop is within two standard errors

@@ -88,3 +88,19 @@ def test_no_circle_of_imports():
         if start not in state:
             visit(start, [start])
     assert not circles, circles
+
+
+def test_concepts_names_the_current_format_and_only_the_registered_engines():
+    """docs/concepts.md said format v1-v4 when v6 existed and listed `streamed` as an engine: it names the newest
+    frozen snapshot and, as the engines, exactly the registry's names."""
+    import re
+    from pathlib import Path
+
+    from opdcache.backends import ENGINES
+    from opdcache.format.schema import FORMAT_VERSION
+
+    text = (Path(__file__).parent.parent / "docs" / "concepts.md").read_text()
+    assert f"`format-v{FORMAT_VERSION}.json`" in text
+    assert (Path(__file__).parent.parent / "schemas" / f"format-v{FORMAT_VERSION}.json").is_file()
+    listed = re.search(r"the engines \(`ENGINES`: ([^;)]*)", text)
+    assert listed and sorted(n.strip() for n in listed.group(1).split(",")) == sorted(ENGINES)

@@ -19,11 +19,33 @@ README = Path(__file__).parent.parent / "README.md"
 NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "quickstart.ipynb"
 
 
+def _blocks(path: Path) -> list[str]:
+    """The bash blocks of ``path`` marked to be run as written after `opdcache demo`."""
+    return re.findall(r"<!-- hand-run:[^\n]*-->\n```bash\n(.*?)```\n<!-- /hand-run -->", path.read_text(), re.S)
+
+
 def _block() -> str:
-    text = README.read_text()
-    match = re.search(r"<!-- hand-run:[^\n]*-->\n```bash\n(.*?)```\n<!-- /hand-run -->", text, re.S)
-    assert match, "README.md has no hand-run block"
-    return match.group(1)
+    blocks = _blocks(README)
+    assert blocks, "README.md has no hand-run block"
+    return blocks[0]
+
+
+DOCS_WITH_BLOCKS = ("teachers.md",)
+"""docs/ pages whose commands are the demo's work directory's, run as written (each block in its own copy)."""
+
+
+@pytest.mark.parametrize("page", DOCS_WITH_BLOCKS)
+def test_the_docs_blocks_run_as_written_after_the_demo(tmp_path, demo_workdir, user_threads, page):
+    blocks = _blocks(README.parent / "docs" / page)
+    assert blocks, f"docs/{page} has no hand-run block"
+    env = {**os.environ, "OPDCACHE_PROGRESS": "0"}
+    for i, block in enumerate(blocks):
+        here = tmp_path / str(i)
+        shutil.copytree(demo_workdir, here / "opdcache-demo", symlinks=True)
+        proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=here, capture_output=True, text=True,
+                              env=env, timeout=1200)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "Traceback" not in out, f"docs/{page} block {i}: " + out[-3000:]
 
 
 def _digest(path: Path) -> str:
