@@ -114,7 +114,7 @@ CpusPerWorker = Annotated[float, typer.Option("--cpus-per-worker", help="--execu
 ModelPath = Annotated[str, typer.Option("--model", help="Model: a local Hugging Face directory or a Hub id org/name[@revision] (offline from the Hub cache with HF_HUB_OFFLINE=1).", show_default=False)]
 TeacherModel = Annotated[str, typer.Option("--teacher", help="Teacher: a local Hugging Face directory or a Hub id org/name[@revision].", show_default=False)]
 ModelRevision = Annotated[Optional[str], typer.Option("--revision", help="Hub branch, tag or commit of the model (or org/name@revision). Default: none (the main branch, resolved to its commit).", show_default=False)]
-Backend = Annotated[str, E.option("backend", state_default=False)]
+Backend = Annotated[str, E.option("backend", state_default=False, note=f"One of: {', '.join(literal('opdcache.backends', 'ENGINES'))}.")]
 Dtype = Annotated[str, E.option("dtype", state_default=False)]
 Device = Annotated[str, E.option("device", state_default=False)]
 Quantize = Annotated[Optional[str], E.option("quantize")]

@@ -228,12 +228,12 @@ def test_svd_rank_above_the_hidden_size_is_refused_in_one_line_before_the_model_
     cfg = json.loads((teacher / "config.json").read_text())
     del cfg["hidden_size"]
     cfg_path = teacher / "config.json"
-    assert scoring._config_hidden_size(teacher) == 128
+    assert scoring._config_number(teacher) == 128
     cfg_path.write_text(json.dumps(cfg | {"text_config": {"hidden_size": 64}}))
-    assert scoring._config_hidden_size(teacher) == 64  # a multimodal config's text part
+    assert scoring._config_number(teacher) == 64  # a multimodal config's text part
     cfg_path.write_text(json.dumps(cfg | {"hidden_size": "128"}))
-    assert scoring._config_hidden_size(teacher) is None  # not a number: left to the check on the loaded head
-    monkeypatch.setattr(scoring, "_config_hidden_size", lambda path: None)  # as for a config.json that states none
+    assert scoring._config_number(teacher) is None  # not a number: left to the check on the loaded head
+    monkeypatch.setattr(scoring, "_config_number", lambda path, key="hidden_size": None)  # as for a config.json that states none
     with pytest.raises(ConfigError, match=r"--svd-rank 200 is above the teacher's hidden size 128 \(its output head\)"):
         scoring.run_score(scoring.ScoreJob(cache=out, teacher=weights / "teacher", stores=("svd",), svd_rank=200))
 

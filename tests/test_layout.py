@@ -104,3 +104,38 @@ def test_concepts_names_the_current_format_and_only_the_registered_engines():
     assert (Path(__file__).parent.parent / "schemas" / f"format-v{FORMAT_VERSION}.json").is_file()
     listed = re.search(r"the engines \(`ENGINES`: ([^;)]*)", text)
     assert listed and sorted(n.strip() for n in listed.group(1).split(",")) == sorted(ENGINES)
+
+
+def test_no_module_outside_the_backends_names_an_engine():
+    """Engines are chosen by name only in opdcache/backends/ (``ENGINES``); every other module reads what an engine
+    declares (its Capabilities): no import of an engine's module, no engine class, no test of a backend's name."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from opdcache.backends import ENGINES
+
+    root = Path(__file__).parent.parent
+    engine_modules = set(ENGINES.values())
+    classes = set()
+    for module in engine_modules:
+        tree = ast.parse((root / (module.replace(".", "/") + ".py")).read_text())
+        classes |= {n.name for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Backend")}
+    assert {"TransformersBackend", "ExactBackend", "VLLMBackend"} <= classes
+    by_name = re.compile(r"\.backend\s*(==|!=|\bin\b|\bnot in\b)|\bbackend\s*(==|!=)\s*[\"']")
+    found = []
+    for path in sorted([*(root / "opdcache").rglob("*.py"), *(root / "cli").rglob("*.py")]):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("opdcache/backends/"):
+            continue
+        text = path.read_text()
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in engine_modules:
+                found.append(f"{rel}:{node.lineno} imports {node.module}")
+            if isinstance(node, ast.ImportFrom) and node.module == "opdcache.backends":
+                found += [f"{rel}:{node.lineno} imports {a.name}" for a in node.names if a.name in {m.rsplit('.', 1)[1] for m in engine_modules}]
+            if isinstance(node, ast.Name) and node.id in classes:
+                found.append(f"{rel}:{node.lineno} names {node.id}")
+        found += [f"{rel}:{text[:m.start()].count(chr(10)) + 1} tests a backend's name" for m in by_name.finditer(text)]
+    assert not found, found

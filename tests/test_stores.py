@@ -47,8 +47,9 @@ def test_a_store_that_needs_the_whole_distribution_is_refused_on_vllm_before_any
     from opdcache.backends import EngineConfig
     from opdcache.teacher.scoring import ScoreJob
 
-    with pytest.raises(ConfigError, match="--store entropy needs the teacher's whole distribution at every position, which "
-                                          "vLLM's scoring does not return: use --backend transformers"):
+    with pytest.raises(ConfigError, match=re.escape("--store entropy needs the teacher's whole distribution at every position, "
+                                                    "which --backend vllm does not return: score this table with an engine "
+                                                    "that streams the vocabulary (the default)")):
         ScoreJob(cache="c", teacher=Path("t"), stores=("entropy",), engine=EngineConfig(backend="vllm"))
 
 

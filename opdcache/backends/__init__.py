@@ -10,7 +10,7 @@ engine, in which arithmetic, reproduces a table the manifest records (audit and 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from opdcache.errors import ConfigError
@@ -28,13 +28,23 @@ def engine_module(name: str):
     return importlib.import_module(ENGINES[name])
 
 
+def capabilities(name: str):
+    """What the engine ``name`` computes (its module's ``CAPABILITIES``, opdcache/backends/base.py Capabilities)."""
+    return engine_module(name).CAPABILITIES
+
+
+def reference_engine() -> str:
+    """The engine that declares itself the reference (the one that reproduces what others cannot)."""
+    return next(name for name in ENGINES if capabilities(name).reference)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Which engine runs the model, and how."""
 
     backend: str = "transformers"
-    """transformers (the exact reference, any device), vllm (the fast engine) or exact (the exact arithmetic, as
-    --exact)."""
+    """The engine that runs the model, a name of opdcache.backends.ENGINES (what each computes: docs/engines.md);
+    transformers is the reference, exact is --exact's engine."""
     dtype: str = "auto"
     """auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16."""
     device: str = "auto"
@@ -93,9 +103,29 @@ class EngineConfig:
             object.__setattr__(self, name, value)
 
     @property
+    def capabilities(self):
+        """What this engine computes (opdcache/backends/base.py Capabilities)."""
+        return capabilities(self.backend)
+
+    @property
     def runs_transformers_models(self) -> bool:
         """The engine loads the model with transformers (opdcache's own engines), so its quantization schemes apply."""
-        return self.backend in ("transformers", "exact")
+        return self.capabilities.quantization == "emulated"
+
+    def check_sampling(self, temperature: float) -> None:
+        """The engine's own limits on sampling, before it starts (one line naming the flag)."""
+        hottest = self.capabilities.max_temperature
+        if hottest is not None and temperature > hottest:
+            raise ConfigError(f"--temperature must be at most {hottest} with --backend {self.backend} (the engine's own limit), "
+                              f"got {temperature}; use --backend {reference_engine()} for hotter sampling")
+
+    def with_capability(self, name: str, why: str) -> tuple["EngineConfig", str | None]:
+        """(this engine, None) when it declares capability ``name``; else the reference engine with the same settings and
+        the note to print (``why`` says what runs there: "the hidden store is scored")."""
+        if getattr(self.capabilities, name):
+            return self, None
+        ref = reference_engine()
+        return replace(self, backend=ref), f"note: --backend {self.backend} declares no {name.replace('_', ' ')}; {why} on the {ref} engine"
 
     def fingerprint_view(self) -> dict:
         """Settings that change numbers (not memory or batching, except in deterministic mode)."""
@@ -114,6 +144,18 @@ class EngineConfig:
 def make_backend(model: str | Path, engine: EngineConfig, **extra):
     """Load ``model`` in the configured engine. ``extra``: engine-specific start-up settings (vLLM's max_logprobs)."""
     return engine_module(engine.backend).build(model, engine, **extra)
+
+
+def backend_from_model(model, engine: EngineConfig | None = None):
+    """An engine around a model already in memory (an online learner's current weights, generating as it learns):
+    ``engine``'s (its --exact and --inject-mismatch settings), by default the reference."""
+    return engine_module(engine.backend if engine else reference_engine()).from_model(model, engine)
+
+
+def is_reference_record(record: dict) -> bool:
+    """Whether a manifest's model record is the reference engine's, in float32 and its own precision: the table other
+    tables of the same weights are compared with (mismatch-report)."""
+    return record.get("engine") == reference_engine() and record.get("dtype") == "float32" and not record.get("quantization")
 
 
 def engine_for_table(record: dict, path: Path, what: str, *, device: str = "cpu", dtype: str | None = None,

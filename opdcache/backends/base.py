@@ -53,6 +53,42 @@ class SamplingConfig:
             raise ConfigError(f"--mc-samples must be between 1 and 256, got {self.mc_samples}")
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine computes, declared once by its module (``CAPABILITIES``) and read by every check, before any
+    model loads or any file is written: nothing outside ``opdcache/backends/`` asks which engine it has."""
+
+    summary: str
+    """What it is, in a few words (``--backend``'s help)."""
+    generates: bool = True
+    """It samples rollouts (build-rollouts, build-sft)."""
+    scores: bool = True
+    """It scores given token ids (score-teacher)."""
+    full_distribution: bool = False
+    """It streams the whole next-token distribution at every position: the exact log-partition, the entropy and
+    moments of the fidelity record, teacher draws (the stores that declare ``full_distribution``)."""
+    hidden_states: bool = False
+    """It returns the final post-norm hidden state (the hidden and svd stores, and the svd fit)."""
+    candidate_logprobs_vocab: int | None = None
+    """The largest vocabulary at which it returns log-probs at given ids (pi_ref's top-k, the MC ids); None: any."""
+    max_top_k: int | None = None
+    """The largest top-k it returns (None: any)."""
+    batch_size_changes_bits: bool = True
+    """Its generation batch size (``--batch-size``) changes the last bits of what it stores: recorded in the config
+    fingerprint, so a resume must keep it. False for batch-invariant arithmetic, and for engines whose batching is
+    their scheduler's, not a setting."""
+    quantization: str = "none"
+    """Which --quantize it takes: "emulated" (opdcache's schemes on a transformers model, opdcache/backends/quant.py,
+    checked against the model's config before it loads), "engine" (the engine's own methods, checked by it), "none"."""
+    exact_arithmetic: bool = False
+    """It computes in one exact arithmetic (papers/003): the same bits whatever the batch, padding or KV cache."""
+    max_temperature: float | None = None
+    """The hottest sampling temperature it accepts (None: any the settings allow)."""
+    reference: bool = False
+    """It is the reference: it runs any stored table's arithmetic that another engine cannot (hidden states for an
+    engine that has none), and its float32 tables are what others are compared with."""
+
+
 @dataclass
 class Generation:
     """One sampled response with its per-token values (arrays of length T, or [T, k] / [T, m])."""

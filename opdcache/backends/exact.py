@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from opdcache.backends.base import (GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations,
+from opdcache.backends.base import (Capabilities, GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations,
                                     split_scores)
 from opdcache.backends import draws
 from opdcache.backends.hf import DONE_CHECK_EVERY, UNIFORM_BLOCK_STEPS
@@ -347,6 +347,12 @@ class ExactBackend:
         return torch.cat(parts)
 
 
+CAPABILITIES = Capabilities(
+    summary="one exact arithmetic (papers/003; as --exact): the same bits whatever the batch, padding or KV cache",
+    full_distribution=True, hidden_states=True, batch_size_changes_bits=False,
+    quantization="emulated", exact_arithmetic=True)
+
+
 def check(engine) -> dict:
     """The exact engine's rules on an EngineConfig, before any model loads."""
     if engine.device not in ("auto", "cpu"):
@@ -370,6 +376,11 @@ def check(engine) -> dict:
 
         fixed["quantize"] = QuantScheme.parse(engine.quantize).spec()
     return fixed
+
+
+def from_model(model, engine=None) -> ExactBackend:
+    """The exact engine around a model already in memory, in its device's arithmetic, with ``engine``'s injection."""
+    return ExactBackend.from_model(model, inject=engine.inject if engine else None)
 
 
 def build(model, engine, arithmetic: str | None = None, **_extra) -> ExactBackend:

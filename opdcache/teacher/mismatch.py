@@ -197,8 +197,9 @@ def engine_pairs(cache: Cache, teachers: list[str] | None = None) -> list[tuple[
     """Teacher tables to compare: the two given, or every pair of one teacher's weights run differently.
     Each pair is ordered (reference, other), the reference being a float32 transformers table when there is one."""
     def rank(slug: str) -> tuple:
-        engine, dtype, quant = _engine_key(cache.table(cache.teacher_table(slug)))
-        return (not (engine == "transformers" and dtype == "float32" and quant is None), slug)
+        from opdcache.backends import is_reference_record
+
+        return (not is_reference_record(cache.table(cache.teacher_table(slug)).get("model") or {}), slug)
 
     if teachers:
         if len(teachers) != 2:

@@ -42,7 +42,6 @@ from opdcache.inputs.prompts import check_local_prompts, PromptConfig, PromptSet
 
 QUARANTINE_FILE = "quarantine.jsonl"
 VERIFIER_ERRORS_FILE = "verifier_errors.jsonl"  # rows whose verifier failed (reward left empty), with the reason
-VLLM_MAX_TEMPERATURE = 2.0  # vLLM refuses hotter sampling, but only after its engine has started
 
 
 @dataclass(frozen=True)
@@ -94,9 +93,9 @@ class GenerateJob:
             raise ConfigError("--sft-teacher applies to build-rollouts only")
         if self.num_shards < 1:
             raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
-        if self.engine.backend == "vllm" and self.sampling.temperature > VLLM_MAX_TEMPERATURE:
-            raise ConfigError(f"--temperature must be at most {VLLM_MAX_TEMPERATURE} with --backend vllm (vLLM's own limit), "
-                              f"got {self.sampling.temperature}; use --backend transformers for hotter sampling")
+        if not self.engine.capabilities.generates:
+            raise ConfigError(f"--backend {self.engine.backend} does not generate; build rollouts with another engine")
+        self.engine.check_sampling(self.sampling.temperature)
         if self.reward is not None:
             verifiers.resolve(self.reward)  # an unknown name or an unimportable module:function fails here, before any work
         if self.engine.runs_transformers_models and self.engine.quantize is not None:
@@ -198,7 +197,7 @@ def run_generate(job: GenerateJob) -> GenerateResult:
         "sft_teacher": sft_teacher["fingerprint"] if sft_teacher else None, "reward": job.reward, "keep": job.keep,
         **({"credit_truncated": True} if job.credit_truncated else {}),  # absent when off: older caches keep their fingerprint
         # batch composition changes the last bits of batched kernels' outputs (~1e-5): a resume must keep it
-        "generate_batch_size": job.engine.generate_batch_size if job.engine.backend == "transformers" else None,
+        "generate_batch_size": job.engine.generate_batch_size if job.engine.capabilities.batch_size_changes_bits else None,
     }
     tok_info = {"fingerprint": config["tokenizer"], "name_or_path": ref.name, "chat_template_sha256": prompts.chat_template_sha256}
     # the manifest's table stats: prompts kept; samples_drawn = prompts x --samples (rows = samples_drawn - quarantined

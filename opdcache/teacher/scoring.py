@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from contextlib import closing
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from opdcache import stores as store_registry, threads
@@ -113,10 +113,17 @@ class ScoreJob:
         if unknown:
             raise ConfigError(f"--store takes {', '.join(S.TEACHER_STORES)}; got {', '.join(sorted(unknown))}")
         store_registry.check_job(self, stores)
+        caps = self.engine.capabilities
+        if not caps.scores:
+            raise ConfigError(f"--backend {self.engine.backend} does not score given tokens; score with another engine")
         needs_all = [name for name in stores if store_registry.REGISTRY[name].full_distribution]
-        if needs_all and self.engine.backend == "vllm":
-            raise ConfigError(f"--store {needs_all[0]} needs the teacher's whole distribution at every position, which vLLM's "
-                              "scoring does not return: use --backend transformers for this table")
+        if needs_all and not caps.full_distribution:
+            raise ConfigError(f"--store {needs_all[0]} needs the teacher's whole distribution at every position, which "
+                              f"--backend {self.engine.backend} does not return: score this table with an engine that "
+                              "streams the vocabulary (the default)")
+        if self.top_k is not None and caps.max_top_k is not None and self.top_k > caps.max_top_k:
+            raise ConfigError(f"--top-k {self.top_k} is more than --backend {self.engine.backend} returns "
+                              f"({caps.max_top_k}); lower --top-k")
         if self.slug is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.slug):
             raise ConfigError(f"--name must be letters, digits, '.', '_' or '-', got {self.slug!r}")
 
@@ -220,8 +227,9 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
     return records
 
 
-def _config_hidden_size(model_dir: Path) -> int | None:
-    """The hidden size a model directory's config.json states (a multimodal config's text_config), else None."""
+def _config_number(model_dir: Path, key: str = "hidden_size") -> int | None:
+    """The integer ``key`` (the hidden size, the vocabulary) a model directory's config.json states (a multimodal
+    config's text_config), else None."""
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
@@ -229,7 +237,7 @@ def _config_hidden_size(model_dir: Path) -> int | None:
     if not isinstance(cfg, dict):
         return None
     text = cfg.get("text_config")
-    size = cfg.get("hidden_size", text.get("hidden_size") if isinstance(text, dict) else None)
+    size = cfg.get(key, text.get(key) if isinstance(text, dict) else None)
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
@@ -276,15 +284,25 @@ def run_score(job: ScoreJob) -> dict:
                               "positions to fit the svd projection on; add rollouts or lower --svd-min-positions")
     ref = resolve_model(job.teacher, job.revision, "--teacher")
     if "svd" in job.stores:  # from config.json, before the model loads; a config without it is checked once it has
-        _check_svd_rank(job.svd_rank, _config_hidden_size(ref.path), "config.json")
+        _check_svd_rank(job.svd_rank, _config_number(ref.path), "config.json")
     plan = _cross_plan(job, cache, ref)
     teacher_fp_info = model_info(ref)
     verdict = consistency_verdict(cache.manifest["lineage"], teacher_fp_info, job.allow_inconsistent_teacher)
-    want_hidden = "hidden" in job.stores or "svd" in job.stores
+    from_hidden = [name for name in job.stores if store_registry.REGISTRY[name].hidden_states]
+    want_hidden = bool(from_hidden)
     engine = job.engine
-    if want_hidden and engine.backend == "vllm":
-        print("note: vLLM offers no final post-norm hidden state at this version; the hidden/svd stores use the transformers engine")
-        engine = EngineConfig(**{**asdict(engine), "backend": "transformers"})
+    if want_hidden:
+        plural = len(from_hidden) > 1
+        engine, note = engine.with_capability("hidden_states", f"the {'/'.join(from_hidden)} store{'s are' if plural else ' is'} scored")
+        if note:
+            print(note)
+    limit = engine.capabilities.candidate_logprobs_vocab
+    vocab = _config_number(ref.path, "vocab_size")
+    candidates = not plan and (base_params.ref_top_k or base_params.mc_samples)
+    if candidates and limit is not None and vocab is not None and vocab > limit:
+        raise ConfigError(f"the {base} table holds pi_ref's top-k or MC ids, whose teacher log-probs --backend "
+                          f"{engine.backend} returns only up to a vocabulary of {limit:,} (this teacher's: {vocab:,}); "
+                          "score this cache with the default engine")
     backend = make_backend(ref.path, engine, max_logprobs=max(job.top_k or 0, base_params.ref_top_k or 0, 1))
     info = model_info(ref, **backend.model_info())
     hidden_dtype = backend.dtype if want_hidden else None
@@ -374,15 +392,11 @@ def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):
     import torch
 
     from opdcache.stores import svdprojection as svd
-    from opdcache.backends.exact import ExactBackend
-    from opdcache.backends.hf import TransformersBackend
 
     path = table.dir / "svd.safetensors"
     if path.is_file():
         info = svd.read_metadata(path)["info"]
         return svd.load(path), info
-    if not isinstance(backend, (TransformersBackend, ExactBackend)):
-        raise ConfigError("the svd store needs the transformers engine")
     picks, target = calibration_rows(cache, job.svd_rank, job.svd_seed)
     by_shard: dict[int, list[int]] = {}
     for shard, i in picks:

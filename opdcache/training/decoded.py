@@ -85,7 +85,7 @@ class DecodedShard:
             shard = teacher_where.get(prefix, where)
             t = shards.read_table(source, ["id"] + columns, rows=rows, max_row_tokens=max_length, where=shard, tokens=tokens)
             if t.num_rows != r.num_rows or t["id"].to_pylist() != r["id"].to_pylist():
-                refuse(f"teacher rows are not aligned with the rollout rows of {where} (ids differ)", shard)
+                refuse("teacher rows are not aligned with the rollout rows (ids differ)", shard)
             for name in columns:  # per-token columns only (CacheDataset leaves out row columns such as id)
                 if not np.array_equal(np.diff(shards.list_offsets(t[name])), lengths):
                     refuse(f"teacher column {name} is not as long as the responses (shifted or truncated rows)", shard)

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from opdcache.backends.base import GenerateRequest, SamplingConfig, ScoreRequest
-from opdcache.backends.hf import TransformersBackend
+from opdcache.backends import EngineConfig, backend_from_model, make_backend
 from opdcache.format import shards
 from opdcache.format.cache import Cache
 from opdcache.inputs.models import resolve_model
@@ -33,12 +33,13 @@ class OnlineSource:
         self.prompts = prompts
         self.cfg = cfg
         self.model = model
-        self.student = TransformersBackend.from_model(model)
-        self.teacher = TransformersBackend(resolve_model(cfg.teacher_model, what="--teacher-model").path, dtype="float32", device=str(device))
+        self.student = backend_from_model(model)
+        reference = EngineConfig(dtype="float32", device=str(device))  # the reference engine, as the cache was scored
+        self.teacher = make_backend(resolve_model(cfg.teacher_model, what="--teacher-model").path, reference)
         self.want_hidden = cfg.loss in FULL_VOCABULARY  # the live teacher's final hidden states
         # with a KL penalty, a frozen pi_ref scores the fresh samples, so ref_logprobs are pi_ref's (as in a cache) and the
         # logged importance weight is pi_theta / pi_ref; without one, ref_logprobs are the sampler's own (weight 1)
-        self.ref = TransformersBackend(resolve_model(cfg.model).path, dtype="float32", device=str(device)) if cfg.kl_coef > 0 else None
+        self.ref = make_backend(resolve_model(cfg.model).path, reference) if cfg.kl_coef > 0 else None
         self.schedule = PromptSchedule(len(prompts), cfg.batch_size, cfg.seed)
         self.calls = 0  # batches drawn so far
         self.seconds = {"sampling": 0.0, "teacher": 0.0, "pi_ref": 0.0}  # wall-clock spent in each, over all batches
