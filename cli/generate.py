@@ -44,7 +44,9 @@ def _run(kind: str, model: str, o: dict) -> None:
                                 seed=o["seed"], ref_top_k=o.get("ref_top_k"), mc_samples=o.get("mc_samples")),
         engine=EngineConfig(backend=o["backend"], dtype=o["dtype"], device=o["device"], quantize=o.get("quantize"),
                             tensor_parallel_size=o["tensor_parallel_size"], gpu_memory_utilization=o["gpu_memory_utilization"],
-                            generate_batch_size=o["batch_size"], exact=o["exact"], inject=o.get("inject_mismatch")),
+                            generate_batch_size=o["batch_size"], exact=o["exact"], inject=o.get("inject_mismatch"),
+                            server_url=o["server_url"], server_kind=o["server_kind"], server_concurrency=o["server_concurrency"],
+                            api_key=o["api_key"]),
         num_workers=o["num_workers"], worker_index=o["worker_index"], progress=o["progress"],
     )
     if o["executor"] == "ray":
@@ -74,6 +76,7 @@ def build_sft(
     samples: O.Samples = 1, temperature: O.Temperature = 0.8, top_p: O.TopP = 1.0, max_new_tokens: O.MaxNewTokens = 256,
     seed: O.Seed = 0, backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", exact: O.Exact = False,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
+    server_url: O.ServerUrl = None, server_kind: O.ServerKind = "auto", server_concurrency: O.ServerConcurrency = None, api_key: O.ApiKey = None,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
     executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0, cpus_per_worker: O.CpusPerWorker = 1,
 ) -> None:
@@ -82,7 +85,8 @@ def build_sft(
     Memory: the model, its KV cache (--batch-size x (prompt + --max-new-tokens) per layer), a few reused
     [--batch-size, vocabulary] float32 buffers, one generation group's rows and the shard being written behind them
     (a background thread writes each finished shard while the next is generated); not prompt length x vocabulary.
-    To an object store (--out s3://...), each finished shard is spooled to a local temporary file and uploaded whole."""
+    To an object store (--out s3://...), each finished shard is spooled to a local temporary file and uploaded whole.
+    With --backend server: no model in this process; at most --server-concurrency x replicas requests in flight."""
     _run("sft", teacher, locals())
 
 
@@ -98,6 +102,7 @@ def build_rollouts(
     sft_teacher: Annotated[Optional[str], O.G.option("sft_teacher")] = None,
     backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", quantize: O.Quantize = None, exact: O.Exact = False, inject_mismatch: O.InjectMismatch = None,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64, num_shards: O.NumShards = 8,
+    server_url: O.ServerUrl = None, server_kind: O.ServerKind = "auto", server_concurrency: O.ServerConcurrency = None, api_key: O.ApiKey = None,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
     executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0, cpus_per_worker: O.CpusPerWorker = 1,
 ) -> None:
@@ -107,7 +112,8 @@ def build_rollouts(
     [--batch-size, vocabulary] float32 buffers, one generation group's rows and the shard being written behind them
     (a background thread writes each finished shard while the next is generated); not prompt length x vocabulary
     (measured per token: BENCHMARKS.md, "Real scale"). To an object store (--out s3://...), each finished shard is spooled to a local
-    temporary file and uploaded whole."""
+    temporary file and uploaded whole. With --backend server: no model in this process; at most --server-concurrency x
+    replicas requests in flight, each a sequence's ids and --ref-top-k entries a position."""
     _run("rollouts", model, locals())
 
 

@@ -125,6 +125,11 @@ TensorParallel = Annotated[int, E.option("tensor_parallel_size", state_default=F
 GenerateBatch = Annotated[int, E.option("generate_batch_size", "--batch-size", state_default=False)]
 ScoreBatchTokens = Annotated[Optional[int], E.option("max_batch_tokens")]
 GpuMemory = Annotated[float, E.option("gpu_memory_utilization", state_default=False)]
+ServerUrl = Annotated[Optional[str], E.option("server_url")]
+ServerKind = Annotated[str, E.option("server_kind", state_default=False)]
+ServerConcurrency = Annotated[Optional[int], E.option("server_concurrency")]
+ApiKey = Annotated[Optional[str], E.option("api_key")]
+
 NumShards = Annotated[int, G.option("num_shards", state_default=False)]
 Progress = Annotated[Optional[bool], typer.Option("--progress/--no-progress", help="Progress bars (default: only on a terminal).", show_default=False)]
 

@@ -34,6 +34,7 @@ def score_teacher(
     allow_inconsistent_teacher: Annotated[bool, J.option("allow_inconsistent_teacher", "--allow-inconsistent-teacher", state_default=False)] = False,
     backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto", deterministic: O.Deterministic = False, exact: O.Exact = False,
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, max_batch_tokens: O.ScoreBatchTokens = None,
+    server_url: O.ServerUrl = None, server_kind: O.ServerKind = "auto", server_concurrency: O.ServerConcurrency = None, api_key: O.ApiKey = None,
     num_workers: O.NumWorkers = None, worker_index: O.WorkerIndex = None, progress: O.Progress = None,
     executor: O.Executor = "local", ray_address: O.RayAddress = None, workers: O.RayWorkers = 2, gpus_per_worker: O.GpusPerWorker = 0, cpus_per_worker: O.CpusPerWorker = 1,
 ) -> None:
@@ -48,7 +49,8 @@ def score_teacher(
     BENCHMARKS.md, "Real scale"). To an object store, each finished shard is
     spooled to a local temporary file (one shard on disk) and uploaded whole, while the next shard is scored. With
     --prompts (a teacher with its own tokenizer) add both tokenizers' byte tables (linear in each vocabulary) and the
-    prompts' ids in both tokenizations."""
+    prompts' ids in both tokenizations. With --backend server: no teacher in this process; at most --server-concurrency
+    x replicas requests in flight, each a sequence's ids and --top-k entries a position."""
     O.announce_threads()
     from opdcache.backends import EngineConfig
     from opdcache.inputs.prompts import PromptConfig
@@ -60,7 +62,8 @@ def score_teacher(
                    svd_rank=svd_rank, svd_method=svd_method, svd_dtype=svd_dtype, svd_min_positions=svd_min_positions, hidden_dtype=hidden_dtype, slug=name, allow_inconsistent_teacher=allow_inconsistent_teacher,
                    engine=EngineConfig(backend=backend, dtype=dtype, device=device, deterministic=deterministic, exact=exact,
                                        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-                                       max_batch_tokens=max_batch_tokens),
+                                       max_batch_tokens=max_batch_tokens, server_url=server_url, server_kind=server_kind,
+                                       server_concurrency=server_concurrency, api_key=api_key),
                    num_workers=num_workers, worker_index=worker_index, progress=progress)
     if executor == "ray":
         from opdcache.teacher.executors import RayConfig, run_on_ray

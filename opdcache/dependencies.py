@@ -27,6 +27,7 @@ REQUIRED = {
     "matplotlib": "matplotlib",
     "fsspec": "fsspec",
     "universal_pathlib": "upath",
+    "aiohttp": "aiohttp",
 }
 """Distribution name (as pip installs it) -> the top-level module it provides."""
 

@@ -24,10 +24,15 @@ def position_error(logits32_TV: torch.Tensor, logits64_TV: torch.Tensor) -> torc
     return (logits32_TV.double() - logits64_TV.double()).abs().amax(-1)
 
 
-def logprob_tolerance(logits32_TV: torch.Tensor, logits64_TV: torch.Tensor, width: int = 1) -> torch.Tensor:
+def logprob_tolerance(logits32_TV: torch.Tensor, logits64_TV: torch.Tensor, width: int = 1,
+                      other_implementation: bool = False) -> torch.Tensor:
     """How far two float32 evaluations of log_softmax(z) may be apart at each position: 6 e_t plus both sides' own
-    rounding of the log-softmax; [T, width] (broadcast over a position's k values)."""
+    rounding of the log-softmax; [T, width] (broadcast over a position's k values). ``other_implementation``: the other
+    side is another program's kernels (a vLLM server), whose rounding lands at other positions than this forward's
+    (attention carries an earlier position's error forward): e_t is then the row's largest, max_t e_t."""
     e_T = position_error(logits32_TV, logits64_TV)
+    if other_implementation:
+        e_T = e_T.amax().expand_as(e_T)
     lse_T = torch.logsumexp(logits64_TV.double(), -1)
     zmax_T = logits64_TV.double().abs().amax(-1)
     own_T = 2 * U32 * (math.log2(logits64_TV.shape[-1]) + zmax_T + lse_T.abs() + (zmax_T + lse_T.abs()))

@@ -19,6 +19,7 @@ ENGINES = {  # name -> its module, imported only when that engine is configured
     "transformers": "opdcache.backends.hf",
     "vllm": "opdcache.backends.vllm",
     "exact": "opdcache.backends.exact",
+    "server": "opdcache.backends.served",
 }
 
 
@@ -76,6 +77,19 @@ class EngineConfig:
     memory: the model, the KV cache, and [batch, heads, 256, length] float32 attention scores per block of 256
     queries (no fused attention kernel). Recorded in the manifest; a resume must keep it."""
 
+    server_url: str | None = None
+    """--backend server: the running servers' base URLs, comma-separated (replicas of one model: vLLM's OpenAI-compatible
+    server or SGLang's), e.g. http://127.0.0.1:8000,http://127.0.0.1:8001. Not recorded (the manifest records what they
+    served, not where)."""
+    server_kind: str = "auto"
+    """--backend server: vllm, sglang, or auto (read from each server's endpoints)."""
+    server_concurrency: int | None = None
+    """--backend server: requests in flight a replica. Default: none (64)."""
+    server_timeout: float = 600.0
+    """--backend server: seconds one request may take before it is retried."""
+    api_key: str | None = None
+    """--backend server: the servers' API key (default: OPDCACHE_API_KEY, else OPENAI_API_KEY). Never recorded or printed."""
+
     inject: str | None = None
     """With --exact: controlled mismatch for calibrating TIS and rejection against the exact reference (papers/003
     section 6): logit-noise:SIGMA (Gaussian noise of scale SIGMA nats on every logit) or bf16-activations (each layer's
@@ -84,8 +98,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.backend not in ENGINES:
             raise ConfigError(f"--backend must be one of {', '.join(ENGINES)}, got {self.backend!r}")
-        if self.exact and self.backend == "vllm":
-            raise ConfigError("--exact runs opdcache's exact engine; vLLM's batch-invariant mode is not wired in: drop --backend vllm")
+        if self.exact and self.backend != "exact" and not capabilities(self.backend).reference:
+            raise ConfigError(f"--exact runs opdcache's exact engine; --backend {self.backend} has no exact arithmetic wired in: "
+                              f"drop --backend {self.backend}")
+        if self.server_url is not None and self.backend != "server":
+            raise ConfigError(f"--server-url names running servers, which --backend {self.backend} does not use: add --backend server")
         if self.exact or self.backend == "exact":  # --exact is the user's spelling of the exact engine: either sets both
             object.__setattr__(self, "backend", "exact")
             object.__setattr__(self, "exact", True)
@@ -126,6 +143,14 @@ class EngineConfig:
             return self, None
         ref = reference_engine()
         return replace(self, backend=ref), f"note: --backend {self.backend} declares no {name.replace('_', ' ')}; {why} on the {ref} engine"
+
+    def __repr__(self) -> str:  # the API key never reaches a log or a traceback
+        import re
+
+        shown = {k: ("***" if k == "api_key" and v else v) for k, v in self.__dict__.items()}
+        if self.server_url:
+            shown["server_url"] = re.sub(r"//[^/@,]+@", "//***@", self.server_url)
+        return "EngineConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
     def fingerprint_view(self) -> dict:
         """Settings that change numbers (not memory or batching, except in deterministic mode)."""

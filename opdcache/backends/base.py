@@ -84,6 +84,10 @@ class Capabilities:
     """It computes in one exact arithmetic (papers/003): the same bits whatever the batch, padding or KV cache."""
     max_temperature: float | None = None
     """The hottest sampling temperature it accepts (None: any the settings allow)."""
+    log_partition: bool = True
+    """It returns the teacher's log-partition at each position (the logsumexp column; a table without it says so)."""
+    monte_carlo: bool = True
+    """It draws extra next-token samples at every position while generating (--mc-samples)."""
     reference: bool = False
     """It is the reference: it runs any stored table's arithmetic that another engine cannot (hidden states for an
     engine that has none), and its float32 tables are what others are compared with."""

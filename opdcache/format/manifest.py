@@ -40,6 +40,16 @@ _MODEL = {
         "logprobs_mode": {"type": ["string", "null"]},
     },
 }
+_SERVED = {
+    "type": "object",
+    "description": "the server a served engine used (never a URL or a key): its kind (vllm, sglang), version, the name "
+                   "it served the model under, its max_logprobs, the log-prob mode its answers were checked to have",
+    "required": ["kind"],
+    "properties": {"kind": {"type": "string"}, "version": {"type": ["string", "null"]},
+                   "served_name": {"type": ["string", "null"]}, "max_logprobs": {"type": ["integer", "null"]},
+                   "logprobs_mode": {"type": ["string", "null"]}, "max_model_len": {"type": ["integer", "null"]},
+                   "replicas": {"type": "integer"}},
+}
 _SHARD = {
     "type": "object",
     "required": ["path", "rows", "tokens", "bytes", "sha256"],
@@ -116,6 +126,8 @@ def _table(version: int) -> dict:
         props["topk"] = {**_TOPK, "properties": {**_TOPK["properties"], "precision": {"enum": [p for p in S.TOPK_PRECISIONS]}}}
     if version >= 6:
         props["aligned"] = _ALIGNED
+    if version >= 7:  # a table scored or sampled through a running server records what served it
+        props["model"] = {**_MODEL, "properties": {**_MODEL["properties"], "served": _SERVED}}
     return {**_TABLE, "properties": props}
 
 

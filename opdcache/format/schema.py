@@ -28,7 +28,7 @@ from opdcache.stores import hidden as hidden_store, REGISTRY as TEACHER_REGISTRY
 from opdcache.stores.base import FIELD_DTYPE, PAD_ID, PROB14_STEP, Column  # noqa: F401 (the format's names, declared with the stores)
 
 FORMAT_NAME = "opdcache"
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 """The newest format. A shard (and a manifest) declares the lowest version that holds every column it uses, so a cache
 that uses nothing newer than v1 is written exactly as v1 was (same bytes, same fingerprints) and older readers keep
 reading it. v2 = v1 + the rollouts' optional ``version`` store (``student_version``: async runs). v3 = v2 + the compact
@@ -36,11 +36,11 @@ top-k store (``topk_precision`` / ``topk_mass``: a residual-mass support padded 
 and the ``topk_tail`` column) and the teacher's ``sampled`` store (RS-KD). v4 = v3 + the compact top-k precision
 ``prob14`` (probabilities as uint16 codes on a 2^-14 grid, kept entries in ascending id order). v5 = v4 + the teacher's
 ``entropy`` store. v6 = v5 + the teacher's ``aligned`` store (a teacher with its own tokenizer). Each teacher store declares the version that added it (opdcache/stores/)."""
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 STORE_SINCE = {"version": 2} | {s.name: s.since for s in TEACHER_REGISTRY.values() if s.since > 1}
 """Stores added after v1, with the format version that added them; ``schemas/format-v<N>.json`` freezes each version."""
 
-REQUIRES_SINCE = {"same_tokenizer": 6}
+REQUIRES_SINCE = {"same_tokenizer": 6, "has_logsumexp": 7}
 """Column conditions added after v1, with the format version that added them (older snapshots do not list them)."""
 
 TABLE_KINDS = ("sft", "rollouts", "teacher")
@@ -136,8 +136,11 @@ class StoreParams:
     """v3 sampled store: teacher draws per position (m)."""
     svd_dtype: str | None = None
     """v3 svd store: "bfloat16" keeps z as bfloat16 bits in uint16 (None: float32, as v1)."""
+    logsumexp: bool | None = None
+    """v7: False when the logprob store has no logsumexp column (the engine returns normalised log-probs only: a served
+    teacher); None: the column is there, as in every earlier table."""
 
-    NEWER = ("topk_precision", "topk_mass", "samples_per_position", "svd_dtype")
+    NEWER = ("topk_precision", "topk_mass", "samples_per_position", "svd_dtype", "logsumexp")
     """Fields added after v1: written only when set, so older tables keep their exact bytes and fingerprints."""
 
     @property
@@ -145,6 +148,12 @@ class StoreParams:
         """True when the teacher shares pi_ref's tokenizer: every table but an aligned one (None otherwise, for
         Column.requires)."""
         return None if "aligned" in self.stores else True
+
+    @property
+    def has_logsumexp(self) -> bool | None:
+        """True when the table holds the teacher's log-partition: a teacher of pi_ref's tokenizer whose engine returned
+        it (None otherwise, for Column.requires)."""
+        return True if self.same_tokenizer and self.logsumexp is not False else None
 
     @property
     def topk_compact(self) -> bool | None:
@@ -232,7 +241,8 @@ def version_of(params: StoreParams) -> int:
     """The lowest format version holding every store of ``params``."""
     newer = params.topk_compact or ("svd" in params.stores and params.svd_dtype)
     since = TOPK_PRECISION_SINCE.get(params.topk_precision, 1) if params.topk_compact else 1
-    return max([1, since] + [STORE_SINCE.get(store, 1) for store in params.stores] + [3 if newer else 1])
+    return max([1, since] + [STORE_SINCE.get(store, 1) for store in params.stores] + [3 if newer else 1]
+               + [7 if params.logsumexp is False else 1])
 
 
 def arrow_schema(kind: str, params: StoreParams, config_fingerprint: str = "") -> pa.Schema:

@@ -34,6 +34,8 @@ def model_info(model: "str | Path | ModelRef", **engine) -> dict:
     }
     if engine.get("logprobs_mode"):
         info["logprobs_mode"] = engine["logprobs_mode"]
+    if engine.get("served"):  # what a served engine's servers were (kind, version, served name; never where)
+        info["served"] = engine["served"]
     if engine.get("exact"):  # what fixes the exact arithmetic (opdcache/backends/exact.py); absent otherwise
         info["exact"] = engine["exact"]
     return info

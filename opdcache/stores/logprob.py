@@ -8,7 +8,7 @@ from opdcache.stores.base import Column, Store
 
 def _encode(sc, params) -> dict:
     out = {"logprobs": sc.logprobs}
-    if params.same_tokenizer:
+    if params.has_logsumexp:
         out["logsumexp"] = sc.logsumexp
     if params.ref_top_k:
         out["ref_topk_logprobs"] = sc.ref_topk_logprobs
@@ -25,7 +25,7 @@ STORE = Store(
                "T_t: teacher log-prob of each sampled response token at temperature 1 (log_softmax of the raw logits)."),
         Column("logsumexp", "token", "float32", "logprob",
                "Teacher log-partition log(sum_v exp(logit_v)) at each position, temperature 1; logprob_v = logit_v - logsumexp.",
-               requires=("same_tokenizer",)),
+               requires=("same_tokenizer", "has_logsumexp")),
         Column("ref_topk_logprobs", "token_vector", "float32", "logprob",
                "Teacher temperature-1 log-probs at the rollout's ref_topk_ids (same order).", width="ref_top_k", requires=("ref_top_k",)),
         Column("mc_logprobs", "token_vector", "float32", "logprob",

@@ -96,6 +96,9 @@ class GenerateJob:
         if not self.engine.capabilities.generates:
             raise ConfigError(f"--backend {self.engine.backend} does not generate; build rollouts with another engine")
         self.engine.check_sampling(self.sampling.temperature)
+        if self.sampling.mc_samples and not self.engine.capabilities.monte_carlo:
+            raise ConfigError(f"--mc-samples draws extra samples at every position, which --backend {self.engine.backend} "
+                              "does not; build these rollouts with the default engine")
         if self.reward is not None:
             verifiers.resolve(self.reward)  # an unknown name or an unimportable module:function fails here, before any work
         if self.engine.runs_transformers_models and self.engine.quantize is not None:

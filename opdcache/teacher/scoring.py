@@ -317,6 +317,7 @@ def run_score(job: ScoreJob) -> dict:
         hidden_dtype=(job.hidden_dtype or hidden_dtype) if "hidden" in job.stores else None, svd_rank=job.svd_rank if "svd" in job.stores else None,
         topk_precision=job.topk_precision, topk_mass=job.topk_mass, samples_per_position=job.samples_per_position,
         svd_dtype="bfloat16" if "svd" in job.stores and job.svd_dtype == "bfloat16" else None,
+        logsumexp=None if engine.capabilities.log_partition else False,  # a served teacher: no log-partition returned
     )
     slug = job.table_slug
     config = {"teacher": info["fingerprint"], "engine": engine.fingerprint_view() | {"engine_version": backend.version},
