@@ -249,3 +249,22 @@ def test_tensorboard_without_its_package_is_one_line_before_the_model_loads(tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and err == ["error: --tensorboard needs the tensorboard package: pip install tensorboard "
                                              "(metrics.jsonl is written either way)"], err
+
+
+def test_served_engine_mistakes_are_one_line_before_any_model_loads(tmp_path, hf_cache, weights):
+    """No server is needed to refuse these: a missing or malformed --server-url, one without --backend server, and a
+    port nothing listens on (said before anything is written)."""
+    from served_proxy import free_port
+
+    base = ["score-teacher", str(hf_cache), "--teacher", str(weights / "teacher"), "--name", "served"]
+    assert _one_line([*base, "--backend", "server"], tmp_path) == (
+        "error: --backend server needs --server-url http://host:port (replicas comma-separated)")
+    assert _one_line([*base, "--backend", "server", "--server-url", "127.0.0.1:8000"], tmp_path) == (
+        "error: --server-url takes http(s)://host:port URLs, comma-separated; got '127.0.0.1:8000'")
+    assert _one_line([*base, "--server-url", "http://127.0.0.1:8000"], tmp_path) == (
+        "error: --server-url names running servers, which --backend transformers does not use: add --backend server")
+    port = free_port()
+    line = _one_line([*base, "--backend", "server", "--server-url", f"http://user:pw@127.0.0.1:{port}/v1"], tmp_path)
+    assert line.startswith(f"error: --server-url http://127.0.0.1:{port}: /v1/models did not answer (") and "pw" not in line
+    assert line.endswith("start the server, or check the URL and port"), line
+    assert not (hf_cache / "teachers" / "served").exists()
