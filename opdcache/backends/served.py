@@ -139,61 +139,55 @@ class Pool:
         import aiohttp
 
         results: list = [None] * len(jobs)
+        if not jobs:
+            return results
         queue: asyncio.Queue = asyncio.Queue()
         for i in range(len(jobs)):
             queue.put_nowait((i, 0))
-        done = asyncio.Event()
+        finished = asyncio.Event()  # every job answered, or the job stopped (``error``)
         remaining = [len(jobs)]
         error: list = []
-        if not jobs:
-            return results
+
+        def stop(exc: BaseException) -> None:
+            error.append(exc)
+            finished.set()
 
         async def worker(session, replica: Replica):
-            while not done.is_set() and replica.alive:
-                try:
-                    i, attempt = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    await asyncio.sleep(0.01)
-                    if remaining[0] == 0:
-                        return
-                    continue
+            while replica.alive and not finished.is_set():
+                i, attempt = await queue.get()
                 try:
                     results[i] = await jobs[i](session, replica)
                 except _Retry as exc:
                     replica.failures += 1
                     if replica.failures >= REPLICA_FAILURES:
                         replica.alive = False
-                    if attempt + 1 >= RETRIES or not any(r.alive for r in self.replicas):
-                        error.append(ServerError(f"{describe(i)} failed {attempt + 1} times ({exc}); the last from "
-                                                 f"{redact(replica.url)}; {sum(r.alive for r in self.replicas)} of "
-                                                 f"{len(self.replicas)} replicas still answer. Check the servers, then "
-                                                 "rerun the same command: finished shards are kept"))
-                        done.set()
+                    alive = sum(r.alive for r in self.replicas)
+                    if attempt + 1 >= RETRIES or not alive:
+                        stop(ServerError(f"{describe(i)} failed {attempt + 1} times ({exc}); the last from "
+                                         f"{redact(replica.url)}; {alive} of {len(self.replicas)} replicas still answer. "
+                                         "Check the servers, then rerun the same command: finished shards are kept"))
                         return
                     await asyncio.sleep(min(0.2 * 2 ** attempt, 5.0) * (0.5 + random.random()))
                     queue.put_nowait((i, attempt + 1))
                     continue
-                except BaseException as exc:  # a final refusal: stop the job with it
-                    error.append(exc)
-                    done.set()
+                except BaseException as exc:  # a final refusal: the job stops with it
+                    stop(exc)
                     return
                 replica.failures = 0
                 replica.answered += 1
                 remaining[0] -= 1
                 if remaining[0] == 0:
-                    done.set()
+                    finished.set()
 
         timeout = aiohttp.ClientTimeout(total=self.timeout)
-        connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
             tasks = [asyncio.create_task(worker(session, r)) for r in self.replicas if r.alive for _ in range(r.concurrency)]
-            while not done.is_set():
-                await asyncio.sleep(0.02)
-                if all(t.done() for t in tasks):
-                    break
+            everyone = asyncio.create_task(asyncio.wait(tasks))  # every worker gone: the replicas all dropped
+            await asyncio.wait([asyncio.create_task(finished.wait()), everyone], return_when=asyncio.FIRST_COMPLETED)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            everyone.cancel()
         if error:
             raise error[0]
         if remaining[0]:
@@ -281,13 +275,13 @@ class VLLMProtocol:
         out = []
         for j in range(start, len(ids)):
             entry = rows[j]
-            if not isinstance(entry, dict) or str(ids[j]) not in entry:
-                got = sorted(entry, key=lambda k: (entry[k] or {}).get("rank", 1e9))[:1] if isinstance(entry, dict) else []
-                _check_ids(ids[j:j + 1], [int(g) for g in got if str(g).lstrip("-").isdigit()] or [-1], f"{row}, position {j}")
+            sent = str(ids[j])
+            if not isinstance(entry, dict) or sent not in entry:
+                other = [int(k) for k in entry if str(k).lstrip("-").isdigit()][:1] if isinstance(entry, dict) else []
+                _check_ids(ids[j:j + 1], other or [-1], f"{row}, position {j}")
             values = {int(k): float(v["logprob"]) for k, v in entry.items()}
-            ranked = sorted(((int(k), float(v["logprob"]), v.get("rank") or 1e9) for k, v in entry.items()), key=lambda e: (e[2], -e[1]))
             _finite(values.values(), row)
-            out.append(PositionScores(logprob=values[int(ids[j])], top=[(i, lp) for i, lp, _ in ranked], at=values))
+            out.append(PositionScores(logprob=values[int(ids[j])], top=sorted(values.items(), key=lambda e: -e[1]), at=values))
         return out
 
     def generate_body(self, prompt: Sequence[int], s: SamplingConfig, seed: int) -> dict:
