@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import os
 import subprocess
 import sys
@@ -136,7 +137,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "served.json"))
     args = parser.parse_args()
-    log = Path(args.out).with_suffix(".server.log")
+    log = Path(tempfile.mkdtemp(prefix="bench-served-")) / "server.log"  # the server's own log, kept out of results/
     server = start_server(args.model, args.port, log)
     url = f"http://127.0.0.1:{args.port}"
     try:

@@ -520,3 +520,26 @@ def test_teacher_prompts_longer_than_the_responses_validate_and_train(cross, wei
     assert out["steps"] == 1 and np.isfinite(out["last"]["loss"])
     export(root, "jsonl", tmp_path / "flat", teacher="pairs")
     assert len((tmp_path / "flat" / "rollouts.jsonl").read_text().splitlines()) == 48
+
+
+def test_gold_is_exact_where_the_shared_entries_hold_almost_all_the_students_mass():
+    """The student's tail bin was floored at 1e-6: with its shared entries at 1 - 1e-9 of its mass (4 of 919 group
+    starts on a real SmolLM2-to-Gemma-3 run) the KL was understated. Now it equals the float64 definition there."""
+    from types import SimpleNamespace
+
+    from opdcache.training.estimators import ESTIMATORS
+
+    for student_tail in (1e-9, 1e-12, 1e-4):
+        student = torch.log(torch.tensor([[[0.6, 0.4 - student_tail]]], dtype=torch.float64))  # [1, 1, 2]
+        teacher = torch.log(torch.tensor([[[0.5, 0.3]]], dtype=torch.float64))  # its tail: 0.2
+        batch = {"teacher_span_topk_ids": torch.tensor([[[5, 6]]]), "teacher_span_topk_logprobs": teacher,
+                 "teacher_span_topk_student_ids": torch.tensor([[[1, 2]]]), "teacher_span_tokens": torch.ones(1, 1, dtype=torch.long),
+                 "teacher_logprobs": torch.full((1, 1), -0.5, dtype=torch.float64), "response_mask": torch.ones(1, 1)}
+        s = torch.full((1, 1), -0.5, dtype=torch.float64)
+        _, stats, _ = ESTIMATORS["gold"].terms(SimpleNamespace(), batch, s, student, None, None)
+        p, q = [0.5, 0.3, 0.2], [0.6, 0.4 - student_tail, student_tail]
+        want = sum(pi * (np.log(pi) - np.log(qi)) for pi, qi in zip(p, q))
+        # the student's tail comes back from log-probs: 1 - exp(log(mass)) holds a relative error of a few float64 roundings
+        # of the mass over the tail (8 eps / tail), which the teacher's tail 0.2 weighs; the floor's error was 0.2 log(1e-6/tail)
+        bound = 0.2 * 8 * np.finfo(np.float64).eps / student_tail
+        assert float(stats["kl"][0, 0]) == pytest.approx(want, abs=bound), student_tail

@@ -244,8 +244,11 @@ class PositionScores:
     log-probs at asked-for ids."""
 
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+    top: dict[int, float] = field(default_factory=dict)  # id -> log-prob of the entries returned (sorted when needed)
     at: dict[int, float] = field(default_factory=dict)
+
+    def best(self, k: int) -> list[tuple[int, float]]:
+        return sorted(self.top.items(), key=lambda e: -e[1])[:k]
 
 
 class VLLMProtocol:
@@ -279,9 +282,8 @@ class VLLMProtocol:
             if not isinstance(entry, dict) or sent not in entry:
                 other = [int(k) for k in entry if str(k).lstrip("-").isdigit()][:1] if isinstance(entry, dict) else []
                 _check_ids(ids[j:j + 1], other or [-1], f"{row}, position {j}")
-            values = {int(k): float(v["logprob"]) for k, v in entry.items()}
-            _finite(values.values(), row)
-            out.append(PositionScores(logprob=values[int(ids[j])], top=sorted(values.items(), key=lambda e: -e[1]), at=values))
+            values = {int(k): v["logprob"] for k, v in entry.items()}
+            out.append(PositionScores(logprob=values[int(ids[j])], top=values, at=values))
         return out
 
     def generate_body(self, prompt: Sequence[int], s: SamplingConfig, seed: int) -> dict:
@@ -343,9 +345,8 @@ class SGLangProtocol:
             if entry[0] is None:
                 raise ServerError(f"{row}: the server returned no log-prob at position {start + j}; refused")
             lp = float(entry[0])
-            top = [(int(e[1]), float(e[0])) for e in (tops[j] or [])]
+            top = {int(e[1]): float(e[0]) for e in (tops[j] or [])}
             at = {int(e[1]): float(e[0]) for e in (ats[j] or [])}
-            _finite([lp] + [v for _, v in top] + list(at.values()), row)
             out.append(PositionScores(logprob=lp, top=top, at=at | {int(ids[start + j]): lp}))
         return out
 
@@ -512,16 +513,19 @@ class ServedBackend:
         for r, positions in zip(requests, answers):
             T = len(r.response_ids)
             lp = np.array([p.logprob for p in positions], np.float32)
+            _finite(lp.tolist(), "a row of this batch")
             sc = Scores(logprobs=np.minimum(lp, 0), logsumexp=np.full(T, np.nan, np.float32))
             if top_k:
                 ids_TK = np.full((T, top_k), -1, np.int32)
                 lps_TK = np.full((T, top_k), -np.inf, np.float32)
                 for t, p in enumerate(positions):
-                    best = sorted(p.top, key=lambda e: -e[1])[:top_k]
+                    best = p.best(top_k)
                     if len(best) < top_k:
                         raise ServerError(f"the server returned {len(best)} top entries at a position, fewer than --top-k {top_k}")
                     ids_TK[t] = [i for i, _ in best]
-                    lps_TK[t] = np.minimum([v for _, v in best], 0)
+                    lps_TK[t] = [v for _, v in best]
+                _finite(lps_TK.ravel().tolist(), "a row's top-k")
+                lps_TK = np.minimum(lps_TK, 0)
                 sc.topk_ids, sc.topk_logprobs = ids_TK, lps_TK
             for name, cand in (("ref_topk_logprobs", r.ref_topk_ids), ("mc_logprobs", r.mc_ids)):
                 if cand is not None:
@@ -580,8 +584,9 @@ class ServedBackend:
             g = Generation(response_ids=np.asarray(ids, np.int32), finish_reason=reason,
                            sampling_logprobs=np.minimum(np.asarray(values, np.float32), 0) if sampling.temperature else np.zeros(len(ids), np.float32),
                            ref_logprobs=np.minimum(np.array([p.logprob for p in positions], np.float32), 0))
+            _finite(g.ref_logprobs.tolist(), "a row's ref_logprobs")
             if width:
-                best = [sorted(p.top, key=lambda e: -e[1])[:width] for p in positions]
+                best = [p.best(width) for p in positions]
                 g.ref_topk_ids = np.array([[i for i, _ in b] for b in best], np.int32).reshape(len(ids), width)
                 g.ref_topk_logprobs = np.minimum(np.array([[v for _, v in b] for b in best], np.float32).reshape(len(ids), width), 0)
             out.append(g)

@@ -189,8 +189,12 @@ def _support_logprobs(lp_BTK: torch.Tensor, tail: bool, stored_tail: torch.Tenso
     if stored_tail is not None:
         bins = torch.cat([lp_BTK, torch.log(stored_tail.clamp(min=1e-30))[..., None]], -1)
         return bins - torch.logsumexp(bins, -1, keepdim=True)  # float16 rounding of the kept entries moves a little mass
-    mass = torch.logsumexp(lp_BTK, -1, keepdim=True)
-    rest = torch.log1p(-mass.exp().clamp(max=1 - 1e-6))
+    # the leftover mass log(1 - exp(mass)) as log(-expm1(mass)): exact where the support holds nearly all the mass (1 -
+    # exp(mass) would round there, and a floor at 1e-6 understated the KL where a side's tail is below it); bounded
+    # only at the smallest normal float, where the tail underflows the dtype itself
+    mass = torch.logsumexp(lp_BTK, -1, keepdim=True).clamp(max=0)
+    tiny = torch.finfo(lp_BTK.dtype).tiny
+    rest = torch.log(torch.clamp(-torch.expm1(mass), min=tiny))
     return torch.cat([lp_BTK, rest], -1)
 
 
