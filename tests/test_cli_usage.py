@@ -265,6 +265,6 @@ def test_served_engine_mistakes_are_one_line_before_any_model_loads(tmp_path, hf
         "error: --server-url names running servers, which --backend transformers does not use: add --backend server")
     port = free_port()
     line = _one_line([*base, "--backend", "server", "--server-url", f"http://user:pw@127.0.0.1:{port}/v1"], tmp_path)
-    assert line.startswith(f"error: --server-url http://127.0.0.1:{port}: /v1/models did not answer (") and "pw" not in line
+    assert line.startswith(f"error: --server-url http://127.0.0.1:{port}: /get_model_info did not answer (") and "pw" not in line
     assert line.endswith("start the server, or check the URL and port"), line
     assert not (hf_cache / "teachers" / "served").exists()

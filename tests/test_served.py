@@ -187,7 +187,7 @@ def test_refusals_come_before_any_request_is_scored(server, rollouts, weights, o
         run_score(ScoreJob(cache=pairs, teacher=weights / "teacher_pairs", stores=("logprob",), slug="p", engine=served(server)))
     assert not (pairs / "teachers" / "p").exists()
     port = free_port()
-    with pytest.raises(ConfigError, match=re.escape(f"--server-url http://127.0.0.1:{port}: /v1/models did not answer")):
+    with pytest.raises(ConfigError, match=re.escape(f"--server-url http://127.0.0.1:{port}: /get_model_info did not answer")):
         run_score(ScoreJob(cache=cache, teacher=weights / "teacher", stores=("logprob",), slug="x", engine=served(f"http://127.0.0.1:{port}")))
     locked = Proxy(server, Faults(require_key="s3cret"))
     try:

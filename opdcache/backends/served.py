@@ -399,18 +399,17 @@ class ServedBackend:
     def _identify(self, kind: str) -> tuple[str, dict]:
         """Which server each replica is and what it serves; all replicas must agree; the served tokenizer must be the
         local one (vLLM: /tokenize of a probe text)."""
+        infos = self.pool.each("GET", "/get_model_info")  # SGLang's own endpoint (it serves /v1/models too)
         models = self.pool.each("GET", "/v1/models")
         detected = []
-        for replica, answer in zip(self.pool.replicas, models):
-            if isinstance(answer, dict) and isinstance(answer.get("data"), list) and answer["data"]:
+        for replica, info, answer in zip(self.pool.replicas, infos, models):
+            if isinstance(info, dict) and "model_path" in info:
+                detected.append("sglang")
+            elif isinstance(answer, dict) and isinstance(answer.get("data"), list) and answer["data"]:
                 detected.append("vllm")
             else:
-                info = self.pool.each("GET", "/get_model_info")[self.pool.replicas.index(replica)]
-                if isinstance(info, dict) and "model_path" in info:
-                    detected.append("sglang")
-                else:
-                    raise ConfigError(f"--server-url {redact(replica.url)} is neither vLLM's OpenAI-compatible server "
-                                      "(/v1/models) nor SGLang's (/get_model_info); check the URL and port")
+                raise ConfigError(f"--server-url {redact(replica.url)} is neither vLLM's OpenAI-compatible server "
+                                  "(/v1/models) nor SGLang's (/get_model_info); check the URL and port")
         if kind != "auto" and any(d != kind for d in detected):
             raise ConfigError(f"--server-kind {kind}, but the servers are {', '.join(sorted(set(detected)))}")
         if len(set(detected)) > 1:
@@ -427,7 +426,9 @@ class ServedBackend:
                       "max_model_len": card.get("max_model_len"), "replicas": len(self.pool.replicas)}
             self._check_tokenizer_vllm(card.get("id"))
         else:
-            info = self.pool.each("GET", "/get_model_info")
+            info = infos
+            if len({i.get("model_path") for i in info}) > 1:
+                raise ConfigError("the replicas serve different models: give replicas of one")
             server = self.pool.each("GET", "/get_server_info")
             served = {"kind": "sglang", "served_name": info[0].get("model_path"),
                       "version": server[0].get("version") if isinstance(server[0], dict) else None,
