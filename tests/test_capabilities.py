@@ -1,7 +1,6 @@
 """Engines declare what they compute and every check reads the declaration, before any model loads: a toy engine
 registered in one line (tests/toy_engine.py) is checked as the built-in ones are."""
 
-import json
 import re
 
 import pytest

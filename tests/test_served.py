@@ -11,7 +11,6 @@ import sys
 import time
 import urllib.request
 
-import numpy as np
 import pytest
 import torch
 
@@ -77,6 +76,14 @@ def rollouts(tmp_path_factory, weights, ragged_prompts):
     return out
 
 
+def _logits(m32, m64, prompt, response):
+    """(float32 logits, float64 logits) [T, V] at the positions that predict ``response`` after ``prompt``."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    at = slice(len(prompt) - 1, len(prompt) - 1 + len(response))
+    with torch.no_grad():
+        return m32(ids).logits[0, at], m64(ids).logits[0, at]
+
+
 def served(url, **kw) -> EngineConfig:
     return EngineConfig(backend="server", server_url=url, **kw)
 
@@ -114,10 +121,7 @@ def test_served_scores_equal_the_in_process_float32_engine(server, rollouts, wei
         lp, kid, klp = (shards.token_values(t[c]) for c in ("logprobs", "topk_ids", "topk_logprobs"))
         for i, prompt in enumerate(r["prompt_ids"].to_pylist()):
             sl = slice(off[i], off[i + 1])
-            ids = torch.tensor([list(prompt) + list(resp[sl])])
-            at = slice(len(prompt) - 1, len(prompt) - 1 + len(resp[sl]))
-            with torch.no_grad():
-                z32, z64 = m32(ids).logits[0, at], m64(ids).logits[0, at]
+            z32, z64 = _logits(m32, m64, prompt, resp[sl])
             tol = logprob_tolerance(z32, z64, width=5, other_implementation=True)
             logp = torch.log_softmax(z32, -1)
             assert_close_within(lp[sl], logp.gather(1, torch.as_tensor(resp[sl], dtype=torch.long)[:, None])[:, 0], tol[:, 0], "logprobs")
@@ -175,7 +179,7 @@ def test_a_wrong_answer_is_refused_in_one_line_and_nothing_is_half_written(serve
 
 def test_refusals_come_before_any_request_is_scored(server, rollouts, weights, opd_prompts, tmp_path):
     cache = _copy(rollouts, tmp_path)
-    with pytest.raises(ConfigError, match=re.escape(f"--top-k needs 11 log-probs a position, more than http://127.0.0.1:")) as info:
+    with pytest.raises(ConfigError, match=re.escape("--top-k needs 11 log-probs a position, more than http://127.0.0.1:")) as info:
         run_score(ScoreJob(cache=cache, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=11, slug="s", engine=served(server)))
     assert f"(its --max-logprobs is {MAX_LOGPROBS}): lower --top-k, or restart the server with --max-logprobs 11" in str(info.value)
     # rollouts of the digit-pair model, whose tokenizer is not the served model's: --teacher names it, the server serves
@@ -221,10 +225,7 @@ def test_rollouts_through_the_server_mean_what_the_schema_says(server, weights, 
     assert len(off) - 1 == 16
     for i, prompt in enumerate(r["prompt_ids"].to_pylist()):
         sl = slice(off[i], off[i + 1])
-        ids = torch.tensor([list(prompt) + list(resp[sl])])
-        at = slice(len(prompt) - 1, len(prompt) - 1 + len(resp[sl]))
-        with torch.no_grad():
-            z32, z64 = m32(ids).logits[0, at], m64(ids).logits[0, at]
+        z32, z64 = _logits(m32, m64, prompt, resp[sl])
         a = torch.as_tensor(resp[sl], dtype=torch.long)[:, None]
         assert_close_within(rlp[sl], torch.log_softmax(z32, -1).gather(1, a)[:, 0], logprob_tolerance(z32, z64, other_implementation=True)[:, 0], "ref_logprobs")
         assert_close_within(slp[sl], torch.log_softmax(z32 / 0.7, -1).gather(1, a)[:, 0],

@@ -16,9 +16,9 @@ weights and sequence-level masks from the corrections multiply the terms before 
 * uld (Universal Logit Distillation, Boizard et al. 2024, arXiv:2402.12030): at each group's first token, where both
   sides predict from the same text, sum_j |p_(j) - q_(j)| + |r_p - r_q| between the teacher's sorted top-k
   probabilities and the student's on pi_ref's cached top-k ids (r: the mass outside); no vocabulary map
-* gold (as TRL's GOLD trainer merges shared tokens): at each group's first token, the forward KL on the teacher's top-k
-  entries that pi_ref's vocabulary holds with the same bytes (the rest of the teacher's mass one tail bin), plus span
-  at each group's last token for what the shared tokens do not cover
+* gold (after the idea of TRL's GOLD trainer; docs/teachers.md says how it differs): at each group's first token, the
+  forward KL on the teacher's top-k entries that pi_ref's vocabulary holds with the same bytes (each side's remaining
+  mass one tail bin), plus span at each group's last token for what the shared tokens do not cover
 * is (papers/001 eq. 5/7, "A_theta, no clip"):  rho_t = exp(s_t - b_t);  term_t = -rho_t * sg(T_t - s_t)
 * mc (papers/001 section 6.1): the is term averaged over the m cached samples of each position
 * is / mc without importance weights (papers/001 App. F's "no IS" ablation): rho_t replaced by exp(s_t - sg(s_t)),
