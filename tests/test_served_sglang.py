@@ -29,8 +29,18 @@ class StandIn:
         self.requests = []
         self._loop = asyncio.new_event_loop()
         ready = threading.Event()
-        threading.Thread(target=self._serve, args=(ready,), daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
+        self._thread.start()
         assert ready.wait(30)
+
+    def close(self) -> None:
+        """Stop the server and its thread (a thread left running at exit aborts the process)."""
+        async def stop():
+            await self._runner.cleanup()
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+        self._loop.close()
 
     def _answer(self, body: dict) -> dict:
         ids = body["input_ids"]
@@ -72,7 +82,7 @@ class StandIn:
         app.router.add_get("/get_model_info", model_info)
         app.router.add_get("/get_server_info", server_info)
         app.router.add_post("/generate", generate)
-        runner = web.AppRunner(app)
+        runner = self._runner = web.AppRunner(app)
         asyncio.set_event_loop(self._loop)
         self._loop.run_until_complete(runner.setup())
         self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
@@ -82,7 +92,9 @@ class StandIn:
 
 @pytest.fixture(scope="module")
 def standin(weights):
-    return StandIn(weights / "teacher")
+    server = StandIn(weights / "teacher")
+    yield server
+    server.close()
 
 
 def test_the_sglang_client_scores_a_cache_in_its_documented_shapes(standin, hf_cache, weights, tmp_path):
