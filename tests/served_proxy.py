@@ -30,19 +30,48 @@ class Faults:
     paths: list = field(default_factory=list)
 
 
-class Proxy:
-    def __init__(self, target: str, faults: Faults | None = None):
-        self.target = target.rstrip("/")
-        self.faults = faults or Faults()
+class LoopbackServer:
+    """An aiohttp application served on a free 127.0.0.1 port from its own thread and event loop, until :meth:`close`
+    (which a test must call: a thread left running at exit aborts the process). Subclasses give :meth:`app`."""
+
+    def start(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
-        assert self._ready.wait(30), "the proxy did not start"
+        assert self._ready.wait(30), f"{type(self).__name__} did not start"
+
+    def app(self):
+        raise NotImplementedError
 
     def _serve(self) -> None:
+        from aiohttp import web
+
+        asyncio.set_event_loop(self._loop)
+        self._runner = web.AppRunner(self.app())
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def close(self) -> None:
+        async def stop():
+            await self._runner.cleanup()
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+        self._loop.close()
+
+
+class Proxy(LoopbackServer):
+    def __init__(self, target: str, faults: Faults | None = None):
+        self.target = target.rstrip("/")
+        self.faults = faults or Faults()
+        self.start()
+
+    def app(self):
         from aiohttp import ClientSession, web
 
         faults = self.faults
@@ -87,18 +116,4 @@ class Proxy:
 
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", handle)
-        runner = web.AppRunner(app)
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", self.port)
-        self._loop.run_until_complete(site.start())
-        self._runner = runner
-        self._ready.set()
-        self._loop.run_forever()
-
-    def close(self) -> None:
-        async def stop():
-            await self._runner.cleanup()
-        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(30)
+        return app

@@ -4,9 +4,6 @@ these CPUs, so a small stand-in on 127.0.0.1 answers ``/get_model_info``, ``/get
 [logprob, id, text] a position, ``input_top_logprobs`` as lists of them) with a real float32 forward of the demo
 teacher. Only the client is proven here, not a real SGLang server."""
 
-import asyncio
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -15,32 +12,17 @@ from opdcache.backends import EngineConfig
 from opdcache.format import shards
 from opdcache.format.cache import Cache
 from opdcache.format.validate import validate
-from served_proxy import free_port
+from served_proxy import LoopbackServer
 
 
-class StandIn:
+class StandIn(LoopbackServer):
     def __init__(self, model_dir):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.path = str(model_dir)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.requests = []
-        self._loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
-        self._thread.start()
-        assert ready.wait(30)
-
-    def close(self) -> None:
-        """Stop the server and its thread (a thread left running at exit aborts the process)."""
-        async def stop():
-            await self._runner.cleanup()
-        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(30)
-        self._loop.close()
+        self.start()
 
     def _answer(self, body: dict) -> dict:
         ids = body["input_ids"]
@@ -64,7 +46,7 @@ class StandIn:
                                           "input_token_ids_logprobs": ats,
                                           "output_token_logprobs": [], "finish_reason": {"type": "length"}}}
 
-    def _serve(self, ready) -> None:
+    def app(self):
         from aiohttp import web
 
         async def model_info(_):
@@ -82,12 +64,7 @@ class StandIn:
         app.router.add_get("/get_model_info", model_info)
         app.router.add_get("/get_server_info", server_info)
         app.router.add_post("/generate", generate)
-        runner = self._runner = web.AppRunner(app)
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(runner.setup())
-        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-        ready.set()
-        self._loop.run_forever()
+        return app
 
 
 @pytest.fixture(scope="module")

