@@ -57,7 +57,7 @@ class ServedBackend:
     name = "server"
 
     def __init__(self, model_path: str | Path, urls: Sequence[str], kind: str = "auto", key: str | None = None,
-                 concurrency: int | None = None, timeout: float = 600.0, max_logprobs: int = 20):
+                 concurrency: int | None = None, timeout: float = 600.0):
         from transformers import AutoConfig
 
         from opdcache.inputs.models import load_tokenizer
@@ -290,4 +290,4 @@ def check(engine) -> dict:
 
 def build(model, engine, **extra) -> ServedBackend:
     return ServedBackend(model, split_urls(engine.server_url), engine.server_kind, engine.api_key, engine.server_concurrency,
-                         engine.server_timeout, max_logprobs=extra.get("max_logprobs", 20))
+                         engine.server_timeout)  # the widths are checked against the server as each job starts
