@@ -44,6 +44,10 @@ class InputError(OpdcacheError, ValueError):
     """Input data (prompts, a dataset) is malformed."""
 
 
+class RunFolderError(OpdcacheError, ValueError):
+    """A run folder (``--out``) holds what the run did not write: a link, a file too large, a state that breaks its schema."""
+
+
 class MissingDependencyError(OpdcacheError, ImportError):
     """An optional dependency is needed for the requested feature."""
 
@@ -53,5 +57,5 @@ class InstallError(OpdcacheError, RuntimeError):
 
 
 USAGE_ERRORS = (ConfigError, ResumeError, InputError, TokenizerMismatchError, ConsistencyError, MissingDependencyError,
-                NotACacheError)
+                NotACacheError, RunFolderError)
 """What a command was given that it does not take: exit 2, one line, at any stage that finds it."""

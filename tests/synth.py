@@ -82,7 +82,7 @@ def make_cache(root: Path, num_shards: int = 3, hidden_dtype: str = "bfloat16", 
                             hidden_size=HIDDEN, hidden_dtype=hidden_dtype)
     tjob = TableJob(root, "teachers/synth", "teacher", tparams, {"vocab_size": VOCAB, "teacher": "synth"}, num_shards,
                     parent_fingerprint=job.fingerprint)
-    (root / "teachers/synth").mkdir(parents=True, exist_ok=True)
+    tjob.begin()  # the job's record first: a new table's folder holds only what its job wrote
     save_head(head, root / "teachers/synth/head.safetensors")
     run_table_job(tjob, lambda i: teacher_rows(data[i], head, hidden_dtype))
     finalize_table(tjob, model=MODEL)

@@ -210,8 +210,8 @@ def test_figures_count_every_update_and_time_the_last_attempt_alone(tmp_path):
     cfg = AsyncConfig(learner=learner("m"), teacher=Path("t"), prompts=PromptConfig(Path("p.jsonl")), out=tmp_path)
     lines = lambda rows: "".join(json.dumps(r) + "\n" for r in rows)  # noqa: E731
     (tmp_path / ATTEMPTS).write_text(lines([{"attempt": 1, "start": 0.0}, {"attempt": 2, "start": 1000.0}]))
-    ledger = [{"batch": 0, "time": None, "tokens": None, "recovered": True}]
-    ledger += [{"batch": b, "time": 1000.0 + 10 * b, "tokens": 100} for b in range(1, 8)]
+    ledger = [{"batch": 0, "student_version": 0, "consumed_at_step": 1, "time": None, "tokens": None, "recovered": True}]
+    ledger += [{"batch": b, "student_version": b, "consumed_at_step": b + 1, "time": 1000.0 + 10 * b, "tokens": 100} for b in range(1, 8)]
     (tmp_path / Q.LEDGER).write_text(lines(ledger))
     (tmp_path / "stages").mkdir()
     for stage, ivs in {"rollout": [(5, 900), (1000, 1040)], "teacher": [(1020, 1060)], "learner": [(1010, 1070)]}.items():
@@ -237,7 +237,7 @@ def test_the_supervisor_reports_progress_at_once_and_from_the_stages_files(tmp_p
         first = capsys.readouterr().err
         for stage, n in (("rollout", 3), ("teacher", 2)):
             (tmp_path / "stages" / f"{stage}.busy.jsonl").write_text("".join(json.dumps({"batch": b, "start": 0, "end": 1}) + "\n" for b in range(n)))
-        (tmp_path / Q.LEDGER).write_text(json.dumps({"batch": 0, "time": 1.0, "tokens": 5}) + "\n")
+        (tmp_path / Q.LEDGER).write_text(json.dumps({"batch": 0, "student_version": 0, "consumed_at_step": 1, "time": 1.0, "tokens": 5}) + "\n")
         watch.at = 0.0  # a second has passed
         watch.poll()
     assert first.startswith("async: 0/4 update (starting the rollout, teacher and learner stages), 0 s"), first

@@ -448,7 +448,7 @@ def test_a_consumed_batch_that_cannot_be_sampled_again_is_refused(tmp_path, weig
     cfg = AsyncConfig(learner=learner(weights / "student", steps=6, batch_size=2), teacher=weights / "teacher",
                       prompts=PromptConfig(opd_prompts), out=tmp_path / "run", staleness=2)
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "ledger.jsonl").write_text("".join(json.dumps({"batch": b}) + "\n" for b in range(5)))
+    (tmp_path / "run" / "ledger.jsonl").write_text("".join(json.dumps({"batch": b, "student_version": max(0, b - 2), "consumed_at_step": b + 1, "time": 1.0}) + "\n" for b in range(5)))
     # batches 0-2 were sampled by --model itself (version 0) and can be sampled again; batch 3 needs snapshot v1
     with pytest.raises(ResumeError, match="batch 3 was consumed but its rollout shard .* is missing, and the snapshot v1"):
         _check_regenerable(cfg)

@@ -321,7 +321,7 @@ def test_a_resume_takes_the_newest_complete_checkpoint_and_leaves_no_temporary_d
         d = out / name
         (d / "model").mkdir(parents=True)
         if complete:
-            (d / STATE_FILE).write_text(json.dumps({"step": step}))
+            (d / STATE_FILE).write_text(json.dumps({"step": step, "config": {}, "param_groups": [], "loader": None}))
         return d
 
     if left == "old-and-tmp":  # crashed between the two renames: no checkpoint/, the old one aside, the new one complete

@@ -98,29 +98,51 @@ def append_busy(out: Path, stage: str, batch: int, start: float, end: float) -> 
         f.write(json.dumps({"batch": batch, "start": start, "end": end}) + "\n")
 
 
-JSONL_NUMBERS = {"ledger.jsonl": ("batch",), "attempts.jsonl": ("start",)}  # fields every line must hold as numbers
-BUSY_NUMBERS = ("batch", "start", "end")
+INTEGER, NUMBER, OPTIONAL_NUMBER = "a non-negative integer", "a number", "a number or null"
+JSONL_FIELDS = {
+    "ledger.jsonl": {"batch": INTEGER, "consumed_at_step": INTEGER, "student_version": INTEGER, "time": OPTIONAL_NUMBER},
+    "attempts.jsonl": {"start": NUMBER},
+}
+"""The fields every line of the run's jsonl files must hold, and their types."""
+BUSY_FIELDS = {"batch": INTEGER, "start": NUMBER, "end": NUMBER}
+MAX_JSONL_BYTES = 256 << 20
+
+
+def _typed(value, kind: str) -> bool:
+    if isinstance(value, bool):
+        return False
+    if kind == INTEGER:
+        return isinstance(value, int) and value >= 0
+    if kind == OPTIONAL_NUMBER and value is None:
+        return True
+    return isinstance(value, (int, float)) and value == value and abs(value) != float("inf")
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The entries of one of the run's own jsonl files. A line cut by a crash ends the file (everything before it is
-    whole); any other line that is not a JSON object with its numeric fields is refused in one line: the run
-    directory was written by something else."""
-    if not path.is_file():
+    """The entries of one of the run's own jsonl files, read by the run folder's rules (a regular file, no link, within
+    MAX_JSONL_BYTES). A line cut by a crash ends the file (everything before it is whole); any other line that is not a
+    JSON object with its fields of their types is refused in one line: the run directory was written by something else."""
+    from opdcache.errors import RunFolderError
+    from opdcache.training.runfolder import regular_file
+    from opdcache.untrusted import loads
+
+    if not path.exists() and not path.is_symlink():
         return []
-    numbers = BUSY_NUMBERS if path.name.endswith(".busy.jsonl") else JSONL_NUMBERS.get(path.name, ())
-    lines = path.read_text().splitlines()
+    run_dir = path.parent.parent if path.parent.name == "stages" else path.parent
+    regular_file(run_dir, path, MAX_JSONL_BYTES)
+    wanted = BUSY_FIELDS if path.name.endswith(".busy.jsonl") else JSONL_FIELDS.get(path.name, {})
+    lines = path.read_bytes().splitlines()
     out = []
     for i, line in enumerate(lines):
         try:
-            entry = json.loads(line)
-        except ValueError:
+            entry = loads(line, f"{path} line {i + 1}", RunFolderError)
+        except RunFolderError:
             if i == len(lines) - 1:
                 break  # a line cut by a crash
             entry = None
-        if not isinstance(entry, dict) or any(isinstance(entry.get(k), bool) or not isinstance(entry.get(k), (int, float))
-                                              for k in numbers):
-            raise OpdcacheError(f"{path}: line {i + 1} is not an entry of the run (a JSON object with numeric "
-                                f"{', '.join(numbers) or 'fields'}); the run directory is damaged: start the run again in a new --out")
+        if not isinstance(entry, dict) or any(not _typed(entry.get(k), kind) for k, kind in wanted.items()):
+            fields = ", ".join(f"{k} ({kind})" for k, kind in wanted.items()) or "fields"
+            raise RunFolderError(f"{path}: line {i + 1} is not an entry of the run (a JSON object with {fields}); the run "
+                                 "directory is damaged: start the run again in a new --out")
         out.append(entry)
     return out

@@ -184,6 +184,7 @@ class QueueSource:
         self.root = storage.as_path(cfg.cache_root)
         self.next = 0  # the batch the next step consumes
         self.current: dict = {}
+        self._fingerprints: dict[str, str] = {}  # table: its job's config fingerprint
         self.ledger = cfg.out / Q.LEDGER
         self.rollout_cols = ["prompt_ids", "response_ids", "sampling_logprobs", "ref_logprobs"] + (
             ["mc_ids", "mc_sampling_logprobs"] if "mc" in cfg.rollout_stores() else [])
@@ -197,6 +198,8 @@ class QueueSource:
         b = self.next
         rollout, teacher = table_paths(self.cfg, b)
         self.waiter.for_file(teacher, f"the teacher's scores of batch {b}")
+        for path in (rollout, teacher):  # a planted shard (another run's, or a stranger's) is never trained on
+            self._check_written_by_run(path)
         versions = set(shards.read_table(rollout, ["student_version"])["student_version"].to_pylist())
         if versions != {self.cfg.version_for(b)}:
             raise SchemaError(f"{rollout} was sampled by snapshot(s) {sorted(versions)}, the run's staleness prescribes "
@@ -208,6 +211,21 @@ class QueueSource:
         self.next += 1
         self.busy_since = time.time()  # busy from here to the end of the step: the wait above is idle time
         return batch
+
+    def _check_written_by_run(self, path) -> None:
+        """``path``'s footer carries the config fingerprint of this run's job for its table (rollouts, or the
+        teacher's): what the run's own workers wrote, never a shard put there by something else."""
+        from opdcache.format.cache import TableJob
+        from opdcache.format.schema import META_CONFIG_FP
+
+        table = "rollouts" if path.parent.name == "rollouts" else f"teachers/{path.parent.name}"
+        if table not in self._fingerprints:
+            self._fingerprints[table] = TableJob.from_job_file(self.root, table).fingerprint
+        fp = (shards.read_schema(storage.confined(self.root, path)).metadata or {}).get(META_CONFIG_FP, b"").decode(errors="replace")
+        if fp != self._fingerprints[table]:
+            raise SchemaError(f"{path} was not written by this run's {table} job (its config fingerprint {fp[:12]!r} is not "
+                              f"the job's {self._fingerprints[table][:12]}...); refusing to train on it. Delete it (the "
+                              "run's worker writes it again) or start the run in a new cache")
 
     def step_stats(self) -> dict:
         return dict(self.current)

@@ -17,6 +17,7 @@ launcher can run them in parallel.
 from __future__ import annotations
 
 import json
+import sys
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -130,9 +131,23 @@ class TableJob:
         job_file = storage.confined_write(self.root, self.dir / JOB_FILE)  # no folder of the table leads outside the cache
         if job_file.is_file():
             old = read_json(storage.confined(self.root, job_file), str(job_file), ManifestError)
+            if not isinstance(old, dict) or not isinstance(old.get("config"), dict) or not isinstance(old.get("config_fingerprint"), str):
+                raise ManifestError(f"{job_file} is not a job record opdcache wrote; delete {self.dir} to start the table over")
             self._refuse_if_changed(old["config"], old["config_fingerprint"], "the partial run")
         else:
+            self._refuse_strays()
             storage.write_text_atomic(job_file, json.dumps(self._job_record(), indent=2, sort_keys=True) + "\n")
+
+    def _refuse_strays(self) -> None:
+        """A job that has not started (no job file) starts in an empty folder: shards, records or side files already
+        there were put by someone else, and are refused, never adopted. (An object store lists keys under the prefix.)"""
+        if (self.dir / JOB_FILE).is_file() or not self.dir.is_dir() or (M.exists(self.root) and self.table in M.load(self.root)["tables"]):
+            return
+        stray = sorted(p.relative_to(self.root).as_posix() for p in self.dir.rglob("*") if p.is_file() or p.is_symlink())
+        if stray:
+            raise ResumeError(f"{self.dir} holds files no job of this table wrote ({', '.join(stray[:3])}"
+                              f"{', ...' if len(stray) > 3 else ''}); refusing to adopt them. Delete {self.dir}, or "
+                              f"{'score under another --name' if self.kind == 'teacher' else 'write to a new --out'}")
 
     def _refuse_if_changed(self, old_config: dict, old_fp: str, what: str) -> None:
         if old_fp == self.fingerprint:
@@ -147,9 +162,19 @@ class TableJob:
                           f"Rerun with the original settings to resume, or {fix}")
 
     def is_done(self, index: int) -> bool:
-        return self.shard_path(index).is_file()
+        """Shard ``index`` is written: it is there and its footer carries this job's fingerprint. One that carries
+        another's was not written by this job (nor an earlier run of it) and is refused, never adopted."""
+        path = self.shard_path(index)
+        if not path.is_file():
+            return False
+        fp = (shards.read_schema(storage.confined(self.root, path)).metadata or {}).get(S.META_CONFIG_FP, b"").decode(errors="replace")
+        if fp != self.fingerprint:
+            raise ResumeError(f"{path} was not written by this job (its config fingerprint {fp[:12]!r} is not the job's "
+                              f"{self.fingerprint[:12]}...: a shard of another run); refusing to adopt it. Delete it and rerun")
+        return True
 
     def pending(self, num_workers: int = 1, worker_index: int = 0) -> list[int]:
+        self._refuse_strays()
         return [i for i in shards_for_worker(self.num_shards, num_workers, worker_index, self.groups) if not self.is_done(i)]
 
     def write_shard(self, index: int, records: Sequence[dict]) -> shards.ShardInfo:
@@ -428,15 +453,73 @@ TABLE_RECORD = "_table.json"
 """Each finished table's manifest entry, beside its shards: finalize merges every table's record into opdcache.json."""
 
 
-def _table_records(root) -> dict[str, dict]:
-    """Every finished table's entry, from its record file (``<table>/_table.json``)."""
-    records = {}
-    for table_dir in [root / "sft", root / "rollouts"] + (sorted((root / "teachers").iterdir()) if (root / "teachers").is_dir() else []):
+def _record_problem(root, table_dir, rec) -> str | None:
+    """Why a table record file is not one a finalize may merge, or None: it must be ``{"table": <its own folder>,
+    "entry": {...}}`` with the entry's params, config fingerprint and shard list of the right types."""
+    own = table_dir.relative_to(root).as_posix() if not storage.is_remote(table_dir) else table_dir.path.removeprefix(root.path).strip("/")
+    if not isinstance(rec, dict) or not isinstance(rec.get("entry"), dict):
+        return "not a table record (a JSON object with table and entry)"
+    if rec.get("table") != own:
+        return f"its table is {str(rec.get('table'))[:80]!r}, not {own!r}, the folder it lies in"
+    entry = rec["entry"]
+    if not isinstance(entry.get("params"), dict) or not isinstance(entry.get("config_fingerprint"), str) \
+            or not isinstance(entry.get("shards"), list):
+        return "its entry lacks params, config_fingerprint or shards"
+    try:
+        S.StoreParams.from_dict(entry["params"])
+    except (TypeError, ValueError, KeyError) as exc:
+        return f"its params are not a store's ({str(exc)[:120]})"
+    return None
+
+
+def _unwritten(root, table: str, entry: dict) -> str | None:
+    """Why a record's shards are not a table its job wrote (one missing, outside the folder, or whose footer carries
+    another fingerprint than the entry's), or None. Footers only: a concurrent finalize's table passes, a record
+    planted beside nothing, or beside other shards, does not."""
+    for info in entry["shards"]:
+        rel = info.get("path") if isinstance(info, dict) else None
+        if not isinstance(rel, str) or rel.rsplit("/", 1)[0] != table or not M.SHARD_FILE.fullmatch(rel.rsplit("/", 1)[-1]):
+            return "its shard list names no shard of the cache"
+        path = root / rel
+        if not path.is_file():
+            return f"its shard {rel[:120]} is missing (a record planted beside shards no job wrote)"
+        fp = (shards.read_schema(storage.confined(root, path)).metadata or {}).get(S.META_CONFIG_FP, b"")
+        if fp.decode(errors="replace") != entry["config_fingerprint"]:
+            return f"its shard {rel[:120]} was written by another job (its fingerprint is not the record's)"
+    return None
+
+
+def _table_records(root, own: str | None = None, tables: dict | None = None) -> tuple[dict[str, dict], list[str]]:
+    """({table: entry} of every record a finalize merges, [what was ignored, and why]). A record is merged when it is
+    well formed, names the folder it lies in, and is either this job's (``own``) or a table the manifest lacks whose
+    shards are there with the record's fingerprint in their footers (a concurrent finalize's). A table the
+    manifest already holds is never replaced by another job's record, and a stray record (no running job) is never
+    merged: a planted ``_table.json`` cannot change or replace a table, nor add one beside shards its job did not write."""
+    tables = tables or {}
+    records, ignored = {}, []
+    dirs = [root / "sft", root / "rollouts"] + (sorted((root / "teachers").iterdir()) if (root / "teachers").is_dir() else [])
+    for table_dir in dirs:
         path = table_dir / TABLE_RECORD
-        if path.is_file():
-            rec = read_json(storage.confined(root, path), str(path), ManifestError)
-            records[rec["table"]] = rec["entry"]
-    return records
+        if not path.is_file():
+            continue
+        rec = read_json(storage.confined(root, path), str(path), ManifestError)
+        problem = _record_problem(root, table_dir, rec)
+        if problem is None and rec["table"] != own:
+            if rec["table"] in tables:
+                continue  # finished before: the manifest's entry stands (the record in its own folder is never read again)
+            problem = _unwritten(root, rec["table"], rec["entry"])
+        if problem is not None:
+            ignored.append(f"{path}: {problem}")
+            continue
+        records[rec["table"]] = rec["entry"]
+    return records, ignored
+
+
+def stray_records(root, tables: dict) -> list[str]:
+    """Record files a finalize would not merge, and records of tables the manifest lacks, each with why (validate names
+    them)."""
+    records, ignored = _table_records(root, None, tables)
+    return ignored + [f"{root / t / TABLE_RECORD}: its table is not in the manifest" for t in records if t not in tables]
 
 
 def finalize_table(job: TableJob, tokenizer: dict | None = None, lineage: dict | None = None, **entry_extra) -> dict:
@@ -475,13 +558,15 @@ def finalize_table(job: TableJob, tokenizer: dict | None = None, lineage: dict |
             manifest = M.new_manifest(job.kind, dict(tokenizer or {}), lineage)
             if storage.folder_complete(job.root / "tokenizer"):  # hashed, so validate notices a damaged tokenizer folder
                 manifest["tokenizer"]["files"] = storage.folder_hashes(job.root / "tokenizer")
-        records = _table_records(job.root)
+        records, ignored = _table_records(job.root, job.table, manifest["tables"])
         manifest["tables"].update(records)
         for entry in records.values():  # the newest format version any table uses
             manifest["format_version"] = max(manifest["format_version"], S.version_of(S.StoreParams.from_dict(entry["params"])))
         card.write(job.root, manifest)
         M.save(job.root, manifest)
-        if all(manifest["tables"].get(t) == e for t, e in _table_records(job.root).items()):
+        if all(manifest["tables"].get(t) == e for t, e in _table_records(job.root, job.table, manifest["tables"])[0].items()):
             break
+    for line in ignored:
+        print(f"finalize: not merged: {line}", file=sys.stderr)
     job.finish()
     return manifest

@@ -18,6 +18,7 @@ exactly that thing (tests/test_validate.py unless named):
 | files | side files are safetensors holding their tensors (header parsed within limits, nothing loaded) | ``not a safetensors file`` | tests/test_hostile2.py test_a_pickle_in_place_of_the_svd_file_is_found_even_with_its_hash_updated |
 | files | side files' tensors agree in shape with each other and the table, and are finite | ``holds 1 NaN or infinite values`` / ``holds a [64, 129] matrix where`` | tests/test_hostile3.py test_a_head_of_nan_or_of_the_wrong_width_is_one_line |
 | files | no unlisted shard in a table directory (error), none of an unknown table or left from an interrupted write (warnings) | ``extra shard`` / ``unfinished or abandoned job`` / ``leftover temporary file`` | test_extra_shard, test_stray_and_temporary_files_are_warnings |
+| files | a table record (``_table.json``) that a finalize would not merge: malformed, naming another folder, beside shards its job did not write, or of a table the manifest lacks (warning) | ``a table record no finalize merges`` | tests/test_planted.py test_a_planted_table_record_is_never_merged |
 | shard | readable Parquet; kind, store parameters and Arrow schema as declared | ``unreadable shard`` / ``shard declares kind`` / ``schema differs`` | test_unreadable_shard, test_shard_with_another_schema |
 | shard | the shard's own config fingerprint is its table's (not a shard of another run) | ``(a shard from another run)`` | test_shard_from_another_run |
 | shard | row count and response-token count as in the manifest | ``N rows, the manifest says`` / ``response tokens, the manifest says`` | test_wrong_row_count, test_token_counts_and_config_fingerprint_are_checked_against_the_manifest |
@@ -266,6 +267,16 @@ def _check_stray_files(root: Path, tables: dict, out: _Collector) -> None:
                 out.add(rel, "extra shard: not listed in the manifest")
             else:
                 out.add(rel, "shard of a table the manifest does not list (an unfinished or abandoned job?)", warning=True)
+    from opdcache.format.cache import stray_records
+
+    try:
+        strays = stray_records(root, tables)
+    except (ManifestError, OSError) as exc:
+        strays = [str(exc)]
+    for line in strays:
+        path, _, why = line.partition(": ")
+        rel = Path(path).relative_to(root).as_posix() if Path(path).is_relative_to(root) else path
+        out.add(rel, f"a table record no finalize merges ({why}); never read: delete it", warning=True)
 
 
 def _check_file(path: Path, info: dict, entry: dict, params: S.StoreParams, out: _Collector) -> bool:

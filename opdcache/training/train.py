@@ -48,8 +48,10 @@ from opdcache.backends.quant import apply_scheme
 from opdcache.errors import ConfigError, OpdcacheError
 from opdcache.inputs.models import check_facts, load_causal_lm, load_tokenizer, model_facts, resolve_model
 from opdcache.progress import bar
+from opdcache.storage import write_text_atomic
 from opdcache.training import checkpoint, losses as L, objective as O
 from opdcache.training.allocator import map_large_buffers
+from opdcache.training.runfolder import fresh_dir, metrics_lines, open_append, place_dir
 from opdcache.training.estimators import ESTIMATORS, group_ends
 from opdcache.training.sources import check_teacher_table, open_cache, open_online
 from opdcache.training.student import (StudentForward, autocast_dtype, enable_activation_checkpointing, enable_packed_attention, full_tensor,
@@ -260,8 +262,8 @@ class Trainer:
             self.source.after_resume(self)
         metrics_path = cfg.out / "metrics.jsonl"
         if self.rank == 0:  # rank 0 alone owns the metrics file: another rank rewriting it could truncate what rank 0 appends
-            kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= self.step] if metrics_path.exists() and resumed else []
-            metrics_path.write_text("".join(l + "\n" for l in kept))
+            kept = [l for l in metrics_lines(cfg.out) if l["step"] <= self.step] if resumed else []
+            write_text_atomic(metrics_path, "".join(json.dumps(l) + "\n" for l in kept))
         writer = None
         if cfg.tensorboard and self.rank == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -269,7 +271,7 @@ class Trainer:
             writer = SummaryWriter(str(cfg.out / "tensorboard"))
         start, done_now, last = time.perf_counter(), 0, {}
         with bar(total=cfg.steps, desc=f"train {cfg.loss}", unit="step", enabled=cfg.progress) as pbar, \
-                (open(metrics_path, "a") if self.rank == 0 else contextlib.nullcontext()) as mf:
+                (open_append(metrics_path) if self.rank == 0 else contextlib.nullcontext()) as mf:
             pbar.update(self.step)
             while self.step < cfg.steps:
                 self.opt.zero_grad(set_to_none=True)
@@ -337,21 +339,23 @@ class Trainer:
         return getattr(torch, self.cfg.save_dtype)
 
     def _save_final(self, model_sd: dict | None) -> None:
+        """The final model, written whole into a fresh folder, then renamed onto ``--out/model``."""
+        from opdcache.inputs.lineage import read_sft_lineage
+
         dtype = self.save_dtype()
         state = model_sd if model_sd is not None else self.model.state_dict()
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        self.model.save_pretrained(self.cfg.out / "model", state_dict=state)
-        config_path = self.cfg.out / "model" / "config.json"  # transformers writes the live model's dtype: state the weights'
+        tmp = fresh_dir(self.cfg.out, ".model.tmp-")
+        self.model.save_pretrained(tmp, state_dict=state)
+        config_path = tmp / "config.json"  # transformers writes the live model's dtype: state the weights'
         config = json.loads(config_path.read_text())
         config["dtype"] = str(dtype).replace("torch.", "")
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        load_tokenizer(self.model_path).save_pretrained(self.cfg.out / "model")
-        from opdcache.inputs.lineage import read_sft_lineage
-        from opdcache.storage import write_text_atomic
-
+        load_tokenizer(self.model_path).save_pretrained(tmp)
         lineage = read_sft_lineage(self.model_path)
         if lineage:  # the OPD student keeps its SFT lineage
-            write_text_atomic(self.cfg.out / "model" / "opdcache_lineage.json", json.dumps(lineage, indent=2, sort_keys=True))
+            (tmp / "opdcache_lineage.json").write_text(json.dumps(lineage, indent=2, sort_keys=True))
+        place_dir(tmp, self.cfg.out / "model")
 
 
 def run_train(cfg: TrainConfig, announce=None) -> dict:

@@ -1,0 +1,114 @@
+"""A cache's tables are what its manifest says, written by the job that wrote them: a shard or a table record planted
+in a cache is never adopted or merged by score-teacher, and validate names it."""
+
+import json
+import shutil
+
+import pytest
+
+from opdcache.cli.main import main
+from opdcache.format import manifest as M
+
+pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), beside the other hostile suites
+
+
+def _cli(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out = capsys.readouterr()
+    return e.value.code, out.out + out.err
+
+
+def _one_line(out: str) -> str:
+    lines = [l for l in out.strip().splitlines() if l.startswith("error")]
+    assert "Traceback" not in out and len(lines) == 1, out
+    return lines[0]
+
+
+@pytest.fixture
+def cache(hf_cache, tmp_path):
+    root = tmp_path / "cache"
+    shutil.copytree(hf_cache, root)
+    return root
+
+
+def _score(cache, weights, name, capsys):
+    return _cli(["score-teacher", cache, "--teacher", weights / "teacher", "--store", "logprob", "--name", name, "--no-progress"], capsys)
+
+
+def test_a_shard_planted_in_a_new_tables_folder_is_not_adopted(cache, weights, capsys):
+    teacher = M.load(cache)["tables"]
+    existing = next(t for t in teacher if t.startswith("teachers/"))
+    (cache / "teachers" / "new").mkdir()
+    planted = sorted((cache / existing).glob("part-*.parquet"))[0]
+    shutil.copy(planted, cache / "teachers" / "new" / planted.name)
+    before = M.load(cache)
+    code, out = _score(cache, weights, "new", capsys)
+    line = _one_line(out)
+    assert code == 2 and "teachers/new holds files no job of this table wrote (teachers/new/part-" in line, line
+    assert "refusing to adopt them" in line and "another --name" in line
+    assert M.load(cache) == before  # nothing merged
+
+
+def test_a_shard_of_another_run_beside_a_partial_job_is_refused(cache, weights, capsys, monkeypatch):
+    from opdcache.format import cache as C
+
+    stopped = {"n": 0}
+    real = C.TableJob.write_table
+
+    def stop_after_one(self, index, table):  # the job killed after its first shard
+        if stopped["n"] == 1:
+            raise KeyboardInterrupt
+        stopped["n"] += 1
+        return real(self, index, table)
+
+    monkeypatch.setattr(C.TableJob, "write_table", stop_after_one)
+    code, _ = _score(cache, weights, "partial", capsys)
+    assert code == 130
+    monkeypatch.setattr(C.TableJob, "write_table", real)
+    existing = next(t for t in M.load(cache)["tables"] if t.startswith("teachers/") and t != "teachers/partial")
+    done = sorted((cache / "teachers" / "partial").glob("part-*.parquet"))
+    assert len(done) == 1
+    other = sorted((cache / existing).glob("part-*.parquet"))[1]
+    shutil.copy(other, cache / "teachers" / "partial" / other.name)  # a shard of another table where the next one goes
+    code, out = _score(cache, weights, "partial", capsys)
+    line = _one_line(out)
+    assert code == 2 and f"teachers/partial/{other.name} was not written by this job" in line and "a shard of another run" in line, line
+
+
+@pytest.mark.parametrize("record", [
+    "rollouts-model",  # names another table: would rewrite the rollouts' recorded model
+    "replace-teacher",  # names the teacher table of its folder's neighbour
+    "list", "no-table", "new-table-no-shards",
+])
+def test_a_planted_table_record_is_never_merged(cache, weights, capsys, record):
+    manifest = M.load(cache)
+    existing = next(t for t in manifest["tables"] if t.startswith("teachers/"))
+    folder = cache / "teachers" / "zzz"
+    folder.mkdir()
+    if record == "rollouts-model":
+        entry = json.loads(json.dumps(manifest["tables"]["rollouts"]))
+        entry["model"] = {"name_or_path": "/planted/model"}
+        content = {"table": "rollouts", "entry": entry}
+    elif record == "replace-teacher":
+        entry = json.loads(json.dumps(manifest["tables"][existing]))
+        entry["shards"] = entry["shards"][:1]
+        content = {"table": existing, "entry": entry}
+    elif record == "list":
+        content = [1, 2]
+    elif record == "no-table":
+        content = {"entry": {}}
+    else:  # a well-formed record of its own folder, beside no shard
+        entry = json.loads(json.dumps(manifest["tables"][existing]))
+        entry["shards"] = [{**s, "path": s["path"].replace(existing, "teachers/zzz")} for s in entry["shards"]]
+        content = {"table": "teachers/zzz", "entry": entry}
+    (folder / "_table.json").write_text(json.dumps(content))
+    code, out = _score(cache, weights, "fresh", capsys)
+    assert code == 0 and "Traceback" not in out, out
+    assert "finalize: not merged: " in out and "teachers/zzz/_table.json" in out
+    after = M.load(cache)
+    assert after["tables"]["rollouts"] == manifest["tables"]["rollouts"]
+    assert after["tables"][existing] == manifest["tables"][existing]
+    assert set(after["tables"]) == set(manifest["tables"]) | {"teachers/fresh"}
+    code, out = _cli(["validate", cache], capsys)
+    assert code == 0 and "teachers/zzz/_table.json" in out and "a table record no finalize merges" in out, out
