@@ -13,7 +13,8 @@ from opdcache.training.estimators import ESTIMATORS
 
 T = O.Fields("opdcache.training.trainconfig", "TrainConfig")
 C = O.Fields("opdcache.training.losses", "Corrections")
-CORRECTIONS = ("tis_cap", "reject_k", "reject_threshold", "trust_band")  # the Corrections fields train's flags set
+CORRECTIONS = ("tis_cap", "reject_k", "reject_threshold", "trust_band", "band_low", "band_high", "dual_clip", "band_cap")
+"""The Corrections fields (every one) that train's flags set."""
 REQUIRED = "Required (here or in --config)."
 
 
@@ -66,6 +67,10 @@ def train(
     reject_k: Annotated[Optional[str], C.option("reject_k")] = None,
     reject_threshold: Annotated[Optional[float], C.option("reject_threshold")] = None,
     trust_band: Annotated[Optional[bool], C.option("trust_band")] = None,
+    band_low: Annotated[Optional[float], C.option("band_low")] = None,
+    band_high: Annotated[Optional[float], C.option("band_high")] = None,
+    dual_clip: Annotated[Optional[float], C.option("dual_clip")] = None,
+    band_cap: Annotated[Optional[float], C.option("band_cap")] = None,
     checkpoint_every: Annotated[Optional[int], T.option("checkpoint_every")] = None,
     checkpoint: Annotated[Optional[str], T.option("checkpoint")] = None,
     save_dtype: Annotated[Optional[str], T.option("save_dtype")] = None,
@@ -88,6 +93,14 @@ def train(
     gradient_checkpointing: Annotated[Optional[bool], T.option("gradient_checkpointing")] = None,
     pack: Annotated[Optional[bool], T.option("pack", "--pack/--no-pack")] = None,
     fsdp: Annotated[Optional[bool], T.option("fsdp")] = None,
+    weight_decay: Annotated[Optional[float], T.option("weight_decay")] = None,
+    beta1: Annotated[Optional[float], T.option("beta1")] = None,
+    beta2: Annotated[Optional[float], T.option("beta2")] = None,
+    max_grad_norm: Annotated[Optional[float], T.option("max_grad_norm")] = None,
+    topk_support: Annotated[Optional[str], T.option("topk_support")] = None,
+    num_loader_workers: Annotated[Optional[int], T.option("num_loader_workers")] = None,
+    max_new_tokens: Annotated[Optional[int], T.option("max_new_tokens")] = None,
+    temperature: Annotated[Optional[float], T.option("temperature")] = None,
     stop_after: Annotated[Optional[int], typer.Option("--stop-after", hidden=True)] = None,
     progress: Annotated[Optional[bool], T.option("progress", "--progress/--no-progress")] = None,
 ) -> None:

@@ -331,3 +331,24 @@ def test_the_learner_is_trains_settings_and_a_recorded_run_keeps_its_identity():
         AsyncConfig(learner=learner("m", pack=True), teacher=Path("t"), prompts=p, out=Path("o"))
     with pytest.raises(ConfigError, match="no KL penalty to pi_ref .* got kl_coef 1.0"):
         AsyncConfig(learner=TrainConfig(model=Path("m"), cache="", out=Path(), loss="is"), teacher=Path("t"), prompts=p, out=Path("o"))
+
+
+def test_a_run_record_from_before_a_setting_resumes_with_its_default(tmp_path, capsys):
+    """An upgrade adds a setting: the run.json written before it lacks it, which takes its default (said once); given
+    another value, the difference is refused."""
+    from opdcache.asyncopd.run import _begin
+    from opdcache.errors import ResumeError
+
+    def cfg(**kw):
+        return AsyncConfig(learner=learner("/m/student", steps=4, batch_size=4, lr=1e-4, **kw), teacher=Path("/m/teacher"),
+                           prompts=PromptConfig(Path("/p.jsonl")), out=tmp_path, sampling=FAST, device="cpu", threads=1)
+
+    _begin(cfg())
+    record = json.loads((tmp_path / "run.json").read_text())
+    del record["identity"]["weight_decay"]  # written by a version before the setting
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    with pytest.raises(ResumeError, match=r"other settings \(weight_decay: 0.1 -> 0.5\)"):
+        _begin(cfg(weight_decay=0.5))
+    capsys.readouterr()
+    _begin(cfg())
+    assert "predates the settings weight_decay = 0.1" in capsys.readouterr().err

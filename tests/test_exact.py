@@ -439,6 +439,28 @@ def test_validate_requires_the_arithmetic_record(exact_cache, tmp_path, capsys):
     assert code == 1 and "lacks torch" in text
 
 
+@pytest.mark.parametrize("record", ["made-up", 7, "string"], ids=["unknown-name", "number", "record-a-string"])
+def test_an_exact_record_of_another_arithmetic_or_type_is_one_line_everywhere(exact_cache, weights, tmp_path, capsys, record):
+    root = tmp_path / "cache"
+    shutil.copytree(exact_cache, root)
+    manifest = json.loads((root / "opdcache.json").read_text())
+    if record == "string":
+        manifest["tables"]["rollouts"]["model"]["exact"] = "cpu-float64"
+    else:
+        manifest["tables"]["rollouts"]["model"]["exact"]["arithmetic"] = record
+    (root / "opdcache.json").write_text(json.dumps(manifest))
+    code, text = _cli(["validate", root], capsys)
+    assert code == 1 and ("model/exact is 'cpu-float64', not a record naming its arithmetic" in text if record == "string"
+                          else "not a record naming its arithmetic" in text if record == 7
+                          else "which this opdcache does not implement" in text), text
+    for args in (["train", "--model", weights / "student", "--cache", root, "--exact", "--steps", "1", "--batch-size", "4",
+                  "--out", tmp_path / "run", "--no-progress"],
+                 ["audit", root, "--table", "rollouts", "--rows", "2"]):
+        code, text = _cli(args, capsys)
+        lines = [l for l in text.strip().splitlines() if l.startswith("error")]
+        assert code in (1, 2) and "Traceback" not in text and len(lines) == 1, (args[0], text[-2000:])
+
+
 def test_a_consumed_batch_that_cannot_be_sampled_again_is_refused(tmp_path, weights, opd_prompts):
     from opdcache.asyncopd.config import AsyncConfig, learner
     from opdcache.asyncopd.run import _check_regenerable

@@ -191,3 +191,22 @@ def test_a_docstring_that_only_uses_the_word_default_still_gets_its_default_prin
     assert "default equal" in weights and weights.endswith("Default: none."), weights
     messages = P.option("messages_field").help
     assert "(default: none" in messages and "Default:" not in messages, messages
+
+
+CONFIG_FILE_ONLY = {"corrections": "a nested setting: each of its fields is a flag of its own (--tis-cap, --reject-k, ...)"}
+"""TrainConfig fields that are no flag of `train`, each with its reason."""
+
+
+def test_every_training_setting_is_a_flag_or_config_file_only_with_a_reason():
+    """9 of TrainConfig's 49 fields had no flag (and an error message named --topk-support, which did not exist)."""
+    import dataclasses
+
+    from opdcache.training.losses import Corrections
+    from opdcache.training.trainconfig import TrainConfig
+
+    flags = {p.name for p in COMMAND.commands["train"].params}
+    unreachable = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in flags and f.name not in CONFIG_FILE_ONLY]
+    assert unreachable == []
+    assert [f.name for f in dataclasses.fields(Corrections) if f.name not in flags] == []
+    assert all(CONFIG_FILE_ONLY.values())
+    assert "--topk-support" in _help("train")

@@ -4,6 +4,7 @@ in a cache is never adopted or merged by score-teacher, and validate names it.""
 import json
 import shutil
 
+import pyarrow.parquet as pq
 import pytest
 
 from opdcache.cli.main import main
@@ -112,3 +113,67 @@ def test_a_planted_table_record_is_never_merged(cache, weights, capsys, record):
     assert set(after["tables"]) == set(manifest["tables"]) | {"teachers/fresh"}
     code, out = _cli(["validate", cache], capsys)
     assert code == 0 and "teachers/zzz/_table.json" in out and "a table record no finalize merges" in out, out
+
+
+def _claim_one_more_row(cache, rel: str) -> int:
+    """Rewrite the footer of shard ``rel`` to claim one row more than its data holds (the file's and the row group's
+    row counts, each a Thrift compact i64 field 3 after field 2, zigzag varint: the first and last such bytes of the
+    footer; the columns' value counts between them stay true), and make the manifest agree with the footer (rows,
+    bytes, sha256), as a hostile writer would."""
+    import hashlib
+
+    path = cache / rel
+    rows = pq.ParquetFile(path).metadata.num_rows
+    assert rows < 63  # one-byte varints
+    data = bytearray(path.read_bytes())
+    start = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+    old, new = bytes([0x16, rows << 1]), bytes([0x16, (rows + 1) << 1])
+    first, last = data.find(old, start), data.rfind(old, start)
+    assert start <= first < last
+    data[first:first + 2], data[last:last + 2] = new, new
+    path.write_bytes(bytes(data))
+    assert pq.ParquetFile(path).metadata.num_rows == rows + 1
+    manifest = M.load(cache)
+    for table in manifest["tables"].values():
+        for info in table["shards"]:
+            if info["path"] == rel:
+                info.update(rows=rows + 1, bytes=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    M.save(cache, manifest)
+    return rows
+
+
+def test_a_footer_claiming_more_rows_than_its_data_is_refused_by_every_reader(cache, weights, tmp_path, capsys):
+    rel = M.load(cache)["tables"]["rollouts"]["shards"][0]["path"]
+    rows = _claim_one_more_row(cache, rel)
+    want = f"its data decodes to {rows:,} rows, its footer says {rows + 1:,}"
+    code, out = _cli(["validate", cache], capsys)
+    assert code == 1 and want in out, out
+    for args in (["export", cache, "--to", "jsonl", "--out", tmp_path / "x"],
+                 ["train", "--model", weights / "student", "--cache", cache, "--out", tmp_path / "run", "--steps", "1",
+                  "--batch-size", "48", "--no-progress"],
+                 ["train", "--model", weights / "student", "--cache", cache, "--out", tmp_path / "run2", "--steps", "1",
+                  "--batch-size", "48", "--no-pack", "--no-progress"]):
+        code, out = _cli(args, capsys)
+        line = _one_line(out)
+        assert code == 2 and want in line, (args[0], line)
+
+
+def test_export_never_writes_a_non_json_nan(cache, tmp_path, capsys):
+    import hashlib
+
+    import pyarrow as pa
+
+    manifest = M.load(cache)
+    name = next(t for t in manifest["tables"] if t.startswith("teachers/"))
+    info = manifest["tables"][name]["shards"][0]
+    path = cache / info["path"]
+    table = pq.read_table(path)
+    rows = table.to_pylist()
+    rows[0]["logprobs"][0] = float("nan")
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path)
+    info.update(bytes=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    M.save(cache, manifest)
+    code, out = _cli(["export", cache, "--to", "jsonl", "--teacher", name.split("/", 1)[1], "--out", tmp_path / "x"], capsys)
+    line = _one_line(out)
+    assert code == 2 and ("NaN" in line or "non-finite" in line), line
+    assert not any("NaN" in p.read_text() for p in (tmp_path / "x").rglob("*") if p.is_file())

@@ -107,7 +107,9 @@ def test_what_cannot_be_combined_is_one_line(two_teachers, weights, tmp_path, ca
     base = dict(cache=two_teachers, model=weights / "student", out=tmp_path / "x")
     cases = [
         (dict(teacher="teacher,teacher_carry", teacher_weights=(1.0,)), "--teacher-weights takes one weight per teacher of --teacher (2), got 1"),
-        (dict(teacher="teacher,teacher_carry", teacher_weights=(-1.0, 2.0)), "--teacher-weights must be at least 0 and not all 0"),
+        (dict(teacher="teacher,teacher_carry", teacher_weights=(-1.0, 2.0)), "--teacher-weights must be finite, at least 0, not all 0"),
+        (dict(teacher="teacher,teacher_carry", teacher_weights=(float("inf"), 1.0)), "--teacher-weights must be finite"),
+        (dict(teacher="teacher,teacher_carry", teacher_weights=(1e308, 1e308)), "of a finite sum, got 1e+308, 1e+308"),
         (dict(teacher="teacher", teacher_route="domain"), "--teacher-route routes rows among several teachers"),
         (dict(teacher="teacher,teacher_carry", teacher_route="domain", teacher_weights=(1.0, 1.0)), "--teacher-route gives each row one teacher"),
         (dict(teacher="teacher,,x"), "--teacher takes distinct table names separated by commas"),
@@ -145,3 +147,35 @@ def test_several_teachers_pack_as_they_pad(two_teachers, weights, tmp_path, mix)
     padded = _first_loss(two_teachers, weights, tmp_path / "padded", teacher="teacher,teacher_carry", **mix)
     packed = _first_loss(two_teachers, weights, tmp_path / "packed", teacher="teacher,teacher_carry", pack=True, **mix)
     assert packed == pytest.approx(padded, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("route", [False, True], ids=["mixed", "routed"])
+def test_each_teachers_clip_fraction_is_logged_under_its_name_and_the_mix_is_the_mixs(two_teachers, weights, tmp_path, route):
+    """The logged clip_fraction was the first teacher's alone (0.0082 for a mix whose second teacher clips 85%)."""
+    import torch
+
+    from opdcache.training import objective as O
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
+    from opdcache.training.estimators import ESTIMATORS
+    from opdcache.training.trainconfig import TrainConfig
+
+    extra = dict(teacher_route="domain") if route else dict(teacher_weights=(0.25, 0.75))
+    cfg = TrainConfig(cache=two_teachers, model=weights / "student", out=tmp_path / "r", teacher="teacher,teacher_carry", tau=0.5, **extra)
+    batch = next(iter(CacheLoader(CacheLoaderConfig(cache=two_teachers, teacher="teacher", more_teachers=("teacher_carry",),
+                                                    route_field="domain" if route else None, batch_size=16, shuffle=False))))
+    batch = O.prepare_batch(batch, torch.device("cpu"), two_teachers)
+    mask = batch["response_mask"]
+    s = torch.where(mask.bool(), torch.full_like(mask, -1.5), torch.zeros(()))
+    _, _, stats = O.estimator_terms(cfg, batch, s, None, mask.bool(), None, None)
+    clipped = [ESTIMATORS["lightning"].terms(cfg, O.teacher_view(batch, i), s, None, None, None)[1]["clipped"].float() for i in range(2)]
+    if route:
+        on = [(batch["row_teacher"] == i).float() * mask for i in range(2)]
+        own = [float((clipped[i] * on[i]).sum() / on[i].sum()) for i in range(2)]
+        mix = float(((clipped[0] * on[0] + clipped[1] * on[1])).sum() / mask.sum())
+    else:
+        own = [float((c * mask).sum() / mask.sum()) for c in clipped]
+        mix = 0.25 * own[0] + 0.75 * own[1]
+    assert own[0] != pytest.approx(own[1], abs=1e-3)  # the two teachers clip differently
+    assert stats["teacher/clip_fraction"] == pytest.approx(own[0], rel=1e-6)
+    assert stats["teacher_carry/clip_fraction"] == pytest.approx(own[1], rel=1e-6)
+    assert stats["clip_fraction"] == pytest.approx(mix, rel=1e-6)

@@ -56,10 +56,17 @@ def _begin(cfg: AsyncConfig) -> None:
         old = read_json(path, str(path), ResumeError)
         if not isinstance(old, dict) or not isinstance(old.get("identity"), dict):
             raise ResumeError(f"{path} is not an opdcache async run record (no identity); use a new --out or delete {cfg.out}")
-        diff = config_diff(old["identity"], record["identity"])
+        from opdcache.training.checkpoint import setting_defaults
+
+        defaults = {**setting_defaults(cfg.learner), **setting_defaults(cfg)}
+        predates = sorted(k for k in record["identity"] if k not in old["identity"] and k in defaults)
+        diff = config_diff({**{k: defaults[k] for k in predates}, **old["identity"]}, record["identity"])
         if diff:
             raise ResumeError(f"{cfg.out} holds an async run with other settings ({settings_summary(diff)}); rerun with the original "
                               f"settings to resume, or use a new --out (or delete {cfg.out})")
+        if predates:
+            print(f"async: {path} predates the settings {', '.join(f'{k} = {defaults[k]!r}' for k in predates)}: the run "
+                  "was started with their defaults", file=sys.stderr)
     storage.write_text_atomic(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 

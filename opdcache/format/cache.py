@@ -122,28 +122,39 @@ class TableJob:
             raise ManifestError(f"{path} is inconsistent (its fingerprint does not match its config); rerun the job")
         return job
 
-    def begin(self) -> None:
-        """Record this job's settings, or check them against a partial run's; refuse a change."""
+    def _check_recorded(self) -> bool:
+        """Refuse a change against the settings the finished table or the partial run's job file records; True when a
+        job file is there."""
         if M.exists(self.root):
             done = M.load(self.root)["tables"].get(self.table)
             if done is not None:
                 self._refuse_if_changed(done["config"], done["config_fingerprint"], "the finished cache")
         job_file = storage.confined_write(self.root, self.dir / JOB_FILE)  # no folder of the table leads outside the cache
-        if job_file.is_file():
-            old = read_json(storage.confined(self.root, job_file), str(job_file), ManifestError)
-            if not isinstance(old, dict) or not isinstance(old.get("config"), dict) or not isinstance(old.get("config_fingerprint"), str):
-                raise ManifestError(f"{job_file} is not a job record opdcache wrote; delete {self.dir} to start the table over")
-            self._refuse_if_changed(old["config"], old["config_fingerprint"], "the partial run")
-        else:
+        if not job_file.is_file():
+            return False
+        old = read_json(storage.confined(self.root, job_file), str(job_file), ManifestError)
+        if not isinstance(old, dict) or not isinstance(old.get("config"), dict) or not isinstance(old.get("config_fingerprint"), str):
+            raise ManifestError(f"{job_file} is not a job record opdcache wrote; delete {self.dir} to start the table over")
+        self._refuse_if_changed(old["config"], old["config_fingerprint"], "the partial run")
+        return True
+
+    def begin(self) -> None:
+        """Record this job's settings, or check them against a partial run's; refuse a change."""
+        if not self._check_recorded():
+            job_file = self.dir / JOB_FILE
             self._refuse_strays()
             storage.write_text_atomic(job_file, json.dumps(self._job_record(), indent=2, sort_keys=True) + "\n")
 
     def _refuse_strays(self) -> None:
         """A job that has not started (no job file) starts in an empty folder: shards, records or side files already
-        there were put by someone else, and are refused, never adopted. (An object store lists keys under the prefix.)"""
+        there were put by someone else, and are refused, never adopted; what an earlier run of the same job left (its
+        fingerprint in a shard's footer or a record) is its own. (An object store lists keys under the prefix.)"""
         if (self.dir / JOB_FILE).is_file() or not self.dir.is_dir() or (M.exists(self.root) and self.table in M.load(self.root)["tables"]):
             return
-        stray = sorted(p.relative_to(self.root).as_posix() for p in self.dir.rglob("*") if p.is_file() or p.is_symlink())
+        files = sorted(p for p in self.dir.rglob("*") if p.is_file() or p.is_symlink())
+        ours = [p for p in files if self._written_by_this_job(p)]
+        side = set(SIDE_FILE_OF_STORE.values())
+        stray = [p.relative_to(self.root).as_posix() for p in files if p not in ours and not (ours and p.name in side)]
         if stray:
             raise ResumeError(f"{self.dir} holds files no job of this table wrote ({', '.join(stray[:3])}"
                               f"{', ...' if len(stray) > 3 else ''}); refusing to adopt them. Delete {self.dir}, or "
@@ -169,9 +180,26 @@ class TableJob:
             return False
         fp = (shards.read_schema(storage.confined(self.root, path)).metadata or {}).get(S.META_CONFIG_FP, b"").decode(errors="replace")
         if fp != self.fingerprint:
+            self._check_recorded()  # a rerun with other settings: the difference is the clearer message
             raise ResumeError(f"{path} was not written by this job (its config fingerprint {fp[:12]!r} is not the job's "
                               f"{self.fingerprint[:12]}...: a shard of another run); refusing to adopt it. Delete it and rerun")
         return True
+
+    def _written_by_this_job(self, path) -> bool:
+        """A shard or table record of an earlier run of this job (its job file gone: the run finished, then its
+        manifest was lost): it carries this job's config fingerprint. A side file beside such shards is taken with them."""
+        if path.is_symlink():
+            return False
+        try:
+            if path.name == TABLE_RECORD:
+                rec = read_json(storage.confined(self.root, path), str(path), ManifestError)
+                return isinstance(rec, dict) and isinstance(rec.get("entry"), dict) and rec["entry"].get("config_fingerprint") == self.fingerprint
+            if M.SHARD_FILE.fullmatch(path.name):
+                meta = shards.read_schema(storage.confined(self.root, path)).metadata or {}
+                return meta.get(S.META_CONFIG_FP, b"").decode(errors="replace") == self.fingerprint
+        except (OSError, ValueError):
+            return False
+        return False
 
     def pending(self, num_workers: int = 1, worker_index: int = 0) -> list[int]:
         self._refuse_strays()

@@ -84,8 +84,8 @@ def export(cache_root: str | Path, to: str, out: str | Path, teacher: str | None
                 refused += bad
             rows_written += len(rows)
             if sink is not None:
-                for row in rows:
-                    sink.write(json.dumps(row) + "\n")
+                for j, row in enumerate(rows):
+                    sink.write(_json_line(row, f"{rollout_paths[i]} row {j}", cache_root) + "\n")
             else:
                 import pyarrow as pa
 
@@ -183,3 +183,14 @@ def _rows(cache, base: str, table: str | None, index: int, tokenizer) -> list[di
         row["prompt_text"] = tokenizer.decode(row["prompt_ids"])
         row["response_text"] = tokenizer.decode(row["response_ids"])
     return rows
+
+
+def _json_line(row: dict, where: str, cache_root) -> str:
+    """One JSON line of a row; a value JSON cannot carry (NaN, infinity: only a cache that breaks its rules holds one)
+    is refused, naming the row and column, never written as non-JSON ``NaN``."""
+    try:
+        return json.dumps(row, allow_nan=False)
+    except ValueError:
+        bad = next((k for k, v in row.items() if "NaN" in json.dumps(v) or "Infinity" in json.dumps(v)), "?")
+        raise SchemaError(f"{where}: column {bad} holds a NaN or infinite value, which JSON cannot carry (a cache "
+                          f"that breaks its rules); run `opdcache validate {cache_root}`") from None

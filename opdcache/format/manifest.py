@@ -251,7 +251,25 @@ def check(manifest: dict, where: str = MANIFEST_NAME) -> dict:
         raise ManifestError(f"{where}: {quote(path)}: {quote(exc.message, 400)}")
     _check_paths(manifest, where)
     _check_numbers(manifest, where)
+    _check_records(manifest, where)
     return manifest
+
+
+def _check_records(manifest: dict, where: str) -> None:
+    """The model record's parts that commands branch on have their types: ``model`` an object, ``model.exact`` absent,
+    false or an object whose ``arithmetic`` is a name (the frozen schemas leave the record open)."""
+    for name, entry in manifest["tables"].items():
+        model = entry.get("model")
+        if model is None:
+            continue
+        if not isinstance(model, dict):
+            raise ManifestError(f"{where}: tables/{name}/model is {quote(model, 80)}, not an object; the manifest is damaged")
+        exact = model.get("exact")
+        if exact in (None, False):
+            continue
+        if not isinstance(exact, dict) or not isinstance(exact.get("arithmetic"), str):
+            raise ManifestError(f"{where}: tables/{name}/model/exact is {quote(exact, 80)}, not a record naming its arithmetic; "
+                                "the manifest is damaged (run `opdcache validate`, or re-pull the cache)")
 
 
 @functools.cache

@@ -312,6 +312,9 @@ def read_table(path, columns: Iterable[str] | None = None, rows: int | None = No
     check_pages(path, pf, nbytes, cols, where)
     nullable = check_types(pf.schema_arrow, cols, where)
     table = pf.read(columns=cols)
+    if table.num_rows != pf.metadata.num_rows:  # the rows are what the bytes decode to; a footer claiming others lies
+        raise SchemaError(f"{where}: its data decodes to {table.num_rows:,} rows, its footer says {pf.metadata.num_rows:,}; "
+                          "the shard is damaged or hostile: rebuild it, or re-pull the cache")
     check_nulls(table, nullable, where)
     check_rows(table, where, max_row_tokens)
     return table

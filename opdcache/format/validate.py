@@ -187,6 +187,13 @@ def _check_arithmetic_record(name: str, entry: dict, out: _Collector) -> None:
     if missing:
         out.add(M.MANIFEST_NAME, f"table {name} was computed by the exact engine but its record lacks {', '.join(missing)}: "
                                  "audit could not re-create its arithmetic")
+        return
+    from opdcache.exact import ARITHMETICS
+
+    if not isinstance(record["arithmetic"], str) or record["arithmetic"] not in ARITHMETICS:
+        out.add(M.MANIFEST_NAME, f"table {name} records the exact arithmetic {str(record['arithmetic'])[:80]!r}, which this "
+                                 f"opdcache does not implement ({', '.join(sorted(ARITHMETICS))}): neither train --exact nor "
+                                 "audit can re-create it")
 
 
 def _check_side_files(root: Path, name: str, entry: dict, params: S.StoreParams, out: _Collector) -> None:

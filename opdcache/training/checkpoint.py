@@ -189,8 +189,9 @@ def save(trainer) -> dict | None:
     return model_sd
 
 
-def _setting_defaults(cfg) -> dict:
-    """Each setting's default, in the JSON form the checkpoint records (a field without one: absent)."""
+def setting_defaults(cfg) -> dict:
+    """Each setting's default (the fields of the dataclass or dataclass instance ``cfg``), in the JSON form a
+    checkpoint or a run record holds (a field without one: absent)."""
     out = {}
     for f in fields(cfg):
         if f.default is not MISSING:
@@ -215,7 +216,7 @@ def settings_diff(saved: dict, mine: dict, defaults: dict | None = None) -> tupl
 
 
 def _same_settings(ckpt: Path, state: dict, cfg, report: bool = False) -> None:
-    diff, predates = settings_diff(state["config"], json.loads(json.dumps(asdict(cfg), default=str)), _setting_defaults(cfg))
+    diff, predates = settings_diff(state["config"], json.loads(json.dumps(asdict(cfg), default=str)), setting_defaults(cfg))
     if diff:
         raise ConfigError(f"{ckpt} was written with different settings ({', '.join(diff)}); use the original settings to resume, "
                           "or a new --out")

@@ -67,8 +67,10 @@ class Estimator:
         return self.teacher_stores, self.rollout_stores
 
 
-def _clip_fraction(st: dict, mask) -> dict:
-    return {"clip_fraction": float((st["clipped"] * mask).sum() / mask.sum())}
+def clip_stats(st: dict, mask) -> dict:
+    """``clip_fraction``: the share of the tokens in ``mask`` whose term was clipped (a weighted share where ``clipped``
+    holds the weights of several teachers' clipped terms); 0 over no tokens."""
+    return {"clip_fraction": float((st["clipped"] * mask).sum() / mask.sum().clamp_min(1))}
 
 
 def group_ends(batch):
@@ -81,7 +83,7 @@ def _lightning(cfg, batch, s, s_K, div_N, support):
     from opdcache.training import losses as L
 
     terms, st = L.lightning_terms(s, batch["teacher_logprobs"], cfg.tau, group_ends(batch))
-    return terms, st, _clip_fraction(st, batch["response_mask"])
+    return terms, st, clip_stats(st, batch["response_mask"])
 
 
 def _uld(cfg, batch, s, s_K, div_N, support):
@@ -129,7 +131,7 @@ def _ppo(cfg, batch, s, s_K, div_N, support):
     from opdcache.training import losses as L
 
     terms, st = L.ppo_terms(s, batch["sampling_logprobs"], batch["teacher_logprobs"], batch["ref_logprobs"], cfg.ppo_clip)
-    return terms, st, _clip_fraction(st, batch["response_mask"])
+    return terms, st, clip_stats(st, batch["response_mask"])
 
 
 def _mc(cfg, batch, s, s_K, div_N, support):

@@ -16,7 +16,7 @@ from opdcache.format.schema import PAD_ID
 from opdcache.format.shards import PADDED
 from opdcache.inputs.errortokens import error_token_mask
 from opdcache.training import losses as L
-from opdcache.training.estimators import ESTIMATORS, group_ends
+from opdcache.training.estimators import ESTIMATORS, clip_stats, group_ends
 
 PADDED_TEACHER = {"teacher_" + lp: "teacher_" + ids for lp, ids in PADDED.items()}
 
@@ -138,12 +138,24 @@ def estimator_terms(cfg, batch: dict, s: torch.Tensor, lp_NK: torch.Tensor, sel:
     weights = teacher_weights(cfg, batch)
     if weights is None:
         return ESTIMATORS[cfg.loss].terms(cfg, batch, s, s_K, div_N, support)
-    terms, first = 0, None  # several teachers: the weighted sum of each teacher's terms
+    # several teachers: the weighted sum of each teacher's terms; the per-token tensors the estimator returns mixed
+    # the same way (so the logged clip_fraction is the mix's: its routed teacher's, or the weighted share), and each
+    # teacher's own numbers logged under its table name (over its routed tokens, or all of them when mixed)
+    terms, mixed, stats, mask = 0, {}, {}, batch["response_mask"]
+    names = getattr(cfg, "teachers", ())
     for i, w in enumerate(weights):
         terms_i, st_i, stats_i = ESTIMATORS[cfg.loss].terms(cfg, teacher_view(batch, i), s, s_K, div_N, support)
         terms = terms + w * terms_i
-        first = first or (st_i, stats_i)
-    return terms, first[0], first[1]
+        for k, v in st_i.items():  # the teachers' weights sum to 1 at each token: a number of the student alone stays itself
+            if torch.is_tensor(v) and v.shape == mask.shape:
+                mixed[k] = mixed.get(k, 0) + w * v
+            else:
+                mixed.setdefault(k, v)
+        own = clip_stats(st_i, mask * (w > 0)) if "clipped" in st_i else stats_i
+        stats.update({f"{names[i]}/{k}": v for k, v in own.items()})
+    if "clipped" in mixed:
+        stats.update(clip_stats(mixed, mask))
+    return terms, mixed, stats
 
 
 def merge_stats(parts: list[tuple[dict, float]]) -> dict:

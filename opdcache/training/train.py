@@ -8,7 +8,9 @@ signals come from the cache. ``online=True`` instead samples fresh rollouts from
 scores them with a live teacher every step, with the same estimator and settings.
 
 Logged every step (metrics.jsonl): loss; mean and std of the per-token importance weight
-pi_theta/pi_ref = exp(s - r) (papers/000 Fig. 3a); advantage (T - s) mean and std; ``clip_fraction`` (lightning: tokens with |T - s| > tau);
+pi_theta/pi_ref = exp(s - r) (papers/000 Fig. 3a); advantage (T - s) mean and std; ``clip_fraction`` (lightning: tokens with |T - s| > tau;
+with several teachers the mix's, the teachers' clipped terms weighted as in the loss, and each teacher's own as
+``<table>/clip_fraction``, over the tokens routed to it or, when mixed, all of them);
 K1 = mean(r - s) and K3 = mean(exp(s - r) - 1 - (s - r)), estimates of KL(pi_ref || pi_theta) from pi_ref's samples.
 Online, r is pi_ref's log-prob scored live when ``kl_coef > 0`` (the weight is then pi_theta/pi_ref on the student's own
 samples), and the sampler's own log-prob otherwise (weight 1, K1 0 by construction);

@@ -230,8 +230,9 @@ class TrainConfig:
             object.__setattr__(self, "teacher_weights", weights)
             if len(names) < 2 or len(weights) != len(names):
                 raise ConfigError(f"--teacher-weights takes one weight per teacher of --teacher ({len(names)}), got {len(weights)}")
-            if not all(w >= 0 for w in weights) or not sum(weights) > 0:
-                raise ConfigError(f"--teacher-weights must be at least 0 and not all 0, got {', '.join(map(str, weights))}")
+            if not all(0 <= w < math.inf for w in weights) or not 0 < sum(weights) < math.inf:
+                raise ConfigError(f"--teacher-weights must be finite, at least 0, not all 0 and of a finite sum, got "
+                                  f"{', '.join(map(str, weights))}")
         if self.teacher_route is not None:
             if len(names) < 2:
                 raise ConfigError("--teacher-route routes rows among several teachers: name them in --teacher (a,b)")
