@@ -235,7 +235,7 @@ def _lie_in_footer(path, true_values: int, claimed: int) -> None:
 
 @pytest.mark.parametrize("values, refusal", [
     (5_000_000, "its pages hold 5,000,000 values, its footer says 512: refused before decoding"),  # 20 MB decoded
-    (20_000_000, r"its pages decompress to more than 67,\d+,\d+ bytes \(64x its [\d,]+ bytes on disk \+ 64 MiB\)"),  # 80 MB
+    (20_000_000, r"its pages decode to more than 67,\d+,\d+ bytes \(64x its [\d,]+ bytes on disk \+ 64 MiB\)"),  # 80 MB
 ])
 def test_a_page_holding_more_values_than_its_footer_says_is_refused_before_decoding(tmp_path, values, refusal):
     import numpy as np
@@ -269,7 +269,7 @@ def test_pages_that_decompress_far_beyond_the_files_bytes_are_refused(tmp_path, 
     with pytest.raises(SchemaError, match="not an opdcache shard"):  # 16 MB from a few KB is within the floor: the page check
         shards.read_table(path)                                        # passes, and the next check refuses a foreign file
     monkeypatch.setattr(pagecheck, "EXPANSION_FLOOR", 1 << 20)
-    with pytest.raises(SchemaError, match=r"pages decompress to more than .* \(64x its .* bytes on disk \+ 1 MiB\)"):
+    with pytest.raises(SchemaError, match=r"pages decode to more than .* \(64x its .* bytes on disk \+ 1 MiB\)"):
         shards.read_table(path)
 
 
@@ -527,3 +527,25 @@ def test_a_huge_string_is_refused_row_by_row(tmp_path, monkeypatch):
         shardcheck.check_rows(table.drop_columns(["task"]), "t.parquet", max_row_tokens=1)
     shardcheck.check_rows(table.slice(2), "t.parquet", max_row_tokens=1)  # an offset slice: rows counted from its start
     pq.write_table(table, tmp_path / "t.parquet")
+
+
+def test_a_run_length_bomb_agreed_by_footer_and_manifest_is_refused_before_decoding(tmp_path):
+    """64 rows of a million zero tokens: a few KB on disk, their pages a few KB decompressed (run-length and dictionary
+    encoded), 256 MB decoded; the footer's counts are true, so only the decoded size can refuse it."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from opdcache.errors import SchemaError
+    from opdcache.format import pagecheck, shards
+
+    path = tmp_path / "rle.parquet"
+    pq.write_table(pa.table({"response_ids": pa.array([np.zeros(1_000_000, np.int32)] * 64, pa.list_(pa.int32()))}), path,
+                   compression="zstd")
+    assert path.stat().st_size < 200_000
+    pf = pq.ParquetFile(path)
+    with open(path, "rb") as f:
+        with pytest.raises(pagecheck.PageError, match=r"its pages decode to more than [\d,]+ bytes \(64x its"):
+            pagecheck.check_pages(f, pf.metadata, path.stat().st_size, ["response_ids"])
+    with pytest.raises(SchemaError, match="decode to more than"):
+        shards.read_table(path, ["response_ids"])

@@ -8,7 +8,9 @@ loaded) and the shard is refused, in one line, when
 
 * a column chunk's pages hold another number of values than its footer says,
 * a page would decompress to more than MAX_PAGE_BYTES, or
-* all its pages together would decompress to more than MAX_EXPANSION x the shard's bytes on disk + EXPANSION_FLOOR.
+* all its pages together would decode to more than MAX_EXPANSION x the shard's bytes on disk + EXPANSION_FLOOR: a data
+  page counts the larger of its decompressed size and its values times their width (run-length and dictionary
+  encodings make a page of 10^6 zeros a few bytes decompressed, and 4 MB decoded).
 
 With the footer's counts then true, the decoded size is bounded by a stated function of the bytes actually on disk.
 """
@@ -22,6 +24,9 @@ MAX_EXPANSION = 64  # decompressed bytes per byte on disk over a whole shard (op
 EXPANSION_FLOOR = 64 << 20  # small shards may expand more than MAX_EXPANSION: a bound that costs little at any size
 MAX_HEADER_BYTES = 1 << 16  # a page header with its statistics; longer is not a header opdcache reads
 DATA_PAGE, INDEX_PAGE, DICTIONARY_PAGE, DATA_PAGE_V2 = 0, 1, 2, 3
+VALUE_BYTES = {"BOOLEAN": 1, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8, "INT96": 12}
+"""Decoded bytes a value of each fixed-width physical type takes (an Arrow boolean is a bit; 1 bounds it); byte arrays
+count their decompressed bytes, and 4 bytes of each value's offset."""
 
 
 class PageError(ValueError):
@@ -145,7 +150,7 @@ def _header_at(source, pos: int, end: int) -> tuple[dict, int]:
 def check_pages(source, metadata, nbytes: int, columns: Iterable[str] | None = None) -> int:
     """Parse the page headers of every column chunk (of ``columns``, default all) of a Parquet file opened as the binary
     file object ``source`` with footer ``metadata``; raise PageError naming the column on any disagreement or excess
-    (see the module docstring); return the bytes its pages decompress to."""
+    (see the module docstring); return the bytes its pages decode to."""
     wanted = None if columns is None else set(columns)
     total = 0
     budget = MAX_EXPANSION * nbytes + EXPANSION_FLOOR
@@ -161,17 +166,20 @@ def check_pages(source, metadata, nbytes: int, columns: Iterable[str] | None = N
             if start < 0 or end > nbytes:
                 raise PageError(f"column {name}: its pages lie outside the file")
             values, pos = 0, start
+            width = VALUE_BYTES.get(col.physical_type, 4)
             while pos < end:
                 head, size = _header_at(source, pos, end)
                 if head["uncompressed"] > MAX_PAGE_BYTES:
                     raise PageError(f"column {name}: a page decompresses to {head['uncompressed']:,} bytes, over the "
                                     f"{MAX_PAGE_BYTES >> 20} MiB a page may take")
-                total += head["uncompressed"]
-                if total > budget:
-                    raise PageError(f"its pages decompress to more than {budget:,} bytes ({MAX_EXPANSION}x its {nbytes:,} bytes on "
-                                    f"disk + {EXPANSION_FLOOR >> 20} MiB) by column {name}")
+                decoded = head["uncompressed"]
                 if head["type"] in (DATA_PAGE, DATA_PAGE_V2):
                     values += head["num_values"]
+                    decoded = max(decoded, head["num_values"] * width)
+                total += decoded
+                if total > budget:
+                    raise PageError(f"its pages decode to more than {budget:,} bytes ({MAX_EXPANSION}x its {nbytes:,} bytes on "
+                                    f"disk + {EXPANSION_FLOOR >> 20} MiB) by column {name}")
                 pos += size + head["compressed"]
             if values != col.num_values:
                 raise PageError(f"column {name}: its pages hold {values:,} values, its footer says {col.num_values:,}")
