@@ -56,6 +56,7 @@ def async_(
     chat_template: O.ChatTemplate = True,
     limit: O.Limit = None,
     as_json: O.JsonOut = False,
+    report_to: Annotated[Optional[str], T.option("report_to", note="The learner's metrics.", defaults=DEFAULTS)] = None,
     progress: Annotated[Optional[bool], T.option("progress", "--progress/--no-progress")] = None,
 ) -> None:
     """Rollout, teacher scoring and learner at once over one cache, K batches stale (AsyncOPD, papers/001).

@@ -77,6 +77,7 @@ def train(
     seed: Annotated[Optional[int], T.option("seed")] = None,
     deterministic: Annotated[Optional[bool], T.option("deterministic")] = None,
     tensorboard: Annotated[Optional[bool], T.option("tensorboard")] = None,
+    report_to: Annotated[Optional[str], T.option("report_to")] = None,
     online: Annotated[Optional[bool], T.option("online", "--online/--offline")] = None,
     teacher_model: Annotated[Optional[Path], T.option("teacher_model")] = None,
     allow_other_model: Annotated[Optional[bool], T.option("allow_other_model", "--allow-other-model")] = None,

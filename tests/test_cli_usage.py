@@ -251,6 +251,34 @@ def test_tensorboard_without_its_package_is_one_line_before_the_model_loads(tmp_
                                              "(metrics.jsonl is written either way)"], err
 
 
+@pytest.mark.parametrize("tracker", ["wandb", "trackio", "mlflow", "tensorboard"])
+def test_a_tracker_without_its_library_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys, tracker):
+    import importlib.util
+
+    from opdcache.cli.main import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == tracker else real(name, *a))
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--model", str(tmp_path / "not-loaded"), "--cache", str(tmp_path / "no-cache"), "--out",
+              str(tmp_path / "run"), "--report-to", f"jsonl,{tracker}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err == [f"error: --report-to {tracker} needs the {tracker} package: pip install {tracker} "
+                                             "(metrics.jsonl is written either way)"], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_tracker_is_one_line(tmp_path, capsys):
+    from opdcache.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--model", str(tmp_path / "m"), "--cache", str(tmp_path / "c"), "--out", str(tmp_path / "run"),
+              "--report-to", "wandb,comet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err == ["error: --report-to names no tracker 'comet'; it takes jsonl, tensorboard, wandb, "
+                                             "trackio, mlflow"], err
+
+
 def test_served_engine_mistakes_are_one_line_before_any_model_loads(tmp_path, hf_cache, weights):
     """No server is needed to refuse these: a missing or malformed --server-url, one without --backend server, and a
     port nothing listens on (said before anything is written)."""

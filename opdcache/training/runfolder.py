@@ -19,7 +19,7 @@ from pathlib import Path
 
 from opdcache.errors import RunFolderError
 
-OWNED = ("checkpoint", "model", "metrics.jsonl", "tensorboard")
+OWNED = ("checkpoint", "model", "metrics.jsonl", "config.json", "tensorboard", "wandb", "mlflow.db", "mlruns")
 """The names a run writes directly under its folder (besides the checkpoint's temporaries, ``.checkpoint.*``)."""
 TEMPORARY_PREFIXES = (".checkpoint.", ".model.")
 MAX_STATE_BYTES = 16 << 20  # a trainer state holds the settings, the loader's position and one dict per param group

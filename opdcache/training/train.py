@@ -266,11 +266,15 @@ class Trainer:
         if self.rank == 0:  # rank 0 alone owns the metrics file: another rank rewriting it could truncate what rank 0 appends
             kept = [l for l in metrics_lines(cfg.out) if l["step"] <= self.step] if resumed else []
             write_text_atomic(metrics_path, "".join(json.dumps(l) + "\n" for l in kept))
-        writer = None
-        if cfg.tensorboard and self.rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
+        tracking = None
+        if self.rank == 0:  # the resolved settings beside the metrics, and every tracker besides metrics.jsonl
+            from dataclasses import asdict
 
-            writer = SummaryWriter(str(cfg.out / "tensorboard"))
+            from opdcache.training.trackers import Trackers
+
+            settings = json.loads(json.dumps(asdict(cfg), default=str))
+            write_text_atomic(cfg.out / "config.json", json.dumps(settings, indent=2, sort_keys=True) + "\n")
+            tracking = Trackers(cfg.report_to, cfg.out, settings, cfg.out.name)
         start, done_now, last = time.perf_counter(), 0, {}
         with bar(total=cfg.steps, desc=f"train {cfg.loss}", unit="step", enabled=cfg.progress) as pbar, \
                 (open_append(metrics_path) if self.rank == 0 else contextlib.nullcontext()) as mf:
@@ -296,12 +300,12 @@ class Trainer:
                 last = {"step": self.step, **agg, "grad_norm": float(grad_norm), "lr": lr, "seconds": time.perf_counter() - start}
                 if hasattr(self.source, "step_stats"):  # what the source knows of the batch (async: its staleness)
                     last.update(self.source.step_stats())
+                if self.device.type == "cuda":  # the allocator's own counter: no device synchronisation
+                    last["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                 if self.rank == 0:
                     mf.write(json.dumps(last) + "\n")
                     mf.flush()
-                    if writer:
-                        for k, v in last.items():
-                            writer.add_scalar(k, v, self.step)
+                    tracking.log(last, self.step)
                 pbar.set_postfix(loss=f"{agg['loss']:.4f}")  # before update: a line printed by update shows this step's loss
                 pbar.update(1)
                 saved = bool(cfg.checkpoint == "full" and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0)
@@ -310,6 +314,8 @@ class Trainer:
                 if hasattr(self.source, "after_step"):  # after the checkpoint: what it publishes is never ahead of it
                     self.source.after_step(self, last, saved)
                 if cfg.stop_after is not None and done_now >= cfg.stop_after:
+                    if tracking is not None:
+                        tracking.finish()
                     return {"stopped_at": self.step, "last": last, "resumed": resumed}
         if cfg.checkpoint == "full":
             model_sd = self.save_checkpoint()
@@ -317,8 +323,8 @@ class Trainer:
             model_sd = checkpoint.full_model_state(self)
         if self.rank == 0 and cfg.checkpoint != "none":
             self._save_final(model_sd)
-        if writer:
-            writer.close()
+        if tracking is not None:
+            tracking.finish()
         result = {"steps": self.step, "last": last, "resumed": resumed, "seconds": time.perf_counter() - start,
                   "save_dtype": str(self.save_dtype()).replace("torch.", "")}
         if self.allocator:

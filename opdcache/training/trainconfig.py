@@ -135,7 +135,11 @@ class TrainConfig:
     stop_after: int | None = None
     """Stop after this many steps of this invocation, leaving the checkpoint (for tests of resume)."""
     tensorboard: bool = False
-    """Also write TensorBoard events."""
+    """Also write TensorBoard events (the same as --report-to tensorboard)."""
+    report_to: tuple[str, ...] = ("jsonl",)
+    """Where the metrics go, a comma list of jsonl (always), tensorboard, wandb, trackio and mlflow, each through its own
+    library in its own offline mode where set (WANDB_MODE=offline, MLFLOW_TRACKING_URI, TRACKIO_DIR;
+    opdcache/training/trackers.py); the same numbers to each, from rank 0, with the resolved settings."""
     num_loader_workers: int = 0
     """DataLoader worker processes."""
     allow_other_model: bool = False
@@ -158,6 +162,8 @@ class TrainConfig:
         return tuple(t.strip() for t in self.teacher.split(",")) if self.teacher else ()
 
     def __post_init__(self) -> None:
+        from opdcache.training import trackers
+
         if self.tensorboard:
             import importlib.util
 
@@ -166,6 +172,9 @@ class TrainConfig:
 
                 raise MissingDependencyError("--tensorboard needs the tensorboard package: pip install tensorboard "
                                              "(metrics.jsonl is written either way)")
+        names = trackers.parse(self.report_to)
+        object.__setattr__(self, "report_to", names + (("tensorboard",) if self.tensorboard and "tensorboard" not in names else ()))
+        trackers.check(self.report_to)
         if self.loss not in ESTIMATORS:
             raise ConfigError(f"--loss must be one of {', '.join(ESTIMATORS)}, got {self.loss!r}")
         self._check_teachers()
