@@ -102,6 +102,11 @@ def train(
     num_loader_workers: Annotated[Optional[int], T.option("num_loader_workers")] = None,
     max_new_tokens: Annotated[Optional[int], T.option("max_new_tokens")] = None,
     temperature: Annotated[Optional[float], T.option("temperature")] = None,
+    lora_rank: Annotated[Optional[int], T.option("lora_rank")] = None,
+    lora_alpha: Annotated[Optional[float], T.option("lora_alpha")] = None,
+    lora_dropout: Annotated[Optional[float], T.option("lora_dropout")] = None,
+    lora_targets: Annotated[Optional[str], T.option("lora_targets")] = None,
+    save: Annotated[Optional[str], T.option("save")] = None,
     stop_after: Annotated[Optional[int], typer.Option("--stop-after", hidden=True)] = None,
     progress: Annotated[Optional[bool], T.option("progress", "--progress/--no-progress")] = None,
 ) -> None:

@@ -34,7 +34,7 @@ from opdcache.training import runfolder
 
 STATE_FILE = "trainer_state.json"
 IGNORED_ON_RESUME = {"stop_after", "steps", "progress", "checkpoint_every", "tensorboard", "num_loader_workers", "save_dtype", "pack",
-                     "out", "report_to"}
+                     "out", "report_to", "save"}
 """Settings a resumed run may change: they decide when to stop, what to print, how often to save, where the run folder
 is (a run folder moved or pulled resumes) and how the same rows are laid out for the forward (``pack``: the same losses
 to float32's rounding), not the numbers."""
@@ -179,7 +179,12 @@ def save(trainer) -> dict | None:
     out = trainer.cfg.out
     runfolder.check_folder(out)
     tmp = runfolder.fresh_dir(out, ".checkpoint.tmp-")
-    trainer.model.save_pretrained(tmp / "model", state_dict=model_sd)
+    if getattr(trainer, "lora", False):  # a LoRA student: its adapters only (the base is --model's, by fingerprint)
+        from opdcache.training.lora import ADAPTER_FILE, adapter_state
+
+        save_file(adapter_state(trainer.model), str(tmp / ADAPTER_FILE))
+    else:
+        trainer.model.save_pretrained(tmp / "model", state_dict=model_sd)
     tensors["rng.torch"] = torch.get_rng_state()
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     state = {"step": trainer.step, "param_groups": groups, "config": json.loads(json.dumps(asdict(trainer.cfg), default=str)),
@@ -241,6 +246,8 @@ def prior_run(cfg) -> int | None:
     _same_settings(ckpt, state, cfg)
     step = state["step"]
     config_path = cfg.out / "model" / "config.json"
+    if cfg.lora_rank and cfg.save != "merged":  # a PEFT adapter folder
+        config_path = cfg.out / "model" / "adapter_config.json"
     if not config_path.is_file():
         return None  # no final model yet: the run resumes and saves it
     try:
@@ -249,7 +256,7 @@ def prior_run(cfg) -> int | None:
         return None  # a final model that is not ours: the run resumes and saves it anew
     if cfg.checkpoint != "full" or step < cfg.steps or ckpt.name != "checkpoint":
         return None
-    if cfg.save_dtype != "auto" and model_dtype != cfg.save_dtype:
+    if cfg.save_dtype != "auto" and config_path.name == "config.json" and model_dtype != cfg.save_dtype:
         return None  # the same run, its final model wanted in another dtype: resumed, and saved again
     return step
 
@@ -274,10 +281,14 @@ def _read_tensors(out: Path, path: Path) -> dict[str, torch.Tensor]:
         raise _bad_checkpoint(path, f"unreadable ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
-def _model_weights(out: Path, folder: Path, expected: dict[str, torch.Tensor], aliases: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+def _model_weights(out: Path, folder: Path, expected: dict[str, torch.Tensor], aliases: dict[str, list[str]],
+                   files: list[Path] | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's weights by the student's parameter names: every name the student has (tied weights may be
-    stored once), no other, each of the student's shape, finite, cast to the student's dtype."""
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    stored once), no other, each of the student's shape, finite, cast to the student's dtype. ``files``: the
+    safetensors files to read (default: every one in ``folder``)."""
+    if files is None:
+        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    files = [f for f in files if f.is_file() or f.is_symlink()]
     if not files:
         raise _bad_checkpoint(folder, "holds no safetensors weights")
     weights: dict[str, torch.Tensor] = {}
@@ -339,11 +350,17 @@ def resume(trainer) -> bool:
     if changed:
         raise RunFolderError(f"{ckpt} was trained from another {' and '.join(changed)} than this run's (its fingerprints "
                              "differ); resume beside what it was trained from, or train into a new --out")
-    expected = trainer.model.state_dict()
-    tied: dict[int, list[str]] = {}
-    for name, p in trainer.model.named_parameters(remove_duplicate=False):
-        tied.setdefault(id(p), []).append(name)
-    weights = _model_weights(out, ckpt / "model", expected, {n: names for names in tied.values() for n in names})
+    if getattr(trainer, "lora", False):  # the adapters only, by the student's trainable parameters' names and shapes
+        from opdcache.training.lora import ADAPTER_FILE
+
+        expected = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+        weights = _model_weights(out, ckpt, expected, {}, files=[ckpt / ADAPTER_FILE])
+    else:
+        expected = trainer.model.state_dict()
+        tied: dict[int, list[str]] = {}
+        for name, p in trainer.model.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(p), []).append(name)
+        weights = _model_weights(out, ckpt / "model", expected, {n: names for names in tied.values() for n in names})
     tensors = _read_tensors(out, ckpt / "optimizer.safetensors")
     params = list(trainer.model.parameters())
     per_param = _optimizer_state(ckpt / "optimizer.safetensors", tensors, params)

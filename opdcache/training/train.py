@@ -51,7 +51,7 @@ from opdcache.errors import ConfigError, OpdcacheError
 from opdcache.inputs.models import check_facts, load_causal_lm, load_tokenizer, model_facts, resolve_model
 from opdcache.progress import bar
 from opdcache.storage import write_text_atomic
-from opdcache.training import checkpoint, losses as L, objective as O
+from opdcache.training import checkpoint, lora, losses as L, objective as O
 from opdcache.training.allocator import map_large_buffers
 from opdcache.training.runfolder import fresh_dir, metrics_lines, open_append, place_dir
 from opdcache.training.estimators import ESTIMATORS, group_ends
@@ -90,9 +90,12 @@ class Trainer:
         self.source, head = (source, None) if source is not None or cfg.online else open_cache(cfg, facts, self.model_path)
         if announce is not None:
             announce()
-        # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32
-        self.model = load_causal_lm(self.model_path, torch.float32).to(self.device)
+        # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32; a LoRA
+        # student's frozen base in its dtype, its adapters in float32 (opdcache/training/lora.py)
+        self.lora = cfg.lora_rank > 0
+        self.model = load_causal_lm(self.model_path, lora.base_dtype(self.device) if self.lora else torch.float32).to(self.device)
         check_facts(self.model, facts, self.model_path)
+        self.peft = lora.apply(self.model, cfg) if self.lora else None
         self.allocator = None
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
@@ -119,7 +122,8 @@ class Trainer:
             self.forward = shard_fsdp(self.forward, self.device, self.world)
         elif self.ddp:
             self.forward = torch.nn.parallel.DistributedDataParallel(self.forward)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # all of them, or a LoRA student's adapters
+        self.opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
         self.step = 0
         if cfg.online and source is None:  # live rollouts of the student being trained
             self.source, head = open_online(cfg, self.model, self.device)
@@ -351,14 +355,20 @@ class Trainer:
         from opdcache.inputs.lineage import read_sft_lineage
 
         dtype = self.save_dtype()
-        state = model_sd if model_sd is not None else self.model.state_dict()
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        state = None
+        if not self.lora:
+            state = model_sd if model_sd is not None else self.model.state_dict()
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         tmp = fresh_dir(self.cfg.out, ".model.tmp-")
-        self.model.save_pretrained(tmp, state_dict=state)
+        if self.lora:
+            lora.save_final(self.peft, tmp, "merged" if self.cfg.save == "merged" else "adapter", dtype)
+        else:
+            self.model.save_pretrained(tmp, state_dict=state)
         config_path = tmp / "config.json"  # transformers writes the live model's dtype: state the weights'
-        config = json.loads(config_path.read_text())
-        config["dtype"] = str(dtype).replace("torch.", "")
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if config_path.is_file():
+            config = json.loads(config_path.read_text())
+            config["dtype"] = str(dtype).replace("torch.", "")
+            config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         load_tokenizer(self.model_path).save_pretrained(tmp)
         lineage = read_sft_lineage(self.model_path)
         if lineage:  # the OPD student keeps its SFT lineage

@@ -132,6 +132,21 @@ class TrainConfig:
     save_dtype: str = "auto"
     """dtype of the final model: auto (the training compute dtype: bfloat16 under --dtype bfloat16 or auto on a bf16 GPU,
     else float32), float32 or bfloat16. The checkpoint keeps float32 masters whatever this says."""
+    lora_rank: int = 0
+    """Train low-rank adapters of this rank through PEFT instead of the whole student (0: full fine-tuning): the base
+    weights frozen in their dtype (bfloat16 on a GPU, float32 on a CPU), the adapters and AdamW's moments in float32,
+    a checkpoint holding those only (opdcache/training/lora.py). Memory: the base in its dtype plus 16 bytes per adapter
+    parameter."""
+    lora_alpha: float | None = None
+    """LoRA's scaling numerator (the update is scaled by alpha / rank; default: 2 x rank)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    lora_targets: str | None = None
+    """The linear layers that get adapters, a comma list of leaf names (q_proj,v_proj); default: every linear layer of
+    the decoder's attention and MLP blocks."""
+    save: str = "auto"
+    """What --out/model holds: merged (the whole model, adapters merged, in --save-dtype), adapter (a PEFT adapter folder:
+    PeftModel.from_pretrained(base, folder)) or auto (adapter with --lora-rank, else the model)."""
     stop_after: int | None = None
     """Stop after this many steps of this invocation, leaving the checkpoint (for tests of resume)."""
     tensorboard: bool = False
@@ -172,6 +187,11 @@ class TrainConfig:
 
                 raise MissingDependencyError("--tensorboard needs the tensorboard package: pip install tensorboard "
                                              "(metrics.jsonl is written either way)")
+        from opdcache.training import lora
+
+        if self.save not in ("auto", "adapter", "merged"):
+            raise ConfigError(f"--save must be auto, adapter or merged, got {self.save!r}")
+        lora.check(self)
         names = trackers.parse(self.report_to)
         object.__setattr__(self, "report_to", names + (("tensorboard",) if self.tensorboard and "tensorboard" not in names else ()))
         trackers.check(self.report_to)

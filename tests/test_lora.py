@@ -1,0 +1,132 @@
+"""LoRA students (`train --lora-rank R`, PEFT): the base frozen, the adapters trained, checkpoints of the adapters and
+their moments only, a resume that ends with the uninterrupted run's adapters, an adapter folder PEFT loads, a merged
+model equal to the adapters applied, and every setting LoRA does not take refused in one line."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("peft")
+
+from opdcache.cli.main import main  # noqa: E402
+from opdcache.errors import ConfigError  # noqa: E402
+from opdcache.training.train import TrainConfig, run_train  # noqa: E402
+
+
+def _cfg(weights, cache, out, **kw):
+    return TrainConfig(model=weights / "student", cache=cache, out=out, **{"steps": 4, "batch_size": 8, "lr": 1e-3, "lora_rank": 8,
+                                                                         "deterministic": True, "checkpoint_every": 2, **kw})
+
+
+@pytest.fixture(scope="module")
+def lora_run(hf_cache, weights, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora") / "run"
+    run_train(_cfg(weights, hf_cache, out))
+    return out
+
+
+def test_only_the_adapters_train_and_the_checkpoint_holds_them_alone(lora_run, weights):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ckpt = lora_run / "checkpoint"
+    adapters = load_file(str(ckpt / "adapter.safetensors"))
+    assert adapters and all(".lora_" in k for k in adapters)
+    assert not (ckpt / "model").exists()
+    moments = load_file(str(ckpt / "optimizer.safetensors"))
+    n_adapter = sum(t.numel() for t in adapters.values())
+    n_moment = sum(t.numel() for k, t in moments.items() if k.endswith(("exp_avg", "exp_avg_sq")))
+    assert n_moment == 2 * n_adapter  # AdamW's two moments of the adapters, none of the frozen base
+    base = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float32)
+    n_base = sum(p.numel() for p in base.parameters())
+    written = sum((ckpt / f).stat().st_size for f in ("adapter.safetensors", "optimizer.safetensors"))
+    assert written < 0.5 * 16 * n_base  # a full checkpoint writes 16 bytes a parameter
+    # the run's output: a PEFT adapter folder, loaded by PEFT onto the base, equal to the adapters trained
+    model = PeftModel.from_pretrained(base, lora_run / "model")
+    loaded = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+    assert len(loaded) == len(adapters)
+    final = {k.replace(".default", ""): v for k, v in loaded.items()}
+    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in final.items() if "lora_B" in k)  # they trained
+
+
+def test_a_killed_and_resumed_lora_run_ends_with_the_same_adapters(lora_run, hf_cache, weights, tmp_path):
+    out = tmp_path / "run"
+    first = run_train(_cfg(weights, hf_cache, out, stop_after=3))
+    assert first["stopped_at"] == 3
+    second = run_train(_cfg(weights, hf_cache, out))
+    assert second["resumed"] is True
+    a, b = (load_file(str(p / "model" / "adapter_model.safetensors")) for p in (lora_run, out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert run_train(_cfg(weights, hf_cache, out)) == {"already_done": True, "steps": 4}
+
+
+def test_the_merged_model_is_the_base_with_the_adapters_applied(lora_run, hf_cache, weights, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "merged"
+    shutil.copytree(lora_run, out)
+    shutil.rmtree(out / "model")
+    run_train(_cfg(weights, hf_cache, out, save="merged"))  # the finished checkpoint: only the output is written
+    merged = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, lora_run / "model").eval()
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    with torch.no_grad():
+        want, got = peft(ids).logits, merged(ids).logits
+    # merging adds B A scaled to each weight once: float32 rounding of a sum of a few terms per weight
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), float((got - want).abs().max())
+
+
+def test_lora_settings_changed_on_resume_are_refused(lora_run, hf_cache, weights, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(lora_run, out)
+    with pytest.raises(ConfigError, match=r"different settings \(lora_rank: 8 -> 4\)"):
+        run_train(_cfg(weights, hf_cache, out, lora_rank=4, steps=6))
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--lora-rank", "-1"], "--lora-rank must be a positive integer (0: full fine-tuning), got -1"),
+    (["--lora-rank", "8", "--exact"], "--exact with --lora-rank is not supported: the exact arithmetic re-implements"),
+    (["--lora-rank", "8", "--fsdp"], "--fsdp with --lora-rank is not supported"),
+    (["--lora-rank", "8", "--rollout-aligned"], "--rollout-aligned with --lora-rank is not supported"),
+    (["--lora-rank", "8", "--lora-dropout", "1.5"], "--lora-dropout must be in [0, 1), got 1.5"),
+    (["--save", "adapter"], "--save adapter writes a LoRA adapter: train with --lora-rank R, or --save merged"),
+    (["--lora-rank", "8", "--save", "both"], "--save must be auto, adapter or merged, got 'both'"),
+], ids=["negative", "exact", "fsdp", "aligned", "dropout", "adapter-without-lora", "save"])
+def test_lora_settings_it_cannot_take_are_one_line_before_anything_loads(tmp_path, capsys, args, want):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--model", str(tmp_path / "not-loaded"), "--cache", str(tmp_path / "no-cache"), "--out", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and want in err[0], err
+
+
+@pytest.mark.parametrize("settings, want", [
+    (dict(lora_targets="q_proj,w_gate"), "--lora-targets w_gate: LlamaForCausalLM has no such linear layer; its decoder's linear "
+                                          "layers are q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
+    (dict(lora_rank=4096), "--lora-rank 4096 is larger than the smallest targeted layer's rank"),
+], ids=["target", "rank"])
+def test_targets_and_ranks_the_model_does_not_have_are_one_line(hf_cache, weights, tmp_path, settings, want):
+    with pytest.raises(ConfigError) as e:
+        run_train(_cfg(weights, hf_cache, tmp_path / "run", **settings))
+    assert want in str(e.value)
+
+
+@pytest.mark.parametrize("loss", ["lightning", "topk-fkl", "full-fkl", "sampled-fkl", "mc", "is"])
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
+def test_every_loss_trains_a_lora_student_packed_and_padded(hf_cache, weights, tmp_path, loss, pack):
+    """One step of each loss: a finite loss, the adapters moved, the base weights untouched (bit for bit)."""
+    from opdcache.training.train import Trainer
+
+    cfg = _cfg(weights, hf_cache, tmp_path / "run", loss=loss, pack=pack, steps=1, checkpoint="none", checkpoint_every=0,
+               **({"tail": True} if loss == "topk-fkl" else {}))
+    trainer = Trainer(cfg)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    result = trainer.fit()
+    assert torch.isfinite(torch.tensor(result["last"]["loss"]))
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert moved and moved <= trainable and all(".lora_" in n for n in trainable)
