@@ -130,3 +130,17 @@ def test_every_loss_trains_a_lora_student_packed_and_padded(hf_cache, weights, t
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert moved and moved <= trainable and all(".lora_" in n for n in trainable)
+
+
+def test_gradient_checkpointing_and_corrections_train_a_lora_student_to_the_same_adapters(hf_cache, weights, tmp_path):
+    """Recomputing each layer in the backward changes no number; the corrections' frozen pi_ref beside the adapters."""
+    plain = run_train(_cfg(weights, hf_cache, tmp_path / "plain", steps=2, checkpoint_every=0))
+    ckpt = run_train(_cfg(weights, hf_cache, tmp_path / "ckpt", steps=2, checkpoint_every=0, gradient_checkpointing=True))
+    assert plain["last"]["loss"] == pytest.approx(ckpt["last"]["loss"], rel=1e-6)
+    a, b = (load_file(str(tmp_path / n / "model" / "adapter_model.safetensors")) for n in ("plain", "ckpt"))
+    # the same arithmetic in another order of kernels' launches: float32 rounding of two AdamW steps of small updates
+    assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=1e-5) for k in a)
+    from opdcache.training.losses import Corrections
+
+    corrected = run_train(_cfg(weights, hf_cache, tmp_path / "tis", steps=2, checkpoint_every=0, corrections=Corrections(tis_cap=2.0)))
+    assert "tis_clip_fraction" in corrected["last"] and torch.isfinite(torch.tensor(corrected["last"]["loss"]))
