@@ -22,11 +22,14 @@ exit_if_missing()  # before typer loads: a required package missing is one line 
 
 import typer  # noqa: E402
 
+from opdcache.cli.options import with_config_file
 from opdcache.errors import ManifestError, OpdcacheError, SchemaError, USAGE_ERRORS
 
 app = typer.Typer(
     name="opdcache", no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False, rich_markup_mode=None,
-    help="Offline on-policy distillation caches: build, score, check, share, and train from them.",
+    help="Offline on-policy distillation caches: build, score, check, share, and train from them. Every command also "
+         "takes --config FILE (YAML, the flags' names; the flags given override it) and --print-config (print the "
+         "resolved settings as YAML and exit).",
 )
 
 DATA_ERRORS = (SchemaError, ManifestError)  # a damaged or hostile cache
@@ -135,9 +138,27 @@ def _one_line(message: str) -> str:
     return message[:MAX_ERROR_CHARS] + f"... ({len(message) - MAX_ERROR_CHARS:,} more characters cut)"
 
 
+def _config_applied(argv: list[str] | None) -> list[str] | None:
+    """``argv`` with a command's ``--config FILE`` settings put before its flags (cli/options.with_config_file), for the
+    commands without a ``--config`` of their own; None after ``--print-config`` printed the resolved settings."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    name = _command(args)
+    if name is None or not any(a == "--config" or a.startswith("--config=") or a == "--print-config" for a in args):
+        return args
+    command = typer.main.get_command(app).commands[name]
+    if any(p.name == "config" for p in command.params):
+        return args  # the command reads its own --config (train: its settings dataclass)
+    at = args.index(name)
+    rest = with_config_file(command, args[at + 1:])
+    return None if rest is None else args[: at + 1] + rest
+
+
 def main(argv: list[str] | None = None) -> None:
     _register()
     try:
+        argv = _config_applied(argv)
+        if argv is None:
+            _exit(0)
         code = app(args=argv, standalone_mode=False)  # click returns a typer.Exit's code here
     except OpdcacheError as exc:
         typer.echo(f"error: {_one_line(str(exc))}", err=True)

@@ -215,3 +215,72 @@ def read_config(path: Path, what: str) -> dict:
     if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
         raise ConfigError(f"--config {path} must hold a mapping of {what} (name: value lines), got a {type(values).__name__}")
     return values
+
+
+def with_config_file(command, argv: list[str]) -> list[str] | None:
+    """``argv`` (the arguments after the command's name) with the settings of its ``--config FILE`` put in front, so
+    that the flags given override the file, for a command without a ``--config`` of its own; None when ``argv`` holds
+    ``--print-config`` (the resolved settings are printed as YAML, and nothing runs). A key names a setting by its
+    parameter name or its flag (``top_k``, ``top-k``); one that names none, or a value its flag refuses, is one line
+    naming the key. ``command``: the click command."""
+    from opdcache.errors import ConfigError
+
+    argv = list(argv)
+    printing = "--print-config" in argv
+    argv = [a for a in argv if a != "--print-config"]
+    path, rest = None, []
+    it = iter(range(len(argv)))
+    for i in it:
+        if argv[i] == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+            next(it, None)
+        elif argv[i].startswith("--config="):
+            path = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+    if path is None and not printing:
+        return argv
+    params = {p.name: p for p in command.params if p.name != "help"}
+    values = read_config(Path(path), f"`{command.name}` settings (its flags' names)") if path else {}
+    ctx = command.make_context(command.name, list(rest), resilient_parsing=True)
+    given = {name for name in params if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
+    positional: dict[str, str] = {}
+    options: list[str] = []
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        param = params.get(name)
+        if param is None:
+            known = ", ".join(sorted(n.replace("_", "-") for n, p in params.items() if not getattr(p, "hidden", False)))
+            raise ConfigError(f"--config {path}: {key!r} names no setting of `opdcache {command.name}`; its settings are {known}")
+        if name in given or value is None:
+            continue
+        try:
+            value = param.process_value(ctx, value)
+        except Exception as exc:  # noqa: BLE001 (click's BadParameter, from click or typer's copy of it)
+            raise ConfigError(f"--config {path}: {key}: {getattr(exc, 'message', str(exc))}") from None
+        if param.param_type_name == "argument":
+            positional[name] = str(value)
+        elif getattr(param, "multiple", False):
+            for item in value:
+                options += [param.opts[0], str(item)]
+        elif getattr(param, "is_flag", False):
+            switch = param.opts[0] if value else (param.secondary_opts[0] if param.secondary_opts else None)
+            if switch is not None:
+                options.append(switch)
+        else:
+            options += [param.opts[0], str(value)]
+    ordered = [positional[n] for n in params if n in positional]  # the file's positionals, in the command's order
+    merged = ordered + options + rest
+    if not printing:
+        return merged
+    import typer
+    import yaml
+
+    ctx = command.make_context(command.name, merged)
+    secret = {"api_key", "token", "hf_token", "password", "secret"}  # what a printed config must not show
+    resolved = {k: "<redacted>" if v is not None and k in secret else str(v) if isinstance(v, Path) else v
+                for k, v in ctx.params.items()}
+    typer.echo(yaml.safe_dump(resolved, sort_keys=False, default_flow_style=False).rstrip())
+    return None
+
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -50,6 +51,7 @@ def train(
     cache: Annotated[Optional[str], T.option("cache", note=REQUIRED)] = None,
     out: Annotated[Optional[Path], T.option("out", note=REQUIRED)] = None,
     config: Annotated[Optional[Path], typer.Option("--config", help="YAML file of TrainConfig fields; flags override it (default: none).", show_default=False)] = None,
+    print_config: Annotated[bool, typer.Option("--print-config", help="Print the resolved settings as YAML and exit (nothing loads).")] = False,
     teacher: Annotated[Optional[str], T.option("teacher")] = None,
     teacher_weights: Annotated[Optional[str], T.option("teacher_weights")] = None,
     teacher_route: Annotated[Optional[str], T.option("teacher_route")] = None,
@@ -129,7 +131,7 @@ def train(
             weights = tuple(float(w) for w in teacher_weights.split(","))
         except ValueError:
             raise ConfigError(f"--teacher-weights takes comma-separated numbers, got {teacher_weights!r}") from None
-    flags = {k: v for k, v in given.items() if k not in CORRECTIONS and k != "config"}
+    flags = {k: v for k, v in given.items() if k not in CORRECTIONS and k not in ("config", "print_config")}
     if teacher_weights is not None:
         flags["teacher_weights"] = weights
     values.update({k: v for k, v in flags.items() if v is not None})
@@ -150,6 +152,11 @@ def train(
         if values.get(key) is not None:
             values[key] = Path(values[key])
     cfg = TrainConfig(**values, corrections=Corrections(**corr))
+    if print_config:
+        import yaml
+
+        typer.echo(yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)), sort_keys=False).rstrip())
+        return
 
     def announce() -> None:  # once the checks have passed: a refused run prints only its error
         if not cfg.online:
