@@ -57,9 +57,9 @@ def _register() -> None:
     global _registered
     if _registered:
         return
-    from opdcache.cli import asyncopd, audit, consistency, demo, export, generate, hub, info, mismatch, plan, score, train, validate
+    from opdcache.cli import asyncopd, audit, consistency, demo, evaluate, export, generate, hub, info, mismatch, plan, score, train, validate
 
-    for module in (demo, generate, score, plan, train, asyncopd, validate, info, hub, consistency, mismatch, audit, export):
+    for module in (demo, generate, score, plan, train, evaluate, asyncopd, validate, info, hub, consistency, mismatch, audit, export):
         module.register(app)
     _registered = True
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
 
-ORDER = ["", "logits", "exact", "inputs", "backends", "stores", "format", "teacher", "training", "asyncopd", "demo", "cli"]
+ORDER = ["", "logits", "exact", "inputs", "backends", "stores", "format", "teacher", "evaluation", "training", "asyncopd", "demo", "cli"]
 """Bottom to top: "" is the package's top level (dependencies, errors, progress, threads, storage, untrusted)."""
 
 
