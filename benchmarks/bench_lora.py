@@ -2,8 +2,8 @@
 
 Work: ``run_train`` for ``--steps`` steps of Lightning OPD (batch ``--batch-size``, packed) from a cache, then its
 checkpoint (the run's end: the full student's float32 weights and AdamW's moments, or the adapters and theirs). Sides:
-full fine-tuning (the baseline: what ``opdcache train`` did before LoRA) and LoRA at ranks 8, 32 and 128 on every
-linear layer of the decoder (the default targets). Each run is a fresh process (benchmarks/harness.py: interleaved
+full fine-tuning (the baseline: what ``opdcache train`` did before LoRA) and LoRA at ``--ranks`` (default 8, 32, 64:
+the demo student's layers are 64 wide) on every linear layer of the decoder (the default targets). Each run is a fresh process (benchmarks/harness.py: interleaved
 rounds, wall and CPU seconds, peak anonymous RSS above the process's level after its imports); the bytes the
 checkpoint holds are read from disk afterwards. Run:
 
@@ -51,12 +51,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ranks", default="8,32,64")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "lora.json"))
     args = parser.parse_args()
     common = {"model": args.model, "cache": args.cache, "steps": args.steps, "batch_size": args.batch_size}
     sides = [Side("full fine-tuning", "run", setup="setup", args=common | {"rank": 0}, baseline=True,
                   note="float32 weights and AdamW's moments of every parameter")]
-    sides += [Side(f"LoRA rank {r}", "run", setup="setup", args=common | {"rank": r}) for r in (8, 32, 128)]
+    sides += [Side(f"LoRA rank {r}", "run", setup="setup", args=common | {"rank": r}) for r in map(int, args.ranks.split(","))]
     result = compare(f"LoRA vs full fine-tuning ({Path(args.model).name}, {args.steps} steps, batch {args.batch_size})", sides,
                      module=__file__, rounds=args.rounds, meta={"args": vars(args)})
     print(report(result, args.out))

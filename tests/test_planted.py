@@ -7,23 +7,12 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 
-from opdcache.cli.main import main
+from cli_helpers import cli as _cli, one_line as _one_line
 from opdcache.format import manifest as M
 
 pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), beside the other hostile suites
 
 
-def _cli(args, capsys):
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    out = capsys.readouterr()
-    return e.value.code, out.out + out.err
-
-
-def _one_line(out: str) -> str:
-    lines = [l for l in out.strip().splitlines() if l.startswith("error")]
-    assert "Traceback" not in out and len(lines) == 1, out
-    return lines[0]
 
 
 @pytest.fixture

@@ -11,23 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from opdcache.cli.main import main
+from cli_helpers import cli as _cli, one_line as _one_line
 from opdcache.training.train import TrainConfig, run_train
 
 pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), beside the other hostile suites
 
 
-def _cli(args, capsys):
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    out = capsys.readouterr()
-    return e.value.code, out.out + out.err
-
-
-def _one_line(out: str) -> str:
-    lines = [l for l in out.strip().splitlines() if l.startswith("error")]
-    assert "Traceback" not in out and len(lines) == 1, out
-    return lines[0]
 
 
 def _args(weights, cache, out, steps=2, *extra):

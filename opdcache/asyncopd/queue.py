@@ -119,30 +119,13 @@ def _typed(value, kind: str) -> bool:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The entries of one of the run's own jsonl files, read by the run folder's rules (a regular file, no link, within
-    MAX_JSONL_BYTES). A line cut by a crash ends the file (everything before it is whole); any other line that is not a
-    JSON object with its fields of their types is refused in one line: the run directory was written by something else."""
-    from opdcache.errors import RunFolderError
-    from opdcache.training.runfolder import regular_file
-    from opdcache.untrusted import loads
+    """The entries of one of the run's own jsonl files, read by the run folder's rules (opdcache/training/runfolder.py:
+    a regular file, no link, within MAX_JSONL_BYTES, a line cut by a crash dropped); a line that is not a JSON object
+    with its fields of their types is refused in one line: the run directory was written by something else."""
+    from opdcache.training.runfolder import read_jsonl as read
 
-    if not path.exists() and not path.is_symlink():
-        return []
     run_dir = path.parent.parent if path.parent.name == "stages" else path.parent
-    regular_file(run_dir, path, MAX_JSONL_BYTES)
     wanted = BUSY_FIELDS if path.name.endswith(".busy.jsonl") else JSONL_FIELDS.get(path.name, {})
-    lines = path.read_bytes().splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        try:
-            entry = loads(line, f"{path} line {i + 1}", RunFolderError)
-        except RunFolderError:
-            if i == len(lines) - 1:
-                break  # a line cut by a crash
-            entry = None
-        if not isinstance(entry, dict) or any(not _typed(entry.get(k), kind) for k, kind in wanted.items()):
-            fields = ", ".join(f"{k} ({kind})" for k, kind in wanted.items()) or "fields"
-            raise RunFolderError(f"{path}: line {i + 1} is not an entry of the run (a JSON object with {fields}); the run "
-                                 "directory is damaged: start the run again in a new --out")
-        out.append(entry)
-    return out
+    fields = ", ".join(f"{k} ({kind})" for k, kind in wanted.items()) or "fields"
+    return read(run_dir, path, MAX_JSONL_BYTES, lambda e: all(_typed(e.get(k), kind) for k, kind in wanted.items()),
+                f"an entry of the run (a JSON object with {fields})", "start the run again in a new --out")

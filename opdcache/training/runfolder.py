@@ -123,15 +123,16 @@ def open_append(path: Path):
     return os.fdopen(fd, "a")
 
 
-def metrics_lines(out: Path) -> list[dict]:
-    """The entries of ``out/metrics.jsonl`` (none when it is absent): JSON objects with a non-negative integer step,
-    read within limits. A last line cut by a crash ends the file; any other bad line is refused, naming it."""
+def read_jsonl(out: Path, path: Path, limit: int, valid, what: str, fix: str) -> list[dict]:
+    """The entries of a run-folder jsonl file (none when it is absent): each line a JSON object that ``valid`` accepts,
+    read within ``limit`` bytes and the JSON limits. A last line cut by a crash ends the file (everything before it is
+    whole); any other line that is not ``what`` is refused in one line naming it, ending with ``fix``."""
     from opdcache.untrusted import loads
 
-    path = Path(out) / "metrics.jsonl"
+    path = Path(path)
     if not path.exists() and not path.is_symlink():
         return []
-    regular_file(out, path, MAX_METRICS_BYTES)
+    regular_file(out, path, limit)
     lines = path.read_bytes().splitlines()
     entries = []
     for i, line in enumerate(lines):
@@ -140,10 +141,18 @@ def metrics_lines(out: Path) -> list[dict]:
         except RunFolderError:
             if i == len(lines) - 1:
                 break  # a line cut by a crash
-            raise
-        step = entry.get("step") if isinstance(entry, dict) else None
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise RunFolderError(f"{path} line {i + 1} is not a step's metrics (a JSON object with a non-negative integer "
-                                 "step); the run folder is damaged: train into a new --out")
+            entry = None
+        if not isinstance(entry, dict) or not valid(entry):
+            raise RunFolderError(f"{path}: line {i + 1} is not {what}; the run folder is damaged: {fix}")
         entries.append(entry)
     return entries
+
+
+def metrics_lines(out: Path) -> list[dict]:
+    """The entries of ``out/metrics.jsonl``: JSON objects with a non-negative integer step (:func:`read_jsonl`)."""
+    def valid(entry: dict) -> bool:
+        step = entry.get("step")
+        return isinstance(step, int) and not isinstance(step, bool) and step >= 0
+
+    return read_jsonl(out, Path(out) / "metrics.jsonl", MAX_METRICS_BYTES, valid,
+                      "a step's metrics (a JSON object with a non-negative integer step)", "train into a new --out")
