@@ -108,6 +108,7 @@ def train(
     lora_alpha: Annotated[Optional[float], T.option("lora_alpha")] = None,
     lora_dropout: Annotated[Optional[float], T.option("lora_dropout")] = None,
     lora_targets: Annotated[Optional[str], T.option("lora_targets")] = None,
+    lora_ref: Annotated[Optional[bool], T.option("lora_ref", "--lora-ref")] = None,
     save: Annotated[Optional[str], T.option("save")] = None,
     stop_after: Annotated[Optional[int], typer.Option("--stop-after", hidden=True)] = None,
     progress: Annotated[Optional[bool], T.option("progress", "--progress/--no-progress")] = None,

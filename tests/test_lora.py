@@ -144,3 +144,42 @@ def test_gradient_checkpointing_and_corrections_train_a_lora_student_to_the_same
 
     corrected = run_train(_cfg(weights, hf_cache, tmp_path / "tis", steps=2, checkpoint_every=0, corrections=Corrections(tis_cap=2.0)))
     assert "tis_clip_fraction" in corrected["last"] and torch.isfinite(torch.tensor(corrected["last"]["loss"]))
+
+
+def test_pi_ref_from_the_adapters_disabled_agrees_with_the_cache_and_the_first_weight_is_exactly_one(hf_cache, weights, tmp_path):
+    """--lora-ref: at step 1 the adapters add exact zeros (B = 0), so the student's and the recomputed pi_ref's
+    log-probs are the same numbers: every importance weight exactly 1. The recomputed pi_ref agrees with the cache's
+    ref_logprobs (the rollout engine's, the same model) within float32's rounding of two evaluations
+    (tests/tolerance.py, from a float64 forward of each row)."""
+    from transformers import AutoModelForCausalLM
+
+    from opdcache.training import objective as O
+    from opdcache.training.train import Trainer
+    from tolerance import logprob_tolerance
+
+    cfg = _cfg(weights, hf_cache, tmp_path / "run", steps=1, checkpoint="none", checkpoint_every=0, lora_ref=True, pack=False)
+    trainer = Trainer(cfg)
+    batch = trainer.source.next_batch()
+    _, stats = trainer.loss_and_stats(batch)
+    assert stats["is_weight_mean"] == 1.0 and stats["is_weight_std"] == 0.0
+    prepared = O.prepare_batch(batch, trainer.device, cfg.cache)
+    sel = prepared["response_mask"].bool()
+    inputs = (prepared["input_ids"], prepared["attention_mask"], prepared["logit_positions"], sel)
+    recomputed = trainer._adapters_off_logprobs(inputs, prepared["response_ids"][sel][:, None].long(), {}, sel)
+    base = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float64).eval()
+    checked = 0
+    for i in range(sel.shape[0]):
+        n = int(sel[i].sum())
+        if n == 0:
+            continue
+        ids = prepared["input_ids"][i][prepared["attention_mask"][i].bool()][None]
+        start = int(prepared["logit_positions"][i][sel[i]][0]) - int((~prepared["attention_mask"][i].bool()).sum())
+        with torch.no_grad():
+            z64 = base(ids).logits[0, start: start + n]
+            z32 = base.float()(ids).logits[0, start: start + n].float()
+            base.double()
+        tol = logprob_tolerance(z32, z64)[:, 0]
+        got, cached = recomputed[i][sel[i]].double(), prepared["ref_logprobs"][i][sel[i]].double()
+        assert bool(((got - cached).abs() <= tol).all()), float((got - cached).abs().max())
+        checked += n
+    assert checked > 100

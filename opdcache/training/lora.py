@@ -31,6 +31,8 @@ def check(cfg) -> None:
     """The LoRA settings (before anything loads): a rank of 0 is full fine-tuning; PEFT importable; no setting LoRA
     does not support."""
     if cfg.lora_rank == 0:
+        if cfg.lora_ref:
+            raise ConfigError("--lora-ref recomputes pi_ref as the student with its adapters off: train with --lora-rank R")
         if cfg.save == "adapter":
             raise ConfigError("--save adapter writes a LoRA adapter: train with --lora-rank R, or --save merged")
         return

@@ -201,6 +201,8 @@ class Trainer:
         lp_NK = lp_NK.float()
         s = lp_NK.new_zeros(B, T)
         s[sel] = lp_NK[:, 0]  # the student's log-prob of each sampled token, [B, T]
+        if cfg.lora_ref:  # pi_ref is the student with its adapters off: its log-probs recomputed, not read from the cache
+            batch = {**batch, "ref_logprobs": self._adapters_off_logprobs(inputs, ids_NK[:, :1], packing, sel)}
         terms, st, stats = O.estimator_terms(cfg, batch, s, lp_NK, sel, support, div_N)
         teacher = O.teacher_logprobs(cfg, batch)
         advantage = (teacher - s).detach() if teacher is not None else torch.zeros_like(s)
@@ -227,6 +229,16 @@ class Trainer:
             torch.distributed.all_reduce(total)
             loss = loss * (tokens * self.world / total.clamp_min(1))
         return loss, stats
+
+    def _adapters_off_logprobs(self, inputs, ids_N1, packing: dict, sel) -> torch.Tensor:
+        """[B, T] log-probs of the sampled tokens by the student with its LoRA adapters disabled (the frozen base, which
+        is pi_ref), at the selected tokens; the same forward as the student's, without gradients."""
+        with torch.no_grad(), self.peft.disable_adapter(), \
+                torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            lp = self.forward(*inputs, ids_N1, **packing)[0][:, 0].float()
+        r = lp.new_zeros(sel.shape)
+        r[sel] = lp
+        return r
 
     def _groups(self, batch: dict):
         """(loss, stats, share) of each group of rows ``--max-batch-tokens`` cuts the batch into, share being its part

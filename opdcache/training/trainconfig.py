@@ -144,6 +144,10 @@ class TrainConfig:
     lora_targets: str | None = None
     """The linear layers that get adapters, a comma list of leaf names (q_proj,v_proj); default: every linear layer of
     the decoder's attention and MLP blocks."""
+    lora_ref: bool = False
+    """With --lora-rank: recompute pi_ref's log-probs with the adapters disabled (the frozen base is pi_ref) instead of
+    reading the cache's ref_logprobs, for the importance weight, the KL penalty and the losses that read them: one
+    forward more a step, no gradient, and no sampler-side rounding in the reference."""
     save: str = "auto"
     """What --out/model holds: merged (the whole model, adapters merged, in --save-dtype), adapter (a PEFT adapter folder:
     PeftModel.from_pretrained(base, folder)) or auto (adapter with --lora-rank, else the model)."""
