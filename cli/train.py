@@ -104,6 +104,12 @@ def train(
     num_loader_workers: Annotated[Optional[int], T.option("num_loader_workers")] = None,
     max_new_tokens: Annotated[Optional[int], T.option("max_new_tokens")] = None,
     temperature: Annotated[Optional[float], T.option("temperature")] = None,
+    eval_every: Annotated[Optional[int], T.option("eval_every")] = None,
+    eval_prompts: Annotated[Optional[Path], T.option("eval_prompts")] = None,
+    eval_reward: Annotated[Optional[str], T.option("eval_reward")] = None,
+    eval_samples: Annotated[Optional[int], T.option("eval_samples")] = None,
+    eval_temperature: Annotated[Optional[float], T.option("eval_temperature")] = None,
+    eval_max_new_tokens: Annotated[Optional[int], T.option("eval_max_new_tokens")] = None,
     lora_rank: Annotated[Optional[int], T.option("lora_rank")] = None,
     lora_alpha: Annotated[Optional[float], T.option("lora_alpha")] = None,
     lora_dropout: Annotated[Optional[float], T.option("lora_dropout")] = None,
@@ -149,7 +155,7 @@ def train(
     unknown = set(values) - known
     if unknown:
         raise ConfigError(f"unknown training settings {sorted(unknown)}; see `opdcache train --help`")
-    for key in ("model", "out", "teacher_model"):  # the cache stays a string: it may be a URL (s3://...)
+    for key in ("model", "out", "teacher_model", "eval_prompts"):  # the cache stays a string: it may be a URL (s3://...)
         if values.get(key) is not None:
             values[key] = Path(values[key])
     cfg = TrainConfig(**values, corrections=Corrections(**corr))

@@ -77,3 +77,26 @@ def test_prompts_without_answers_are_one_line(weights, tmp_path, capsys):
     code, out, err = _cli(["eval", "--model", weights / "teacher", "--prompts", path, "--reward", "addition", "--max-new-tokens", "48"], capsys)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "no prompt carries an answer" in lines[0], err
+
+
+def test_train_eval_every_logs_the_eval_commands_figures_for_the_weights_it_has_then(hf_cache, weights, heldout, tmp_path, capsys):
+    """--eval-every 2 over 4 steps: steps 2 and 4 carry eval/accuracy and eval/pass@1; the last equals `opdcache eval`
+    of the final model (the same prompts, greedy), the others are absent from the steps between."""
+    from opdcache.training.train import TrainConfig, run_train
+
+    cfg = TrainConfig(model=weights / "student", cache=hf_cache, out=tmp_path / "run", steps=4, batch_size=8, lr=1e-3,
+                      eval_every=2, eval_prompts=heldout, eval_reward="addition", eval_max_new_tokens=48)
+    run_train(cfg)
+    metrics = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [("eval/accuracy" in m) for m in metrics] == [False, True, False, True]
+    final = run_eval(EvalJob(model=tmp_path / "run" / "model", prompts=PromptConfig(heldout), reward="addition",
+                             sampling=SamplingConfig(temperature=0.0, samples=1, max_new_tokens=48)))
+    assert metrics[-1]["eval/accuracy"] == pytest.approx(final["accuracy"], abs=1e-12)
+    assert metrics[-1]["eval/pass@1"] == metrics[-1]["eval/accuracy"]
+
+
+def test_eval_every_without_its_prompts_is_one_line(tmp_path, capsys):
+    code, out, err = _cli(["train", "--model", tmp_path / "m", "--cache", tmp_path / "c", "--out", tmp_path / "o",
+                           "--eval-every", "5"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "--eval-every N needs a positive N, --eval-prompts" in lines[0], err

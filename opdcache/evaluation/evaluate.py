@@ -54,29 +54,38 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def run_eval(job: EvalJob) -> dict:
     """Sample, judge and summarise (see the module docstring); the report as a dict."""
     from opdcache.backends import make_backend
-    from opdcache.backends.base import GenerateRequest
-    from opdcache.inputs import verifiers
     from opdcache.inputs.models import load_tokenizer, resolve_model
-    from opdcache.inputs.prompts import check_local_prompts, read_prompts
-    from opdcache.teacher.rollouts import sample_seed
+    from opdcache.inputs.prompts import check_local_prompts
 
     check_local_prompts(Path(job.prompts.path), must_exist=True)
     ref = resolve_model(job.model, None, "--model")
     tokenizer = load_tokenizer(ref.path)
-    verify = verifiers.resolve(job.reward)
     backend = make_backend(ref.path, job.engine)
-    prompts = read_prompts(job.prompts, tokenizer, backend.max_length - job.sampling.max_new_tokens)
+    try:
+        backend.load()
+        return evaluate(backend, tokenizer, job) | {"model": str(ref.name)}
+    finally:
+        if hasattr(backend, "close"):
+            backend.close()
+
+
+def evaluate(backend, tokenizer, job: EvalJob, prompts=None) -> dict:
+    """The report of ``job`` with an engine already running (``backend``: a model in memory, as a learner's):
+    ``prompts``, the job's prompts already read (else read here)."""
+    from opdcache.backends.base import GenerateRequest
+    from opdcache.inputs import verifiers
+    from opdcache.inputs.prompts import read_prompts
+    from opdcache.teacher.rollouts import sample_seed
+
+    verify = verifiers.resolve(job.reward)
+    prompts = prompts or read_prompts(job.prompts, tokenizer, backend.max_length - job.sampling.max_new_tokens)
     judged = [p for p in prompts.prompts if p.answer is not None]
     if not judged:
         raise ConfigError(f"{job.prompts.path}: no prompt carries an answer (--answer-field {job.prompts.answer_field}); "
                           "eval needs answers to judge the responses against")
     n = job.sampling.samples
     requests = [GenerateRequest(p.prompt_ids, sample_seed(job.sampling.seed, p.prompt_ids, k)) for p in judged for k in range(n)]
-    try:
-        backend.load()
-        gens = backend.generate(requests, job.sampling)
-    finally:
-        backend.close() if hasattr(backend, "close") else None
+    gens = backend.generate(requests, job.sampling)
     scores, lengths, cut, examples = [], [], 0, []
     for i, p in enumerate(judged):
         row = []
@@ -94,7 +103,7 @@ def run_eval(job: EvalJob) -> dict:
         scores.append(row)
     correct = [sum(s >= 1.0 for s in row) for row in scores]
     return {
-        "model": str(ref.name), "prompts": len(judged), "samples": n, "reward": job.reward,
+        "prompts": len(judged), "samples": n, "reward": job.reward,
         "temperature": job.sampling.temperature, "seed": job.sampling.seed,
         "accuracy": sum(map(sum, scores)) / (len(scores) * n),
         "pass_at": {j: sum(pass_at_k(n, c, j) for c in correct) / len(correct) for j in range(1, n + 1)},

@@ -34,7 +34,8 @@ from opdcache.training import runfolder
 
 STATE_FILE = "trainer_state.json"
 IGNORED_ON_RESUME = {"stop_after", "steps", "progress", "checkpoint_every", "tensorboard", "num_loader_workers", "save_dtype", "pack",
-                     "out", "report_to", "save"}
+                     "out", "report_to", "save", "eval_every", "eval_prompts", "eval_reward", "eval_samples", "eval_temperature",
+                     "eval_max_new_tokens"}
 """Settings a resumed run may change: they decide when to stop, what to print, how often to save, where the run folder
 is (a run folder moved or pulled resumes) and how the same rows are laid out for the forward (``pack``: the same losses
 to float32's rounding), not the numbers."""

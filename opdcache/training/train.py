@@ -230,6 +230,30 @@ class Trainer:
             loss = loss * (tokens * self.world / total.clamp_min(1))
         return loss, stats
 
+    def evaluate(self) -> dict:
+        """The student as it is now on --eval-prompts (`opdcache eval`'s figures, through the reference engine around
+        the live weights): ``eval/accuracy`` and ``eval/pass@k``."""
+        from opdcache.backends import backend_from_model
+        from opdcache.backends.base import SamplingConfig
+        from opdcache.evaluation.evaluate import EvalJob, evaluate
+        from opdcache.inputs.prompts import PromptConfig, read_prompts
+
+        cfg = self.cfg
+        if not hasattr(self, "_eval"):
+            job = EvalJob(model=self.model_path, prompts=PromptConfig(cfg.eval_prompts), reward=cfg.eval_reward,
+                          sampling=SamplingConfig(temperature=cfg.eval_temperature, samples=cfg.eval_samples,
+                                                  max_new_tokens=cfg.eval_max_new_tokens, seed=cfg.seed))
+            tokenizer = load_tokenizer(self.model_path)
+            backend = backend_from_model(self.model)
+            self._eval = (job, tokenizer, read_prompts(job.prompts, tokenizer, backend.max_length - cfg.eval_max_new_tokens))
+        job, tokenizer, prompts = self._eval
+        self.model.eval()
+        try:
+            report = evaluate(backend_from_model(self.model), tokenizer, job, prompts)
+        finally:
+            self.model.train()
+        return {"eval/accuracy": report["accuracy"], **{f"eval/pass@{k}": v for k, v in report["pass_at"].items()}}
+
     def _adapters_off_logprobs(self, inputs, ids_N1, packing: dict, sel) -> torch.Tensor:
         """[B, T] log-probs of the sampled tokens by the student with its LoRA adapters disabled (the frozen base, which
         is pi_ref), at the selected tokens; the same forward as the student's, without gradients."""
@@ -316,6 +340,8 @@ class Trainer:
                 last = {"step": self.step, **agg, "grad_norm": float(grad_norm), "lr": lr, "seconds": time.perf_counter() - start}
                 if hasattr(self.source, "step_stats"):  # what the source knows of the batch (async: its staleness)
                     last.update(self.source.step_stats())
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.rank == 0:
+                    last.update(self.evaluate())
                 if self.device.type == "cuda":  # the allocator's own counter: no device synchronisation
                     last["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                 if self.rank == 0:

@@ -132,6 +132,20 @@ class TrainConfig:
     save_dtype: str = "auto"
     """dtype of the final model: auto (the training compute dtype: bfloat16 under --dtype bfloat16 or auto on a bf16 GPU,
     else float32), float32 or bfloat16. The checkpoint keeps float32 masters whatever this says."""
+    eval_every: int = 0
+    """Evaluate the student every N steps (0: never) on --eval-prompts with the --eval-reward verifier, as `opdcache
+    eval` does (opdcache/evaluation/evaluate.py), logging eval/accuracy and eval/pass@k beside the step's metrics, to every
+    tracker; rank 0 only. Memory: the student's KV cache for the prompts' generation."""
+    eval_prompts: Path | None = None
+    """The held-out prompts (a JSONL file with answers) --eval-every evaluates on."""
+    eval_reward: str | None = None
+    """The verifier --eval-every judges with (as --reward)."""
+    eval_samples: int = 1
+    """Responses a prompt for --eval-every (pass@k; above 1 needs --eval-temperature above 0)."""
+    eval_temperature: float = 0.0
+    """--eval-every's sampling temperature (0: greedy)."""
+    eval_max_new_tokens: int = 64
+    """--eval-every's response length limit."""
     lora_rank: int = 0
     """Train low-rank adapters of this rank through PEFT instead of the whole student (0: full fine-tuning): the base
     weights frozen in their dtype (bfloat16 on a GPU, float32 on a CPU), the adapters and AdamW's moments in float32,
@@ -192,6 +206,18 @@ class TrainConfig:
                 raise MissingDependencyError("--tensorboard needs the tensorboard package: pip install tensorboard "
                                              "(metrics.jsonl is written either way)")
         from opdcache.training import lora
+
+        if self.eval_every:
+            if self.eval_every < 0 or self.eval_prompts is None or self.eval_reward is None:
+                raise ConfigError("--eval-every N needs a positive N, --eval-prompts (a JSONL file with answers) and "
+                                  "--eval-reward (the verifier)")
+            if not Path(self.eval_prompts).is_file():
+                raise ConfigError(f"--eval-prompts {self.eval_prompts} is not a file; give the held-out prompts' JSONL file")
+            from opdcache.inputs import verifiers
+
+            verifiers.resolve(self.eval_reward)
+            if self.eval_samples > 1 and self.eval_temperature == 0:
+                raise ConfigError("--eval-samples above 1 with --eval-temperature 0 draws the same greedy response again")
 
         if self.save not in ("auto", "adapter", "merged"):
             raise ConfigError(f"--save must be auto, adapter or merged, got {self.save!r}")
