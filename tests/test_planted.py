@@ -166,3 +166,37 @@ def test_export_never_writes_a_non_json_nan(cache, tmp_path, capsys):
     line = _one_line(out)
     assert code == 2 and ("NaN" in line or "non-finite" in line), line
     assert not any("NaN" in p.read_text() for p in (tmp_path / "x").rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("record, want", [
+    ([1, 2, 3], "fidelity is [1, 2, 3], not an object"),
+    ({"measured": True, "entropy": {"mean": "x", "max": 1, "positions": 3, "means": "m"}}, "fidelity/entropy is "),
+    ({"measured": True, "entropy": 5}, "not a measured quantity (mean, max, positions, means)"),
+], ids=["list", "string-mean", "number"])
+def test_a_fidelity_record_of_the_wrong_shape_is_one_line(cache, capsys, record, want):
+    manifest = json.loads((cache / "opdcache.json").read_text())
+    name = next(t for t in manifest["tables"] if t.startswith("teachers/"))
+    manifest["tables"][name]["fidelity"] = record
+    (cache / "opdcache.json").write_text(json.dumps(manifest))
+    for args, code_wanted in ((["info", cache], 2), (["validate", cache], 1)):
+        code, out = _cli(args, capsys)
+        line = _one_line(out)
+        assert code == code_wanted and want in line, (args[0], line)
+
+
+def test_validate_on_a_shard_whose_rows_are_all_empty_is_a_report_not_a_traceback(cache, capsys):
+    import hashlib
+    import os
+
+    import pyarrow as pa
+
+    manifest = M.load(cache)
+    info = manifest["tables"]["rollouts"]["shards"][0]
+    path = cache / info["path"]
+    table = pq.read_table(path)
+    rows = [{k: ([] if isinstance(v, list) and k != "prompt_ids" else v) for k, v in r.items()} for r in table.to_pylist()]
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path)
+    info.update(bytes=os.path.getsize(path), sha256=hashlib.sha256(path.read_bytes()).hexdigest(), tokens=0)
+    M.save(cache, manifest)
+    code, out = _cli(["validate", cache], capsys)
+    assert code == 1 and "Traceback" not in out and "INVALID" in out, out[-2000:]

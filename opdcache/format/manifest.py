@@ -259,6 +259,7 @@ def _check_records(manifest: dict, where: str) -> None:
     """The model record's parts that commands branch on have their types: ``model`` an object, ``model.exact`` absent,
     false or an object whose ``arithmetic`` is a name (the frozen schemas leave the record open)."""
     for name, entry in manifest["tables"].items():
+        _check_fidelity(entry.get("fidelity"), f"{where}: tables/{name}/fidelity")
         model = entry.get("model")
         if model is None:
             continue
@@ -338,3 +339,24 @@ def save(root: str | Path, manifest: dict) -> None:
 def content_view(manifest: dict) -> str:
     """The manifest without its creation time: equal for caches with equal content."""
     return canonical_json({k: v for k, v in manifest.items() if k != "created"})
+
+
+def _check_fidelity(record, where: str) -> None:
+    """A teacher table's fidelity record, where present: an object; each measured quantity an object of finite numbers
+    (mean, max) and an integer count (positions), as opdcache/format/fidelity.py writes it."""
+    import math
+
+    if record is None:
+        return
+    if not isinstance(record, dict):
+        raise ManifestError(f"{where} is {quote(record, 80)}, not an object; the manifest is damaged (run `opdcache validate`)")
+    for key, value in record.items():
+        if key in ("measured", "reason"):
+            continue
+        ok = isinstance(value, dict) and all(isinstance(value.get(k), (int, float)) and not isinstance(value.get(k), bool)
+                                             and math.isfinite(value[k]) for k in ("mean", "max")) \
+            and isinstance(value.get("positions"), int) and not isinstance(value.get("positions"), bool) \
+            and isinstance(value.get("means"), str)
+        if not ok:
+            raise ManifestError(f"{where}/{key} is {quote(value, 80)}, not a measured quantity (mean, max, positions, means); "
+                                "the manifest is damaged (run `opdcache validate`)")

@@ -335,7 +335,7 @@ def _row_of(offsets: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 def _check_logprobs(file: str, column: str, values: np.ndarray, offsets: np.ndarray, out: _Collector) -> None:
-    flat = values.reshape(len(values), -1)
+    flat = values.reshape(len(values), -1) if values.size else values.reshape(0, 1)  # no tokens at all: nothing to check
     bad = ~np.isfinite(flat).all(axis=1)
     if bad.any():
         out.rows(file, column, _row_of(offsets, np.flatnonzero(bad)), "non-finite log-prob")
