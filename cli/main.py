@@ -142,8 +142,10 @@ def _config_applied(argv: list[str] | None) -> list[str] | None:
     """``argv`` with a command's ``--config FILE`` settings put before its flags (cli/options.with_config_file), for the
     commands without a ``--config`` of their own; None after ``--print-config`` printed the resolved settings."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--config" or a.startswith("--config=") or a == "--print-config" for a in args):
+        return args
     name = _command(args)
-    if name is None or not any(a == "--config" or a.startswith("--config=") or a == "--print-config" for a in args):
+    if name is None:
         return args
     command = typer.main.get_command(app).commands[name]
     if any(p.name == "config" for p in command.params):

@@ -168,13 +168,13 @@ def _judge(rep: dict, dtype: str, floor: float, spreads: dict[str, float]) -> di
 
 
 def _recorded_engine(cache: Cache, name: str, given, flag: str, device: str):
-    """(table entry, its model record, whether exact, its dtype, the engine that re-computes it in that arithmetic) for
-    table ``name``, the model being ``given`` (``flag``'s value) or the one the record names."""
+    """(table entry, its model record, whether exact, its dtype, the engine that re-computes it in that arithmetic, the
+    model's path) for table ``name``, the model being ``given`` (``flag``'s value) or the one the record names."""
     entry = cache.table(name)
     record = entry.get("model") or {}
     path = recorded_model(record, given, flag, f"the {name} table")
     dtype = _recorded_dtype(record)
-    return entry, record, bool(record.get("exact")), dtype, engine_for_table(record, path, name, device=device, dtype=dtype)
+    return entry, record, bool(record.get("exact")), dtype, engine_for_table(record, path, name, device=device, dtype=dtype), path
 
 
 def _audit_base(cache: Cache, name: str, cfg: AuditConfig) -> dict:
@@ -182,7 +182,7 @@ def _audit_base(cache: Cache, name: str, cfg: AuditConfig) -> dict:
     from opdcache.teacher.rollouts import sample_seed
     from opdcache.teacher.scoring import score_requests
 
-    entry, record, exact, dtype, backend = _recorded_engine(cache, name, cfg.model, "--model", cfg.device)
+    entry, record, exact, dtype, backend, _ = _recorded_engine(cache, name, cfg.model, "--model", cfg.device)
     replay = not exact and record.get("engine") == "transformers" and hasattr(backend, "replay")
     stored_cols = [c for c in ROLLOUT_COLUMNS if c in shards.read_schema(cache.shard_paths(name)[0]).names]
     sampling = SamplingConfig(**entry["config"]["sampling"]) if exact else None
@@ -223,7 +223,7 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
     from opdcache.backends.base import ScoreRequest
     from opdcache.teacher.scoring import score_requests, teacher_columns, teacher_records
 
-    entry, record, exact, dtype, backend = _recorded_engine(cache, name, cfg.teacher, "--teacher", cfg.device)
+    entry, record, exact, dtype, backend, path = _recorded_engine(cache, name, cfg.teacher, "--teacher", cfg.device)
     params = cache.params(name)
     seed = int(entry["config"].get("sample_seed", 0))
     want_hidden = "hidden" in params.stores
