@@ -250,3 +250,21 @@ def test_an_upgrade_finds_a_finished_run_finished(straight, weights, hf_cache, t
     assert res == {"already_done": True, "steps": 2}
     assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
     assert os.path.isfile(state_path)
+
+
+def test_a_disk_full_during_the_checkpoint_save_is_one_line_and_leaves_no_half_written_folder(hf_cache, weights, tmp_path, capsys, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError (no OSError): the CLI says it in one line, and the
+    fresh temporary folder is gone. (A full disk cannot be made here: the real error class is raised in its place.)"""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "run"
+    code, text = _cli(_args(weights, hf_cache, out), capsys)
+    line = _one_line(text)
+    assert code == 1 and line.startswith("error: storage: OSError: writing the checkpoint into") and "No space left" in line, line
+    assert "free disk space" in line
+    assert not [p for p in out.iterdir() if p.name.startswith(".checkpoint.")]

@@ -180,17 +180,18 @@ def save(trainer) -> dict | None:
     out = trainer.cfg.out
     runfolder.check_folder(out)
     tmp = runfolder.fresh_dir(out, ".checkpoint.tmp-")
-    if getattr(trainer, "lora", False):  # a LoRA student: its adapters only (the base is --model's, by fingerprint)
-        from opdcache.training.lora import ADAPTER_FILE, adapter_state
+    with runfolder.writing(tmp, "the checkpoint"):
+        if getattr(trainer, "lora", False):  # a LoRA student: its adapters only (the base is --model's, by fingerprint)
+            from opdcache.training.lora import ADAPTER_FILE, adapter_state
 
-        save_file(adapter_state(trainer.model), str(tmp / ADAPTER_FILE))
-    else:
-        trainer.model.save_pretrained(tmp / "model", state_dict=model_sd)
-    tensors["rng.torch"] = torch.get_rng_state()
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
-    state = {"step": trainer.step, "param_groups": groups, "config": json.loads(json.dumps(asdict(trainer.cfg), default=str)),
-             "loader": trainer.source.state_dict(), "trained_from": trained_from(trainer)}
-    write_text_atomic(tmp / STATE_FILE, json.dumps(state, indent=2))  # last: marks the directory complete
+            save_file(adapter_state(trainer.model), str(tmp / ADAPTER_FILE))
+        else:
+            trainer.model.save_pretrained(tmp / "model", state_dict=model_sd)
+        tensors["rng.torch"] = torch.get_rng_state()
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        state = {"step": trainer.step, "param_groups": groups, "config": json.loads(json.dumps(asdict(trainer.cfg), default=str)),
+                 "loader": trainer.source.state_dict(), "trained_from": trained_from(trainer)}
+        write_text_atomic(tmp / STATE_FILE, json.dumps(state, indent=2))  # last: marks the directory complete
     runfolder.place_dir(tmp, out / "checkpoint")
     return model_sd
 

@@ -13,6 +13,7 @@ there cannot be redirected.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from pathlib import Path
@@ -98,6 +99,22 @@ def fresh_dir(out: Path, prefix: str) -> Path:
     path = Path(out) / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
     os.mkdir(path)  # fails on anything already there, a link included
     return path
+
+
+@contextlib.contextmanager
+def writing(tmp: Path, what: str):
+    """Writing ``what`` into the fresh folder ``tmp``: on any failure the folder is removed (nothing half-written is
+    left), and a write error of a library that is no OSError (safetensors' ``SafetensorError`` on a full disk) is
+    raised as one, which the CLI reports in one line (the path, its permissions, the free disk space)."""
+    import shutil
+
+    try:
+        yield
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if type(exc).__module__.split(".")[0] == "safetensors" or type(exc).__name__ == "SafetensorError":
+            raise OSError(f"writing {what} into {tmp.parent}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__}") from None
+        raise
 
 
 def place_dir(tmp: Path, final: Path) -> None:

@@ -53,7 +53,7 @@ from opdcache.progress import bar
 from opdcache.storage import write_text_atomic
 from opdcache.training import checkpoint, lora, losses as L, objective as O
 from opdcache.training.allocator import map_large_buffers
-from opdcache.training.runfolder import fresh_dir, metrics_lines, open_append, place_dir
+from opdcache.training.runfolder import fresh_dir, metrics_lines, open_append, place_dir, writing
 from opdcache.training.estimators import ESTIMATORS, group_ends
 from opdcache.training.sources import check_teacher_table, open_cache, open_online
 from opdcache.training.student import (StudentForward, autocast_dtype, enable_activation_checkpointing, enable_packed_attention, full_tensor,
@@ -390,14 +390,21 @@ class Trainer:
 
     def _save_final(self, model_sd: dict | None) -> None:
         """The final model, written whole into a fresh folder, then renamed onto ``--out/model``."""
-        from opdcache.inputs.lineage import read_sft_lineage
-
         dtype = self.save_dtype()
         state = None
         if not self.lora:
             state = model_sd if model_sd is not None else self.model.state_dict()
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         tmp = fresh_dir(self.cfg.out, ".model.tmp-")
+        with writing(tmp, "the final model"):
+            self._write_final(tmp, state, dtype)
+        place_dir(tmp, self.cfg.out / "model")
+
+    def _write_final(self, tmp, state, dtype) -> None:
+        """The final model's files into ``tmp``: the model (or the LoRA adapter folder), its dtype stated in its
+        config, the tokenizer, the SFT lineage."""
+        from opdcache.inputs.lineage import read_sft_lineage
+
         if self.lora:
             lora.save_final(self.peft, tmp, "merged" if self.cfg.save == "merged" else "adapter", dtype)
         else:
@@ -411,7 +418,6 @@ class Trainer:
         lineage = read_sft_lineage(self.model_path)
         if lineage:  # the OPD student keeps its SFT lineage
             (tmp / "opdcache_lineage.json").write_text(json.dumps(lineage, indent=2, sort_keys=True))
-        place_dir(tmp, self.cfg.out / "model")
 
 
 def run_train(cfg: TrainConfig, announce=None) -> dict:
