@@ -151,7 +151,8 @@ class TableJob:
         fingerprint in a shard's footer or a record) is its own. (An object store lists keys under the prefix.)"""
         if (self.dir / JOB_FILE).is_file() or not self.dir.is_dir() or (M.exists(self.root) and self.table in M.load(self.root)["tables"]):
             return
-        files = sorted(p for p in self.dir.rglob("*") if p.is_file() or p.is_symlink())
+        remote = storage.is_remote(self.dir)  # an object store has no links
+        files = sorted((p for p in self.dir.rglob("*") if p.is_file() or (not remote and p.is_symlink())), key=str)
         ours = [p for p in files if self._written_by_this_job(p)]
         side = set(SIDE_FILE_OF_STORE.values())
         stray = [p.relative_to(self.root).as_posix() for p in files if p not in ours and not (ours and p.name in side)]
@@ -188,7 +189,7 @@ class TableJob:
     def _written_by_this_job(self, path) -> bool:
         """A shard or table record of an earlier run of this job (its job file gone: the run finished, then its
         manifest was lost): it carries this job's config fingerprint. A side file beside such shards is taken with them."""
-        if path.is_symlink():
+        if not storage.is_remote(path) and path.is_symlink():
             return False
         try:
             if path.name == TABLE_RECORD:
