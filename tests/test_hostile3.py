@@ -464,21 +464,30 @@ def test_a_teacher_row_one_position_longer_is_one_line(cache, command):
 
 
 def test_an_async_ledger_with_lines_that_are_not_entries_is_one_line(tmp_path):
+    """Each line an entry of typed fields (batch 2.5, no consumed_at_step, a string time: one line each); a line cut by
+    a crash ends the file."""
     from opdcache.asyncopd import queue as Q
     from opdcache.errors import OpdcacheError
 
+    def entry(b, **kw):
+        return json.dumps({"batch": b, "student_version": 0, "consumed_at_step": 1, "time": 1.0, **kw})
+
     ledger = tmp_path / Q.LEDGER
-    ledger.write_text('{"batch": 0, "staleness": 0}\n{"batch": 1, "staleness": 1}\n{"batch": 2, "stal')  # cut by a crash
+    ledger.write_text(entry(0) + "\n" + entry(1) + '\n{"batch": 2, "stal')  # cut by a crash
     assert [e["batch"] for e in Q.read_jsonl(ledger)] == [0, 1]
-    for bad in ('[1, 2]', '"text"', '{"staleness": 0}', '{"batch": "zero"}', '{"batch": true}', 'not json'):
-        ledger.write_text('{"batch": 0}\n' + bad + '\n{"batch": 2}\n')
+    wanted = ("a JSON object with batch (a non-negative integer), consumed_at_step (a non-negative integer), "
+              "student_version (a non-negative integer), time (a number or null)")
+    for bad in ('[1, 2]', '"text"', '{"staleness": 0}', entry("zero"), entry(True), entry(2.5), entry(1, time="noon"),
+                json.dumps({"batch": 1, "student_version": 1, "time": 1.0}), 'not json'):
+        ledger.write_text(entry(0) + "\n" + bad + "\n" + entry(2) + "\n")
         with pytest.raises(OpdcacheError) as e:
             Q.read_jsonl(ledger)
-        assert str(e.value).startswith(f"{ledger}: line 2 is not an entry of the run (a JSON object with numeric batch)")
+        assert str(e.value).startswith(f"{ledger}: line 2 is not an entry of the run ({wanted})"), str(e.value)
         assert "\n" not in str(e.value)
-    busy = tmp_path / "rollout.busy.jsonl"
-    busy.write_text('{"batch": 0, "start": 1.5}\n')
-    with pytest.raises(OpdcacheError, match="numeric batch, start, end"):
+    (tmp_path / "stages").mkdir()
+    busy = tmp_path / "stages" / "rollout.busy.jsonl"
+    busy.write_text('{"batch": 0, "start": 1.5}\n{"batch": 1, "start": 1.5, "end": 2.0}\n')
+    with pytest.raises(OpdcacheError, match=r"batch \(a non-negative integer\), start \(a number\), end \(a number\)"):
         Q.read_jsonl(busy)
 
 

@@ -200,3 +200,18 @@ def test_validate_on_a_shard_whose_rows_are_all_empty_is_a_report_not_a_tracebac
     M.save(cache, manifest)
     code, out = _cli(["validate", cache], capsys)
     assert code == 1 and "Traceback" not in out and "INVALID" in out, out[-2000:]
+
+
+def test_a_job_file_another_worker_began_meanwhile_is_the_jobs_own_not_a_stray(tmp_path):
+    """Workers of one job start together (Ray, Slurm arrays): one may list the folder after another wrote the job file
+    it did not see a moment before. That file, with the job's fingerprint, is the job's own; one of another job is not."""
+    from opdcache.format import schema as S
+    from opdcache.format.cache import JOB_FILE, TableJob
+
+    params = S.StoreParams(stores=("base",))
+    first = TableJob(tmp_path, "rollouts", "rollouts", params, {"x": 1}, 2)
+    first.begin()
+    same = TableJob(tmp_path, "rollouts", "rollouts", params, {"x": 1}, 2)
+    other = TableJob(tmp_path, "rollouts", "rollouts", params, {"x": 2}, 2)
+    assert same._written_by_this_job(tmp_path / "rollouts" / JOB_FILE)
+    assert not other._written_by_this_job(tmp_path / "rollouts" / JOB_FILE)

@@ -187,11 +187,15 @@ class TableJob:
         return True
 
     def _written_by_this_job(self, path) -> bool:
-        """A shard or table record of an earlier run of this job (its job file gone: the run finished, then its
-        manifest was lost): it carries this job's config fingerprint. A side file beside such shards is taken with them."""
+        """A shard, table record or job file of this job: an earlier run's (its job file gone: the run finished, then
+        its manifest was lost) or another worker's that started meanwhile; it carries this job's config fingerprint. A
+        side file beside such files is taken with them."""
         if not storage.is_remote(path) and path.is_symlink():
             return False
         try:
+            if path.name == JOB_FILE:  # another worker of this job began it meanwhile (a concurrent start)
+                rec = read_json(storage.confined(self.root, path), str(path), ManifestError)
+                return isinstance(rec, dict) and rec.get("config_fingerprint") == self.fingerprint
             if path.name == TABLE_RECORD:
                 rec = read_json(storage.confined(self.root, path), str(path), ManifestError)
                 return isinstance(rec, dict) and isinstance(rec.get("entry"), dict) and rec["entry"].get("config_fingerprint") == self.fingerprint
