@@ -210,3 +210,37 @@ def test_every_training_setting_is_a_flag_or_config_file_only_with_a_reason():
     assert [f.name for f in dataclasses.fields(Corrections) if f.name not in flags] == []
     assert all(CONFIG_FILE_ONLY.values())
     assert "--topk-support" in _help("train")
+
+
+STAGE_FILE_ONLY = {
+    ("async", "AsyncConfig"): {"learner": "a nested setting: its fields are flags (LEARNER_SETTINGS)",
+                               "sampling": "a nested setting: its fields are flags (--temperature, --top-p, ...)",
+                               "gpus_per_stage": "the flag --gpus takes the three numbers"},
+    ("build-rollouts", "GenerateJob"): {"kind": "the command is the kind (build-sft or build-rollouts)",
+                                        "sampling": "a nested setting: its fields are flags", "engine": "a nested setting: its fields are flags",
+                                        "keep": "build-sft's (--keep): rollouts keep every sample",
+                                        "finalize": "the Ray driver's: its workers leave the manifest to it"},
+    ("score-teacher", "ScoreJob"): {"stores": "the flag --store", "slug": "the flag --name", "engine": "a nested setting: its fields are flags",
+                                    "svd_seed": "library only (ScoreJob): the svd calibration draw's seed, whose default every table so far used",
+                                    "finalize": "the Ray driver's: its workers leave the manifest to it",
+                                    "prepare_only": "the Ray driver's: side files before the workers start"},
+}
+"""Each stage's settings dataclass fields that are no flag of its command, each with its reason."""
+
+
+@pytest.mark.parametrize("command, config", sorted(STAGE_FILE_ONLY), ids=[c for c, _ in sorted(STAGE_FILE_ONLY)])
+def test_every_stage_setting_is_a_flag_or_listed_with_a_reason(command, config):
+    import dataclasses
+    import importlib
+
+    module = {"AsyncConfig": "opdcache.asyncopd.config", "GenerateJob": "opdcache.teacher.rollouts",
+              "ScoreJob": "opdcache.teacher.scoring"}[config]
+    cls = getattr(importlib.import_module(module), config)
+    flags = {p.name for p in COMMAND.commands[command].params}
+    listed = STAGE_FILE_ONLY[(command, config)]
+    assert [f.name for f in dataclasses.fields(cls) if f.name not in flags and f.name not in listed] == []
+    assert set(listed) <= {f.name for f in dataclasses.fields(cls)} and all(listed.values())
+    if config == "AsyncConfig":
+        from opdcache.asyncopd.config import LEARNER_SETTINGS
+
+        assert [n for n in LEARNER_SETTINGS if n not in flags and n != "model"] == []
