@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from opdcache.untrusted import safetensors_problem
 
+SIDE_FILE_OF_STORE = {"hidden": "head.safetensors", "svd": "svd.safetensors"}
+"""Files next to a table's shards that its stores need (hidden: the head; svd: the projection), hashed in the manifest."""
 SIDE_FILE_TENSORS = {"head.safetensors": ("weight",), "svd.safetensors": ("encoder", "decoder")}
 def side_file_problem(path, size: int, name: str) -> str | None:
     """What is wrong with side file ``name`` (a key of SIDE_FILE_TENSORS) at ``path``, or None: its safetensors header,

@@ -1,0 +1,64 @@
+"""The hidden store's check in ``opdcache validate``: every stored log-prob rebuilt from the stored hidden state and the
+table's head (``head.safetensors``), within the rounding of the stored dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from opdcache.errors import SchemaError
+from opdcache.format import shards
+
+# hidden-state reconstruction (float32 matmul) vs the stored log-prob (the teacher's own kernels, its dtype)
+HIDDEN_TOL = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 1e-1}
+
+
+def check_hidden(root: Path, file: str, entry: dict, response: np.ndarray, logprobs: np.ndarray, offsets: np.ndarray,
+                 lengths: np.ndarray, out) -> None:
+    """``validate``'s check of a hidden store: reconstruct T_t = log_softmax(hidden @ W.T + b)[a_t] from the stored hidden state and head; compare. The hidden
+    column is read one row group at a time and each block streamed over vocabulary slices: memory grows with one row
+    group of hidden states and a [1024, 8192] logit block, never with tokens x vocabulary. ``out``: validate's collector
+    (``add(file, message)``, ``rows(file, column, rows, message)``)."""
+    import torch
+
+    from opdcache.format.heads import load_head, token_logprobs_from_hidden
+
+    head_path = root / Path(file).parent / "head.safetensors"
+    if not head_path.is_file():
+        out.add(file, "hidden store without head.safetensors next to it")
+        return
+    try:
+        head = load_head(head_path)
+    except SchemaError as exc:
+        out.add(file, f"cannot check the hidden states: {exc}")
+        return
+    width, vocab = entry["params"].get("hidden_size"), entry["config"].get("vocab_size")
+    if (width is not None and head.weight.shape[1] != width) or (vocab is not None and head.vocab_size != vocab):
+        out.add(file, f"head.safetensors holds a [{head.vocab_size}, {head.weight.shape[1]}] matrix where the table's vocabulary "
+                      f"and hidden states need [{vocab}, {width}]; score the teacher again")
+        return
+    pf = shards.open_parquet(root / file)
+    dtype = shards.hidden_dtype_of(pf.schema_arrow.field("hidden"))
+    tol = HIDDEN_TOL[dtype]
+    rebuilt = np.empty(len(logprobs), dtype=np.float32)
+    in_vocab = (response >= 0) & (response < head.vocab_size)  # ids outside are reported with the rollouts; skip them here
+    ids_all = np.where(in_vocab, response, 0).astype(np.int64)
+    at, row = 0, 0
+    for group in range(pf.num_row_groups):
+        column = pf.read_row_group(group, ["hidden"])["hidden"]
+        got = np.diff(shards.list_offsets(column))
+        bad = np.flatnonzero(got != lengths[row: row + len(got)])
+        if len(bad):
+            out.rows(file, "hidden", bad + row, "not as long as the responses (per-token column length differs from the number of response tokens)")
+            return
+        row += len(got)
+        hidden = shards.hidden_to_torch(shards.token_values(column), dtype)
+        n = hidden.shape[0]
+        rebuilt[at: at + n] = token_logprobs_from_hidden(hidden, head, torch.from_numpy(ids_all[at: at + n])).numpy()
+        at += n
+    bad = (np.abs(rebuilt - logprobs) > tol) & in_vocab
+    if bad.any():
+        worst = float(np.abs(rebuilt - logprobs)[in_vocab].max())
+        out.rows(file, "hidden", np.searchsorted(offsets, np.flatnonzero(bad), side="right") - 1,
+                 f"log-prob rebuilt from hidden state and head differs from the stored log-prob (max |diff| {worst:.2e} > {tol} for {dtype})")
