@@ -21,6 +21,10 @@ pi_ref, r_rollout the cached ``ref_logprobs``): ``tis_clip_fraction``, response 
 With ``kl_coef > 0``: ``kl_penalty``, the chosen estimator's mean (opdcache/training/losses.py; the cached or the online form), added
 to the loss times ``kl_coef``. With ``--loss sampled-fkl``: ``sampled_stderr``, the mean per-position standard error of the
 forward-KL estimate from the m teacher draws (what the sampled store's few bytes cost in noise). Token statistics are means over response tokens, averaged over micro-batches; sequence fractions are over the batch.
+On a CUDA device: ``gpu_peak_allocated_gib``, torch's caching allocator's peak of allocated memory since the run
+started, GiB. With ``--eval-every N``, at every N-th step: ``eval/accuracy``, the mean verifier score of the student's
+responses to ``--eval-prompts`` (greedy at ``--eval-temperature 0``, else sampled at that temperature from the run's
+seed), and ``eval/pass@k`` for k = 1 .. ``--eval-samples`` (opdcache/evaluation/evaluate.py).
 
 Memory: the model, its gradients and AdamW's two moments in float32 (16 bytes per parameter; divided by the
 number of processes with ``--fsdp``), activations of one micro-batch [batch, length, hidden] per layer (one layer's
