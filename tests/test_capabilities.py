@@ -22,6 +22,33 @@ def test_every_engine_declares_its_capabilities_and_one_is_the_reference():
     assert not capabilities("vllm").hidden_states and capabilities("vllm").max_temperature == 2.0
 
 
+def test_stores_ask_for_statistics_engines_declare_and_scores_carry_them_by_name():
+    import numpy as np
+    import torch
+
+    from opdcache.backends.base import STATISTICS, Scores, split_scores
+    from opdcache.stores import REGISTRY
+
+    for store in REGISTRY.values():
+        assert set(store.needs) <= set(STATISTICS), store.name
+    for name in ENGINES:
+        assert capabilities(name).statistics <= set(STATISTICS) and "logprobs" in capabilities(name).statistics, name
+    assert capabilities("transformers").statistics == set(STATISTICS)
+    assert capabilities("server").missing(("logprobs", "logsumexp", "entropy")) == ["logsumexp", "entropy"]
+    assert not capabilities("server").full_distribution and capabilities("exact").full_distribution
+    # an engine's flat values become each sequence's, finished by the statistic's kind
+    cat = {"logprobs": torch.tensor([-1.0, 1e-7, -2.0]), "topk_ids": torch.tensor([[3, 1], [2, 0], [1, 4]]),
+           "entropy": torch.tensor([0.5, 0.25, 1.0], dtype=torch.float32), "hidden": torch.ones(3, 2, dtype=torch.bfloat16)}
+    first, second = split_scores(cat, [2, 1])
+    assert first.logprobs.tolist() == [-1.0, 0.0] and first.topk_ids.dtype == np.int32 and first.entropy.dtype == np.float64
+    assert second.hidden.dtype == torch.bfloat16 and second.hidden.shape == (1, 2)
+    assert first.logsumexp is None and "logsumexp" not in first and first.names() == {"logprobs", "topk_ids", "entropy", "hidden"}
+    with pytest.raises(TypeError, match="unknown statistics \\['lp'\\]; add them to opdcache.backends.base.STATISTICS"):
+        Scores(lp=np.zeros(2))
+    with pytest.raises(KeyError):
+        split_scores({"lp": torch.zeros(2)}, [2])
+
+
 def test_a_new_engine_is_checked_by_what_it_declares(toy, weights, opd_prompts, tmp_path, monkeypatch):
     from opdcache.backends.base import SamplingConfig
     from opdcache.inputs.prompts import PromptConfig
@@ -36,8 +63,9 @@ def test_a_new_engine_is_checked_by_what_it_declares(toy, weights, opd_prompts, 
     with pytest.raises(ConfigError, match="does not divide the model's hidden_size"):
         GenerateJob(model=weights / "student", prompts=PromptConfig(opd_prompts), out=tmp_path / "c",
                     engine=EngineConfig(backend="toy", quantize="w4a16"))
-    with pytest.raises(ConfigError, match=re.escape("--store entropy needs the teacher's whole distribution at every position, "
-                                                    "which --backend toy does not return")):
+    with pytest.raises(ConfigError, match=re.escape("--store entropy needs the teacher's full-distribution entropy -E_p[log p] (statistic entropy), "
+                                                    "which --backend toy does not compute: score this table with an engine that does "
+                                                    "(transformers, exact)")):
         ScoreJob(cache=tmp_path / "c", teacher=weights / "teacher", stores=("logprob", "entropy"), engine=toy)
     assert not (tmp_path / "c").exists()
 
@@ -59,5 +87,5 @@ def test_a_new_engine_records_its_generation_batch_size_and_hands_hidden_stores_
     run_score(ScoreJob(cache=cache, teacher=weights / "teacher", stores=("logprob", "hidden"), engine=toy,
                        allow_inconsistent_teacher=True))
     out = capsys.readouterr().out
-    assert "note: --backend toy declares no hidden states; the hidden store is scored on the transformers engine" in out
+    assert "note: --backend toy does not compute the final post-norm hidden states (statistic hidden); the hidden store is scored on the transformers engine" in out
     assert Cache(cache).table("teachers/teacher")["model"]["engine"] == "transformers"

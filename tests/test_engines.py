@@ -243,13 +243,13 @@ def test_streamed_stats_match_the_plain_full_logits_reference(P, V, k, softcap, 
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         logp = torch.log_softmax(logits.double(), -1)
-    torch.testing.assert_close(got["lse"].double(), torch.logsumexp(logits.double(), -1), atol=1e-5, rtol=0)
-    torch.testing.assert_close(got["lp"].double(), logp.gather(1, sampled[:, None]).squeeze(1), atol=1e-5, rtol=0)
-    torch.testing.assert_close(got["rk"].double(), logp.gather(1, ref_ids), atol=1e-5, rtol=0)
-    torch.testing.assert_close(got["mc"].double(), logp.gather(1, mc_ids), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["logsumexp"].double(), torch.logsumexp(logits.double(), -1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["logprobs"].double(), logp.gather(1, sampled[:, None]).squeeze(1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["ref_topk_logprobs"].double(), logp.gather(1, ref_ids), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["mc_logprobs"].double(), logp.gather(1, mc_ids), atol=1e-5, rtol=0)
     top = logp.topk(k, -1)
-    assert torch.equal(got["kid"], top.indices)
-    torch.testing.assert_close(got["klp"].double(), top.values, atol=1e-5, rtol=0)
+    assert torch.equal(got["topk_ids"], top.indices)
+    torch.testing.assert_close(got["topk_logprobs"].double(), top.values, atol=1e-5, rtol=0)
 
 
 def test_float32_scorer_log_probs_round_at_the_logit_not_at_the_partition():
@@ -276,11 +276,11 @@ def test_float32_scorer_log_probs_round_at_the_logit_not_at_the_partition():
         stats = streamed_logit_stats(Head(W), h, ids, top_k=4)
     z64 = z32.double()  # the same float32 logits, in float64: what is measured is the log-softmax's rounding alone
     ref = torch.log_softmax(z64, -1).gather(1, ids[:, None]).squeeze(1)
-    new_err = float((stats["lp"].double() - ref).abs().mean())
-    old = z32.gather(1, ids[:, None]).squeeze(1) - stats["lse"]  # the old formula, from the same float32 values
+    new_err = float((stats["logprobs"].double() - ref).abs().mean())
+    old = z32.gather(1, ids[:, None]).squeeze(1) - stats["logsumexp"]  # the old formula, from the same float32 values
     old_err = float((old.double() - ref).abs().mean())
-    assert float(stats["lse"].mean()) > 20 and new_err < 0.6 * old_err, (new_err, old_err)
-    torch.testing.assert_close(stats["klp"].double(), torch.log_softmax(z64, -1).topk(4, -1).values, rtol=0, atol=2e-5)
+    assert float(stats["logsumexp"].mean()) > 20 and new_err < 0.6 * old_err, (new_err, old_err)
+    torch.testing.assert_close(stats["topk_logprobs"].double(), torch.log_softmax(z64, -1).topk(4, -1).values, rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("P, V, softcap", [(7, 3001, None), (5, 2048, 30.0), (3, 700, None)])
@@ -304,10 +304,10 @@ def test_streamed_draws_equal_the_plain_inverse_cdf(P, V, softcap, monkeypatch):
     cdf = logp.exp().cumsum(-1)
     want = torch.searchsorted(cdf, u, right=True).clamp(max=V - 1)
     near = (cdf.gather(1, want) - u).abs().lt(1e-6) | (cdf.gather(1, (want - 1).clamp(min=0)) - u).abs().lt(1e-6)
-    assert bool(((got["sid"] == want) | near).all()), int((got["sid"] != want).sum())
-    assert float((got["sid"] == want).float().mean()) > 0.99
-    assert len(torch.unique(got["sid"] // 1024)) > 1 or V <= 1024
-    torch.testing.assert_close(got["slp"].double(), logp.gather(1, got["sid"]), atol=1e-5, rtol=0)
+    assert bool(((got["sampled_ids"] == want) | near).all()), int((got["sampled_ids"] != want).sum())
+    assert float((got["sampled_ids"] == want).float().mean()) > 0.99
+    assert len(torch.unique(got["sampled_ids"] // 1024)) > 1 or V <= 1024
+    torch.testing.assert_close(got["sampled_logprobs"].double(), logp.gather(1, got["sampled_ids"]), atol=1e-5, rtol=0)
 
 
 def test_sampled_store_is_reproducible_and_batch_invariant(hf_cache, weights):

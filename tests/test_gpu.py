@@ -117,15 +117,15 @@ def test_the_fused_scoring_kernel_equals_the_torch_ops_on_cuda(block, monkeypatc
     with torch.no_grad():
         got = st.streamed_logit_stats(model, h, ids[0], 20, ids[1], ids[2], u, moments=True, fused=True)
         want = st.streamed_logit_stats(model, h, ids[0], 20, ids[1], ids[2], u, moments=True, fused=False)
-    assert torch.equal(got["sid"], want["sid"])
-    for key in ("lse", "lp", "klp", "rk", "mc", "slp", "ent", "var"):
+    assert torch.equal(got["sampled_ids"], want["sampled_ids"])
+    for key in ("logsumexp", "logprobs", "topk_logprobs", "ref_topk_logprobs", "mc_logprobs", "sampled_logprobs", "entropy", "variance"):
         torch.testing.assert_close(got[key].double(), want[key].double(), atol=2e-5, rtol=2e-5, msg=key)
     # bf16 logits tie, and a tie may be broken either way: each id's own log-prob is the value reported for it, no id
     # twice in a row (an H200 run: 88% of ids equal the torch ops' at 1,024-column slices, every value equal)
     with torch.no_grad():
         logp = torch.log_softmax((h @ model.head.weight.T + model.head.bias).float() * 0.9, -1)
-    torch.testing.assert_close(logp.gather(1, got["kid"]), got["klp"], atol=2e-5, rtol=2e-5)
-    assert all(len(set(row)) == 20 for row in got["kid"].tolist())
+    torch.testing.assert_close(logp.gather(1, got["topk_ids"]), got["topk_logprobs"], atol=2e-5, rtol=2e-5)
+    assert all(len(set(row)) == 20 for row in got["topk_ids"].tolist())
 
 
 @pytest.mark.parametrize("keep", [True, False])

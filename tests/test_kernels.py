@@ -184,16 +184,16 @@ def test_fused_scoring_stats_equal_the_torch_path(dtype, block, monkeypatch):
         got = st.streamed_logit_stats(*args, moments=True, fused=True)
         want = st.streamed_logit_stats(*args, moments=True, fused=False)
     assert set(got) == set(want)
-    assert torch.equal(got["sid"], want["sid"])
-    for key in ("lse", "lp", "klp", "rk", "mc", "slp", "ent", "var"):
+    assert torch.equal(got["sampled_ids"], want["sampled_ids"])
+    for key in ("logsumexp", "logprobs", "topk_logprobs", "ref_topk_logprobs", "mc_logprobs", "sampled_logprobs", "entropy", "variance"):
         torch.testing.assert_close(got[key].double(), want[key].double(), atol=2e-5, rtol=2e-5, msg=key)
     if dtype == torch.float32:
-        assert torch.equal(got["kid"], want["kid"])
+        assert torch.equal(got["topk_ids"], want["topk_ids"])
     else:  # bf16 logits tie: the same values, and each id's own log-prob is the value reported for it
         with torch.no_grad():
             logp = torch.log_softmax((h @ model.head.weight.T + model.head.bias).float() * 0.9, -1)
-        torch.testing.assert_close(logp.gather(1, got["kid"]), got["klp"], atol=2e-5, rtol=2e-5)
-        assert all(len(set(row)) == 6 for row in got["kid"].tolist())
+        torch.testing.assert_close(logp.gather(1, got["topk_ids"]), got["topk_logprobs"], atol=2e-5, rtol=2e-5)
+        assert all(len(set(row)) == 6 for row in got["topk_ids"].tolist())
 
 
 def test_scoring_takes_the_kernel_only_where_it_applies(monkeypatch):

@@ -40,6 +40,18 @@ def test_a_shard_planted_in_a_new_tables_folder_is_not_adopted(cache, weights, c
     assert M.load(cache) == before  # nothing merged
 
 
+def test_a_writers_temporary_in_a_new_tables_folder_is_neither_stray_nor_read(cache, weights, capsys):
+    # another worker of the same job mid-write leaves its temporary in the folder: it is not a stray, and a temporary
+    # planted under that name is never read (the table's shards and records are the job's own)
+    (cache / "teachers" / "tmpd").mkdir()
+    (cache / "teachers" / "tmpd" / "._opdcache_job.json.tmp-1-0badc0de").write_text("{not json")
+    (cache / "teachers" / "tmpd" / ".part-00000.parquet.tmp-1-0badc0de").write_bytes(b"PAR1 planted")
+    code, out = _score(cache, weights, "tmpd", capsys)
+    assert code == 0, out
+    assert "teachers/tmpd" in M.load(cache)["tables"]
+    assert _cli(["validate", cache], capsys)[0] == 0
+
+
 def test_a_shard_of_another_run_beside_a_partial_job_is_refused(cache, weights, capsys, monkeypatch):
     from opdcache.format import cache as C
 

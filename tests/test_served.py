@@ -201,8 +201,9 @@ def test_refusals_come_before_any_request_is_scored(server, rollouts, weights, o
     finally:
         locked.close()
     assert "s3cret" not in (cache / "opdcache.json").read_text()
-    with pytest.raises(ConfigError, match=re.escape("--store entropy needs the teacher's whole distribution at every position, "
-                                                    "which --backend server does not return")):
+    with pytest.raises(ConfigError, match=re.escape("--store entropy needs the teacher's full-distribution entropy -E_p[log p] (statistic entropy), "
+                                                    "which --backend server does not compute: score this table with an engine that does "
+                                                    "(transformers, exact)")):
         ScoreJob(cache=cache, teacher=weights / "teacher", stores=("logprob", "entropy"), engine=served(server))
     assert not (cache / "teachers" / "x").exists()
 

@@ -4,10 +4,10 @@ tests register it in ``opdcache.backends.ENGINES`` under the name ``toy``)."""
 from dataclasses import replace
 
 from opdcache.backends import hf
-from opdcache.backends.base import Capabilities
+from opdcache.backends.base import Capabilities, statistics
 
 CAPABILITIES = Capabilities(summary="a toy: the transformers engine without hidden states or the whole distribution",
-                            full_distribution=False, hidden_states=False, batch_size_changes_bits=True,
+                            statistics=statistics("logits", "log_partition", "candidates"), batch_size_changes_bits=True,
                             quantization="emulated", max_temperature=1.5)
 
 

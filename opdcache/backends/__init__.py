@@ -39,6 +39,18 @@ def reference_engine() -> str:
     return next(name for name in ENGINES if capabilities(name).reference)
 
 
+def describe_statistic(name: str) -> str:
+    """A statistic in words, for a message: "the full distribution's entropy -E_p[log p] (statistic entropy)"."""
+    from opdcache.backends.base import STATISTICS
+
+    return f"{STATISTICS[name].doc.split('] ', 1)[-1]} (statistic {name})"
+
+
+def engines_computing(names) -> list[str]:
+    """The engines that compute every statistic of ``names``."""
+    return [engine for engine in ENGINES if not capabilities(engine).missing(names)]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Which engine runs the model, and how."""
@@ -136,13 +148,14 @@ class EngineConfig:
             raise ConfigError(f"--temperature must be at most {hottest} with --backend {self.backend} (the engine's own limit), "
                               f"got {temperature}; use --backend {reference_engine()} for hotter sampling")
 
-    def with_capability(self, name: str, why: str) -> tuple["EngineConfig", str | None]:
-        """(this engine, None) when it declares capability ``name``; else the reference engine with the same settings and
-        the note to print (``why`` says what runs there: "the hidden store is scored")."""
-        if getattr(self.capabilities, name):
+    def with_statistics(self, names, why: str) -> tuple["EngineConfig", str | None]:
+        """(this engine, None) when it computes the statistics ``names``; else the reference engine with the same
+        settings and the note to print (``why`` says what runs there: "the hidden store is scored")."""
+        missing = self.capabilities.missing(names)
+        if not missing:
             return self, None
         ref = reference_engine()
-        return replace(self, backend=ref), f"note: --backend {self.backend} declares no {name.replace('_', ' ')}; {why} on the {ref} engine"
+        return replace(self, backend=ref), f"note: --backend {self.backend} does not compute {describe_statistic(missing[0])}; {why} on the {ref} engine"
 
     def __repr__(self) -> str:  # the API key never reaches a log or a traceback
         import re

@@ -54,6 +54,41 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class Statistic:
+    """One per-position number (or vector) an engine computes for a scored sequence, at temperature 1, aligned with
+    the response ids. Stores ask for statistics by name (``Store.needs``); engines say which they compute
+    (``Capabilities.statistics``); :class:`Scores` carries them by name."""
+
+    name: str
+    doc: str
+    kind: str
+    """How an engine's flat values become a sequence's: "logprob" (float32, clamped at 0: rounding can leave +1e-7),
+    "ids" (int32), "float32", "float64", "tensor" (a torch tensor kept as it is: hidden states)."""
+    source: str
+    """What an engine needs to compute it: "logits" (any scorer), "full_distribution" (the whole next-token
+    distribution at every position), "hidden_states" (the final post-norm hidden state), "candidates" (log-probs at
+    given ids), "log_partition" (the logsumexp, which a served engine does not return)."""
+
+
+STATISTICS: dict[str, Statistic] = {s.name: s for s in (
+    Statistic("logprobs", "[T] log p(a_t): the scored token's log-prob", "logprob", "logits"),
+    Statistic("logsumexp", "[T] the log-partition of the logits", "float32", "log_partition"),
+    Statistic("topk_ids", "[T, k] the k most likely ids, most likely first", "ids", "logits"),
+    Statistic("topk_logprobs", "[T, k] their log-probs", "logprob", "logits"),
+    Statistic("ref_topk_logprobs", "[T, k_ref] log-probs at ScoreRequest.ref_topk_ids", "logprob", "candidates"),
+    Statistic("mc_logprobs", "[T, m] log-probs at ScoreRequest.mc_ids", "logprob", "candidates"),
+    Statistic("sampled_ids", "[T, D] draws from p for ScoreRequest.uniforms, in their order", "ids", "full_distribution"),
+    Statistic("sampled_logprobs", "[T, D] their log-probs", "logprob", "full_distribution"),
+    Statistic("entropy", "[T] the teacher's full-distribution entropy -E_p[log p]", "float64", "full_distribution"),
+    Statistic("variance", "[T] Var_p[log p]", "float64", "full_distribution"),
+    Statistic("rounding_kl", "[T] KL(p || p from the hidden states rounded to the stored dtype)", "float64", "full_distribution"),
+    Statistic("hidden", "[T, H] the final post-norm hidden states", "tensor", "hidden_states"),
+)}
+"""Every statistic an engine can be asked for, by name: a store needing a new one adds it here and to the engines that
+compute it (one place each: where their per-position values are collected)."""
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What an engine computes, declared once by its module (``CAPABILITIES``) and read by every check, before any
     model loads or any file is written: nothing outside ``opdcache/backends/`` asks which engine it has."""
@@ -64,11 +99,9 @@ class Capabilities:
     """It samples rollouts (build-rollouts, build-sft)."""
     scores: bool = True
     """It scores given token ids (score-teacher)."""
-    full_distribution: bool = False
-    """It streams the whole next-token distribution at every position: the exact log-partition, the entropy and
-    moments of the fidelity record, teacher draws (the stores that declare ``full_distribution``)."""
-    hidden_states: bool = False
-    """It returns the final post-norm hidden state (the hidden and svd stores, and the svd fit)."""
+    statistics: frozenset[str] = frozenset()
+    """The statistics it computes when scoring (names in :data:`STATISTICS`; built with :func:`statistics`): a store's
+    ``needs`` are checked against them before any model loads."""
     candidate_logprobs_vocab: int | None = None
     """The largest vocabulary at which it returns log-probs at given ids (pi_ref's top-k, the MC ids); None: any."""
     max_top_k: int | None = None
@@ -84,13 +117,36 @@ class Capabilities:
     """It computes in one exact arithmetic (papers/003): the same bits whatever the batch, padding or KV cache."""
     max_temperature: float | None = None
     """The hottest sampling temperature it accepts (None: any the settings allow)."""
-    log_partition: bool = True
-    """It returns the teacher's log-partition at each position (the logsumexp column; a table without it says so)."""
     monte_carlo: bool = True
     """It draws extra next-token samples at every position while generating (--mc-samples)."""
     reference: bool = False
     """It is the reference: it runs any stored table's arithmetic that another engine cannot (hidden states for an
     engine that has none), and its float32 tables are what others are compared with."""
+
+    def missing(self, names) -> list[str]:
+        """Those of the statistics ``names`` it does not compute, in order."""
+        return [n for n in names if n not in self.statistics]
+
+    @property
+    def full_distribution(self) -> bool:
+        """It streams the whole next-token distribution (its entropy, draws from it)."""
+        return not self.missing(n for n, s in STATISTICS.items() if s.source == "full_distribution" and n != "rounding_kl")
+
+    @property
+    def hidden_states(self) -> bool:
+        """It returns the final post-norm hidden states."""
+        return "hidden" in self.statistics
+
+    @property
+    def log_partition(self) -> bool:
+        """It returns the log-partition (the logsumexp column; a table without it says so)."""
+        return "logsumexp" in self.statistics
+
+
+def statistics(*sources: str, but: tuple[str, ...] = ()) -> frozenset[str]:
+    """The statistics whose source is one of ``sources`` ("logits", "log_partition", "candidates",
+    "full_distribution", "hidden_states"), less ``but``: an engine's ``Capabilities.statistics``."""
+    return frozenset(n for n, s in STATISTICS.items() if s.source in sources and n not in but)
 
 
 @dataclass
@@ -122,49 +178,65 @@ class ScoreRequest:
     uniforms: np.ndarray | None = None  # [T, D] float64 in [0, 1): draw D tokens per position from the scorer (sampled store)
 
 
-@dataclass
 class Scores:
-    """Scorer values for one sequence, all at temperature 1, aligned with response_ids."""
+    """Scorer values for one sequence, by statistic name (:data:`STATISTICS`): ``scores.logprobs``,
+    ``scores["topk_ids"]``; a statistic the engine did not compute reads None."""
 
-    logprobs: np.ndarray  # [T]
-    logsumexp: np.ndarray  # [T]
-    topk_ids: np.ndarray | None = None  # [T, k]
-    topk_logprobs: np.ndarray | None = None
-    ref_topk_logprobs: np.ndarray | None = None  # [T, k_ref]
-    mc_logprobs: np.ndarray | None = None  # [T, m]
-    sampled_ids: np.ndarray | None = None  # [T, D]: the draws for ScoreRequest.uniforms, in their order
-    sampled_logprobs: np.ndarray | None = None  # [T, D]
-    hidden: object | None = None  # torch.Tensor [T, H] in the model's dtype (or the dtype score() was asked to round to)
-    entropy: np.ndarray | None = None  # [T] float64: the full distribution's entropy (engines that stream the vocabulary)
-    variance: np.ndarray | None = None  # [T] float64: Var_p[log p]
-    rounding_kl: np.ndarray | None = None  # [T]: KL(p || p from the hidden states rounded to the stored dtype)
+    __slots__ = ("_values",)
+
+    def __init__(self, **values) -> None:
+        unknown = set(values) - set(STATISTICS)
+        if unknown:
+            raise TypeError(f"unknown statistics {sorted(unknown)}; add them to opdcache.backends.base.STATISTICS")
+        object.__setattr__(self, "_values", {k: v for k, v in values.items() if v is not None})
+
+    def __getattr__(self, name: str):
+        if name in STATISTICS:
+            return self._values.get(name)
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in STATISTICS:
+            raise AttributeError(f"unknown statistic {name!r}; add it to opdcache.backends.base.STATISTICS")
+        if value is None:
+            self._values.pop(name, None)
+        else:
+            self._values[name] = value
+
+    def __getitem__(self, name: str):
+        return self._values[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._values
+
+    def names(self) -> frozenset[str]:
+        """The statistics this sequence carries."""
+        return frozenset(self._values)
+
+    def __repr__(self) -> str:
+        return "Scores(" + ", ".join(sorted(self._values)) + ")"
 
 
-def split_scores(cat: dict, lengths: Sequence[int], top_k: int | None, hidden_NH=None) -> list[Scores]:
-    """Per-sequence Scores from an engine's flat per-position values (torch tensors over the N = sum(lengths) scored
-    positions): "lp" [N], "lse" [N], and where present "kid"/"klp" [N, k], "rk" [N, k_ref], "mc" [N, m], "sid"/"slp"
-    [N, D], "ent"/"var"/"rkl" [N] (opdcache/format/fidelity.py); ``hidden_NH`` [N, H] when the hidden store is wanted. Log-probs
-    are clamped at 0 (rounding can leave +1e-7)."""
+def _finished(kind: str, values):
+    if kind == "logprob":
+        return values.clamp(max=0).numpy()
+    if kind == "ids":
+        return values.numpy().astype(np.int32)
+    if kind == "float64":
+        return values.double().numpy()
+    if kind == "tensor":
+        return values.clone()
+    return values.numpy()
+
+
+def split_scores(cat: dict, lengths: Sequence[int]) -> list[Scores]:
+    """Per-sequence Scores from an engine's flat per-position values: torch tensors over the N = sum(lengths) scored
+    positions, keyed by statistic name ([N], [N, k], ...), each finished as its :data:`STATISTICS` kind says."""
+    kinds = {name: STATISTICS[name].kind for name in cat}  # an unknown name is a KeyError here, in the engine's test
     result, offset = [], 0
     for T in lengths:
         sl = slice(offset, offset + T)
-        sc = Scores(logprobs=cat["lp"][sl].clamp(max=0).numpy(), logsumexp=cat["lse"][sl].numpy())
-        if top_k:
-            sc.topk_ids = cat["kid"][sl].numpy().astype(np.int32)
-            sc.topk_logprobs = cat["klp"][sl].clamp(max=0).numpy()
-        if "rk" in cat:
-            sc.ref_topk_logprobs = cat["rk"][sl].clamp(max=0).numpy()
-        if "mc" in cat:
-            sc.mc_logprobs = cat["mc"][sl].clamp(max=0).numpy()
-        if "sid" in cat:
-            sc.sampled_ids, sc.sampled_logprobs = cat["sid"][sl].numpy(), cat["slp"][sl].clamp(max=0).numpy()
-        if "ent" in cat:
-            sc.entropy, sc.variance = cat["ent"][sl].double().numpy(), cat["var"][sl].double().numpy()
-        if "rkl" in cat:
-            sc.rounding_kl = cat["rkl"][sl].double().numpy()
-        if hidden_NH is not None:
-            sc.hidden = hidden_NH[sl].clone()
-        result.append(sc)
+        result.append(Scores(**{name: _finished(kinds[name], values[sl]) for name, values in cat.items()}))
         offset += T
     return result
 

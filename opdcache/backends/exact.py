@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from opdcache.backends.base import (Capabilities, GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations,
-                                    split_scores)
+                                    split_scores, statistics)
 from opdcache.backends import draws
 from opdcache.backends.hf import DONE_CHECK_EVERY, UNIFORM_BLOCK_STEPS
 from opdcache.backends.loading import load_model
@@ -310,34 +310,36 @@ class ExactBackend:
 
     def _score_rows(self, reqs, h_NH, lengths, top_k, want_hidden) -> list[Scores]:
         cols = [torch.as_tensor(np.concatenate([np.asarray(r.response_ids, np.int64) for r in reqs]))[:, None]]
-        names = ["lp"]
-        for name, attr in (("rk", "ref_topk_ids"), ("mc", "mc_ids")):
+        names = ["logprobs"]
+        for name, attr in (("ref_topk_logprobs", "ref_topk_ids"), ("mc_logprobs", "mc_ids")):
             if getattr(reqs[0], attr) is not None:
                 cols.append(torch.as_tensor(np.concatenate([getattr(r, attr).astype(np.int64) for r in reqs])))
                 names.append(name)
         widths = [c.shape[1] for c in cols]
         ids = torch.cat(cols, 1).to(self.device)
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "lse", "kid", "klp", "sid", "slp", "ent", "var")}
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("logprobs", "logsumexp", "topk_ids", "topk_logprobs", "sampled_ids", "sampled_logprobs", "entropy", "variance")}
         uniforms = None if reqs[0].uniforms is None else torch.cat([torch.as_tensor(r.uniforms, dtype=torch.float64) for r in reqs]).to(self.device)
         for sl in H.row_blocks(h_NH.shape[0]):
             moments: list = []
             lp, lse, top = H.picks_and_stats(h_NH[sl], self.W, self.b, self.decoder.dtype, ids[sl], top_k, moments, self.arith)
-            parts["ent"].append(moments[0])
-            parts["var"].append(moments[1])
-            parts["lp"].append(lp)
-            parts["lse"].append(lse)
+            parts["entropy"].append(moments[0])
+            parts["variance"].append(moments[1])
+            parts["logprobs"].append(lp)
+            parts["logsumexp"].append(lse)
             if top is not None:
-                parts["klp"].append(top[0])
-                parts["kid"].append(top[1])
+                parts["topk_logprobs"].append(top[0])
+                parts["topk_ids"].append(top[1])
             if uniforms is not None:
                 full = H.log_softmax(H.full_logits(h_NH[sl], self.W, self.b, self.decoder.dtype, self.arith), self.arith)
                 sid = H.draw(full, uniforms[sl], self.arith)
-                parts["sid"].append(sid)
-                parts["slp"].append(full.gather(1, sid))
+                parts["sampled_ids"].append(sid)
+                parts["sampled_logprobs"].append(full.gather(1, sid))
         cat = {k: torch.cat(v).cpu() for k, v in parts.items() if v}
-        cat.update(zip(names, torch.split(cat.pop("lp"), widths, 1)))
-        cat["lp"] = cat["lp"][:, 0]
-        return split_scores(cat, lengths, top_k, h_NH.cpu() if want_hidden else None)
+        cat.update(zip(names, torch.split(cat.pop("logprobs"), widths, 1)))
+        cat["logprobs"] = cat["logprobs"][:, 0]
+        if want_hidden:
+            cat["hidden"] = h_NH.cpu()
+        return split_scores(cat, lengths)
 
     @torch.no_grad()
     def hidden_states(self, requests: Sequence[ScoreRequest]) -> torch.Tensor:
@@ -349,7 +351,9 @@ class ExactBackend:
 
 CAPABILITIES = Capabilities(
     summary="one exact arithmetic (papers/003; as --exact): the same bits whatever the batch, padding or KV cache",
-    full_distribution=True, hidden_states=True, batch_size_changes_bits=False,
+    # hidden states in its compute dtype only: no rounding to another dtype, so no rounding KL
+    statistics=statistics("logits", "log_partition", "candidates", "full_distribution", "hidden_states", but=("rounding_kl",)),
+    batch_size_changes_bits=False,
     quantization="emulated", exact_arithmetic=True)
 
 

@@ -24,7 +24,7 @@ import torch
 
 from opdcache.backends import draws
 from opdcache.backends.loading import check_load, load_model, parse_device, resolve_dtype
-from opdcache.backends.base import Capabilities, GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations, split_scores
+from opdcache.backends.base import Capabilities, GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, split_generations, split_scores, statistics
 from opdcache.backends.streamed import head_transform, streamed_logit_stats
 from opdcache.errors import ConfigError
 from opdcache.progress import advance, detail
@@ -324,7 +324,7 @@ class TransformersBackend:
         ref_ids = torch.cat([torch.as_tensor(r.ref_topk_ids.astype(np.int64)) for r in requests]).to(self.device) if requests[0].ref_topk_ids is not None else None
         mc_ids = torch.cat([torch.as_tensor(r.mc_ids.astype(np.int64)) for r in requests]).to(self.device) if requests[0].mc_ids is not None else None
         uniforms = torch.cat([torch.as_tensor(r.uniforms, dtype=torch.float64) for r in requests]) if requests[0].uniforms is not None else None
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "lse", "kid", "klp", "rk", "mc", "sid", "slp", "ent", "var", "rkl")}
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("logprobs", "logsumexp", "topk_ids", "topk_logprobs", "ref_topk_logprobs", "mc_logprobs", "sampled_ids", "sampled_logprobs", "entropy", "variance", "rounding_kl")}
         rounded = None
         if want_hidden and hidden_dtype is not None and getattr(torch, hidden_dtype) != hidden_NH.dtype:
             rounded = hidden_NH.to(getattr(torch, hidden_dtype))  # what the store keeps; the KL is of its logits
@@ -339,7 +339,9 @@ class TransformersBackend:
             for key, value in stats.items():
                 parts[key].append(value)
         cat = {k: torch.cat(v).cpu() for k, v in parts.items() if v}
-        return split_scores(cat, lengths, top_k, hidden_NH.detach().cpu() if want_hidden else None)
+        if want_hidden:
+            cat["hidden"] = hidden_NH.detach().cpu()
+        return split_scores(cat, lengths)
 
 
 @torch.no_grad()
@@ -448,7 +450,8 @@ def decode_batch(model, requests: Sequence[GenerateRequest], s: SamplingConfig, 
 
 CAPABILITIES = Capabilities(
     summary="the reference: any device, the whole distribution streamed, hidden states, opdcache's emulated low-bit schemes",
-    full_distribution=True, hidden_states=True, batch_size_changes_bits=True,
+    statistics=statistics("logits", "log_partition", "candidates", "full_distribution", "hidden_states"),
+    batch_size_changes_bits=True,
     quantization="emulated", reference=True)
 
 

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from opdcache.backends.base import Capabilities, GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores
+from opdcache.backends.base import Capabilities, GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, statistics
 from opdcache.backends.serverpool import Pool, ServerError, api_key, redact, split_urls
 from opdcache.backends.serverprotocols import SGLangProtocol, VLLMProtocol, check_finite
 from opdcache.errors import ConfigError
@@ -38,8 +38,8 @@ from opdcache.progress import advance
 
 CAPABILITIES = Capabilities(
     summary="a running vLLM or SGLang server (--server-url, replicas comma-separated): tokens in, tokens out",
-    full_distribution=False, hidden_states=False, candidate_logprobs_vocab=8192, batch_size_changes_bits=False,
-    quantization="none", log_partition=False, monte_carlo=False)
+    statistics=statistics("logits", "candidates"), candidate_logprobs_vocab=8192, batch_size_changes_bits=False,
+    quantization="none", monte_carlo=False)
 """candidate_logprobs_vocab: log-probs at given ids (pi_ref's top-k, the MC ids) come from the whole prompt log-prob row,
 asked for up to a vocabulary of 8,192 (the server needs --max-logprobs -1); max_top_k is the server's own --max-logprobs,
 checked when the engine starts, before any request is scored."""
@@ -196,7 +196,7 @@ class ServedBackend:
             T = len(r.response_ids)
             lp = np.array([p.logprob for p in positions], np.float32)
             check_finite(lp.tolist(), "a row of this batch")
-            sc = Scores(logprobs=np.minimum(lp, 0), logsumexp=np.full(T, np.nan, np.float32))
+            sc = Scores(logprobs=np.minimum(lp, 0))  # no log-partition: not among its statistics
             if top_k:
                 ids_TK = np.full((T, top_k), -1, np.int32)
                 lps_TK = np.full((T, top_k), -np.inf, np.float32)

@@ -106,12 +106,12 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     of ``model(...).logits`` at those positions, up to the order of the log-sum-exp additions.
 
     With ``uniforms_PD`` ([P, D] float64 in [0, 1)), also D draws per position from the temperature-1 distribution by
-    inverse CDF over the vocabulary order (:func:`_draw_from_slices`): "sid" / "slp" = the drawn ids and their log-probs.
+    inverse CDF over the vocabulary order (:func:`_draw_from_slices`): "sampled_ids" / "sampled_logprobs" = the drawn ids and their log-probs.
 
-    With ``moments``, also the full distribution's entropy "ent" = -E_p[log p] and variance "var" = Var_p[log p] per
+    With ``moments``, also the full distribution's entropy "entropy" = -E_p[log p] and variance "variance" = Var_p[log p] per
     position (opdcache/format/fidelity.py turns them into each store's error against the full vocabulary). They are running
     sums about the running max, rescaled as it moves, kept in float64 per position. With ``rounded_PH`` (the hidden
-    states as a store rounds them), also "rkl" = KL(p || softmax of the rounded states' logits) = log E_p[exp(delta)] -
+    states as a store rounds them), also "rounding_kl" = KL(p || softmax of the rounded states' logits) = log E_p[exp(delta)] -
     E_p[delta] with delta = z_rounded - z = (h_rounded - h) W^T: a second head product per slice, of the small
     difference, so the KL is not lost to float32 cancellation between two log-partitions.
 
@@ -127,7 +127,7 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     if fused is None:
         fused = kernels.available(hidden_PH.device) and cap is None and rounded_PH is None
     if fused:
-        return _fused_logit_stats(hidden_PH, W, b, scale, sampled_P, top_k, {"rk": ref_ids_PK, "mc": mc_ids_PM}, uniforms_PD,
+        return _fused_logit_stats(hidden_PH, W, b, scale, sampled_P, top_k, {"ref_topk_logprobs": ref_ids_PK, "mc_logprobs": mc_ids_PM}, uniforms_PD,
                                   moments, model)
     transform = head_transform(model)
     P, V = hidden_PH.shape[0], W.shape[0]
@@ -138,7 +138,7 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
     target = torch.empty(P, device=dev)
     top_vals = torch.full((P, top_k or 0), float("-inf"), device=dev)
     top_ids = torch.zeros((P, top_k or 0), dtype=torch.long, device=dev)
-    picks = {k: (ids, torch.empty(ids.shape, device=dev)) for k, ids in (("rk", ref_ids_PK), ("mc", mc_ids_PM)) if ids is not None}
+    picks = {k: (ids, torch.empty(ids.shape, device=dev)) for k, ids in (("ref_topk_logprobs", ref_ids_PK), ("mc_logprobs", mc_ids_PM)) if ids is not None}
     rows = torch.arange(P, device=dev)
     slice_mass = []  # draws: each slice's log-mass per position, [P] float32 each
     mom = [torch.zeros(P, dtype=torch.float64, device=dev) for _ in range(2)] if moments or rounded_PH is not None else None
@@ -184,10 +184,10 @@ def streamed_logit_stats(model, hidden_PH: torch.Tensor, sampled_P: torch.Tensor
         m = new_m
     out = _finish(m, s, target, top_vals if top_k else None, top_ids, picks, mom)
     if uniforms_PD is not None:
-        out["sid"], out["slp"] = _draw_from_slices(hidden_PH, W, b, transform, C, torch.stack(slice_mass, 1), out["lse"], uniforms_PD)
+        out["sampled_ids"], out["sampled_logprobs"] = _draw_from_slices(hidden_PH, W, b, transform, C, torch.stack(slice_mass, 1), out["logsumexp"], uniforms_PD)
     if rounded_PH is not None:  # KL(p || p2) = log E_p[exp(delta)] - E_p[delta], delta = z2 - z
         s64 = s.double()
-        out["rkl"] = (torch.log1p(cross[1] / s64) - cross[0] / s64).clamp_(min=0.0)
+        out["rounding_kl"] = (torch.log1p(cross[1] / s64) - cross[0] / s64).clamp_(min=0.0)
     return out
 
 
@@ -198,14 +198,14 @@ def _finish(m: torch.Tensor, s: torch.Tensor, target: torch.Tensor, top_vals: to
     entropy and variance of log p, all of the scored model's temperature-1 distribution at each position."""
     log_s = torch.log(s)
     # log-probs as (z - m) - log s, not z - (m + log s): the subtraction then rounds at |z - m|, not at |lse|
-    out = {"lse": m + log_s, "lp": (target - m) - log_s}
+    out = {"logsumexp": m + log_s, "logprobs": (target - m) - log_s}
     if top_vals is not None:
-        out["kid"], out["klp"] = top_ids, (top_vals - m[:, None]) - log_s[:, None]
+        out["topk_ids"], out["topk_logprobs"] = top_ids, (top_vals - m[:, None]) - log_s[:, None]
     if mom is not None:
         s64 = s.double()
         mean_d = mom[0] / s64  # E_p[z - m]; log p = (z - m) - log s
-        out["ent"] = log_s.double() - mean_d
-        out["var"] = (mom[1] / s64 - mean_d * mean_d).clamp_(min=0.0)
+        out["entropy"] = log_s.double() - mean_d
+        out["variance"] = (mom[1] / s64 - mean_d * mean_d).clamp_(min=0.0)
     for key, (_, vals) in picks.items():
         out[key] = (vals - m[:, None]) - log_s[:, None]
     return out
@@ -260,7 +260,7 @@ def _fused_logit_stats(hidden_PH: torch.Tensor, W: torch.Tensor, b: torch.Tensor
             top_vals = merged
     out = _finish(m, s, target, top_vals if top_k else None, top_ids, picks, mom if moments else None)
     if uniforms_PD is not None:
-        out["sid"], out["slp"] = _draw_from_slices(hidden_PH, W, b, head_transform(model), C, torch.stack(slice_mass, 1), out["lse"],
+        out["sampled_ids"], out["sampled_logprobs"] = _draw_from_slices(hidden_PH, W, b, head_transform(model), C, torch.stack(slice_mass, 1), out["logsumexp"],
                                                    uniforms_PD)
     return out
 

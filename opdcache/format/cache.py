@@ -151,8 +151,12 @@ class TableJob:
         if (self.dir / JOB_FILE).is_file() or not self.dir.is_dir() or (M.exists(self.root) and self.table in M.load(self.root)["tables"]):
             return
         remote = storage.is_remote(self.dir)  # an object store has no links
-        files = sorted((p for p in self.dir.rglob("*") if p.is_file() or (not remote and p.is_symlink())), key=str)
+        # a writer's temporary (another worker's, mid-write) is never read, so never adopted; a file renamed or
+        # removed since the listing is another worker's finished write, looked at again when that worker's name shows
+        files = sorted((p for p in self.dir.rglob("*") if not shards.is_temporary(p)
+                        and (p.is_file() or (not remote and p.is_symlink()))), key=str)
         ours = [p for p in files if self._written_by_this_job(p)]
+        files = [p for p in files if p in ours or p.is_file() or (not remote and p.is_symlink())]
         side = set(SIDE_FILE_OF_STORE.values())
         stray = [p.relative_to(self.root).as_posix() for p in files if p not in ours and not (ours and p.name in side)]
         if stray:

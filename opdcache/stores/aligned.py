@@ -158,6 +158,7 @@ STORE = Store(
     ),
     since=6,
     check_job=_check_job,
+    needs=("logprobs",),  # and the top-k with --top-k
     rules=_rules,
     table_rules=_table_rules,
     flat=("span_tokens", "span_topk_ids", "span_topk_logprobs", "span_topk_student_ids"),

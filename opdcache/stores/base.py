@@ -62,12 +62,10 @@ class Store:
     one line (called before any model loads)."""
     check_params: Callable[[Any], None] = _nothing
     """Checks a table's recorded store parameters (``schema.StoreParams``) for this store, raising ConfigError."""
-    full_distribution: bool = False
-    """Whether it needs the teacher's whole distribution at every position (an engine that streams the vocabulary: the
-    transformers and exact engines; vLLM's scoring returns only a few top log-probs)."""
-    hidden_states: bool = False
-    """Whether it is made from the teacher's final hidden states (an engine that returns them: the hidden and svd
-    stores)."""
+    needs: tuple[str, ...] = ()
+    """The engine statistics its values are made from, by name (``opdcache.backends.base.STATISTICS``: "topk_ids",
+    "sampled_ids", "hidden", ...): score-teacher asks the engine for them and refuses one that does not compute them, before
+    any model loads (a store needing the hidden states alone is scored on the reference engine instead)."""
     encode: Callable[[Any, Any], Mapping[str, np.ndarray]] | None = None
     """``encode(scores, params)``: the row's columns from the engine's ``Scores``, before the finiteness check (None: the
     scoring module writes it, for stores whose encoding spans rows)."""

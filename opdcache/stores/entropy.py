@@ -42,7 +42,7 @@ STORE = Store(
                "computed in float64 over the whole vocabulary and stored as float32 (0 <= H_t <= log vocabulary size)."),
     ),
     since=5,
-    full_distribution=True,
+    needs=("entropy",),
     encode=_encode,
     rules=_rules,
     info=_info,

@@ -63,7 +63,7 @@ STORE = Store(
     ),
     check_job=_check_job,
     check_params=_check_params,
-    hidden_states=True,
+    needs=("hidden",),
     encode=_encode,
     card=_card,
     flat=(),

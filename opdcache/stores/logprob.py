@@ -31,6 +31,7 @@ STORE = Store(
         Column("mc_logprobs", "token_vector", "float32", "logprob",
                "Teacher temperature-1 log-probs at the rollout's mc_ids (same order).", width="mc_samples", requires=("mc_samples",)),
     ),
+    needs=("logprobs",),  # and the log-partition and the candidates' log-probs where the table has them
     encode=_encode,
     flat=("logprobs", "logsumexp"),
 )

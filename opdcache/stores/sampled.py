@@ -129,6 +129,7 @@ STORE = Store(
     since=3,
     check_job=_check_job,
     check_params=_check_params,
+    needs=("sampled_ids", "sampled_logprobs"),
     encode=_encode,
     pack=_pack,
     rules=_rules,

@@ -38,6 +38,6 @@ STORE = Store(
     ),
     check_job=_check_job,
     check_params=_check_params,
-    hidden_states=True,
+    needs=("hidden",),
     flat=(),
 )

@@ -93,6 +93,7 @@ STORE = Store(
     ),
     check_job=_check_job,
     check_params=_check_params,
+    needs=("topk_ids", "topk_logprobs"),
     encode=_encode,
     card=_card,
 )

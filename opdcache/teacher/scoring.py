@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opdcache import stores as store_registry, threads
-from opdcache.backends import EngineConfig, make_backend
+from opdcache.backends import EngineConfig, describe_statistic, engines_computing, make_backend
 from opdcache.backends.base import ScoreRequest
 from opdcache.errors import ConfigError, ConsistencyError, SchemaError
 from opdcache.format import schema as S, shards
@@ -116,11 +116,13 @@ class ScoreJob:
         caps = self.engine.capabilities
         if not caps.scores:
             raise ConfigError(f"--backend {self.engine.backend} does not score given tokens; score with another engine")
-        needs_all = [name for name in stores if store_registry.REGISTRY[name].full_distribution]
-        if needs_all and not caps.full_distribution:
-            raise ConfigError(f"--store {needs_all[0]} needs the teacher's whole distribution at every position, which "
-                              f"--backend {self.engine.backend} does not return: score this table with an engine that "
-                              "streams the vocabulary (the default)")
+        for name in stores:  # a store made from the hidden states alone is scored on the reference engine instead
+            needs = store_registry.REGISTRY[name].needs
+            missing = caps.missing(needs) if caps.missing(needs) != ["hidden"] else []
+            if missing:
+                raise ConfigError(f"--store {name} needs {describe_statistic(missing[0])}, which --backend "
+                                  f"{self.engine.backend} does not compute: score this table with an engine that does "
+                                  f"({', '.join(engines_computing(missing))})")
         if self.top_k is not None and caps.max_top_k is not None and self.top_k > caps.max_top_k:
             raise ConfigError(f"--top-k {self.top_k} is more than --backend {self.engine.backend} returns "
                               f"({caps.max_top_k}); lower --top-k")
@@ -288,12 +290,12 @@ def run_score(job: ScoreJob) -> dict:
     plan = _cross_plan(job, cache, ref)
     teacher_fp_info = model_info(ref)
     verdict = consistency_verdict(cache.manifest["lineage"], teacher_fp_info, job.allow_inconsistent_teacher)
-    from_hidden = [name for name in job.stores if store_registry.REGISTRY[name].hidden_states]
+    from_hidden = [name for name in job.stores if "hidden" in store_registry.REGISTRY[name].needs]
     want_hidden = bool(from_hidden)
     engine = job.engine
     if want_hidden:
         plural = len(from_hidden) > 1
-        engine, note = engine.with_capability("hidden_states", f"the {'/'.join(from_hidden)} store{'s are' if plural else ' is'} scored")
+        engine, note = engine.with_statistics(("hidden",), f"the {'/'.join(from_hidden)} store{'s are' if plural else ' is'} scored")
         if note:
             print(note)
     limit = engine.capabilities.candidate_logprobs_vocab
@@ -317,7 +319,7 @@ def run_score(job: ScoreJob) -> dict:
         hidden_dtype=(job.hidden_dtype or hidden_dtype) if "hidden" in job.stores else None, svd_rank=job.svd_rank if "svd" in job.stores else None,
         topk_precision=job.topk_precision, topk_mass=job.topk_mass, samples_per_position=job.samples_per_position,
         svd_dtype="bfloat16" if "svd" in job.stores and job.svd_dtype == "bfloat16" else None,
-        logsumexp=None if engine.capabilities.log_partition else False,  # a served teacher: no log-partition returned
+        logsumexp=None if "logsumexp" in engine.capabilities.statistics else False,  # a served teacher: no log-partition returned
     )
     slug = job.table_slug
     config = {"teacher": info["fingerprint"], "engine": engine.fingerprint_view() | {"engine_version": backend.version},
