@@ -13,7 +13,7 @@ import torch
 
 from opdcache.format import schema as S
 from opdcache.format.cache import finalize_table, run_table_job, TableJob
-from opdcache.format.heads import Head, save_head
+from opdcache.stores.head import Head, save_head
 from opdcache.format.shards import hidden_to_numpy
 from opdcache.inputs.fingerprint import row_id
 

@@ -192,7 +192,8 @@ def test_svd_calibration_is_drawn_from_all_shards_and_its_size_recorded(hf_cache
 
     from opdcache.format.cache import Cache
     from opdcache.errors import ConfigError
-    from opdcache.teacher.scoring import ScoreJob, calibration_rows, run_score
+    from opdcache.stores.svdprojection import calibration_rows
+    from opdcache.teacher.scoring import ScoreJob, run_score
 
     cache = Cache(hf_cache)
     picks, target = calibration_rows(cache, 16, 0)

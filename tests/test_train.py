@@ -204,7 +204,7 @@ def test_a_teacher_head_of_other_shapes_is_refused_in_one_line():
     """head.safetensors / svd.safetensors are untrusted: a matrix that is not [the student's vocabulary, the stored
     vectors' width] (or a bias of another length) is refused naming the file and the shapes, not inside a matmul."""
     from opdcache.errors import SchemaError
-    from opdcache.format.heads import Head
+    from opdcache.stores.head import Head
     from opdcache.training.sources import checked_head
 
     good = Head(torch.zeros(10, 4), torch.zeros(10))

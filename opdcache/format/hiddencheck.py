@@ -22,7 +22,7 @@ def check_hidden(root: Path, file: str, entry: dict, response: np.ndarray, logpr
     (``add(file, message)``, ``rows(file, column, rows, message)``)."""
     import torch
 
-    from opdcache.format.heads import load_head, token_logprobs_from_hidden
+    from opdcache.stores.head import load_head, token_logprobs_from_hidden
 
     head_path = root / Path(file).parent / "head.safetensors"
     if not head_path.is_file():

@@ -14,7 +14,7 @@ import sys
 from opdcache import storage
 from opdcache.errors import ManifestError
 from opdcache.format import manifest as M, schema as S, shards
-from opdcache.format.sidefiles import SIDE_FILE_OF_STORE
+from opdcache.stores import REGISTRY
 from opdcache.untrusted import read_json
 
 TABLE_RECORD = "_table.json"
@@ -111,11 +111,12 @@ def finalize_table(job, tokenizer: dict | None = None, lineage: dict | None = No
     tokenizer = tokenizer or job.meta.get("tokenizer")
     lineage = lineage or job.meta.get("lineage")
     entry_extra = {k: v for k, v in job.meta.items() if k not in ("tokenizer", "lineage")} | entry_extra
-    svd_file = job.dir / SIDE_FILE_OF_STORE["svd"]
-    if "svd" in job.params.stores and "svd" not in entry_extra and svd_file.is_file():
-        from opdcache.stores.svdprojection import read_metadata  # a job rebuilt from its job file (finalize, Ray driver): the fit's record
-
-        entry_extra["svd"] = read_metadata(svd_file)["info"]
+    for store in (REGISTRY[name] for name in job.params.stores if name in REGISTRY):  # a job rebuilt from its job file
+        side = job.dir / store.side_file if store.side_file else None      # (finalize, a Ray driver): its side files' records
+        if side is not None and store.name not in entry_extra and side.is_file():
+            record = store.side_record(side)
+            if record is not None:
+                entry_extra[store.name] = record
     if job.kind == "teacher" and not M.exists(job.root):
         raise ManifestError(f"{job.root} has no manifest: score a finished rollouts or sft cache")
     storage.write_text_atomic(storage.confined_write(job.root, job.dir / TABLE_RECORD), json.dumps({"table": job.table, "entry": job.table_entry(**entry_extra)},

@@ -66,12 +66,28 @@ class Store:
     """The engine statistics its values are made from, by name (``opdcache.backends.base.STATISTICS``: "topk_ids",
     "sampled_ids", "hidden", ...): score-teacher asks the engine for them and refuses one that does not compute them, before
     any model loads (a store needing the hidden states alone is scored on the reference engine instead)."""
+    side_file: str | None = None
+    """A file beside the table's shards that its rows need (the hidden store's head, the svd projection), written by
+    ``prepare``, hashed in the manifest, refused when planted in a table that does not hold the store."""
+    side_tensors: tuple[str, ...] = ()
+    """The tensors that side file must hold (checked as untrusted bytes before it is loaded)."""
+    side_file_problem: Callable[[Any], "str | None"] = _nothing
+    """``side_file_problem(path)``: what is wrong with the side file's tensors once loaded (bounded by its bytes), or
+    None; validate reports it."""
+    side_record: Callable[[Any], "dict | None"] = _nothing
+    """``side_record(path)``: what the manifest keeps under the store's name, read back from its side file (a job
+    rebuilt from its job file, by finalize or a Ray driver, did not run ``prepare``), or None."""
     encode: Callable[[Any, Any], Mapping[str, np.ndarray]] | None = None
     """``encode(scores, params)``: the row's columns from the engine's ``Scores``, before the finiteness check (None: the
     scoring module writes it, for stores whose encoding spans rows)."""
-    pack: Callable[[Any, Any], Mapping[str, np.ndarray]] | None = None
-    """``pack(scores, params)``: the stored form of columns whose exact values ``encode`` gave (checked finite first),
-    e.g. draws collapsed to distinct ids and float16 bits (None: stored as encoded)."""
+    pack: Callable[[Any, Any, Mapping], Mapping[str, np.ndarray]] | None = None
+    """``pack(scores, params, row)``: the stored form of columns whose exact values ``encode`` gave (checked finite
+    first; ``row`` holds them), e.g. draws collapsed to distinct ids and float16 bits (None: stored as encoded)."""
+    prepare: Callable[[Any], "Store | None"] | None = None
+    """``prepare(preparation)``: run once by a score-teacher job after its job record is written and before any row is
+    scored (a :class:`Preparation`): write the store's side file, fit what its rows are encoded with, record what the
+    manifest keeps of it in ``preparation.meta``; return the store to encode this job's rows with (its ``encode`` and
+    ``pack`` bound to what it fitted), or None to keep this one."""
     rules: Callable[[Mapping[str, np.ndarray], int | None, Mapping], list] | None = None
     """``rules(values, vocab, params)``: the row rules (Violations) on a shard's decoded per-token values {column:
     [tokens, ...]} of its per-token columns, with the table's recorded store parameters; validate reports them and the
@@ -91,6 +107,20 @@ class Store:
     decode its columns from what ``datasets`` returns."""
     info: Callable[[Mapping], str | None] = _nothing
     """``info(params)``: the line ``opdcache info`` prints for a table holding it (None: nothing beyond its bytes)."""
+
+
+@dataclass
+class Preparation:
+    """What a store's ``prepare`` is given: the score-teacher job, the cache, the loaded engine, the table's folder,
+    the table's manifest metadata (``meta``: the store records under its name), and ``requests(rows)``, the engine's
+    score requests for rows of the base table (an Arrow table with prompt_ids and response_ids)."""
+
+    job: Any
+    cache: Any
+    backend: Any
+    table_dir: Any
+    meta: dict
+    requests: Callable[[Any], list]
 
 
 def hidden_to_numpy(tensor) -> np.ndarray:

@@ -51,6 +51,15 @@ def _card(config: str, entry: dict) -> list[str]:
             "```python", RECIPES[dtype], "```", ""]
 
 
+def _prepare(prep) -> None:
+    """The unembedding beside the states, once (a resumed job keeps the one it wrote)."""
+    from opdcache.stores.head import head_of, save_head
+
+    path = prep.table_dir / STORE.side_file
+    if not path.is_file():
+        save_head(head_of(prep.backend.model), path)
+
+
 STORE = Store(
     name="hidden",
     summary="hidden: the teacher's final hidden states (the full distribution, recomputed)",
@@ -65,6 +74,9 @@ STORE = Store(
     check_params=_check_params,
     needs=("hidden",),
     encode=_encode,
+    prepare=_prepare,
+    side_file="head.safetensors",
+    side_tensors=("weight",),  # its shapes are checked where validate loads it to rebuild the log-probs
     card=_card,
     flat=(),
 )

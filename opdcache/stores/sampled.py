@@ -79,7 +79,7 @@ def _encode(sc, params) -> dict:
     return {"sampled_logprobs": sc.sampled_logprobs}  # the draws' exact log-probs, checked finite before _pack
 
 
-def _pack(sc, params) -> dict:
+def _pack(sc, params, row) -> dict:
     return store_columns(sc.sampled_ids, sc.sampled_logprobs)
 
 

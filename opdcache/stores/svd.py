@@ -28,6 +28,49 @@ def _check_params(params) -> None:
         raise ConfigError(f"svd_dtype must be bfloat16 or unset (float32), got {params.svd_dtype!r}")
 
 
+def _prepare(prep):
+    """Fit (or reload) the projection over the whole table first; the rows are its codes of the hidden states."""
+    from opdcache.stores.svdprojection import fit_for_table
+
+    proj, prep.meta["svd"] = fit_for_table(prep, prep.table_dir / STORE.side_file)
+    return encoding_with(proj, prep.job.svd_dtype == "bfloat16")
+
+
+def encoding_with(proj, rounded: bool) -> Store:
+    """The store, its rows encoded with the projection ``proj`` (an ``SVDProjection``), as bfloat16 bits when
+    ``rounded``."""
+    from dataclasses import replace
+
+    def encode(sc, params) -> dict:
+        return {"svd": proj.encode(sc.hidden).numpy()}
+
+    def pack(sc, params, row) -> dict:  # rounded after the finiteness check, as its bits
+        import torch
+
+        from opdcache.stores.base import hidden_to_numpy
+
+        return {"svd": hidden_to_numpy(torch.from_numpy(row["svd"]).to(torch.bfloat16))} if rounded else {}
+
+    return replace(STORE, encode=encode, pack=pack)
+
+
+def _side_file_problem(path) -> str | None:
+    from opdcache.errors import SchemaError
+    from opdcache.stores.svdprojection import load
+
+    try:
+        load(path)
+    except SchemaError as exc:
+        return str(exc)
+    return None
+
+
+def _side_record(path) -> dict:
+    from opdcache.stores.svdprojection import read_metadata
+
+    return read_metadata(path)["info"]  # the fit's record
+
+
 STORE = Store(
     name="svd",
     summary="svd: the teacher's hidden states at rank r (--svd-rank)",
@@ -39,5 +82,10 @@ STORE = Store(
     check_job=_check_job,
     check_params=_check_params,
     needs=("hidden",),
+    prepare=_prepare,
+    side_file="svd.safetensors",
+    side_tensors=("encoder", "decoder"),
+    side_file_problem=_side_file_problem,
+    side_record=_side_record,
     flat=(),
 )

@@ -239,3 +239,77 @@ def load(path) -> SVDProjection:
     if problem is not None:
         raise SchemaError(f"{path} is not a usable svd projection: {problem}; score the teacher again, or run `opdcache validate` on the cache")
     return SVDProjection(method, t["encoder"], t["decoder"], t.get("bias"))
+
+
+CALIBRATION_PER_RANK = 32  # the svd projection is fitted on at least 32 x rank positions when the table has them: on
+# SmolLM2 at rank 512 the held-out KL falls from 6.7e-3 (2,048 positions) to 4.8e-3 (8,192) and then stays (BENCHMARKS.md)
+CALIBRATION_MIN_POSITIONS = 2048  # ... and at least this many
+HELDOUT_POSITIONS = 1024  # further positions, for measuring its distortion
+
+
+def calibration_rows(cache, rank: int, seed: int) -> tuple[list[tuple[int, int]], int]:
+    """(rows, target positions) for the svd fit: rows (shard, index) drawn at random (seeded) over every shard of the
+    base table, in a seeded random order, enough (by the manifest's mean row length) for max(32 x rank, 2,048)
+    calibration positions and then 1,024 held-out ones."""
+    import numpy as np
+
+    base = cache.table(cache.base_table)
+    rows = sum(int(sh["rows"]) for sh in base["shards"])
+    tokens = sum(int(sh["tokens"]) for sh in base["shards"])
+    target = max(CALIBRATION_PER_RANK * rank, CALIBRATION_MIN_POSITIONS)
+    want = min(rows, int(np.ceil((target + HELDOUT_POSITIONS) / max(tokens / max(rows, 1), 1.0) * 1.25)) + 2)
+    picks = [(shard, i) for shard, idx in sorted(cache.sample_rows(cache.base_table, want, seed).items()) for i in idx]
+    order = np.random.default_rng(seed + 1).permutation(len(picks))
+    return [picks[i] for i in order], target
+
+
+def fit_for_table(prep, path) -> tuple[SVDProjection, dict]:
+    """The svd store's preparation (``opdcache.stores.base.Preparation``): fit (or reload) the chosen projection on
+    positions drawn from all shards (:func:`calibration_rows`) and measure its distortion on further held-out positions;
+    (projection, what the manifest records); it is saved at ``path``. Memory: the calibration and held-out hidden states ([positions, H],
+    decoded in the engine's token-budget batches), [H, H] float64 moments and [V, rank] decoder; never
+    [positions, vocabulary]."""
+    from opdcache.errors import ConfigError
+
+    job, cache, backend = prep.job, prep.cache, prep.backend
+    if path.is_file():
+        return load(path), read_metadata(path)["info"]
+    picks, target = calibration_rows(cache, job.svd_rank, job.svd_seed)
+    by_shard: dict[int, list[int]] = {}
+    for shard, i in picks:
+        by_shard.setdefault(shard, []).append(i)
+    lengths = {}
+    requests = {}
+    for shard, idx in by_shard.items():
+        rows = cache.read_shard(cache.base_table, shard, ["prompt_ids", "response_ids"]).take(sorted(idx))
+        for i, req in zip(sorted(idx), prep.requests(rows)):
+            requests[(shard, i)] = req
+            lengths[(shard, i)] = len(req.response_ids)
+    calib_rows, held_rows, n = [], [], 0
+    for key in picks:  # in the seeded random order: calibration until the target, then the held-out rows
+        if n < target or not calib_rows:
+            calib_rows.append(key)
+            n += lengths[key]
+        elif sum(lengths[k] for k in held_rows) < HELDOUT_POSITIONS:
+            held_rows.append(key)
+    if n < target:
+        if job.svd_min_positions and n < job.svd_min_positions:
+            raise ConfigError(f"--svd-min-positions {job.svd_min_positions}: only {n:,} calibration positions are available")
+        print(f"warning: the svd projection is fitted on {n:,} positions, fewer than {target:,} (32 x rank {job.svd_rank}, at "
+              f"least {CALIBRATION_MIN_POSITIONS:,}): its distortion on other rollouts may be higher than measured; add "
+              "rollouts or lower --svd-rank (--svd-min-positions refuses instead)")
+    with torch.no_grad():
+        calib = backend.hidden_states([requests[k] for k in calib_rows]).float()
+        held = backend.hidden_states([requests[k] for k in (held_rows or calib_rows)]).float()
+    head = backend.model.get_output_embeddings()
+    W, b = head.weight.detach(), None if getattr(head, "bias", None) is None else head.bias.detach().float()
+    chosen = fit(W, b, calib, job.svd_rank, job.svd_method)
+    dtype = "bfloat16" if job.svd_dtype == "bfloat16" else None
+    measured = {job.svd_method: distortion(chosen, W, b, held, store_dtype=dtype) | {"rank": job.svd_rank}}
+    info = {"method": job.svd_method, "rank": job.svd_rank, "dtype": job.svd_dtype, "calibration_positions": int(calib.shape[0]),
+            "calibration_rows": len(calib_rows), "calibration_shards": len({s for s, _ in calib_rows}), "calibration_seed": job.svd_seed,
+            "calibration_target": target, "heldout_positions": int(held.shape[0]),
+            "heldout": "held-out rows" if held_rows else "the calibration rows (no other rows left: in-sample)",
+            "distortion": measured}
+    save(chosen, path, info)
+    return chosen, info

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from opdcache.format import schema as S, shards
+from opdcache.stores import svd as svd_store
 
 BLOCK_POSITIONS = 128  # positions per full-vocabulary block (151,936 columns: 156 MiB of float64 log-probs)
 
@@ -253,7 +254,8 @@ def measure(teacher: Model, requests: list, row_ids: list[str], settings: list[S
                 sc.hidden = h
             params = s.params(H)
             proj = projections.get(s)
-            acc.records.append(teacher_records([row_id], [sc], params, proj)[0])
+            prepared = {} if proj is None else {"svd": svd_store.encoding_with(proj, params.svd_dtype == "bfloat16")}
+            acc.records.append(teacher_records([row_id], [sc], params, prepared)[0])
         if progress:
             progress(1)
     out = {"tokens": tokens, "rows": len(measured_rows), "teacher_entropy": float(np.concatenate(entropy).mean()) if entropy else 0.0,

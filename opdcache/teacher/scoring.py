@@ -19,6 +19,7 @@ from pathlib import Path
 from opdcache import stores as store_registry, threads
 from opdcache.backends import EngineConfig, describe_statistic, engines_computing, make_backend
 from opdcache.backends.base import ScoreRequest
+from opdcache.stores.base import Preparation
 from opdcache.errors import ConfigError, ConsistencyError, SchemaError
 from opdcache.format import schema as S, shards
 from opdcache.format.cache import Cache, run_table_job, TableJob
@@ -27,10 +28,6 @@ from opdcache.inputs.lineage import check_same_tokenizer, model_info
 from opdcache.inputs.models import load_tokenizer, resolve_model
 from opdcache.inputs.prompts import PromptConfig
 
-CALIBRATION_PER_RANK = 32  # the svd projection is fitted on at least 32 x rank positions when the table has them: on
-# SmolLM2 at rank 512 the held-out KL falls from 6.7e-3 (2,048 positions) to 4.8e-3 (8,192) and then stays (BENCHMARKS.md)
-CALIBRATION_MIN_POSITIONS = 2048  # ... and at least this many
-HELDOUT_POSITIONS = 1024  # further positions, for measuring its distortion
 
 
 @dataclass(frozen=True)
@@ -182,29 +179,26 @@ def teacher_columns(params: S.StoreParams) -> list[str]:
     return ["id", "prompt_ids", "response_ids"] + (["ref_topk_ids"] if params.ref_top_k else []) + (["mc_ids"] if params.mc_samples else [])
 
 
-def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, where: str = "", vocab_size: int | None = None) -> shards.Records:
+def teacher_records(ids: list[str], scores, params: S.StoreParams, prepared: dict | None = None, where: str = "",
+                    vocab_size: int | None = None) -> shards.Records:
     """A teacher table's rows from the engine's scores of the rollout rows ``ids`` (row-aligned); refuses non-finite
     values. A compact top-k store's rows are encoded here (opdcache/stores/compact.py) and the shard's distortion against the
     exact top-k goes into its footer; the sampled store's draws are collapsed into distinct ids and counts. With
     ``vocab_size`` and an engine that streams the full distribution, the stores' error against it (opdcache/format/fidelity.py)
-    goes into the footer too."""
+    goes into the footer too. ``prepared``: the stores as their ``prepare`` returned them for this job, by name."""
     import json
-
-    import torch
 
     from opdcache.format import fidelity
 
     from opdcache.stores import compact
 
-    enabled = [store_registry.REGISTRY[name] for name in params.stores]
+    enabled = [(prepared or {}).get(name) or store_registry.REGISTRY[name] for name in params.stores]
     records, sums, errors = shards.Records(), [], []
     for row_id, sc in zip(ids, scores):
         rec = {"id": row_id}
         for store in enabled:
             if store.encode is not None:
                 rec.update(store.encode(sc, params))
-        if proj is not None:
-            rec["svd"] = proj.encode(sc.hidden).numpy()
         reason = shards.first_non_finite(rec)  # on the exact values, before any padding
         if reason:
             raise SchemaError(f"teacher produced {reason} for rollout row {row_id} ({where}); "
@@ -218,9 +212,7 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, proj=None, wh
             errors.append(fidelity.row_sums(sc, enc, params, vocab_size))
         for store in enabled:
             if store.pack is not None:
-                rec.update(store.pack(sc, params))
-        if proj is not None and params.svd_dtype == "bfloat16":  # rounded after the finiteness check, as its bits
-            rec["svd"] = shards.hidden_to_numpy(torch.from_numpy(rec["svd"]).to(torch.bfloat16))
+                rec.update(store.pack(sc, params, rec))
         records.append(rec)
     if params.topk_compact:
         records.meta[compact.DISTORTION_META] = json.dumps(compact.merge_sums(sums), sort_keys=True).encode()
@@ -334,13 +326,9 @@ def run_score(job: ScoreJob) -> dict:
     if table.pending(num_workers, worker_index):  # work to do: the weights load now, before the job writes anything
         backend.load()
     table.begin()
-    if "hidden" in job.stores and not (table.dir / "head.safetensors").is_file():
-        from opdcache.format.heads import head_of, save_head
-
-        save_head(head_of(backend.model), table.dir / "head.safetensors")
-    proj = None
-    if "svd" in job.stores:
-        proj, table.meta["svd"] = _svd_projection(job, cache, backend, table)
+    prep = Preparation(job, cache, backend, table.dir, table.meta, score_requests)
+    prepared = {name: store.prepare(prep) for name in job.stores
+                if (store := store_registry.REGISTRY[name]).prepare is not None}  # side files, fits: before any row
     if job.prepare_only:  # the side files and the job record exist now: workers started after this share them
         backend.close()
         return {"slug": slug, "written": [], "finished": False, "consistency": verdict, "svd": table.meta.get("svd")}
@@ -359,7 +347,7 @@ def run_score(job: ScoreJob) -> dict:
         rows = shards.read_table(base_paths[index], request_columns)
         scores = backend.score(score_requests(rows, params.samples_per_position, job.sample_seed), top_k=params.top_k, hidden=want_hidden,
                                hidden_dtype=params.hidden_dtype)
-        return teacher_records(rows["id"].to_pylist(), scores, params, proj, f"shard {index}", backend.vocab_size)
+        return teacher_records(rows["id"].to_pylist(), scores, params, prepared, f"shard {index}", backend.vocab_size)
 
     with closing(backend):
         written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"score-teacher {slug}", progress=job.progress, finalize=job.finalize,
@@ -370,72 +358,3 @@ def run_score(job: ScoreJob) -> dict:
             "topk": entry.get("topk"), "fidelity": entry.get("fidelity"), "aligned": entry.get("aligned")}
 
 
-def calibration_rows(cache: Cache, rank: int, seed: int) -> tuple[list[tuple[int, int]], int]:
-    """(rows, target positions) for the svd fit: rows (shard, index) drawn at random (seeded) over every shard of the
-    base table, in a seeded random order, enough (by the manifest's mean row length) for max(32 x rank, 2,048)
-    calibration positions and then 1,024 held-out ones."""
-    import numpy as np
-
-    base = cache.table(cache.base_table)
-    rows = sum(int(sh["rows"]) for sh in base["shards"])
-    tokens = sum(int(sh["tokens"]) for sh in base["shards"])
-    target = max(CALIBRATION_PER_RANK * rank, CALIBRATION_MIN_POSITIONS)
-    want = min(rows, int(np.ceil((target + HELDOUT_POSITIONS) / max(tokens / max(rows, 1), 1.0) * 1.25)) + 2)
-    picks = [(shard, i) for shard, idx in sorted(cache.sample_rows(cache.base_table, want, seed).items()) for i in idx]
-    order = np.random.default_rng(seed + 1).permutation(len(picks))
-    return [picks[i] for i in order], target
-
-
-def _svd_projection(job: ScoreJob, cache: Cache, backend, table: TableJob):
-    """Fit (or reload) the chosen svd projection on positions drawn from all shards (:func:`calibration_rows`) and
-    measure its distortion on further held-out positions. Memory: the calibration and held-out hidden states
-    ([positions, H], decoded in the engine's token-budget batches), [H, H] float64 moments and [V, rank] decoder; never
-    [positions, vocabulary]."""
-
-    import torch
-
-    from opdcache.stores import svdprojection as svd
-
-    path = table.dir / "svd.safetensors"
-    if path.is_file():
-        info = svd.read_metadata(path)["info"]
-        return svd.load(path), info
-    picks, target = calibration_rows(cache, job.svd_rank, job.svd_seed)
-    by_shard: dict[int, list[int]] = {}
-    for shard, i in picks:
-        by_shard.setdefault(shard, []).append(i)
-    lengths = {}
-    requests = {}
-    for shard, idx in by_shard.items():
-        rows = cache.read_shard(cache.base_table, shard, ["prompt_ids", "response_ids"]).take(sorted(idx))
-        for i, req in zip(sorted(idx), score_requests(rows)):
-            requests[(shard, i)] = req
-            lengths[(shard, i)] = len(req.response_ids)
-    calib_rows, held_rows, n = [], [], 0
-    for key in picks:  # in the seeded random order: calibration until the target, then the held-out rows
-        if n < target or not calib_rows:
-            calib_rows.append(key)
-            n += lengths[key]
-        elif sum(lengths[k] for k in held_rows) < HELDOUT_POSITIONS:
-            held_rows.append(key)
-    if n < target:
-        if job.svd_min_positions and n < job.svd_min_positions:
-            raise ConfigError(f"--svd-min-positions {job.svd_min_positions}: only {n:,} calibration positions are available")
-        print(f"warning: the svd projection is fitted on {n:,} positions, fewer than {target:,} (32 x rank {job.svd_rank}, at "
-              f"least {CALIBRATION_MIN_POSITIONS:,}): its distortion on other rollouts may be higher than measured; add "
-              "rollouts or lower --svd-rank (--svd-min-positions refuses instead)")
-    with torch.no_grad():
-        calib = backend.hidden_states([requests[k] for k in calib_rows]).float()
-        held = backend.hidden_states([requests[k] for k in (held_rows or calib_rows)]).float()
-    head = backend.model.get_output_embeddings()
-    W, b = head.weight.detach(), None if getattr(head, "bias", None) is None else head.bias.detach().float()
-    chosen = svd.fit(W, b, calib, job.svd_rank, job.svd_method)
-    dtype = "bfloat16" if job.svd_dtype == "bfloat16" else None
-    measured = {job.svd_method: svd.distortion(chosen, W, b, held, store_dtype=dtype) | {"rank": job.svd_rank}}
-    info = {"method": job.svd_method, "rank": job.svd_rank, "dtype": job.svd_dtype, "calibration_positions": int(calib.shape[0]),
-            "calibration_rows": len(calib_rows), "calibration_shards": len({s for s, _ in calib_rows}), "calibration_seed": job.svd_seed,
-            "calibration_target": target, "heldout_positions": int(held.shape[0]),
-            "heldout": "held-out rows" if held_rows else "the calibration rows (no other rows left: in-sample)",
-            "distortion": measured}
-    svd.save(chosen, path, info)
-    return chosen, info

@@ -71,7 +71,7 @@ def open_online(cfg, model, device):
 
     source = OnlineSource(cfg, model, device)
     if source.want_hidden:
-        from opdcache.format.heads import head_of
+        from opdcache.stores.head import head_of
 
         return source, head_of(source.teacher.model)
     return source, None
@@ -98,14 +98,14 @@ def open_cache(cfg, facts, model_path):
     source.prime()  # the first batch's shards checked against the student's vocabulary and context
     if "svd" in stores:  # teacher logits = z D^T + bias: the projection's decoder stands in for the head
         from opdcache.stores import svdprojection as svd
-        from opdcache.format.heads import Head
+        from opdcache.stores.head import Head
 
         path = cache.side_file(table, "svd.safetensors")  # hash-checked first, like every shard
         projection = svd.load(path)
         return source, checked_head(Head(projection.decoder, projection.bias), vocab, params.svd_rank, path)
     if "hidden" not in stores:
         return source, None
-    from opdcache.format.heads import load_head
+    from opdcache.stores.head import load_head
 
     path = cache.side_file(table, "head.safetensors")
     return source, checked_head(load_head(path), vocab, params.hidden_size, path)
