@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
 
 from opdcache.format.cache import Cache
-from opdcache.format.heads import load_head
+from opdcache.stores.head import load_head
 from opdcache.training import losses as L
 from opdcache.training.data import CacheLoader, CacheLoaderConfig
 from opdcache.training.estimators import ESTIMATORS, FULL_VOCABULARY
