@@ -79,7 +79,7 @@ def score_teacher(
         raise ConfigError(f"--executor must be local or ray, got {executor!r}")
     c = result["consistency"]
     typer.echo(f"teacher consistency: {c['verdict']} ({c['note']})")
-    if result["svd"]:
+    if result.get("svd"):
         for method, d in result["svd"]["distortion"].items():
             typer.echo(f"svd {method:<13} rank {d['rank']}: KL(teacher || rank-{d['rank']} reconstruction) {d['mean_kl']:.2e}"
                        + (f" ± {d['kl_stderr']:.1e}" if "kl_stderr" in d else "") + " nats/position "

@@ -158,6 +158,7 @@ STORE = Store(
     ),
     since=6,
     check_job=_check_job,
+    params=lambda job, facts: {"top_k": job.top_k},
     needs=("logprobs",),  # and the top-k with --top-k
     rules=_rules,
     table_rules=_table_rules,

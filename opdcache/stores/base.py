@@ -10,7 +10,7 @@ This module imports nothing of opdcache, so that the format (opdcache/format/sch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -62,6 +62,20 @@ class Store:
     one line (called before any model loads)."""
     check_params: Callable[[Any], None] = _nothing
     """Checks a table's recorded store parameters (``schema.StoreParams``) for this store, raising ConfigError."""
+    check_model: Callable[[Any, Mapping], None] = _nothing
+    """``check_model(job, facts)``: checks of an enabled store's settings against the cache and the teacher, raising
+    ConfigError: called before any model loads with what the manifest and the teacher's config.json tell ({"positions":
+    response positions of the base table, "base": its name, "hidden_size": the config's or None, "where"}), and once
+    more with the loaded engine's hidden size (where "its output head")."""
+    params: Callable[[Any, Mapping], Mapping] = lambda job, facts: {}
+    """``params(job, facts)``: the table's store parameters (``schema.StoreParams`` fields) an enabled store sets from
+    the job, with the engine's facts ({"hidden_size": its head's width or None, "dtype": its compute dtype})."""
+    config: Callable[[Any], Mapping] = lambda job: {}
+    """``config(job)``: the settings of an enabled store that change its values without being store parameters,
+    recorded in the table's config (its fingerprint), e.g. the svd fit's method, the draws' seed."""
+    config_default: Mapping = field(default_factory=dict)
+    """Config entries every teacher table records whether or not it holds the store (their value without it): tables
+    written before the store's ``config`` keep their fingerprints."""
     needs: tuple[str, ...] = ()
     """The engine statistics its values are made from, by name (``opdcache.backends.base.STATISTICS``: "topk_ids",
     "sampled_ids", "hidden", ...): score-teacher asks the engine for them and refuses one that does not compute them, before

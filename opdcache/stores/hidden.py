@@ -72,6 +72,7 @@ STORE = Store(
     ),
     check_job=_check_job,
     check_params=_check_params,
+    params=lambda job, facts: {"hidden_size": facts["hidden_size"], "hidden_dtype": job.hidden_dtype or facts["dtype"]},
     needs=("hidden",),
     encode=_encode,
     prepare=_prepare,

@@ -129,6 +129,7 @@ STORE = Store(
     since=3,
     check_job=_check_job,
     check_params=_check_params,
+    config=lambda job: {"sample_seed": job.sample_seed},  # only with the store: older tables keep their fingerprints
     needs=("sampled_ids", "sampled_logprobs"),
     encode=_encode,
     pack=_pack,

@@ -28,6 +28,18 @@ def _check_params(params) -> None:
         raise ConfigError(f"svd_dtype must be bfloat16 or unset (float32), got {params.svd_dtype!r}")
 
 
+def _check_model(job, facts) -> None:
+    if job.svd_min_positions and facts.get("positions") is not None and facts["positions"] < job.svd_min_positions:
+        raise ConfigError(f"--svd-min-positions {job.svd_min_positions}: the {facts['base']} table has only "
+                          f"{facts['positions']:,} response positions to fit the svd projection on; add rollouts or lower "
+                          "--svd-min-positions")
+    hidden = facts.get("hidden_size")
+    if hidden is not None and job.svd_rank > hidden:  # the rank of a projection of the hidden state
+        raise ConfigError(f"--svd-rank {job.svd_rank} is above the teacher's hidden size {hidden} ({facts['where']}): the svd "
+                          f"store projects the hidden state, so its rank is at most {hidden}; pass --svd-rank {hidden} or "
+                          "less, or --store hidden for the states themselves")
+
+
 def _prepare(prep):
     """Fit (or reload) the projection over the whole table first; the rows are its codes of the hidden states."""
     from opdcache.stores.svdprojection import fit_for_table
@@ -81,6 +93,10 @@ STORE = Store(
     ),
     check_job=_check_job,
     check_params=_check_params,
+    check_model=_check_model,
+    params=lambda job, facts: {"svd_rank": job.svd_rank, "svd_dtype": "bfloat16" if job.svd_dtype == "bfloat16" else None},
+    config=lambda job: {"svd_method": job.svd_method},
+    config_default={"svd_method": None},  # recorded by every teacher table since the store came
     needs=("hidden",),
     prepare=_prepare,
     side_file="svd.safetensors",

@@ -93,6 +93,7 @@ STORE = Store(
     ),
     check_job=_check_job,
     check_params=_check_params,
+    params=lambda job, facts: {"top_k": job.top_k},
     needs=("topk_ids", "topk_logprobs"),
     encode=_encode,
     card=_card,

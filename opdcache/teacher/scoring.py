@@ -235,14 +235,6 @@ def _config_number(model_dir: Path, key: str = "hidden_size") -> int | None:
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
-def _check_svd_rank(rank: int, hidden: int | None, where: str) -> None:
-    """The svd store projects the teacher's hidden state: its rank is at most the hidden size."""
-    if hidden is not None and rank > hidden:
-        raise ConfigError(f"--svd-rank {rank} is above the teacher's hidden size {hidden} ({where}): the svd store projects the "
-                          f"hidden state, so its rank is at most {hidden}; pass --svd-rank {hidden} or less, or --store hidden "
-                          "for the states themselves")
-
-
 def _cross_plan(job: ScoreJob, cache: Cache, ref):
     """None for a teacher that shares the cache's tokenizer (refused otherwise, unless ``--prompts`` makes it a
     cross-tokenizer job, opdcache/teacher/crossteacher.py); checked before the teacher's weights load."""
@@ -271,14 +263,13 @@ def run_score(job: ScoreJob) -> dict:
     base_entry = cache.table(base)
     base_params = cache.params(base)
     num_workers, worker_index = worker_from_env(job.num_workers, job.worker_index)
-    if "svd" in job.stores and job.svd_min_positions:  # known from the manifest: refused before any model loads
-        available = sum(int(sh["tokens"]) for sh in base_entry["shards"])
-        if available < job.svd_min_positions:
-            raise ConfigError(f"--svd-min-positions {job.svd_min_positions}: the {base} table has only {available:,} response "
-                              "positions to fit the svd projection on; add rollouts or lower --svd-min-positions")
+    enabled = [store_registry.REGISTRY[name] for name in job.stores]
+    facts = {"positions": sum(int(sh["tokens"]) for sh in base_entry["shards"]), "base": base}
+    for store in enabled:  # from the manifest, before the teacher is even looked for
+        store.check_model(job, facts)
     ref = resolve_model(job.teacher, job.revision, "--teacher")
-    if "svd" in job.stores:  # from config.json, before the model loads; a config without it is checked once it has
-        _check_svd_rank(job.svd_rank, _config_number(ref.path), "config.json")
+    for store in enabled:  # from config.json, before the model loads; a config without it is checked once it has
+        store.check_model(job, {"hidden_size": _config_number(ref.path), "where": "config.json"})
     plan = _cross_plan(job, cache, ref)
     teacher_fp_info = model_info(ref)
     verdict = consistency_verdict(cache.manifest["lineage"], teacher_fp_info, job.allow_inconsistent_teacher)
@@ -299,26 +290,23 @@ def run_score(job: ScoreJob) -> dict:
                           "score this cache with the default engine")
     backend = make_backend(ref.path, engine, max_logprobs=max(job.top_k or 0, base_params.ref_top_k or 0, 1))
     info = model_info(ref, **backend.model_info())
-    hidden_dtype = backend.dtype if want_hidden else None
-    H = None
-    if want_hidden:
-        H = backend.hidden_size  # the head's width (checked against the loaded head when the weights load)
-        if "svd" in job.stores:
-            _check_svd_rank(job.svd_rank, H, "its output head")
+    engine_facts = {"hidden_size": backend.hidden_size if want_hidden else None, "dtype": backend.dtype if want_hidden else None}
+    if want_hidden:  # the head's width (checked against the loaded head when the weights load)
+        for store in enabled:
+            store.check_model(job, {"hidden_size": backend.hidden_size, "where": "its output head"})
+    store_fields = {key: value for store in enabled for key, value in store.params(job, engine_facts).items()}
     params = S.StoreParams(
-        stores=job.stores, top_k=job.top_k if "topk" in job.stores or "aligned" in job.stores else None,
-        ref_top_k=None if plan else base_params.ref_top_k, mc_samples=None if plan else base_params.mc_samples, hidden_size=H if "hidden" in job.stores else None,
-        hidden_dtype=(job.hidden_dtype or hidden_dtype) if "hidden" in job.stores else None, svd_rank=job.svd_rank if "svd" in job.stores else None,
+        stores=job.stores, ref_top_k=None if plan else base_params.ref_top_k, mc_samples=None if plan else base_params.mc_samples,
         topk_precision=job.topk_precision, topk_mass=job.topk_mass, samples_per_position=job.samples_per_position,
-        svd_dtype="bfloat16" if "svd" in job.stores and job.svd_dtype == "bfloat16" else None,
         logsumexp=None if "logsumexp" in engine.capabilities.statistics else False,  # a served teacher: no log-partition returned
-    )
+        **store_fields)
     slug = job.table_slug
     config = {"teacher": info["fingerprint"], "engine": engine.fingerprint_view() | {"engine_version": backend.version},
-              "deterministic": engine.deterministic, "vocab_size": backend.vocab_size,
-              "svd_method": job.svd_method if "svd" in job.stores else None}
-    if "sampled" in job.stores:  # only then: older tables keep their config fingerprints
-        config["sample_seed"] = job.sample_seed
+              "deterministic": engine.deterministic, "vocab_size": backend.vocab_size}
+    for store in store_registry.REGISTRY.values():
+        config.update(store.config_default)
+    for store in enabled:
+        config.update(store.config(job))
     if plan is not None:
         config["teacher_tokenizer"] = plan.fingerprint
     table = TableJob(cache.root, f"teachers/{slug}", "teacher", params, config, len(base_entry["shards"]),
@@ -331,7 +319,7 @@ def run_score(job: ScoreJob) -> dict:
                 if (store := store_registry.REGISTRY[name]).prepare is not None}  # side files, fits: before any row
     if job.prepare_only:  # the side files and the job record exist now: workers started after this share them
         backend.close()
-        return {"slug": slug, "written": [], "finished": False, "consistency": verdict, "svd": table.meta.get("svd")}
+        return {"slug": slug, "written": [], "finished": False, "consistency": verdict} | {name: table.meta.get(name) for name in job.stores}
     base_paths = cache.shard_paths(base)
     request_columns = teacher_columns(params)
 
@@ -354,7 +342,7 @@ def run_score(job: ScoreJob) -> dict:
                                 rows_of=lambda i: base_entry["shards"][i]["rows"])
     finished = table.all_done()
     entry = Cache(job.cache).table(f"teachers/{slug}") if finished and job.finalize else {}
-    return {"slug": slug, "written": written, "finished": finished, "consistency": verdict, "svd": table.meta.get("svd"),
-            "topk": entry.get("topk"), "fidelity": entry.get("fidelity"), "aligned": entry.get("aligned")}
+    records = {name: entry.get(name, table.meta.get(name)) for name in job.stores}  # what each store's record holds
+    return {"slug": slug, "written": written, "finished": finished, "consistency": verdict, "fidelity": entry.get("fidelity")} | records
 
 
