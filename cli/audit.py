@@ -20,18 +20,28 @@ def audit(
     teacher: Annotated[Optional[Path], typer.Option("--teacher", help="The teacher of the teacher tables when it is not at the recorded path. Default: the recorded path.", show_default=False)] = None,
     tolerance: Annotated[float, typer.Option("--tolerance", help="Tables not computed with --exact: the floor of each float column's tolerance; the tolerance grows with the table's dtype and its measured batch-to-batch spread (see the report's reasoning line).")] = 1e-4,
     device: Annotated[str, typer.Option("--device", help="Where tables not computed with --exact are re-computed: auto (a CUDA GPU when there is one), cpu, cuda, cuda:N. An exact table re-computes where its recorded arithmetic runs.")] = "auto",
+    server_url: O.ServerUrl = None,
+    server_kind: O.ServerKind = "auto",
+    api_key: O.ApiKey = None,
     as_json: O.JsonOut = False,
 ) -> None:
     """Re-compute a seeded sample of rows in each table's recorded arithmetic and dtype; per column, bit-exact
     matches, max |delta| and its tolerance. Exit 1 when an --exact table does not reproduce bit for bit, or another's
     float column exceeds the tolerance its dtype allows.
 
-    Memory: one engine (the model, plus a float64 copy of its weights for exact tables) and the sampled rows' values
-    twice; the rows are read from one shard at a time."""
+    With --server-url, teacher tables are re-scored through those running servers (serving the recorded teacher;
+    checked as score-teacher checks it) instead of in-process.
+
+    Memory: one engine (the model, plus a float64 copy of its weights for exact tables; with --server-url none, the
+    requests in flight) and the sampled rows' values twice; the rows are read from one shard at a time."""
     O.announce_threads()
     from opdcache.teacher.audit import AuditConfig, audit as run, render
 
-    report = run(AuditConfig(cache=cache, table=table, rows=rows, seed=seed, model=model, teacher=teacher, tolerance=tolerance, device=device))
+    from opdcache.backends import EngineConfig
+
+    server = None if server_url is None else EngineConfig(backend="server", server_url=server_url, server_kind=server_kind, api_key=api_key)
+    report = run(AuditConfig(cache=cache, table=table, rows=rows, seed=seed, model=model, teacher=teacher, tolerance=tolerance,
+                             device=device, server=server))
     typer.echo(json.dumps(report, indent=2) if as_json else render(report))
     if not report["passed"]:
         raise typer.Exit(1)

@@ -452,6 +452,33 @@ def test_a_table_without_the_top_k_has_its_rules_checked_too(cross, tmp_path):
         list(loader)
 
 
+def test_span_top_k_ids_are_bounded_by_the_teachers_vocabulary_and_pi_refs_ids_by_its_own(cross, tmp_path):
+    """The teacher's own ids in span_topk_ids lie within its vocabulary (the table's config), pi_ref's mapped ids
+    within pi_ref's: validate and the loader hold both, each against its own vocabulary."""
+    from opdcache.errors import SchemaError
+    from opdcache.format.cache import Cache
+    from opdcache.format.validate import validate
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
+
+    teacher_vocab = Cache(cross[0]).table("teachers/pairs")["config"]["vocab_size"]
+    student_vocab = Cache(cross[0]).table("rollouts")["config"]["vocab_size"]
+    assert teacher_vocab != student_vocab  # the two bounds differ: a check against the wrong one would show
+    for column, value, row in (("span_topk_ids", teacher_vocab, 2), ("span_topk_student_ids", student_vocab, 5)):
+        root = tmp_path / column
+        shutil.copytree(cross[0], root)
+
+        def plant(rows, column=column, value=value, row=row):
+            t = next(t for t, ids in enumerate(rows[row]["span_topk_ids"]) if ids[0] != -1)
+            rows[row][column][t][0] = value  # one past the end of that vocabulary
+
+        _rewrite_rows(root, "pairs", 0, plant)
+        assert (row, "span_topk_ids") in {(p.row, p.column) for p in validate(root) if not p.warning}
+        loader = CacheLoader(CacheLoaderConfig(cache=root, teacher="pairs", stores=("logprob", "aligned"), batch_size=64,
+                                               shuffle=False))
+        with pytest.raises(SchemaError, match=f"row {row}, column span_topk_ids: span top-k entries must be teacher ids within its vocabulary"):
+            list(loader)
+
+
 @pytest.fixture(scope="module")
 def cross_with_skips(cross, tmp_path_factory):
     """The cross table with every third row of each shard as the scorer writes a row it could not align (no teacher

@@ -231,3 +231,60 @@ def test_rollouts_through_the_server_mean_what_the_schema_says(server, weights, 
         assert_close_within(rlp[sl], torch.log_softmax(z32, -1).gather(1, a)[:, 0], logprob_tolerance(z32, z64, other_implementation=True)[:, 0], "ref_logprobs")
         assert_close_within(slp[sl], torch.log_softmax(z32 / 0.7, -1).gather(1, a)[:, 0],
                             logprob_tolerance(z32 / 0.7, z64 / 0.7, other_implementation=True)[:, 0], "sampling_logprobs at temperature 0.7")
+
+
+def test_a_served_job_killed_after_a_shard_resumes_to_the_same_bytes(server, rollouts, weights, tmp_path, monkeypatch):
+    from opdcache.format import cache as C
+
+    whole = _copy(rollouts, tmp_path, "whole")
+    run_score(ScoreJob(cache=whole, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=5, slug="s", engine=served(server)))
+    real, written = C.TableJob.write_table, []
+
+    def killed_after_one(self, index, table):  # the job is killed once its first shard is on disk
+        if written:
+            raise KeyboardInterrupt
+        written.append(index)
+        return real(self, index, table)
+
+    cache = _copy(rollouts, tmp_path)
+    monkeypatch.setattr(C.TableJob, "write_table", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        run_score(ScoreJob(cache=cache, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=5, slug="s", engine=served(server)))
+    assert len(list((cache / "teachers" / "s").glob("part-*.parquet"))) == 1 and "teachers/s" not in Cache(cache).manifest["tables"]
+    monkeypatch.setattr(C.TableJob, "write_table", real)
+    result = run_score(ScoreJob(cache=cache, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=5, slug="s", engine=served(server)))
+    assert result["written"] == [i for i in range(2) if i not in written] and result["finished"]
+    assert _table_bytes(cache, "s") == _table_bytes(whole, "s") and validate(cache) == []
+
+
+def test_audit_re_scores_a_served_table_through_the_server(server, rollouts, weights, tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cli_helpers import cli, one_line
+    from opdcache.teacher.audit import AuditConfig, audit
+
+    cache = _copy(rollouts, tmp_path)
+    run_score(ScoreJob(cache=cache, teacher=weights / "teacher", stores=("logprob", "topk"), top_k=5, slug="s", engine=served(server)))
+    report = audit(AuditConfig(cache=str(cache), table="s", rows="all", server=served(server)))
+    table = report["tables"][0]
+    assert report["passed"] and table["how"].startswith("re-scored through the served engine given (--server-url; vllm-0.32.0)")
+    assert table["columns"]["logprobs"]["max_abs_delta"] <= 1e-5 and table["columns"]["topk_ids"]["differing"] == 0
+    code, out = cli(["audit", cache, "--table", "s", "--rows", "4", "--server-url", server], capsys)
+    assert code == 0 and "re-scored through the served engine given" in out and "PASS" in out
+    # a stored log-prob moved by 0.01 nats: the server's answer gives it away
+    path = Cache(cache).shard_paths("teachers/s")[0]
+    t = pq.read_table(path)
+    lp = t["logprobs"].combine_chunks()
+    moved = pa.ListArray.from_arrays(lp.offsets, pa.array(lp.values.to_numpy(zero_copy_only=False) - 0.01, pa.float32()))
+    pq.write_table(t.set_column(t.schema.get_field_index("logprobs"), "logprobs", moved), path)
+    report = audit(AuditConfig(cache=str(cache), table="s", rows="all", server=served(server)))
+    assert not report["passed"] and report["tables"][0]["columns"]["logprobs"]["max_abs_delta"] > 0.009
+    # what a server cannot return is refused before any request
+    run_score(ScoreJob(cache=cache, teacher=weights / "teacher", stores=("logprob", "hidden"), slug="h"))
+    with pytest.raises(ConfigError, match=re.escape("the teachers/h table holds the hidden store, made from the final post-norm "
+                                                    "hidden states (statistic hidden), which a served engine does not return: "
+                                                    "audit it without --server-url (in-process)")):
+        audit(AuditConfig(cache=str(cache), table="h", server=served(server)))
+    code, out = cli(["audit", cache, "--table", "rollouts", "--server-url", server], capsys)
+    assert code == 2 and "--server-url re-scores teacher tables; the rollouts table is re-computed in-process" in one_line(out)

@@ -149,7 +149,8 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
                     prompt_lengths.update(zip(table["prompt_index"].to_pylist(), np.diff(shards.list_offsets(table["prompt_ids"])).tolist()))
             else:
                 _check_teacher_rows(root, info["path"], table, entry, params, base_lengths.get(index),
-                                    root / base["shards"][index]["path"] if index < len(base["shards"]) else None, out)
+                                    root / base["shards"][index]["path"] if index < len(base["shards"]) else None, out,
+                                    base["config"].get("vocab_size"))
     if not quick and prompt_lengths:
         _check_stats(base_name, base.get("stats") or {}, prompt_lengths, out)
     return out.problems
@@ -376,13 +377,16 @@ def _check_against_topk(file: str, column: str, sampled: np.ndarray, sampled_lp:
         out.rows(file, column, _row_of(offsets, np.flatnonzero(above_kth)), "sampled token is outside the top-k but more likely than the k-th")
 
 
-def _check_store_rules(file: str, table: pa.Table, params: S.StoreParams, offsets: np.ndarray, vocab: int | None, out: _Collector) -> None:
-    """The row rules each store declares (opdcache/stores/; the loader refuses the same rows), on decoded values."""
+def _check_store_rules(file: str, table: pa.Table, params: S.StoreParams, offsets: np.ndarray, vocab: int | None,
+                       teacher_vocab: int | None, out: _Collector) -> None:
+    """The row rules each store declares (opdcache/stores/; the loader refuses the same rows), on decoded values: ids
+    of pi_ref's within ``vocab``, the teacher's own within ``teacher_vocab`` (its table's recorded vocabulary)."""
     for store in (s for s in REGISTRY.values() if s.name in params.stores):  # its columns this table's parameters hold
         per_token = [c.name for c in S.columns("teacher", params) if c.store == store.name and c.shape != "row"]
         if store.rules is not None and all(n in table.column_names for n in per_token):
             values = {n: decode_logprobs(shards.token_values(table[n]), table.schema.field(n)) for n in per_token}
-            _report(file, offsets, [v for v in store.rules(values, vocab, params.to_dict()) if v[1] is not None], out)
+            rule_params = params.to_dict() | {"teacher_vocab_size": teacher_vocab}
+            _report(file, offsets, [v for v in store.rules(values, vocab, rule_params) if v[1] is not None], out)
         for column, bad_rows, message in (store.table_rules(table, offsets) if store.table_rules else []):
             out.rows(file, column, np.flatnonzero(bad_rows), message)
 
@@ -426,7 +430,8 @@ def _check_lengths(file: str, name: str, table: pa.Table, offsets: np.ndarray, o
         out.rows(file, name, bad, "not as long as the responses (per-token column length differs from the number of response tokens)")
 
 
-def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, params: S.StoreParams, base, base_path, out: _Collector) -> None:
+def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, params: S.StoreParams, base, base_path, out: _Collector,
+                        student_vocab: int | None = None) -> None:
     if base is None:  # the rollout shard failed its own checks (already reported) or does not exist
         if base_path is None:
             out.add(file, "no rollout shard of the same index to align with")
@@ -460,7 +465,7 @@ def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, par
         _check_topk(file, "topk", ids_k, lps_k, offsets, vocab, out, tail, tol=tol, order=order)
         _check_against_topk(file, "logprobs", response, logprobs, ids_k, lps_k, offsets, out, rel_tol=2.0 ** -10 if half else 0.0,
                             prob_tol=S.PROB14_STEP / 2 + 1e-6 if order == "ids" else None)
-    _check_store_rules(file, table, params, offsets, vocab, out)
+    _check_store_rules(file, table, params, offsets, vocab if params.same_tokenizer else student_vocab, vocab, out)
     for name in ("ref_topk_logprobs", "mc_logprobs"):
         if name in table.column_names:
             _check_logprobs(file, name, shards.token_values(table[name]), offsets, out)

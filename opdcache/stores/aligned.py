@@ -57,12 +57,13 @@ def _rules(values, vocab: int | None, params) -> list:
     if "span_topk_ids" in values:
         ids, lps, mapped = values["span_topk_ids"], values["span_topk_logprobs"], values["span_topk_student_ids"]
         pad = ids == PAD_ID
-        with np.errstate(invalid="ignore"):  # the teacher's ids have no bound here: ``vocab`` is the student's
-            bad = (ids < PAD_ID) | (pad != (lps == -np.inf)) | (lps > 0) | np.isnan(lps) | (mapped < PAD_ID) \
-                | (mapped >= (vocab or np.iinfo(np.int32).max)) | (pad & (mapped != PAD_ID))
+        teacher_vocab = params.get("teacher_vocab_size") or np.iinfo(np.int32).max
+        with np.errstate(invalid="ignore"):
+            bad = (ids < PAD_ID) | (ids >= teacher_vocab) | (pad != (lps == -np.inf)) | (lps > 0) | np.isnan(lps) \
+                | (mapped < PAD_ID) | (mapped >= (vocab or np.iinfo(np.int32).max)) | (pad & (mapped != PAD_ID))
         out.append(("span_topk_ids", bad.any(axis=-1) if bad.any() else None,
-                    "span top-k entries must be teacher ids with log-probs <= 0 and pi_ref ids within the vocabulary (or "
-                    "-1), or padding (id -1, log-prob -inf, no pi_ref id)"))
+                    "span top-k entries must be teacher ids within its vocabulary with log-probs <= 0 and pi_ref ids within "
+                    "pi_ref's (or -1), or padding (id -1, log-prob -inf, no pi_ref id)"))
     return out
 
 

@@ -104,8 +104,10 @@ class Store:
     ``pack`` bound to what it fitted), or None to keep this one."""
     rules: Callable[[Mapping[str, np.ndarray], int | None, Mapping], list] | None = None
     """``rules(values, vocab, params)``: the row rules (Violations) on a shard's decoded per-token values {column:
-    [tokens, ...]} of its per-token columns, with the table's recorded store parameters; validate reports them and the
-    loader refuses a shard that breaks one."""
+    [tokens, ...]} of its per-token columns, with pi_ref's vocabulary ``vocab`` (the ids the student trains on) and the
+    table's recorded store parameters plus ``teacher_vocab_size``, the teacher's own vocabulary (its table's config:
+    a teacher's own ids, its draws and its entropy's bound are within it); validate reports them and the loader refuses
+    a shard that breaks one."""
     table_rules: Callable[[Any, np.ndarray], list] | None = None
     """``table_rules(table, offsets)``: rules that tie a row's columns together, on a shard's Arrow table with its
     response offsets, as (column, bad rows [rows] bool, message); validate reports them."""

@@ -21,6 +21,7 @@ def _encode(sc, params) -> dict:
 
 def _rules(values, vocab: int | None, params) -> list:
     h = values["entropy"]
+    vocab = params.get("teacher_vocab_size") or vocab  # the teacher's distribution: its own vocabulary
     with np.errstate(invalid="ignore"):
         bad = ~np.isfinite(h) | (h < -ROUNDING)
         if vocab:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from opdcache.backends import engine_for_table
+from opdcache.backends import engine_for_table, make_backend
 from opdcache.errors import ConfigError
 from opdcache.format import shards
 from opdcache.format.cache import Cache
@@ -75,6 +75,9 @@ class AuditConfig:
     device: str = "auto"
     """Where tables not computed with --exact are re-computed: auto (a CUDA GPU when there is one), cpu, cuda, cuda:N.
     An exact table is re-computed where its arithmetic runs (the CPU's, or a CUDA GPU's)."""
+    server: object = None
+    """Teacher tables: an ``EngineConfig`` of the served engine (``--server-url``) to re-score them through, serving
+    the recorded teacher (its identity is checked as score-teacher checks it); default: the in-process reference."""
 
     def __post_init__(self) -> None:
         rows = self.rows
@@ -85,6 +88,9 @@ class AuditConfig:
         object.__setattr__(self, "rows", rows)
         if not self.tolerance >= 0:
             raise ConfigError(f"--tolerance must be >= 0, got {self.tolerance}")
+        if self.server is not None and self.table in ("rollouts", "sft"):
+            raise ConfigError(f"--server-url re-scores teacher tables; the {self.table} table is re-computed in-process: "
+                              "drop --server-url, or pass --table with a teacher table")
 
 
 def _compare(stored: list[np.ndarray], fresh: list[np.ndarray]) -> dict:
@@ -219,11 +225,32 @@ def _audit_base(cache: Cache, name: str, cfg: AuditConfig) -> dict:
     return _judge(rep, dtype, cfg.tolerance, {} if exact else {"ref_logprobs": _spread(fresh["ref_logprobs"], alone)})
 
 
+def _served_engine(cache: Cache, name: str, cfg: AuditConfig):
+    """(entry, record, exact, dtype, the served engine, path) for re-scoring teacher table ``name`` through
+    ``cfg.server``; the table's stores must be ones the server computes (refused in one line, before any request)."""
+    from opdcache import stores as store_registry
+    from opdcache.backends import describe_statistic
+
+    entry = cache.table(name)
+    record = entry.get("model") or {}
+    path = recorded_model(record, cfg.teacher, "--teacher", f"the {name} table")
+    params = cache.params(name)
+    for store in params.stores:
+        missing = cfg.server.capabilities.missing(store_registry.REGISTRY[store].needs) if store in store_registry.REGISTRY else []
+        if missing:
+            raise ConfigError(f"the {name} table holds the {store} store, made from {describe_statistic(missing[0])}, which a "
+                              "served engine does not return: audit it without --server-url (in-process)")
+    return entry, record, False, _recorded_dtype(record), make_backend(path, cfg.server), path
+
+
 def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
     from opdcache.backends.base import ScoreRequest
     from opdcache.teacher.scoring import score_requests, teacher_columns, teacher_records
 
-    entry, record, exact, dtype, backend, path = _recorded_engine(cache, name, cfg.teacher, "--teacher", cfg.device)
+    if cfg.server is not None:
+        entry, record, exact, dtype, backend, path = _served_engine(cache, name, cfg)
+    else:
+        entry, record, exact, dtype, backend, path = _recorded_engine(cache, name, cfg.teacher, "--teacher", cfg.device)
     params = cache.params(name)
     seed = int(entry["config"].get("sample_seed", 0))
     want_hidden = "hidden" in params.stores
@@ -284,7 +311,11 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
             for c in names:
                 alone[c] += shards.row_values(built[c])
     columns = {c: _compare(stored[c], fresh[c]) for c in names}
-    how = ("re-scored in the exact arithmetic" if exact else f"re-scored by the transformers engine in {dtype} on {_where(backend)}") + \
+    if cfg.server is not None:
+        how = f"re-scored through the served engine given (--server-url; {backend.version})"
+    else:
+        how = "re-scored in the exact arithmetic" if exact else f"re-scored by the transformers engine in {dtype} on {_where(backend)}"
+    how = how + \
         ", with the table's store settings and encodings" + (" (pi_ref's text aligned to the teacher's tokens afresh)" if aligned else "")
     rep = {"table": name, "exact_claimed": exact, "dtype": dtype, "how": how, "rows": sum(map(len, picks.values())), "columns": columns}
     spreads = {} if exact else {c: _spread(fresh[c], alone[c]) for c in names if "differing" not in columns[c]}

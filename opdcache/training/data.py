@@ -241,10 +241,11 @@ class CacheDataset(torch.utils.data.IterableDataset):
             columns = [c.name for c in S.columns("teacher", tparams) if c.store in config.stores and c.shape != "row"]
             paths = cache.shard_paths(table)
             self.expected.update(zip(paths, cache.table(table)["shards"]))
+            rule_params = tparams.to_dict() | {"teacher_vocab_size": cache.table(table)["config"].get("vocab_size")}
             if i == 0:
-                self.teacher_cols, self.teacher_paths, self.teacher_params = columns, paths, tparams.to_dict()
+                self.teacher_cols, self.teacher_paths, self.teacher_params = columns, paths, rule_params
             else:
-                self.more.append((f"teacher{i}_", paths, columns, tparams.to_dict()))
+                self.more.append((f"teacher{i}_", paths, columns, rule_params))
         rank, world = _dist()
         self.rank = config.rank if config.rank is not None else rank
         self.world = config.world_size if config.world_size is not None else world
