@@ -78,6 +78,50 @@ def test_the_entropy_store_lives_in_one_file_and_one_registry_line():
     assert registry.count("entropy") == 2  # the import and the registry line
 
 
+TOY_STORE_RUN = """
+import sys
+from opdcache import stores
+import toy_store
+stores.REGISTRY[toy_store.STORE.name] = toy_store.STORE  # the registry line
+from opdcache.cli.main import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_store_added_as_one_file_and_a_registry_line_scores_validates_and_loads(hf_cache, weights, tmp_path):
+    """tests/toy_store.py (a store of a statistic no store kept) is scored, validated, loaded and refused on an engine
+    that does not compute its statistic, with no other file changed."""
+    import os
+    import subprocess
+    import sys
+
+    root = tmp_path / "cache"
+    shutil.copytree(hf_cache, root)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-c", TOY_STORE_RUN, *map(str, args)], capture_output=True, text=True, env=env)
+
+    done = run("score-teacher", root, "--teacher", weights / "teacher", "--store", "logprob,variance", "--name", "var", "--no-progress")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert run("validate", root).returncode == 0
+    import pyarrow.parquet as pq  # this process has no toy store registered: the shard read as plain Parquet
+
+    table = pq.read_table(root / M.load(root)["tables"]["teachers/var"]["shards"][0]["path"])
+    v = table["logprob_variance"].combine_chunks().flatten().to_numpy()
+    assert v.dtype == np.float32 and (v >= 0).all() and v.max() > 0
+    load = subprocess.run([sys.executable, "-c", TOY_STORE_RUN.replace("from opdcache.cli.main import main\nmain(sys.argv[1:])", (
+        "from opdcache.training.data import CacheLoader, CacheLoaderConfig\n"
+        "batch = next(iter(CacheLoader(CacheLoaderConfig(cache=sys.argv[1], teacher='var', stores=('logprob', 'variance'), "
+        "batch_size=4, shuffle=False))))\nprint(sorted(k for k in batch if 'variance' in k))")), str(root)],
+        capture_output=True, text=True, env=env)
+    assert load.returncode == 0 and "teacher_logprob_variance" in load.stdout, load.stdout + load.stderr
+    refused = run("score-teacher", root, "--teacher", weights / "teacher", "--store", "logprob,variance", "--name", "v2",
+                  "--backend", "vllm", "--no-progress")
+    assert refused.returncode == 2 and "--store variance needs Var_p[log p] (statistic variance), which --backend vllm does not compute" in refused.stdout + refused.stderr
+    assert "Traceback" not in refused.stdout + refused.stderr and not (root / "teachers" / "v2").exists()
+
+
 @pytest.fixture(scope="module")
 def entropy_cache(hf_cache, weights, tmp_path_factory):
     from opdcache.teacher.scoring import ScoreJob, run_score
