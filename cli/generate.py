@@ -56,19 +56,22 @@ def _run(kind: str, model: str, o: dict) -> None:
                                                                      cpus_per_worker=o["cpus_per_worker"]), kind)
         written = sorted(i for r in results for i in r.written)
         typer.echo(f"{job.out}: {len(results)} Ray workers wrote shards {written or 'none (all present)'}; cache complete. {results[0].prompts.summary()}")
+        O.save_stage_settings(o["ctx"].params, job.out, kind)
         return
     if o["executor"] != "local":
         from opdcache.errors import ConfigError
 
         raise ConfigError(f"--executor must be local or ray, got {o['executor']!r}")
-    typer.echo(run_generate(job).summary())
+    summary = run_generate(job).summary()
+    O.save_stage_settings(o["ctx"].params, job.out, kind)
+    typer.echo(summary)
 
 
 Out = Annotated[str, typer.Option("--out", help="Cache to write, a directory or a URL such as s3://bucket/prefix (resumed if it holds a partial run).", show_default=False)]
 
 
 def build_sft(
-    teacher: O.TeacherModel, prompts: O.Prompts, out: Out, revision: O.ModelRevision = None,
+    ctx: typer.Context, teacher: O.TeacherModel, prompts: O.Prompts, out: Out, revision: O.ModelRevision = None,
     keep: Annotated[str, O.G.option("keep", state_default=False)] = "all",
     prompt_field: O.PromptField = "prompt", messages_field: O.MessagesField = None, answer_field: O.AnswerField = "answer",
     chat_template: O.ChatTemplate = True, strict: O.Strict = False, limit: O.Limit = None, reward: O.Reward = None, credit_truncated: O.CreditTruncated = False,
@@ -91,7 +94,7 @@ def build_sft(
 
 
 def build_rollouts(
-    model: O.ModelPath, prompts: O.Prompts, out: Out, revision: O.ModelRevision = None,
+    ctx: typer.Context, model: O.ModelPath, prompts: O.Prompts, out: Out, revision: O.ModelRevision = None,
     prompt_field: O.PromptField = "prompt", messages_field: O.MessagesField = None, answer_field: O.AnswerField = "answer",
     chat_template: O.ChatTemplate = True, strict: O.Strict = False, limit: O.Limit = None, reward: O.Reward = None, credit_truncated: O.CreditTruncated = False,
     system_prompt: O.SystemPrompt = None, chat_template_kwargs: O.ChatTemplateKwargs = None, prompt_split: O.PromptSplit = "train",

@@ -217,6 +217,41 @@ def read_config(path: Path, what: str) -> dict:
     return values
 
 
+SECRET_SETTINGS = {"api_key", "token", "hf_token", "password", "secret"}
+"""Settings a printed or saved config never shows."""
+PER_PROCESS_SETTINGS = {"num_workers", "worker_index", "config", "print_config"}
+"""Settings of one process of a job, not of the stage: left out of the settings saved beside a table."""
+
+
+def resolved_settings(params: dict, drop: set = frozenset()) -> str:
+    """A command's resolved parameters (click's ``ctx.params``) as ``--config`` YAML: secrets left out or redacted,
+    paths as text."""
+    import yaml
+
+    def plain(v):
+        return str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v
+
+    shown = {k: ("<redacted>" if v is not None and k in SECRET_SETTINGS else plain(v)) for k, v in params.items() if k not in drop}
+    return yaml.safe_dump(shown, sort_keys=False, default_flow_style=False).rstrip() + "\n"
+
+
+def save_stage_settings(params: dict, cache, *table: str) -> None:
+    """Write a command's resolved settings (its context's ``params``) beside the table it wrote (``STAGE_SETTINGS``),
+    secrets and per-process settings left out, so that ``--config <table>/settings.yaml`` reruns the stage."""
+    import os
+
+    from opdcache import storage
+    from opdcache.format.cache import STAGE_SETTINGS
+
+    def absolute(v):  # a local path the stage read or wrote, from wherever it is rerun
+        if isinstance(v, Path):
+            return v.absolute()
+        return os.path.abspath(v) if isinstance(v, str) and "://" not in v and os.path.exists(v) else v
+
+    storage.write_text_atomic(storage.as_path(cache).joinpath(*table, STAGE_SETTINGS),
+                              resolved_settings({k: absolute(v) for k, v in params.items()}, PER_PROCESS_SETTINGS | SECRET_SETTINGS))
+
+
 def with_config_file(command, argv: list[str]) -> list[str] | None:
     """``argv`` (the arguments after the command's name) with the settings of its ``--config FILE`` put in front, so
     that the flags given override the file, for a command without a ``--config`` of its own; None when ``argv`` holds
@@ -274,13 +309,9 @@ def with_config_file(command, argv: list[str]) -> list[str] | None:
     if not printing:
         return merged
     import typer
-    import yaml
 
     ctx = command.make_context(command.name, merged)
-    secret = {"api_key", "token", "hf_token", "password", "secret"}  # what a printed config must not show
-    resolved = {k: "<redacted>" if v is not None and k in secret else str(v) if isinstance(v, Path) else v
-                for k, v in ctx.params.items()}
-    typer.echo(yaml.safe_dump(resolved, sort_keys=False, default_flow_style=False).rstrip())
+    typer.echo(resolved_settings(ctx.params).rstrip())
     return None
 
 

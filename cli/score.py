@@ -15,6 +15,7 @@ STORE_HELP = "Comma-separated teacher stores: " + "; ".join(store.summary for st
 
 
 def score_teacher(
+    ctx: typer.Context,
     cache: O.CachePath,
     teacher: O.TeacherModel, revision: O.ModelRevision = None,
     store: Annotated[str, typer.Option("--store", help=STORE_HELP)] = "logprob",
@@ -77,6 +78,7 @@ def score_teacher(
         from opdcache.errors import ConfigError
 
         raise ConfigError(f"--executor must be local or ray, got {executor!r}")
+    O.save_stage_settings(ctx.params, job.cache, "teachers", result["slug"])
     c = result["consistency"]
     typer.echo(f"teacher consistency: {c['verdict']} ({c['note']})")
     if result.get("svd"):

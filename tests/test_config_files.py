@@ -94,3 +94,45 @@ def test_the_example_configs_run_the_demos_stages(demo_workdir, tmp_path):
         proc = subprocess.run(["opdcache", *map(str, args)], cwd=here, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, (args[0], proc.stderr[-2000:])
     assert (here / "opdcache-demo" / "runs" / "lightning-again" / "config.json").is_file()
+
+
+def test_a_cache_stage_saves_its_resolved_settings_and_reruns_from_them(weights, opd_prompts, tmp_path, capsys, monkeypatch):
+    """build-rollouts and score-teacher write <table>/settings.yaml in --config form (absolute paths, no secrets, no
+    per-process settings): from another directory it resumes the same job, and with another --out writes the same bytes.
+    A setting missing from an older file takes its flag's default; one that no longer exists is refused naming it."""
+    cache = tmp_path / "c"
+    monkeypatch.chdir(tmp_path)
+    prompts = shutil.copy(opd_prompts, tmp_path / "p.jsonl")
+    code, out, err = _cli(["build-rollouts", "--model", weights / "student", "--prompts", "p.jsonl", "--out", "c",
+                           "--max-new-tokens", "8", "--num-shards", "2", "--limit", "6", "--api-key", "sk-secret",
+                           "--num-workers", "1", "--worker-index", "0", "--no-progress"], capsys)
+    assert code == 0, err
+    saved = yaml.safe_load((cache / "rollouts" / "settings.yaml").read_text())
+    assert saved["prompts"] == str(Path(prompts).absolute()) and saved["out"] == str(cache.absolute())
+    assert saved["max_new_tokens"] == 8 and saved["limit"] == 6 and "api_key" not in saved
+    assert "num_workers" not in saved and "worker_index" not in saved
+    monkeypatch.chdir(Path(__file__).parent)
+    code, out, err = _cli(["build-rollouts", "--config", cache / "rollouts" / "settings.yaml"], capsys)
+    assert code == 0 and "wrote shards none (all present)" in out, out + err
+    code, out, err = _cli(["build-rollouts", "--config", cache / "rollouts" / "settings.yaml", "--out", tmp_path / "again"], capsys)
+    assert code == 0, err
+    assert [p.read_bytes() for p in sorted((cache / "rollouts").glob("part-*"))] == \
+        [p.read_bytes() for p in sorted((tmp_path / "again" / "rollouts").glob("part-*"))]
+    code, out, err = _cli(["score-teacher", cache, "--teacher", weights / "teacher", "--store", "logprob,topk", "--top-k", "3",
+                           "--no-progress"], capsys)
+    assert code == 0, err
+    scored = cache / "teachers" / "teacher" / "settings.yaml"
+    assert yaml.safe_load(scored.read_text())["top_k"] == 3
+    code, out, err = _cli(["score-teacher", "--config", scored], capsys)
+    assert code == 0 and "wrote shards none (all present)" in out, out + err
+    from opdcache.format.validate import validate
+
+    assert not [p for p in validate(cache) if not p.warning]
+    older = yaml.safe_load(scored.read_text())
+    del older["top_k"]  # a file written before a setting existed: the flag's default
+    (tmp_path / "older.yaml").write_text(yaml.safe_dump(older | {"store": "logprob"}))
+    code, out, err = _cli(["score-teacher", "--config", tmp_path / "older.yaml", "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(out)["top_k"] is None
+    (tmp_path / "gone.yaml").write_text(yaml.safe_dump(older | {"retired_setting": 1}))
+    code, out, err = _cli(["score-teacher", "--config", tmp_path / "gone.yaml"], capsys)
+    assert code == 2 and "'retired_setting' names no setting of `opdcache score-teacher`" in err

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 JOB_FILE = "_opdcache_job.json"
+STAGE_SETTINGS = "settings.yaml"
+"""The command's resolved settings beside a table it wrote, in ``--config`` form (the flags' names): rerun the stage
+with ``--config <table>/settings.yaml``. Written by the command line, never read by opdcache unless passed so."""
 
 
 
@@ -157,7 +160,7 @@ class TableJob:
                         and (p.is_file() or (not remote and p.is_symlink()))), key=str)
         ours = [p for p in files if self._written_by_this_job(p)]
         files = [p for p in files if p in ours or p.is_file() or (not remote and p.is_symlink())]
-        side = set(SIDE_FILE_OF_STORE.values())
+        side = set(SIDE_FILE_OF_STORE.values()) | {STAGE_SETTINGS}
         stray = [p.relative_to(self.root).as_posix() for p in files if p not in ours and not (ours and p.name in side)]
         if stray:
             raise ResumeError(f"{self.dir} holds files no job of this table wrote ({', '.join(stray[:3])}"
