@@ -49,22 +49,17 @@ def _run(kind: str, model: str, o: dict) -> None:
                             api_key=o["api_key"]),
         num_workers=o["num_workers"], worker_index=o["worker_index"], progress=o["progress"],
     )
-    if o["executor"] == "ray":
-        from opdcache.teacher.executors import RayConfig, run_on_ray
+    from opdcache.teacher.executors import RayConfig, run_stage
 
-        results = run_on_ray(run_generate, job, RayConfig(workers=o["workers"], address=o["ray_address"], gpus_per_worker=o["gpus_per_worker"],
-                                                                     cpus_per_worker=o["cpus_per_worker"]), kind)
+    ray = RayConfig(workers=o["workers"], address=o["ray_address"], gpus_per_worker=o["gpus_per_worker"],
+                    cpus_per_worker=o["cpus_per_worker"]) if o["executor"] == "ray" else None
+    results = run_stage(run_generate, job, o["executor"], ray, kind)
+    O.save_stage_settings(o["ctx"].params, job.out, kind)
+    if ray is None:
+        typer.echo(results[0].summary())
+    else:
         written = sorted(i for r in results for i in r.written)
         typer.echo(f"{job.out}: {len(results)} Ray workers wrote shards {written or 'none (all present)'}; cache complete. {results[0].prompts.summary()}")
-        O.save_stage_settings(o["ctx"].params, job.out, kind)
-        return
-    if o["executor"] != "local":
-        from opdcache.errors import ConfigError
-
-        raise ConfigError(f"--executor must be local or ray, got {o['executor']!r}")
-    summary = run_generate(job).summary()
-    O.save_stage_settings(o["ctx"].params, job.out, kind)
-    typer.echo(summary)
 
 
 Out = Annotated[str, typer.Option("--out", help="Cache to write, a directory or a URL such as s3://bucket/prefix (resumed if it holds a partial run).", show_default=False)]

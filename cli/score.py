@@ -66,18 +66,11 @@ def score_teacher(
                                        max_batch_tokens=max_batch_tokens, server_url=server_url, server_kind=server_kind,
                                        server_concurrency=server_concurrency, api_key=api_key),
                    num_workers=num_workers, worker_index=worker_index, progress=progress)
-    if executor == "ray":
-        from opdcache.teacher.executors import RayConfig, run_on_ray
+    from opdcache.teacher.executors import RayConfig, run_stage
 
-        results = run_on_ray(run_score, job, RayConfig(workers=workers, address=ray_address, gpus_per_worker=gpus_per_worker, cpus_per_worker=cpus_per_worker),
-                             f"teachers/{job.table_slug}")
-        result = {**results[0], "written": sorted(i for r in results for i in r["written"]), "finished": True}
-    elif executor == "local":
-        result = run_score(job)
-    else:
-        from opdcache.errors import ConfigError
-
-        raise ConfigError(f"--executor must be local or ray, got {executor!r}")
+    ray = RayConfig(workers=workers, address=ray_address, gpus_per_worker=gpus_per_worker, cpus_per_worker=cpus_per_worker) if executor == "ray" else None
+    results = run_stage(run_score, job, executor, ray, f"teachers/{job.table_slug}")
+    result = results[0] if ray is None else {**results[0], "written": sorted(i for r in results for i in r["written"]), "finished": True}
     O.save_stage_settings(ctx.params, job.cache, "teachers", result["slug"])
     c = result["consistency"]
     typer.echo(f"teacher consistency: {c['verdict']} ({c['note']})")

@@ -296,3 +296,14 @@ def test_served_engine_mistakes_are_one_line_before_any_model_loads(tmp_path, hf
     assert line.startswith(f"error: --server-url http://127.0.0.1:{port}: /get_model_info did not answer (") and "pw" not in line
     assert line.endswith("start the server, or check the URL and port"), line
     assert not (hf_cache / "teachers" / "served").exists()
+
+
+def test_an_unknown_executor_is_one_line_for_every_sharded_stage(weights, tmp_path, capsys):
+    from cli_helpers import cli, one_line
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1 + 1 ="}\n')
+    code, out = cli(["build-rollouts", "--model", weights / "student", "--prompts", prompts, "--out", tmp_path / "c",
+                     "--executor", "slurm", "--no-progress"], capsys)
+    assert code == 2 and "--executor must be one of local, ray, got 'slurm'" in one_line(out)
+    assert not (tmp_path / "c").exists()

@@ -80,3 +80,13 @@ def run_on_ray(stage: Callable, job, ray_config: RayConfig, table: str) -> list:
         raise ConfigError(f"{table}: shards {missing} are still missing after every Ray worker returned; rerun to resume")
     finalize_table(done)
     return results
+
+
+def run_stage(stage: Callable, job, executor: str, ray_config: RayConfig | None, table: str) -> list:
+    """``stage(job)`` on ``executor``: in this process (one result), or as Ray tasks with ``ray_config``, the
+    driver finalizing ``table`` (each task's result). One line for an executor that is neither."""
+    if executor == "local":
+        return [stage(job)]
+    if executor == "ray":
+        return run_on_ray(stage, job, ray_config or RayConfig(), table)
+    raise ConfigError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
