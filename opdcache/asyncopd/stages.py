@@ -139,7 +139,7 @@ def rollout_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
 def teacher_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
     """Score every rollout batch as soon as it lands; return the batches written."""
     from opdcache.inputs.lineage import check_same_tokenizer, model_info
-    from opdcache.teacher.scoring import consistency_verdict, score_requests, teacher_columns, teacher_records
+    from opdcache.teacher.scoring import consistency_verdict, score_requests, teacher_columns, teacher_records, teacher_table_config
 
     root = storage.as_path(cfg.cache_root)
     waiter.for_file(root / "rollouts" / JOB_FILE, "the rollout worker's job record")
@@ -153,8 +153,7 @@ def teacher_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
     info = model_info(ref, **backend.model_info())
     # online OPD needs no teacher consistency (papers/000's assumption is for the offline cache); the verdict is recorded
     verdict = consistency_verdict(rollouts.meta.get("lineage") or {}, info, allow=True)
-    config = {"teacher": info["fingerprint"], "engine": engine.fingerprint_view() | {"engine_version": backend.version},
-              "deterministic": engine.deterministic, "vocab_size": backend.vocab_size, "svd_method": None}
+    config = teacher_table_config(info, engine, backend)  # the stores online OPD scores have no settings of their own
     job = TableJob(root, f"teachers/{teacher_slug(cfg)}", "teacher", params, config, cfg.learner.steps,
                    parent_fingerprint=rollouts.fingerprint, meta={"model": info, "consistency": verdict})
     job.begin()

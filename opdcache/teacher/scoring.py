@@ -256,6 +256,19 @@ def _cross_plan(job: ScoreJob, cache: Cache, ref):
     return crossteacher.prepare(cache, job.prompts, tokenizer, ref.name, fingerprint)
 
 
+def teacher_table_config(info: dict, engine: EngineConfig, backend, enabled=(), job=None) -> dict:
+    """What a teacher table's config fingerprint covers: the teacher (``info``: its model record), the engine's
+    settings that change numbers and its version, the vocabulary, every store's default entries and the enabled
+    stores' own settings (``enabled``: their specs, read from ``job``)."""
+    config = {"teacher": info["fingerprint"], "engine": engine.fingerprint_view() | {"engine_version": backend.version},
+              "deterministic": engine.deterministic, "vocab_size": backend.vocab_size}
+    for store in store_registry.REGISTRY.values():
+        config.update(store.config_default)
+    for store in enabled:
+        config.update(store.config(job))
+    return config
+
+
 def run_score(job: ScoreJob) -> dict:
     """Run (or resume) score-teacher; return the verdict and what was written."""
     cache = Cache(job.cache)
@@ -301,12 +314,7 @@ def run_score(job: ScoreJob) -> dict:
         logsumexp=None if "logsumexp" in engine.capabilities.statistics else False,  # a served teacher: no log-partition returned
         **store_fields)
     slug = job.table_slug
-    config = {"teacher": info["fingerprint"], "engine": engine.fingerprint_view() | {"engine_version": backend.version},
-              "deterministic": engine.deterministic, "vocab_size": backend.vocab_size}
-    for store in store_registry.REGISTRY.values():
-        config.update(store.config_default)
-    for store in enabled:
-        config.update(store.config(job))
+    config = teacher_table_config(info, engine, backend, enabled, job)
     if plan is not None:
         config["teacher_tokenizer"] = plan.fingerprint
     table = TableJob(cache.root, f"teachers/{slug}", "teacher", params, config, len(base_entry["shards"]),
