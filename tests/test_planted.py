@@ -7,10 +7,17 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 
-from cli_helpers import cli as _cli, one_line as _one_line
+from capped import run as _capped
+from cli_helpers import cli as _in_process, one_line as _one_line
 from opdcache.format import manifest as M
 
 pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), beside the other hostile suites
+
+
+def _cli(args, capsys=None):
+    """(exit code, output) of the CLI on ``args`` in the hostile suites' capped child (tests/capped.py: address space
+    capped, peak memory checked), as a probe of this round runs."""
+    return _capped(args)
 
 
 
@@ -65,7 +72,8 @@ def test_a_shard_of_another_run_beside_a_partial_job_is_refused(cache, weights, 
         return real(self, index, table)
 
     monkeypatch.setattr(C.TableJob, "write_table", stop_after_one)
-    code, _ = _score(cache, weights, "partial", capsys)
+    code, _ = _in_process(["score-teacher", cache, "--teacher", weights / "teacher", "--store", "logprob", "--name", "partial",
+                           "--no-progress"], capsys)  # the patch lives in this process
     assert code == 130
     monkeypatch.setattr(C.TableJob, "write_table", real)
     existing = next(t for t in M.load(cache)["tables"] if t.startswith("teachers/") and t != "teachers/partial")

@@ -11,10 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cli_helpers import cli as _cli, one_line as _one_line
+from capped import run as _capped
+from cli_helpers import cli as _in_process, one_line as _one_line
 from opdcache.training.train import TrainConfig, run_train
 
 pytestmark = pytest.mark.slow  # run by .ci/run (pytest -m slow), beside the other hostile suites
+
+
+def _cli(args, capsys=None):
+    """(exit code, output) of the CLI on ``args`` in the hostile suites' capped child (tests/capped.py: address space
+    capped, peak memory checked), as a probe of this round runs."""
+    return _capped(args)
 
 
 
@@ -263,7 +270,7 @@ def test_a_disk_full_during_the_checkpoint_save_is_one_line_and_leaves_no_half_w
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     out = tmp_path / "run"
-    code, text = _cli(_args(weights, hf_cache, out), capsys)
+    code, text = _in_process(_args(weights, hf_cache, out), capsys)  # the patch lives in this process
     line = _one_line(text)
     assert code == 1 and line.startswith("error: storage: OSError: writing the checkpoint into") and "No space left" in line, line
     assert "free disk space" in line
