@@ -275,3 +275,36 @@ def test_a_disk_full_during_the_checkpoint_save_is_one_line_and_leaves_no_half_w
     assert code == 1 and line.startswith("error: storage: OSError: writing the checkpoint into") and "No space left" in line, line
     assert "free disk space" in line
     assert not [p for p in out.iterdir() if p.name.startswith(".checkpoint.")]
+
+
+def _strace_works() -> bool:
+    import subprocess
+
+    try:
+        return subprocess.run(["strace", "-qq", "-e", "trace=openat", "-o", os.devnull, "true"], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _strace_works(), reason="needs strace, allowed to trace its child (ptrace)")
+@pytest.mark.parametrize("name", ["model", "checkpoint", "metrics.jsonl", ".checkpoint.tmp-4242"])
+def test_under_strace_train_opens_nothing_through_a_planted_link(hf_cache, weights, tmp_path, outside, name):
+    """Every file system call of the whole process tree (strace -f): none names a path through the planted link or in
+    the folder it points to, and the run is refused (exit 2) before the student loads."""
+    import re
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).symlink_to(outside)
+    log = tmp_path / "strace.log"
+    calls = "trace=open,openat,creat,mkdir,mkdirat,rename,renameat,renameat2,unlink,unlinkat,symlink,symlinkat,link,linkat,truncate"
+    done = subprocess.run(["strace", "-f", "-qq", "-e", calls, "-o", str(log), sys.executable, "-m", "opdcache.cli.main",
+                           *map(str, _args(weights, hf_cache, out))], capture_output=True, text=True,
+                          env={**os.environ, "OPDCACHE_PROGRESS": "0"})
+    assert done.returncode == 2 and f"{out / name} is a link" in done.stderr, done.stderr[-2000:]
+    paths = re.findall(r'"((?:[^"\\]|\\.)*)"', log.read_text())
+    through = [p for p in paths if p.startswith((str(out / name) + "/", str(outside)))]
+    assert paths and not through, through[:5]
+    _untouched(outside)
