@@ -14,6 +14,7 @@ from opdcache.training.estimators import ESTIMATORS
 
 T = O.Fields("opdcache.training.trainconfig", "TrainConfig")
 C = O.Fields("opdcache.training.losses", "Corrections")
+SFT = O.Fields("opdcache.training.sft", "SFTConfig")
 CORRECTIONS = ("tis_cap", "reject_k", "reject_threshold", "trust_band", "band_low", "band_high", "dual_clip", "band_cap")
 """The Corrections fields (every one) that train's flags set."""
 REQUIRED = "Required (here or in --config)."
@@ -29,6 +30,8 @@ def sft(
     warmup: Annotated[int, typer.Option("--warmup", help="Linear warm-up steps (default 0).")] = 20,
     only_correct: Annotated[bool, typer.Option("--only-correct", help="Train only on trajectories with reward 1.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a model already in --out.")] = False,
+    weight_decay: Annotated[float, SFT.option("weight_decay")] = 0.0,
+    label_smoothing: Annotated[float, SFT.option("label_smoothing")] = 0.0,
     seed: O.Seed = 0, progress: O.Progress = None,
 ) -> None:
     """Supervised fine-tuning on teacher trajectories; the output records its SFT teacher (lineage).
@@ -38,7 +41,8 @@ def sft(
     O.announce_threads()
     from opdcache.training.sft import SFTConfig, run_sft
 
-    result = run_sft(model, data, out, SFTConfig(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed), only_correct,
+    result = run_sft(model, data, out, SFTConfig(steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed,
+                                                  weight_decay=weight_decay, label_smoothing=label_smoothing), only_correct,
                      progress, overwrite)
     if result.get("already_done"):
         typer.echo(f"{result['out']}: already fine-tuned from this model on this data with these settings (its lineage says so); nothing to do")

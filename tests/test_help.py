@@ -224,6 +224,16 @@ STAGE_FILE_ONLY = {
                                     "svd_seed": "library only (ScoreJob): the svd calibration draw's seed, whose default every table so far used",
                                     "finalize": "the Ray driver's: its workers leave the manifest to it",
                                     "prepare_only": "the Ray driver's: side files before the workers start"},
+    ("build-sft", "GenerateJob"): {"model": "the flag --teacher (the model that samples is the SFT teacher)",
+                                   "kind": "the command is the kind (build-sft or build-rollouts)",
+                                   "sampling": "a nested setting: its fields are flags", "engine": "a nested setting: its fields are flags",
+                                   "sft_teacher": "build-rollouts' (the rollouts' SFT lineage); an SFT cache's teacher is --teacher",
+                                   "finalize": "the Ray driver's: its workers leave the manifest to it"},
+    ("audit", "AuditConfig"): {"server": "a nested setting: the flags --server-url, --server-kind, --api-key"},
+    ("eval", "EvalJob"): {"sampling": "a nested setting: its fields are flags", "engine": "a nested setting: its fields are flags",
+                          "examples": "library only: how many judged responses the report keeps (the CLI's report prints 3)"},
+    ("sft", "SFTConfig"): {},
+    ("plan", "PlanConfig"): {"students": "the flag --student, repeatable"},
 }
 """Each stage's settings dataclass fields that are no flag of its command, each with its reason."""
 
@@ -234,12 +244,14 @@ def test_every_stage_setting_is_a_flag_or_listed_with_a_reason(command, config):
     import importlib
 
     module = {"AsyncConfig": "opdcache.asyncopd.config", "GenerateJob": "opdcache.teacher.rollouts",
-              "ScoreJob": "opdcache.teacher.scoring"}[config]
+              "ScoreJob": "opdcache.teacher.scoring", "AuditConfig": "opdcache.teacher.audit",
+              "EvalJob": "opdcache.evaluation.evaluate", "SFTConfig": "opdcache.training.sft", "PlanConfig": "opdcache.teacher.plan"}[config]
     cls = getattr(importlib.import_module(module), config)
     flags = {p.name for p in COMMAND.commands[command].params}
     listed = STAGE_FILE_ONLY[(command, config)]
     assert [f.name for f in dataclasses.fields(cls) if f.name not in flags and f.name not in listed] == []
     assert set(listed) <= {f.name for f in dataclasses.fields(cls)} and all(listed.values())
+    assert not set(listed) & flags  # a listed setting is not a flag after all: the list is stale
     if config == "AsyncConfig":
         from opdcache.asyncopd.config import LEARNER_SETTINGS
 
