@@ -378,14 +378,15 @@ def _check_against_topk(file: str, column: str, sampled: np.ndarray, sampled_lp:
 
 
 def _check_store_rules(file: str, table: pa.Table, params: S.StoreParams, offsets: np.ndarray, vocab: int | None,
-                       teacher_vocab: int | None, out: _Collector) -> None:
+                       out: _Collector, teacher_vocab: int | None = None) -> None:
     """The row rules each store declares (opdcache/stores/; the loader refuses the same rows), on decoded values: ids
-    of pi_ref's within ``vocab``, the teacher's own within ``teacher_vocab`` (its table's recorded vocabulary)."""
+    of pi_ref's within ``vocab``, the teacher's own within ``teacher_vocab`` (its table's recorded vocabulary; default
+    ``vocab``, as for a teacher of pi_ref's tokenizer)."""
     for store in (s for s in REGISTRY.values() if s.name in params.stores):  # its columns this table's parameters hold
         per_token = [c.name for c in S.columns("teacher", params) if c.store == store.name and c.shape != "row"]
         if store.rules is not None and all(n in table.column_names for n in per_token):
             values = {n: decode_logprobs(shards.token_values(table[n]), table.schema.field(n)) for n in per_token}
-            rule_params = params.to_dict() | {"teacher_vocab_size": teacher_vocab}
+            rule_params = params.to_dict() | {"teacher_vocab_size": teacher_vocab or vocab}
             _report(file, offsets, [v for v in store.rules(values, vocab, rule_params) if v[1] is not None], out)
         for column, bad_rows, message in (store.table_rules(table, offsets) if store.table_rules else []):
             out.rows(file, column, np.flatnonzero(bad_rows), message)
@@ -465,7 +466,7 @@ def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, par
         _check_topk(file, "topk", ids_k, lps_k, offsets, vocab, out, tail, tol=tol, order=order)
         _check_against_topk(file, "logprobs", response, logprobs, ids_k, lps_k, offsets, out, rel_tol=2.0 ** -10 if half else 0.0,
                             prob_tol=S.PROB14_STEP / 2 + 1e-6 if order == "ids" else None)
-    _check_store_rules(file, table, params, offsets, vocab if params.same_tokenizer else student_vocab, vocab, out)
+    _check_store_rules(file, table, params, offsets, vocab if params.same_tokenizer else student_vocab, out, vocab)
     for name in ("ref_topk_logprobs", "mc_logprobs"):
         if name in table.column_names:
             _check_logprobs(file, name, shards.token_values(table[name]), offsets, out)
