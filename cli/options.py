@@ -221,6 +221,8 @@ SECRET_SETTINGS = {"api_key", "token", "hf_token", "password", "secret"}
 """Settings a printed or saved config never shows."""
 PER_PROCESS_SETTINGS = {"num_workers", "worker_index", "config", "print_config"}
 """Settings of one process of a job, not of the stage: left out of the settings saved beside a table."""
+PATH_SETTINGS = {"model", "teacher", "prompts", "out", "cache", "sft_teacher"}
+"""Settings that name a local path or a Hub id / URL: saved as absolute paths where they name a local one."""
 
 
 def resolved_settings(params: dict, drop: set = frozenset()) -> str:
@@ -243,13 +245,12 @@ def save_stage_settings(params: dict, cache, *table: str) -> None:
     from opdcache import storage
     from opdcache.format.cache import STAGE_SETTINGS
 
-    def absolute(v):  # a local path the stage read or wrote, from wherever it is rerun
-        if isinstance(v, Path):
-            return v.absolute()
-        return os.path.abspath(v) if isinstance(v, str) and "://" not in v and os.path.exists(v) else v
+    def absolute(v):  # a local path the stage read or wrote, from wherever it is rerun (a Hub id or URL stays)
+        return os.path.abspath(v) if isinstance(v, (str, Path)) and "://" not in str(v) and os.path.exists(v) else v
 
+    params = {k: absolute(v) if k in PATH_SETTINGS else v for k, v in params.items()}
     storage.write_text_atomic(storage.as_path(cache).joinpath(*table, STAGE_SETTINGS),
-                              resolved_settings({k: absolute(v) for k, v in params.items()}, PER_PROCESS_SETTINGS | SECRET_SETTINGS))
+                              resolved_settings(params, PER_PROCESS_SETTINGS | SECRET_SETTINGS))
 
 
 def with_config_file(command, argv: list[str]) -> list[str] | None:

@@ -40,10 +40,10 @@ def reference_engine() -> str:
 
 
 def describe_statistic(name: str) -> str:
-    """A statistic in words, for a message: "the full distribution's entropy -E_p[log p] (statistic entropy)"."""
+    """A statistic in words, for a message: "the teacher's full-distribution entropy -E_p[log p] (statistic entropy)"."""
     from opdcache.backends.base import STATISTICS
 
-    return f"{STATISTICS[name].doc.split('] ', 1)[-1]} (statistic {name})"
+    return f"{STATISTICS[name].doc} (statistic {name})"
 
 
 def engines_computing(names) -> list[str]:

@@ -55,11 +55,14 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class Statistic:
-    """One per-position number (or vector) an engine computes for a scored sequence, at temperature 1, aligned with
-    the response ids. Stores ask for statistics by name (``Store.needs``); engines say which they compute
-    (``Capabilities.statistics``); :class:`Scores` carries them by name."""
+    """One per-position number (or vector) an engine computes for a scored sequence: at every response position t,
+    from the scoring model's next-token distribution p there at temperature 1, aligned with the response ids. Stores ask
+    for statistics by name (``Store.needs``); engines say which they compute (``Capabilities.statistics``);
+    :class:`Scores` carries them by name."""
 
     name: str
+    shape: str
+    """Its shape for a sequence of T response tokens ([T], [T, k], ...)."""
     doc: str
     kind: str
     """How an engine's flat values become a sequence's: "logprob" (float32, clamped at 0: rounding can leave +1e-7),
@@ -68,21 +71,24 @@ class Statistic:
     """What an engine needs to compute it: "logits" (any scorer), "full_distribution" (the whole next-token
     distribution at every position), "hidden_states" (the final post-norm hidden state), "candidates" (log-probs at
     given ids), "log_partition" (the logsumexp, which a served engine does not return)."""
+    on_reference: bool = False
+    """A store made from it alone is scored on the reference engine when the chosen one does not compute it (with a
+    note), instead of being refused."""
 
 
 STATISTICS: dict[str, Statistic] = {s.name: s for s in (
-    Statistic("logprobs", "[T] log p(a_t): the scored token's log-prob", "logprob", "logits"),
-    Statistic("logsumexp", "[T] the log-partition of the logits", "float32", "log_partition"),
-    Statistic("topk_ids", "[T, k] the k most likely ids, most likely first", "ids", "logits"),
-    Statistic("topk_logprobs", "[T, k] their log-probs", "logprob", "logits"),
-    Statistic("ref_topk_logprobs", "[T, k_ref] log-probs at ScoreRequest.ref_topk_ids", "logprob", "candidates"),
-    Statistic("mc_logprobs", "[T, m] log-probs at ScoreRequest.mc_ids", "logprob", "candidates"),
-    Statistic("sampled_ids", "[T, D] draws from p for ScoreRequest.uniforms, in their order", "ids", "full_distribution"),
-    Statistic("sampled_logprobs", "[T, D] their log-probs", "logprob", "full_distribution"),
-    Statistic("entropy", "[T] the teacher's full-distribution entropy -E_p[log p]", "float64", "full_distribution"),
-    Statistic("variance", "[T] Var_p[log p]", "float64", "full_distribution"),
-    Statistic("rounding_kl", "[T] KL(p || p from the hidden states rounded to the stored dtype)", "float64", "full_distribution"),
-    Statistic("hidden", "[T, H] the final post-norm hidden states", "tensor", "hidden_states"),
+    Statistic("logprobs", "[T]", "log p(a_t), the scored token's log-prob", "logprob", "logits"),
+    Statistic("logsumexp", "[T]", "the log-partition log sum_v exp(z_v) of the logits", "float32", "log_partition"),
+    Statistic("topk_ids", "[T, k]", "the k most likely ids under p, most likely first", "ids", "logits"),
+    Statistic("topk_logprobs", "[T, k]", "the log-probs of the k most likely ids", "logprob", "logits"),
+    Statistic("ref_topk_logprobs", "[T, k_ref]", "log p at ScoreRequest.ref_topk_ids (pi_ref's top-k)", "logprob", "candidates"),
+    Statistic("mc_logprobs", "[T, m]", "log p at ScoreRequest.mc_ids (the rollouts' MC draws)", "logprob", "candidates"),
+    Statistic("sampled_ids", "[T, D]", "D draws from p for ScoreRequest.uniforms, in their order", "ids", "full_distribution"),
+    Statistic("sampled_logprobs", "[T, D]", "log p of those draws", "logprob", "full_distribution"),
+    Statistic("entropy", "[T]", "the teacher's full-distribution entropy -E_p[log p]", "float64", "full_distribution"),
+    Statistic("variance", "[T]", "Var_p[log p]", "float64", "full_distribution"),
+    Statistic("rounding_kl", "[T]", "KL(p || p from the hidden states rounded to the stored dtype)", "float64", "full_distribution"),
+    Statistic("hidden", "[T, H]", "the final post-norm hidden states", "tensor", "hidden_states", on_reference=True),
 )}
 """Every statistic an engine can be asked for, by name: a store needing a new one adds it here and to the engines that
 compute it (one place each: where their per-position values are collected)."""
@@ -127,21 +133,6 @@ class Capabilities:
         """Those of the statistics ``names`` it does not compute, in order."""
         return [n for n in names if n not in self.statistics]
 
-    @property
-    def full_distribution(self) -> bool:
-        """It streams the whole next-token distribution (its entropy, draws from it)."""
-        return not self.missing(n for n, s in STATISTICS.items() if s.source == "full_distribution" and n != "rounding_kl")
-
-    @property
-    def hidden_states(self) -> bool:
-        """It returns the final post-norm hidden states."""
-        return "hidden" in self.statistics
-
-    @property
-    def log_partition(self) -> bool:
-        """It returns the log-partition (the logsumexp column; a table without it says so)."""
-        return "logsumexp" in self.statistics
-
 
 def statistics(*sources: str, but: tuple[str, ...] = ()) -> frozenset[str]:
     """The statistics whose source is one of ``sources`` ("logits", "log_partition", "candidates",
@@ -179,8 +170,8 @@ class ScoreRequest:
 
 
 class Scores:
-    """Scorer values for one sequence, by statistic name (:data:`STATISTICS`): ``scores.logprobs``,
-    ``scores["topk_ids"]``; a statistic the engine did not compute reads None."""
+    """Scorer values for one sequence, by statistic name (:data:`STATISTICS`): ``scores.logprobs``; a statistic the
+    engine did not compute reads None (and ``name in scores`` is False)."""
 
     __slots__ = ("_values",)
 
@@ -203,15 +194,8 @@ class Scores:
         else:
             self._values[name] = value
 
-    def __getitem__(self, name: str):
-        return self._values[name]
-
     def __contains__(self, name: str) -> bool:
         return name in self._values
-
-    def names(self) -> frozenset[str]:
-        """The statistics this sequence carries."""
-        return frozenset(self._values)
 
     def __repr__(self) -> str:
         return "Scores(" + ", ".join(sorted(self._values)) + ")"

@@ -158,7 +158,7 @@ class TableJob:
         # removed since the listing is another worker's finished write, looked at again when that worker's name shows
         files = sorted((p for p in self.dir.rglob("*") if not shards.is_temporary(p)
                         and (p.is_file() or (not remote and p.is_symlink()))), key=str)
-        ours = [p for p in files if self._written_by_this_job(p)]
+        ours = {p for p in files if self._written_by_this_job(p)}
         files = [p for p in files if p in ours or p.is_file() or (not remote and p.is_symlink())]
         side = set(SIDE_FILE_OF_STORE.values()) | {STAGE_SETTINGS}
         stray = [p.relative_to(self.root).as_posix() for p in files if p not in ours and not (ours and p.name in side)]

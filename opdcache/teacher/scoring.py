@@ -18,7 +18,7 @@ from pathlib import Path
 
 from opdcache import stores as store_registry, threads
 from opdcache.backends import EngineConfig, describe_statistic, engines_computing, make_backend
-from opdcache.backends.base import ScoreRequest
+from opdcache.backends.base import STATISTICS, ScoreRequest
 from opdcache.stores.base import Preparation
 from opdcache.errors import ConfigError, ConsistencyError, SchemaError
 from opdcache.format import schema as S, shards
@@ -113,9 +113,8 @@ class ScoreJob:
         caps = self.engine.capabilities
         if not caps.scores:
             raise ConfigError(f"--backend {self.engine.backend} does not score given tokens; score with another engine")
-        for name in stores:  # a store made from the hidden states alone is scored on the reference engine instead
-            needs = store_registry.REGISTRY[name].needs
-            missing = caps.missing(needs) if caps.missing(needs) != ["hidden"] else []
+        for name in stores:  # what the reference engine computes in its stead is not missing (run_score hands it over)
+            missing = [n for n in caps.missing(store_registry.REGISTRY[name].needs) if not STATISTICS[n].on_reference]
             if missing:
                 raise ConfigError(f"--store {name} needs {describe_statistic(missing[0])}, which --backend "
                                   f"{self.engine.backend} does not compute: score this table with an engine that does "
@@ -286,12 +285,14 @@ def run_score(job: ScoreJob) -> dict:
     plan = _cross_plan(job, cache, ref)
     teacher_fp_info = model_info(ref)
     verdict = consistency_verdict(cache.manifest["lineage"], teacher_fp_info, job.allow_inconsistent_teacher)
-    from_hidden = [name for name in job.stores if "hidden" in store_registry.REGISTRY[name].needs]
-    want_hidden = bool(from_hidden)
+    want_hidden = any("hidden" in store.needs for store in enabled)  # score()'s hidden argument
+    handed = {name: [n for n in store_registry.REGISTRY[name].needs if STATISTICS[n].on_reference] for name in job.stores}
+    handed = {name: needs for name, needs in handed.items() if needs}
     engine = job.engine
-    if want_hidden:
-        plural = len(from_hidden) > 1
-        engine, note = engine.with_statistics(("hidden",), f"the {'/'.join(from_hidden)} store{'s are' if plural else ' is'} scored")
+    if handed:
+        plural = len(handed) > 1
+        engine, note = engine.with_statistics(sorted({n for needs in handed.values() for n in needs}),
+                                              f"the {'/'.join(handed)} store{'s are' if plural else ' is'} scored")
         if note:
             print(note)
     limit = engine.capabilities.candidate_logprobs_vocab
