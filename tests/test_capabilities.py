@@ -19,7 +19,7 @@ def test_every_engine_declares_its_capabilities_and_one_is_the_reference():
     assert reference_engine() == "transformers"
     assert sum(capabilities(name).reference for name in ENGINES) == 1
     assert capabilities("exact").exact_arithmetic and not capabilities("exact").batch_size_changes_bits
-    assert not capabilities("vllm").hidden_states and capabilities("vllm").max_temperature == 2.0
+    assert "hidden" not in capabilities("vllm").statistics and capabilities("vllm").max_temperature == 2.0
 
 
 def test_stores_ask_for_statistics_engines_declare_and_scores_carry_them_by_name():
@@ -35,14 +35,15 @@ def test_stores_ask_for_statistics_engines_declare_and_scores_carry_them_by_name
         assert capabilities(name).statistics <= set(STATISTICS) and "logprobs" in capabilities(name).statistics, name
     assert capabilities("transformers").statistics == set(STATISTICS)
     assert capabilities("server").missing(("logprobs", "logsumexp", "entropy")) == ["logsumexp", "entropy"]
-    assert not capabilities("server").full_distribution and capabilities("exact").full_distribution
+    assert capabilities("server").missing(("sampled_ids", "variance")) == ["sampled_ids", "variance"]
+    assert capabilities("exact").missing(("sampled_ids", "variance", "hidden", "rounding_kl")) == ["rounding_kl"]
     # an engine's flat values become each sequence's, finished by the statistic's kind
     cat = {"logprobs": torch.tensor([-1.0, 1e-7, -2.0]), "topk_ids": torch.tensor([[3, 1], [2, 0], [1, 4]]),
            "entropy": torch.tensor([0.5, 0.25, 1.0], dtype=torch.float32), "hidden": torch.ones(3, 2, dtype=torch.bfloat16)}
     first, second = split_scores(cat, [2, 1])
     assert first.logprobs.tolist() == [-1.0, 0.0] and first.topk_ids.dtype == np.int32 and first.entropy.dtype == np.float64
     assert second.hidden.dtype == torch.bfloat16 and second.hidden.shape == (1, 2)
-    assert first.logsumexp is None and "logsumexp" not in first and first.names() == {"logprobs", "topk_ids", "entropy", "hidden"}
+    assert first.logsumexp is None and "logsumexp" not in first and {n for n in STATISTICS if n in first} == {"logprobs", "topk_ids", "entropy", "hidden"}
     with pytest.raises(TypeError, match="unknown statistics \\['lp'\\]; add them to opdcache.backends.base.STATISTICS"):
         Scores(lp=np.zeros(2))
     with pytest.raises(KeyError):
