@@ -29,7 +29,7 @@ import torch
 
 from opdcache.backends import EngineConfig
 from opdcache.backends.base import SamplingConfig
-from opdcache.demo.evaluate import evaluate_accuracy, reverse_kl_to_teacher
+from opdcache.demo.evaluate import evaluate_prompts
 from opdcache.demo.pipeline import DemoConfig, DemoReport, load, setup as demo_setup, sft_stages
 from opdcache.inputs.prompts import PromptConfig
 from opdcache.teacher.rollouts import GenerateJob, run_generate
@@ -188,8 +188,8 @@ def main() -> None:
     for name, path in (("pi_ref (start)", pi_ref), ("Lightning OPD", args.workdir / "runs" / "lightning" / "model"),
                        ("standard OPD (--online)", args.workdir / "runs" / "online" / "model")):
         model, tok = load(path)
-        print(f"{name:<32} {evaluate_accuracy(model, tok, n=cfg.n_heldout, seed=cfg.seed).accuracy:>17.1%} "
-              f"{reverse_kl_to_teacher(model, teacher, tok, n=200, seed=cfg.seed):>11.4f}")
+        r = evaluate_prompts(model, tok, paths["prompts_heldout"], teacher, kl_prompts=200)
+        print(f"{name:<32} {r.accuracy:>17.1%} {r.reverse_kl:>11.4f}")
 
 
 if __name__ == "__main__":

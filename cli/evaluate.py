@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -24,6 +24,10 @@ def eval_(
     backend: O.Backend = "transformers", dtype: O.Dtype = "auto", device: O.Device = "auto",
     tensor_parallel_size: O.TensorParallel = 1, gpu_memory_utilization: O.GpuMemory = 0.85, batch_size: O.GenerateBatch = 64,
     server_url: O.ServerUrl = None, server_kind: O.ServerKind = "auto", server_concurrency: O.ServerConcurrency = None, api_key: O.ApiKey = None,
+    teacher: Annotated[Optional[str], typer.Option("--teacher", help="Also the mean per-token reverse KL(model || teacher), exact over "
+                                                  "the vocabulary at temperature 1, at every position of the responses: a "
+                                                  "folder or Hub id with the model's vocabulary. Memory: after the engine "
+                                                  "closes, both models and one sequence's hidden states a side. Default: none.", show_default=False)] = None,
     as_json: O.JsonOut = False,
 ) -> None:
     """A model's held-out accuracy and pass@k on prompts with answers, judged by a verifier, through the engines
@@ -38,7 +42,7 @@ def eval_(
     from opdcache.inputs.prompts import PromptConfig
 
     job = EvalJob(
-        model=model, reward=reward,
+        model=model, reward=reward, teacher=teacher,
         prompts=PromptConfig(prompts, prompt_field=prompt_field, messages_field=messages_field, answer_field=answer_field,
                              system_prompt=system_prompt, split=prompt_split, chat_template=chat_template, strict=strict, limit=limit),
         sampling=SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, samples=samples, seed=seed),
@@ -52,7 +56,9 @@ def eval_(
     how = "greedy" if temperature == 0 else f"{samples} samples a prompt at temperature {temperature}, seed {seed}"
     passes = ", ".join(f"pass@{k} {v:.1%}" for k, v in report["pass_at"].items())
     typer.echo(f"{report['model']}: accuracy {report['accuracy']:.1%} on {report['prompts']} prompts ({how}; {passes}); "
-               f"mean response {report['mean_response_tokens']:.1f} tokens, {report['truncated_share']:.1%} cut at --max-new-tokens")
+               f"mean response {report['mean_response_tokens']:.1f} tokens, {report['truncated_share']:.1%} cut at --max-new-tokens"
+               + (f"; reverse KL to {report['teacher']} {report['reverse_kl_to_teacher']:.4f} nats a token over "
+                  f"{report['kl_tokens']} tokens" if teacher is not None else ""))
 
 
 def register(app: typer.Typer) -> None:

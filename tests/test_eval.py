@@ -1,5 +1,5 @@
-"""`opdcache eval`: accuracy and pass@k with a verifier through build-rollouts' engines, checked against the demo's
-own greedy evaluation (model.generate, a plain reference) and against the pass@k estimator's definition."""
+"""`opdcache eval`: accuracy and pass@k with a verifier through build-rollouts' engines, checked against a plain
+model.generate judged by the task, the pass@k estimator's definition, and (--teacher) a float64 reverse KL."""
 
 import itertools
 import json
@@ -34,18 +34,109 @@ def heldout(tmp_path_factory):
     return write_prompts(tmp_path_factory.mktemp("eval") / "heldout.jsonl", "heldout", 24)
 
 
+def _plain_greedy(model, tokenizer, prompts, max_new_tokens=48):
+    """The plain reference: model.generate, greedy, each prompt alone, with the chat template applied once."""
+    import torch
+
+    from opdcache.demo.evaluate import chat_prompt_ids
+
+    out = []
+    for p in prompts:
+        ids = torch.tensor([chat_prompt_ids(tokenizer, p)])
+        with torch.no_grad():
+            g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        out.append((ids[0].tolist(), g[0, ids.shape[1]:].tolist()))
+    return out
+
+
 @pytest.mark.parametrize("model", ["teacher", "student"])
-def test_greedy_accuracy_equals_the_demos_own_greedy_evaluation(weights, heldout, model):
+def test_greedy_accuracy_equals_plain_generate_judged_by_the_task(weights, heldout, model):
+    """eval's greedy accuracy (build-rollouts' engine) and the demo's (the same library call on a model in memory)
+    equal a plain model.generate judged by the task's own answer check."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opdcache.demo.evaluate import evaluate_accuracy
+    from opdcache.demo import task
+    from opdcache.demo.evaluate import evaluate_prompts
 
     report = run_eval(EvalJob(model=weights / model, prompts=PromptConfig(heldout), reward="addition",
                               sampling=SamplingConfig(temperature=0.0, samples=1, max_new_tokens=48)))
-    m = AutoModelForCausalLM.from_pretrained(weights / model).eval()
-    reference = evaluate_accuracy(m, AutoTokenizer.from_pretrained(weights / model), n=24, split="heldout")
-    assert report["prompts"] == 24 and report["accuracy"] == pytest.approx(reference.accuracy, abs=1e-12)
+    m, tok = AutoModelForCausalLM.from_pretrained(weights / model).eval(), AutoTokenizer.from_pretrained(weights / model)
+    problems = task.problems("heldout", 24)
+    plain = _plain_greedy(m, tok, [p.prompt for p in problems])
+    reference = sum(task.is_correct(tok.decode(r, skip_special_tokens=True), p.answer) for (_, r), p in zip(plain, problems)) / 24
+    assert 0 < reference or model == "student"
+    assert report["prompts"] == 24 and report["accuracy"] == pytest.approx(reference, abs=1e-12)
     assert report["pass_at"] == {1: report["accuracy"]}
+    assert evaluate_prompts(m, tok, heldout).accuracy == pytest.approx(reference, abs=1e-12)
+
+
+def test_reverse_kl_to_a_teacher_equals_a_float64_full_softmax(weights, heldout):
+    """The KL eval and the demo report, streamed through both heads in float32 vocabulary slices, against the plain
+    definition on the same greedy responses: both models in float64, a full log-softmax, sum_v q (log q - log p) a
+    position, the mean over positions. Bound (tests/tolerance.py): each side's float32 log-probs within t_s, t_t of
+    float64's; the KL moves by at most t_s (1 + E_q|log q - log p|) + t_t, plus the float32 sum over V terms
+    (V u E_q|log q - log p|), per position; the mean's bound is the positions' mean."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opdcache.demo import task
+    from opdcache.evaluation.evaluate import reverse_kl_to_teacher
+    from tolerance import U32, logprob_tolerance
+
+    student, teacher = (AutoModelForCausalLM.from_pretrained(weights / n).eval() for n in ("student", "teacher"))
+    tok = AutoTokenizer.from_pretrained(weights / "student")
+    sequences = _plain_greedy(student, tok, [p.prompt for p in task.problems("heldout", 8)])
+    got, tokens = reverse_kl_to_teacher(student, teacher, sequences, chunk=64)
+    assert tokens == sum(len(r) for _, r in sequences) > 0
+    kl, bound = [], []
+    with torch.no_grad():
+        for prompt, response in sequences:
+            ids, at = torch.tensor([prompt + response]), slice(len(prompt) - 1, len(prompt) - 1 + len(response))
+            z32 = [m(ids).logits[0, at] for m in (student, teacher)]
+            z64 = [m.double()(ids).logits[0, at] for m in (student, teacher)]
+            student.float(), teacher.float()
+            lq, lp = (torch.log_softmax(z, -1) for z in z64)
+            gap = (lq.exp() * (lq - lp).abs()).sum(-1)
+            kl.append((lq.exp() * (lq - lp)).sum(-1))
+            t_s, t_t = (logprob_tolerance(a, b)[:, 0] for a, b in zip(z32, z64))
+            bound.append(t_s * (1 + gap) + t_t + lq.shape[-1] * U32 * gap)
+    kl, bound = torch.cat(kl), torch.cat(bound)
+    assert abs(got - float(kl.mean())) <= float(bound.mean()), (got, float(kl.mean()), float(bound.mean()))
+    assert float(bound.mean()) < 1e-3 * float(kl.mean())  # the check is far finer than the figure
+
+
+def test_eval_with_a_teacher_reports_the_kl_of_its_own_responses(weights, heldout, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from opdcache.evaluation.evaluate import reverse_kl_to_teacher
+
+    code, out, err = _cli(["eval", "--model", weights / "student", "--prompts", heldout, "--reward", "addition",
+                           "--max-new-tokens", "48", "--teacher", weights / "teacher", "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    student, teacher = (AutoModelForCausalLM.from_pretrained(weights / n).eval() for n in ("student", "teacher"))
+    from transformers import AutoTokenizer
+
+    from opdcache.demo import task
+
+    sequences = _plain_greedy(student, AutoTokenizer.from_pretrained(weights / "student"), [p.prompt for p in task.problems("heldout", 24)])
+    kl, tokens = reverse_kl_to_teacher(student, teacher, sequences)
+    assert report["kl_tokens"] == tokens and report["reverse_kl_to_teacher"] == pytest.approx(kl, rel=1e-5)
+    assert report["reverse_kl_to_teacher"] > 0.01  # the untrained student is far from the teacher
+    code, out, err = _cli(["eval", "--model", weights / "student", "--prompts", heldout, "--reward", "addition",
+                           "--max-new-tokens", "48", "--teacher", weights / "teacher"], capsys)
+    assert code == 0 and f"reverse KL to {weights / 'teacher'} {kl:.4f} nats a token over {tokens} tokens" in out, out + err
+
+
+def test_a_teacher_with_another_vocabulary_is_one_line_before_any_model_loads(weights, heldout, capsys, monkeypatch):
+    import opdcache.backends as backends
+
+    monkeypatch.setattr(backends, "make_backend", lambda *a, **k: pytest.fail("an engine was built"))
+    code, out, err = _cli(["eval", "--model", weights / "student", "--prompts", heldout, "--reward", "addition",
+                           "--teacher", weights / "teacher_pairs"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "its tokenizer is not the model's" in lines[0] and "share the model's vocabulary" in lines[0], err
 
 
 def test_sampled_pass_at_k_is_reproducible_and_bounded_by_accuracy(weights, heldout, capsys):

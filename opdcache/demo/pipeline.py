@@ -196,17 +196,18 @@ def load(path: Path):
 def evaluate(name: str, path: Path, teacher, cfg: DemoConfig, report: DemoReport, served: str | None = None) -> dict:
     """Held-out accuracy and reverse KL to the teacher of the model at ``path``; ``served``: also the accuracy of the
     model run in that low-bit scheme (opdcache/backends/quant.py), as a quantized engine would serve it."""
-    from opdcache.demo.evaluate import evaluate_accuracy, reverse_kl_to_teacher
+    from opdcache.demo.evaluate import evaluate_prompts
 
+    heldout = cfg.workdir / "prompts" / "heldout.jsonl"
     model, tok = load(path)
     if served is not None:
         from opdcache.backends.quant import QuantScheme, apply_scheme
 
         low, _ = load(path)
         apply_scheme(low, QuantScheme.parse(served), "inference")
-        served_acc = evaluate_accuracy(low, tok, n=cfg.n_heldout, seed=cfg.seed).accuracy
-    acc = evaluate_accuracy(model, tok, n=cfg.n_heldout, seed=cfg.seed).accuracy
-    rkl = reverse_kl_to_teacher(model, teacher, tok, n=min(cfg.n_heldout, 200), seed=cfg.seed)
+        served_acc = evaluate_prompts(low, tok, heldout).accuracy
+    result = evaluate_prompts(model, tok, heldout, teacher, kl_prompts=min(cfg.n_heldout, 200))
+    acc, rkl = result.accuracy, result.reverse_kl
     report.figures[name] = {"accuracy": acc, "reverse_kl": rkl}
     if served is not None:
         report.figures[name]["accuracy_served"] = served_acc

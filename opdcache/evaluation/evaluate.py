@@ -6,7 +6,10 @@ temperature 0 is greedy (one response a prompt is enough). Each response is judg
 (opdcache/inputs/verifiers.py: exact, math, a plugin or module:function). Reported: accuracy (the mean score of every
 response), pass@1 .. pass@k by the unbiased estimator 1 - C(n - c, j) / C(n, j) over each prompt's n samples, c of
 them correct (Chen et al. 2021), the mean response length and the share of responses cut at ``max_new_tokens``.
-Memory: the engine's (build-rollouts'), and the responses' ids.
+With a ``teacher`` (one sharing the model's vocabulary): the mean per-token reverse KL(model || teacher), exact over
+the vocabulary at temperature 1, at every position of the model's own responses (:func:`reverse_kl_to_teacher`).
+Memory: the engine's (build-rollouts'), and the responses' ids; with a teacher, after the engine is closed, both models
+and one sequence's final hidden states a side, through the heads in [rows, chunk] blocks (never [tokens, vocabulary]).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ class EvalJob:
     engine: EngineConfig = field(default_factory=EngineConfig)
     examples: int = 3
     """How many (prompt, response, score) triples to keep in the report."""
+    teacher: Path | str | None = None
+    """Also the mean per-token reverse KL to this model (a folder or a Hub id with the model's vocabulary), exact over
+    the vocabulary, at every position of the responses. Default: none."""
 
     def __post_init__(self) -> None:
         from opdcache.inputs import verifiers
@@ -60,18 +66,83 @@ def run_eval(job: EvalJob) -> dict:
     check_local_prompts(Path(job.prompts.path), must_exist=True)
     ref = resolve_model(job.model, None, "--model")
     tokenizer = load_tokenizer(ref.path)
+    teacher = None if job.teacher is None else resolve_model(job.teacher, None, "--teacher")
+    if teacher is not None:
+        check_shared_vocabulary(ref.path, tokenizer, teacher.path)
     backend = make_backend(ref.path, job.engine)
     try:
         backend.load()
-        return evaluate(backend, tokenizer, job) | {"model": str(ref.name)}
+        sequences: list = []
+        report = evaluate(backend, tokenizer, job, sequences=sequences if teacher is not None else None)
     finally:
         if hasattr(backend, "close"):
             backend.close()
+    report = report | {"model": str(ref.name)}
+    if teacher is not None:  # the engine is closed: its memory is free for the two models the KL reads
+        from opdcache.backends.loading import resolve_device, resolve_dtype
+        from opdcache.inputs.models import load_causal_lm
+
+        device = resolve_device(job.engine.device)
+        dtype = resolve_dtype(job.engine.dtype, device)
+        student, teacher_model = (load_causal_lm(path, dtype).to(device).eval() for path in (ref.path, teacher.path))
+        kl, tokens = reverse_kl_to_teacher(student, teacher_model, sequences)
+        report |= {"teacher": str(teacher.name), "reverse_kl_to_teacher": kl, "kl_tokens": tokens}
+    return report
 
 
-def evaluate(backend, tokenizer, job: EvalJob, prompts=None) -> dict:
+def check_shared_vocabulary(model_path, tokenizer, teacher_path) -> None:
+    """Refuse, in one line before any weights load, a teacher whose tokens or head rows are not the model's: the KL
+    compares the two distributions id by id."""
+    from opdcache.inputs.lineage import tokenizer_difference
+    from opdcache.inputs.models import load_tokenizer, model_facts
+
+    theirs = load_tokenizer(teacher_path)
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"eval --teacher {teacher_path}: its tokenizer is not the model's ({tokenizer_difference(tokenizer, theirs)}); "
+                          "the KL compares the distributions id by id, so the teacher must share the model's vocabulary")
+    rows = model_facts(model_path).vocab_size, model_facts(teacher_path).vocab_size
+    if rows[0] != rows[1]:
+        raise ConfigError(f"eval --teacher {teacher_path}: its head has {rows[1]} rows, the model's {rows[0]}; the KL needs "
+                          "one vocabulary of one size")
+
+
+def reverse_kl_to_teacher(student, teacher, sequences, chunk: int = 4096) -> tuple[float, int]:
+    """(mean per-token KL(student || teacher), tokens) over every response position of ``sequences``, (prompt ids,
+    response ids) pairs: exact over the vocabulary at temperature 1, each position's distributions those of the
+    sequence before it. The final hidden states of each sequence go through both heads in vocabulary slices
+    (opdcache.logits.divergence, float32 sums), so no [tokens, vocabulary] tensor exists; the sum stays on the device
+    until the end. Memory: both models, one sequence's hidden states [length, hidden] a side, [rows, chunk] blocks."""
+    import torch
+
+    from opdcache.logits.divergence import chunked_divergence
+    from opdcache.logits.logprobs import head_transform_of
+
+    for model, what in ((student, "model"), (teacher, "teacher")):
+        if head_transform_of(model) != (None, None):
+            raise ConfigError(f"eval --teacher: the {what} scales or soft-caps its logits, which the exact KL does not support yet; "
+                              "evaluate without --teacher")
+    heads = [m.get_output_embeddings() for m in (student, teacher)]
+    device = heads[0].weight.device
+    total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0
+    with torch.no_grad():
+        for prompt, response in sequences:
+            prompt, response = [int(i) for i in prompt], [int(i) for i in response]
+            if not response:
+                continue
+            ids = torch.tensor([prompt + response], device=device)
+            at = slice(len(prompt) - 1, len(prompt) - 1 + len(response))  # the positions that predict the response
+            hs, ht = (getattr(m, m.base_model_prefix)(input_ids=ids, use_cache=False).last_hidden_state[0, at] for m in (student, teacher))
+            div = chunked_divergence("rkl", hs, heads[0].weight, ht, heads[1].weight, getattr(heads[0], "bias", None),
+                                     getattr(heads[1], "bias", None), chunk=chunk)
+            total += div.double().sum()
+            tokens += len(response)
+    return float(total) / max(tokens, 1), tokens
+
+
+def evaluate(backend, tokenizer, job: EvalJob, prompts=None, sequences: list | None = None) -> dict:
     """The report of ``job`` with an engine already running (``backend``: a model in memory, as a learner's):
-    ``prompts``, the job's prompts already read (else read here)."""
+    ``prompts``, the job's prompts already read (else read here); ``sequences``: a list that gets every response's
+    (prompt ids, response ids), for :func:`reverse_kl_to_teacher`."""
     from opdcache.backends.base import GenerateRequest
     from opdcache.inputs import verifiers
     from opdcache.inputs.prompts import read_prompts
@@ -87,6 +158,8 @@ def evaluate(backend, tokenizer, job: EvalJob, prompts=None) -> dict:
     requests = [GenerateRequest(p.prompt_ids, sample_seed(job.sampling.seed, p.prompt_ids, k)) for p in judged for k in range(n)]
     gens = backend.generate(requests, job.sampling)
     scores, lengths, cut, examples = [], [], 0, []
+    if sequences is not None:
+        sequences += [(judged[i // n].prompt_ids, g.response_ids) for i, g in enumerate(gens)]
     for i, p in enumerate(judged):
         row = []
         for k in range(n):
