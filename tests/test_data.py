@@ -198,7 +198,7 @@ def test_the_loaders_collate_equals_the_plain_reference(request, cache, teacher,
     batches = [[rows[j] for j in order[i: i + 7]] for i in range(0, len(rows), 7)] + [rows[:1], rows[len(decoded[0].offsets) - 3:][:5]]
     for batch in batches:
         fast = collate_decoded(batch)
-        plain = collate([d.row(r) for d, r in batch], batch[0][0].hidden_dtype, batch[0][0].svd_dtype)
+        plain = collate([d.row(r) for d, r in batch], batch[0][0].vector_dtypes)
         assert list(fast) == list(plain)
         for name in plain:
             assert fast[name].dtype == plain[name].dtype and torch.equal(fast[name], plain[name]), name

@@ -98,7 +98,7 @@ class AsyncConfig:
             raise ConfigError(f"an async batch holds one response per prompt; got --samples {self.sampling.samples}")
         if "mc" in self.rollout_stores() and not self.sampling.mc_samples:
             raise ConfigError(f"--loss {run.loss} needs --mc-samples M (the m samples per position of papers/001 section 6.1)")
-        if "topk" in self.teacher_stores() and not self.top_k:
+        if self.reads_top_k() and not self.top_k:
             raise ConfigError(f"--loss {run.loss} needs --top-k (the teacher's top-k store)")
         if self.executor not in EXECUTORS:
             raise ConfigError(f"--executor must be local or ray, got {self.executor!r}")
@@ -123,7 +123,13 @@ class AsyncConfig:
 
     def teacher_stores(self) -> tuple[str, ...]:
         """The teacher stores the learner's loss reads (opdcache/training/estimators.py)."""
-        return ESTIMATORS[self.learner.loss].teacher_stores
+        return ESTIMATORS[self.learner.loss].stores()[0]
+
+    def reads_top_k(self) -> bool:
+        """Whether the learner's loss reads the teacher's top-k (the teacher stage scores it with --top-k)."""
+        from opdcache.stores import gives
+
+        return gives(self.teacher_stores(), "top_k")
 
     def rollout_stores(self) -> tuple[str, ...]:
         """The rollout stores the learner's loss reads: its ``mc`` samples, where it has them."""

@@ -146,7 +146,7 @@ def teacher_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
     rollouts = TableJob.from_job_file(root, "rollouts")
     ref = resolve_model(cfg.teacher, what="--teacher")
     check_same_tokenizer(rollouts.config["tokenizer"], load_tokenizer(ref.path), f"teacher {ref.name}")
-    params = S.StoreParams(stores=cfg.teacher_stores(), top_k=cfg.top_k if "topk" in cfg.teacher_stores() else None,
+    params = S.StoreParams(stores=cfg.teacher_stores(), top_k=cfg.top_k if cfg.reads_top_k() else None,
                            mc_samples=rollouts.params.mc_samples)
     engine = _engine(cfg)
     backend = make_backend(ref.path, engine, max_logprobs=max(params.top_k or 0, 1))
@@ -188,7 +188,7 @@ class QueueSource:
         self.rollout_cols = ["prompt_ids", "response_ids", "sampling_logprobs", "ref_logprobs"] + (
             ["mc_ids", "mc_sampling_logprobs"] if "mc" in cfg.rollout_stores() else [])
         self.teacher_cols = ["logprobs"] + (["mc_logprobs"] if "mc" in cfg.rollout_stores() else []) + (
-            ["topk_ids", "topk_logprobs"] if "topk" in cfg.teacher_stores() else [])
+            ["topk_ids", "topk_logprobs"] if cfg.reads_top_k() else [])
 
     def next_batch(self) -> dict:
         from opdcache.training.data import collate

@@ -21,7 +21,7 @@ REGISTRY: dict[str, Store] = {s.name: s for s in (
 )}
 """Every teacher store by name, in the order their columns are written."""
 
-__all__ = ["Column", "REGISTRY", "Store", "Violation", "columns", "check_job", "check_params"]
+__all__ = ["Column", "REGISTRY", "Store", "Violation", "columns", "check_job", "check_params", "gives", "giving", "signal_columns"]
 
 
 def columns() -> tuple[Column, ...]:
@@ -39,3 +39,20 @@ def check_params(params) -> None:
     """Every store's checks of a table's recorded parameters (ConfigError, one line)."""
     for store in REGISTRY.values():
         store.check_params(params)
+
+
+def giving(signal: str, among: tuple[str, ...] = ()) -> str:
+    """The store a loss reads ``signal`` from (``opdcache.stores.base.SIGNALS``): the first of ``among`` (a table's stores)
+    that gives it, else the registry's first."""
+    names = [name for name, store in REGISTRY.items() if signal in store.gives]
+    return next((name for name in names if name in among), names[0])
+
+
+def gives(stores: tuple[str, ...], signal: str) -> bool:
+    """Whether any of ``stores`` gives ``signal``."""
+    return any(signal in REGISTRY[name].gives for name in stores if name in REGISTRY)
+
+
+def signal_columns(signal: str) -> tuple[str, ...]:
+    """The columns of every store giving ``signal`` (e.g. the vectors kept as their stored bits until they reach torch)."""
+    return tuple(c.name for store in REGISTRY.values() if signal in store.gives for c in store.columns)

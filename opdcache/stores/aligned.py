@@ -135,6 +135,7 @@ def _card(config, entry) -> list[str]:
 
 STORE = Store(
     name="aligned",
+    gives=("groups",),
     summary="aligned: a teacher with its own tokenizer (score-teacher --prompts), its log-probs per aligned group",
     columns=(
         Column("teacher_prompt_ids", "row", "int32_list", "aligned",

@@ -22,6 +22,16 @@ FIELD_DTYPE = b"opdcache.dtype"
 PROB14_STEP = 2.0 ** -14
 """The grid of the compact top-k's prob14 codes: probability = code x 2^-14."""
 
+SIGNALS = {
+    "sampled_logprob": "the teacher's log-prob of each sampled token (per aligned group, for a teacher of its own tokenizer)",
+    "top_k": "the teacher's top-k ids and log-probs at each position",
+    "draws": "ids drawn from the teacher's distribution at each position, with their counts and log-probs",
+    "vectors": "vectors a head turns into the teacher's logits at each position (the whole distribution, recomputed)",
+    "groups": "the teacher's own tokens, grouped where both tokenizers cut at the same byte (a teacher of its own tokenizer)",
+}
+"""What a store's columns mean to a loss, by name: a loss reads signals (``Estimator.reads``), the registry says which
+store gives each (``Store.gives``), so no loss names a store."""
+
 Violation = tuple[str, "np.ndarray | None", str]
 """One row rule that some tokens break: (column, bad tokens [tokens] bool or None, message)."""
 
@@ -76,6 +86,13 @@ class Store:
     config_default: Mapping = field(default_factory=dict)
     """Config entries every teacher table records whether or not it holds the store (their value without it): tables
     written before the store's ``config`` keep their fingerprints."""
+    gives: tuple[str, ...] = ()
+    """The signals (:data:`SIGNALS`) its columns give a loss; where several stores give one, a table's first in
+    registry order is read."""
+    head: Callable[[Any, str, Any], tuple] | None = None
+    """For a store giving ``vectors``: ``head(cache, table, params)`` -> (the head that turns its vectors into logits,
+    an object with ``weight`` [vocab, width] and ``bias``; the width its vectors have; the side file it came from),
+    read from its side file (hash-checked first)."""
     needs: tuple[str, ...] = ()
     """The engine statistics its values are made from, by name (``opdcache.backends.base.STATISTICS``: "topk_ids",
     "sampled_ids", "hidden", ...): score-teacher asks the engine for them and refuses one that does not compute them, before

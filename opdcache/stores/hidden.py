@@ -60,8 +60,17 @@ def _prepare(prep) -> None:
         save_head(head_of(prep.backend.model), path)
 
 
+def _head(cache, table, params):
+    from opdcache.stores.head import load_head
+
+    path = cache.side_file(table, "head.safetensors")  # hash-checked first, like every shard
+    return load_head(path), params.hidden_size, path
+
+
 STORE = Store(
     name="hidden",
+    gives=("vectors",),
+    head=_head,
     summary="hidden: the teacher's final hidden states (the full distribution, recomputed)",
     columns=(
         Column("hidden", "token_vector", "hidden", "hidden",

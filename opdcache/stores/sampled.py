@@ -111,6 +111,7 @@ def _card(config: str, entry: dict) -> list[str]:
 
 STORE = Store(
     name="sampled",
+    gives=("draws",),
     summary="sampled: m teacher draws a position, RS-KD (--samples-per-position)",
     columns=(
         Column("sampled_ids", "token_vector", "int32", "sampled",

@@ -83,8 +83,20 @@ def _side_record(path) -> dict:
     return read_metadata(path)["info"]  # the fit's record
 
 
+def _head(cache, table, params):
+    """Teacher logits = z D^T + bias: the projection's decoder stands in for the head."""
+    from opdcache.stores import svdprojection
+    from opdcache.stores.head import Head
+
+    path = cache.side_file(table, "svd.safetensors")  # hash-checked first, like every shard
+    projection = svdprojection.load(path)
+    return Head(projection.decoder, projection.bias), params.svd_rank, path
+
+
 STORE = Store(
     name="svd",
+    gives=("vectors",),
+    head=_head,
     summary="svd: the teacher's hidden states at rank r (--svd-rank)",
     columns=(
         Column("svd", "token_vector", "svd", "svd",

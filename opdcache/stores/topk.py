@@ -82,6 +82,7 @@ def _card(config: str, entry: dict) -> list[str]:
 
 STORE = Store(
     name="topk",
+    gives=("top_k",),
     summary="topk: the teacher's own top-k (--top-k; compact with --topk-precision/--topk-mass)",
     columns=(
         Column("topk_ids", "token_vector", "int32", "topk", "Teacher's own k most likely next tokens at temperature 1, most likely first.", width="top_k", requires=("top_k",)),

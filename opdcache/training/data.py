@@ -126,14 +126,15 @@ def _pad(rows: list[np.ndarray], length: int, fill=0) -> np.ndarray:
 
 
 
-def _column_tensor(name: str, padded: np.ndarray, hidden_dtype: str | None, svd_dtype: str | None) -> torch.Tensor:
-    """A padded [B, T, ...] column as the batch's tensor: vectors in their stored dtype, other integers as int64."""
+def _column_tensor(name: str, padded: np.ndarray, vector_dtypes: dict | None) -> torch.Tensor:
+    """A padded [B, T, ...] column as the batch's tensor: vectors in their stored dtype (``vector_dtypes``, by column;
+    float32 where it names none), other integers as int64."""
     if name in BIT_COLUMNS:  # 16-bit vectors arrive as their bits: a typed tensor, no bit changed
-        return shards.hidden_to_torch(padded, (hidden_dtype if name == "teacher_hidden" else svd_dtype) or "float32")
+        return shards.hidden_to_torch(padded, (vector_dtypes or {}).get(name) or "float32")
     return torch.from_numpy(padded.astype(np.int64, copy=False) if padded.dtype.kind in "iu" else padded)
 
 
-def collate(rows: list[dict], hidden_dtype: str | None = None, svd_dtype: str | None = None) -> dict[str, torch.Tensor]:
+def collate(rows: list[dict], vector_dtypes: dict | None = None) -> dict[str, torch.Tensor]:
     """Rows (dicts of numpy arrays: prompt_ids, response_ids, per-token columns) -> padded tensors.
 
     Shapes (B sequences, T = longest response, L = longest prompt + response): input_ids [B, L] (prompt +
@@ -162,7 +163,7 @@ def collate(rows: list[dict], hidden_dtype: str | None = None, svd_dtype: str | 
     for name in rows[0]:
         if name in ("prompt_ids", "response_ids"):
             continue
-        batch[name] = _column_tensor(name, _pad([r[name] for r in rows], T), hidden_dtype, svd_dtype)
+        batch[name] = _column_tensor(name, _pad([r[name] for r in rows], T), vector_dtypes)
     return batch
 
 
@@ -193,7 +194,7 @@ def collate_decoded(rows: list[tuple[DecodedShard, int]]) -> dict[str, torch.Ten
              "response_ids": torch.from_numpy(response), "response_mask": torch.from_numpy(real.astype(np.float32)),
              "logit_positions": torch.from_numpy(np.where(real, prompt[:, None] - 1 + t, 0))}
     for name in names:
-        batch[name] = _column_tensor(name, out[name], first.hidden_dtype, first.svd_dtype)
+        batch[name] = _column_tensor(name, out[name], first.vector_dtypes)
     return batch
 
 

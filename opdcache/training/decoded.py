@@ -10,7 +10,7 @@ import numpy as np
 
 from opdcache import storage
 from opdcache.format import shards
-from opdcache.stores import REGISTRY, rowrules
+from opdcache.stores import REGISTRY, rowrules, signal_columns
 
 
 def verify_shard(path, entry: dict, root):
@@ -78,7 +78,8 @@ class DecodedShard:
             if name not in ("prompt_ids", "response_ids") and not np.array_equal(np.diff(shards.list_offsets(r[name])), lengths):
                 refuse(f"per-token column {name} is not as long as the responses")
         self.cols = {name: shards.token_values(r[name]) for name in rollout_cols}
-        self.hidden_dtype = self.svd_dtype = None  # the stored dtype of the hidden and svd vectors (their bits are kept)
+        self.vector_dtypes: dict[str, str | None] = {}  # column: the stored dtype of its vectors (their bits are kept)
+        vectors = signal_columns("vectors")
         self.topk_layout = (1e-3, "logprobs")
         teachers = ([("teacher_", teacher_path, teacher_cols, params)] if teacher_path is not None else []) + list(more)
         for prefix, source, columns, _ in teachers:
@@ -90,17 +91,15 @@ class DecodedShard:
                 if not np.array_equal(np.diff(shards.list_offsets(t[name])), lengths):
                     refuse(f"teacher column {name} is not as long as the responses (shifted or truncated rows)", shard)
                 values = shards.token_values(t[name])
-                if name not in ("hidden", "svd"):  # v3 float16 bits (compact top-k, sampled log-probs) -> float32
+                if name in vectors:
+                    self.vector_dtypes[prefix + name] = shards.hidden_dtype_of(t.schema.field(name))
+                else:  # v3 float16 bits (compact top-k, sampled log-probs) -> float32
                     from opdcache.stores.compact import decode_logprobs
 
                     values = decode_logprobs(values, t.schema.field(name))
                 self.cols[prefix + name] = values
                 if name == "topk_logprobs" and prefix == "teacher_":
                     self.topk_layout = rowrules.topk_layout(t.schema.field(name), values.shape[1] if values.ndim == 2 else 1)
-                if name == "hidden":
-                    self.hidden_dtype = shards.hidden_dtype_of(t.schema.field("hidden"))
-                if name == "svd":
-                    self.svd_dtype = shards.hidden_dtype_of(t.schema.field("svd"))
         if route is not None:
             self.cols["row_teacher"] = np.repeat(_routes(r["metadata"].to_pylist(), *route, refuse), lengths)
         checks = [(where, self._rollout_violations(vocab))]

@@ -24,8 +24,9 @@ class Estimator:
     """One line for ``train --help`` and the README's table."""
     terms: Callable
     """(cfg, batch, s [B, T], s_K [B, T, K] or None, div_N or None, support or None) -> (terms [B, T], tensors, stats)."""
-    teacher_stores: tuple[str, ...] = ("logprob",)
-    """Teacher stores the loss reads (score-teacher --store)."""
+    teacher_reads: tuple[str, ...] = ("sampled_logprob",)
+    """What it reads of a teacher table, by meaning (opdcache.stores.base.SIGNALS); the stores giving them are those a
+    run needs (score-teacher --store)."""
     rollout_stores: tuple[str, ...] = ("base",)
     """Rollout stores it reads (build-rollouts --ref-top-k / --mc-samples)."""
     support: Callable | None = None
@@ -40,31 +41,32 @@ class Estimator:
     """Runs on a teacher with its own tokenizer (the aligned store): its terms read the teacher's log-prob per group."""
     span_topk: bool = False
     """Reads the teacher's top-k where each group starts: only a table with its own tokenizer scored with --top-k."""
+    ref_support: bool = False
+    """With ``--topk-support ref``, reads pi_ref's top-k (a rollout store) for its support and the teacher's log-probs there."""
 
     def stores(self, cfg=None, teacher_stores: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(teacher stores, rollout stores) a run of this loss needs. The full-vocabulary losses rebuild the teacher's
-        logits from its hidden states, or, where the teacher table has an svd store and no hidden one
-        (``teacher_stores``), from the rank-r vectors and the projection's decoder; the top-k losses read pi_ref's
-        top-k instead of the teacher's with ``--topk-support ref``."""
-        if "aligned" in teacher_stores:
+        """(teacher stores, rollout stores) a run of this loss needs: the stores of ``teacher_stores`` (a table's) giving
+        what it reads, else the registry's first giver of each. The full-vocabulary losses rebuild the teacher's logits from
+        whichever store of the table gives vectors (its hidden states, else rank-r vectors and their decoder); the top-k
+        losses read pi_ref's top-k instead of the teacher's with ``--topk-support ref``."""
+        from opdcache.stores import gives, giving
+
+        if gives(teacher_stores, "groups"):
             if not self.aligned:
                 from opdcache.errors import ConfigError
 
                 names = [n for n, e in ESTIMATORS.items() if e.aligned]
                 raise ConfigError(f"--loss {self.name} needs a teacher that shares the student's tokenizer; this teacher "
-                                  f"table has its own (the aligned store): use --loss {', '.join(names[:-1])} or {names[-1]}")
-            return ("logprob", "aligned"), self.rollout_stores
+                                  f"table has its own (the {giving('groups')} store): use --loss {', '.join(names[:-1])} or {names[-1]}")
+            return (giving("sampled_logprob", teacher_stores), giving("groups", teacher_stores)), self.rollout_stores
         if self.span_topk:
             from opdcache.errors import ConfigError
 
             raise ConfigError(f"--loss {self.name} compares a teacher of another tokenizer with the student: it needs a table "
-                              "scored with `score-teacher --prompts ... --top-k K` (the aligned store)")
-        if self.full_vocabulary:
-            vectors = "svd" if "svd" in teacher_stores and "hidden" not in teacher_stores else "hidden"
-            return ("logprob", vectors), self.rollout_stores
-        if self.name.startswith("topk") and getattr(cfg, "topk_support", "teacher") == "ref":
-            return ("logprob",), ("base", "ref_topk")
-        return self.teacher_stores, self.rollout_stores
+                              f"scored with `score-teacher --prompts ... --top-k K` (the {giving('groups')} store)")
+        if self.ref_support and getattr(cfg, "topk_support", "teacher") == "ref":
+            return (giving("sampled_logprob", teacher_stores),), ("base", "ref_topk")
+        return tuple(giving(signal, teacher_stores) for signal in self.teacher_reads), self.rollout_stores
 
 
 def clip_stats(st: dict, mask) -> dict:
@@ -182,17 +184,17 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
               rollout_stores=("base", "mc"), support=lambda cfg, batch, sel: batch["mc_ids"][sel], asynchronous=True),
     Estimator("ppo", "papers/001 eq. 6: the rollout-time advantage with a clipped ratio", _ppo, asynchronous=True),
     Estimator("topk-fkl", "forward KL on the cached top-k support (--topk-tail: the rest as one bin)", _topk("fkl"),
-              teacher_stores=("logprob", "topk"), support=_topk_support, asynchronous=True),
-    Estimator("topk-rkl", "reverse KL on the cached top-k support", _topk("rkl"), teacher_stores=("logprob", "topk"),
-              support=_topk_support),
+              teacher_reads=("sampled_logprob", "top_k"), support=_topk_support, ref_support=True, asynchronous=True),
+    Estimator("topk-rkl", "reverse KL on the cached top-k support", _topk("rkl"), teacher_reads=("sampled_logprob", "top_k"),
+              support=_topk_support, ref_support=True),
     Estimator("sampled-fkl", "RS-KD: an unbiased forward KL from m teacher draws per position", _sampled_fkl,
-              teacher_stores=("logprob", "sampled"), support=lambda cfg, batch, sel: batch["teacher_sampled_ids"][sel]),
+              teacher_reads=("sampled_logprob", "draws"), support=lambda cfg, batch, sel: batch["teacher_sampled_ids"][sel]),
     Estimator("full-fkl", "papers/002: the exact forward KL over the vocabulary, from the teacher's hidden states", _full,
-              teacher_stores=("logprob", "hidden"), full_vocabulary="fkl", online=True),
-    Estimator("full-rkl", "papers/002: the exact reverse KL over the vocabulary", _full, teacher_stores=("logprob", "hidden"),
+              teacher_reads=("sampled_logprob", "vectors"), full_vocabulary="fkl", online=True),
+    Estimator("full-rkl", "papers/002: the exact reverse KL over the vocabulary", _full, teacher_reads=("sampled_logprob", "vectors"),
               full_vocabulary="rkl", online=True),
     Estimator("jsd", "papers/002: the exact Jensen-Shannon divergence over the vocabulary", _full,
-              teacher_stores=("logprob", "hidden"), full_vocabulary="jsd", online=True),
+              teacher_reads=("sampled_logprob", "vectors"), full_vocabulary="jsd", online=True),
     Estimator("uld", "ULD: W1 between sorted top-k probabilities where groups start (a teacher with its own tokenizer, "
               "scored with --top-k; pi_ref's cached top-k on the student's side)", _uld, rollout_stores=("base", "ref_topk"),
               support=lambda cfg, batch, sel: batch["ref_topk_ids"][sel], aligned=True, span_topk=True),

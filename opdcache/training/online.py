@@ -68,7 +68,7 @@ class OnlineSource:
         if self.want_hidden:
             for row, sc in zip(rows, scores):
                 row["teacher_hidden"] = sc.hidden.float().numpy()
-        return collate(rows, hidden_dtype="float32")
+        return collate(rows)  # the hidden states as float32
 
     def state_dict(self) -> dict:
         return {"batches": self.calls}

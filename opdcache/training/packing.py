@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 from opdcache.format import shards
+from opdcache.stores import signal_columns
 
-BIT_COLUMNS = ("teacher_hidden", "teacher_svd")
+BIT_COLUMNS = tuple("teacher_" + name for name in signal_columns("vectors"))
 """Columns of 16-bit (or float32) vectors: batched as their stored bits, a typed tensor of the stored dtype."""
 
 
@@ -90,7 +91,7 @@ def collate_packed(runs: list[tuple]) -> dict[str, torch.Tensor]:
              "cu_response": torch.from_numpy(cu_response)}
     for name in names:
         if name in BIT_COLUMNS:
-            batch[name] = shards.hidden_to_torch(flat[name], (first.hidden_dtype if name == "teacher_hidden" else first.svd_dtype) or "float32")
+            batch[name] = shards.hidden_to_torch(flat[name], first.vector_dtypes.get(name) or "float32")
         else:
             batch[name] = _as_tensor(flat[name])
     return batch

@@ -96,19 +96,13 @@ def open_cache(cfg, facts, model_path):
                                            batch_size=cfg.batch_size, seed=cfg.seed, num_workers=cfg.num_loader_workers,
                                            max_length=facts.max_length, vocab_size=vocab, pack=cfg.pack))
     source.prime()  # the first batch's shards checked against the student's vocabulary and context
-    if "svd" in stores:  # teacher logits = z D^T + bias: the projection's decoder stands in for the head
-        from opdcache.stores import svdprojection as svd
-        from opdcache.stores.head import Head
+    from opdcache.stores import REGISTRY
 
-        path = cache.side_file(table, "svd.safetensors")  # hash-checked first, like every shard
-        projection = svd.load(path)
-        return source, checked_head(Head(projection.decoder, projection.bias), vocab, params.svd_rank, path)
-    if "hidden" not in stores:
+    vectors = [REGISTRY[name] for name in stores if name in REGISTRY and REGISTRY[name].head is not None]
+    if not vectors:
         return source, None
-    from opdcache.stores.head import load_head
-
-    path = cache.side_file(table, "head.safetensors")
-    return source, checked_head(load_head(path), vocab, params.hidden_size, path)
+    head, width, path = vectors[0].head(cache, table, params)  # the hidden store's head, or the svd store's decoder
+    return source, checked_head(head, vocab, width, path)
 
 
 def check_teacher_table(cfg) -> None:
@@ -119,6 +113,7 @@ def check_teacher_table(cfg) -> None:
     from opdcache.format.cache import Cache
 
     cache = Cache(cfg.cache)
+    from opdcache.stores import gives, giving
     from opdcache.training.estimators import ESTIMATORS
 
     names = cfg.teachers or (None,)
@@ -129,10 +124,10 @@ def check_teacher_table(cfg) -> None:
         raise ConfigError(f"--loss {cfg.loss} reads the teacher's top-k where each group starts: score the teacher with "
                           "`score-teacher --prompts ... --top-k K`")
     if len(names) > 1:
-        if any("aligned" in stores for stores in tables):
+        if any(gives(stores, "groups") for stores in tables):
             raise ConfigError("several teachers must share the student's tokenizer for now; a table with its own "
                               "(the aligned store) trains alone")
-        if any(n != ("logprob",) for n in needs):
+        if any(n != (giving("sampled_logprob"),) for n in needs):
             raise ConfigError(f"--loss {cfg.loss} reads each teacher's own support or vectors; several teachers combine the "
                               "losses that read only their log-probs (lightning, is, mc, ppo, span, topk-* with --topk-support ref)")
 
