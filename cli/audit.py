@@ -20,6 +20,10 @@ def audit(
     teacher: Annotated[Optional[Path], typer.Option("--teacher", help="The teacher of the teacher tables when it is not at the recorded path. Default: the recorded path.", show_default=False)] = None,
     tolerance: Annotated[float, typer.Option("--tolerance", help="Tables not computed with --exact: the floor of each float column's tolerance; the tolerance grows with the table's dtype and its measured batch-to-batch spread (see the report's reasoning line).")] = 1e-4,
     device: Annotated[str, typer.Option("--device", help="Where tables not computed with --exact are re-computed: auto (a CUDA GPU when there is one), cpu, cuda, cuda:N. An exact table re-computes where its recorded arithmetic runs.")] = "auto",
+    replay: Annotated[bool, typer.Option("--replay/--no-replay", help="Teacher tables a batch-dependent engine wrote (bfloat16 "
+                                                                  "and float32 tables of the transformers engine): re-score each shard holding a sampled row whole, in the "
+                                                                  "batching its footer records, so the values come back bit for bit and a change of any one value is "
+                                                                  "seen; --no-replay: the sampled rows alone, within the tolerance.")] = True,
     server_url: O.ServerUrl = None,
     server_kind: O.ServerKind = "auto",
     api_key: O.ApiKey = None,
@@ -33,7 +37,9 @@ def audit(
     checked as score-teacher checks it) instead of in-process.
 
     Memory: one engine (the model, plus a float64 copy of its weights for exact tables; with --server-url none, the
-    requests in flight) and the sampled rows' values twice; the rows are read from one shard at a time."""
+    requests in flight) and the sampled rows' values three times; the rows are read from one shard at a time. With
+    --replay (the default), time and the scores held grow with the shards that hold a sampled row (each is scored
+    whole, once), not with --rows."""
     O.announce_threads()
     from opdcache.teacher.audit import AuditConfig, audit as run, render
 
@@ -41,7 +47,7 @@ def audit(
 
     server = None if server_url is None else EngineConfig(backend="server", server_url=server_url, server_kind=server_kind, api_key=api_key)
     report = run(AuditConfig(cache=cache, table=table, rows=rows, seed=seed, model=model, teacher=teacher, tolerance=tolerance,
-                             device=device, server=server))
+                             device=device, server=server, replay=replay))
     typer.echo(json.dumps(report, indent=2) if as_json else render(report))
     if not report["passed"]:
         raise typer.Exit(1)

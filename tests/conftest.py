@@ -13,12 +13,19 @@ THREADS_GIVEN = os.environ.get("OMP_NUM_THREADS")
 
 def pytest_configure(config):
     """In a pytest-xdist worker, torch (and every process a test starts) uses one thread: the workers share the cores
-    instead of each running two threads on them (on 2 cores, two workers of two threads took 1.6x the CPU time)."""
+    instead of each running two threads on them (on 2 cores, two workers of two threads took 1.6x the CPU time).
+    transformers' log handler is bound to the session's stderr (below)."""
     if hasattr(config, "workerinput"):
         os.environ["OMP_NUM_THREADS"] = "1"
         import torch
 
         torch.set_num_threads(1)
+    # transformers binds its log handler to sys.stderr at its first log call: bind it now, to the session's stream, not
+    # to the stream of whichever test logs first (capsys closes that one, and every later warning became a "Logging
+    # error" traceback in another test's output)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.get_logger("transformers")
 
 
 LONGEST_FIRST = ("test_real_readme.py", "test_readme.py", "test_real_exact.py", "test_async.py", "test_s3.py", "test_hostile2.py",

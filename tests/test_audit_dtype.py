@@ -87,6 +87,51 @@ def test_one_changed_value_still_fails(low_precision_cache, tmp_path):
     assert not report["passed"] and col["max_abs_delta"] > col["tolerance"] and abs(col["max_abs_delta"] - 1.0) < 0.2
 
 
+
+def _moved(cache, tmp_path, by: float, rows):
+    """A copy of ``cache`` with one teacher log-prob moved by ``by`` nats, in a row the audit's sample holds."""
+    import shutil
+
+    from opdcache.format.cache import Cache
+
+    root = tmp_path / "cache"
+    shutil.copytree(cache, root)
+    picks = Cache(str(root)).sample_rows("teachers/teacher", 10 ** 9 if rows == "all" else rows, 0)
+    shard, row = next((s, sorted(r)[0]) for s, r in sorted(picks.items()) if len(r))
+    path = sorted((root / "teachers" / "teacher").glob("*.parquet"))[shard]
+    table = pq.read_table(path)
+    lp = table["logprobs"].to_pylist()
+    lp[row][1] += by
+    table = table.set_column(table.schema.get_field_index("logprobs"), table.schema.field("logprobs"),
+                             pa.array(lp, table.schema.field("logprobs").type))
+    pq.write_table(table, path)  # the footer's key-values (the batching among them) are the schema's, kept
+    return root
+
+
+@pytest.mark.parametrize("rows", [4, "all"])
+def test_a_tenth_of_a_nat_in_one_value_is_found_at_any_rows(low_precision_cache, tmp_path, rows):
+    """Before, the tolerance grew with the sample (its largest batch-to-batch spread), so a 0.1-nat change passed with
+    --rows all. Replaying each sampled row's shard in the batching its footer records brings the values back bit for
+    bit, so one moved value is the only one that differs, whatever --rows."""
+    dtype, cache = low_precision_cache
+    fresh = audit(AuditConfig(cache=str(cache), table="teacher", rows=rows))
+    t = fresh["tables"][0]
+    assert fresh["passed"] and t["smallest_detectable"] == 0.0 and t["replay"]["exact"] == t["replay"]["values"] > 0, render(fresh)
+    assert "come back bit for bit; any change of a value is seen" in t["reasoning"] and "PASS" in render(fresh)
+    report = audit(AuditConfig(cache=str(_moved(cache, tmp_path, 0.1, rows)), table="teacher", rows=rows))
+    t = report["tables"][0]
+    assert not report["passed"] and t["replay"]["values"] - t["replay"]["exact"] == 1, render(report)
+    assert "1 differ from the bits this machine reproduces" in t["reasoning"]
+
+
+def test_without_the_replay_the_report_says_what_it_cannot_see(low_precision_cache):
+    """--no-replay judges within the tolerance, and a pass says the size of change it cannot see instead of a bare PASS."""
+    dtype, cache = low_precision_cache
+    report = audit(AuditConfig(cache=str(cache), table="teacher", rows="all", replay=False))
+    t = report["tables"][0]
+    assert report["passed"] and "replay" not in t and t["smallest_detectable"] >= 8 * UNIT_ROUNDOFF[dtype]
+    assert f"PASS within tolerance (a change under {t['smallest_detectable']:.3g} in one value cannot be seen)" in render(report)
+
 def test_tolerance_follows_the_dtype():
     assert tolerance_for("float32", 0.0, 1e-4) == 1e-4
     assert tolerance_for("bfloat16", 0.0, 1e-4) == 8 * 2.0 ** -8

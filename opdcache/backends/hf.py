@@ -255,6 +255,24 @@ class TransformersBackend:
             batches.append(current)
         return batches
 
+    def batching(self) -> dict | None:
+        """What decides the last bits of a scored batch besides the requests themselves (None in deterministic mode,
+        where nothing does): the token budget that cuts a shard's rows into decoder batches, the head's pooling
+        (fixed), and torch's threads. Recorded in each shard's footer, so an audit can replay them."""
+        return None if self.deterministic else {"max_batch_tokens": int(self.max_batch_tokens), "threads": torch.get_num_threads()}
+
+    @contextmanager
+    def replaying(self, batching: dict):
+        """Score as a recorded :meth:`batching` did: its token budget and threads, restored afterwards."""
+        budget, threads = self.max_batch_tokens, torch.get_num_threads()
+        self.max_batch_tokens = int(batching["max_batch_tokens"])
+        torch.set_num_threads(int(batching["threads"]))
+        try:
+            yield self
+        finally:
+            self.max_batch_tokens = budget
+            torch.set_num_threads(threads)
+
     @torch.no_grad()
     def score(self, requests: Sequence[ScoreRequest], top_k: int | None = None, hidden: bool = False,
               hidden_dtype: str | None = None) -> list[Scores]:

@@ -40,10 +40,18 @@ DEFINITIONS = {
     "spread": "float columns of non-exact tables: largest |delta| between two re-computations of the same rows in two "
               "batchings (all sampled rows together, each row alone): the arithmetic's own batch-to-batch variation",
     "tolerance": "float columns of non-exact tables: the largest max |delta| that passes (see reasoning)",
+    "smallest_detectable": "the smallest change of one stored value the verdict is sure to see: 0 (any) when the values "
+                           "came back bit for bit, else the largest tolerance",
+    "replay": "teacher tables: the sampled values re-scored with their whole shards in the batching each shard's footer "
+              "records, compared bit for bit (values, exact, per column)",
 }
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 ROUNDING_UNITS = 8  # the tolerance floor: this many units of the dtype's rounding (nats, or the stored value's units)
 SPREAD_FACTOR = 4  # the table's own batching is a third, unseen one: allow this multiple of the measured spread
+REPLAY_AGREEMENT = 0.99
+"""A replay of a shard's recorded batching that reproduces at least this share of the sampled values' bits runs this
+machine's arithmetic as the writer ran it: every other value was changed after it was written. Below it (another CPU's
+kernels, another torch), the values are judged within the tolerance instead, and the report says what that cannot see."""
 
 
 def tolerance_for(dtype: str, spread: float, floor: float) -> float:
@@ -75,6 +83,10 @@ class AuditConfig:
     device: str = "auto"
     """Where tables not computed with --exact are re-computed: auto (a CUDA GPU when there is one), cpu, cuda, cuda:N.
     An exact table is re-computed where its arithmetic runs (the CPU's, or a CUDA GPU's)."""
+    replay: bool = True
+    """Teacher tables a batch-dependent engine wrote: re-score each shard holding a sampled row whole, in the batching
+    its footer records (token budget, threads), so the sampled values come back bit for bit and any change is seen;
+    False: only the sampled rows, judged within the tolerance."""
     server: object = None
     """Teacher tables: an ``EngineConfig`` of the served engine (``--server-url``) to re-score them through, serving
     the recorded teacher (its identity is checked as score-teacher checks it); default: the in-process reference."""
@@ -167,6 +179,7 @@ def _judge(rep: dict, dtype: str, floor: float, spreads: dict[str, float]) -> di
         col["spread"] = spreads.get(name, 0.0)
         col["tolerance"] = tolerance_for(dtype, col["spread"], floor)
     rep["passed"] = all(c["max_abs_delta"] <= c["tolerance"] for c in rep["columns"].values() if "tolerance" in c)
+    rep["smallest_detectable"] = max((c["tolerance"] for c in rep["columns"].values() if "tolerance" in c), default=0.0)
     rep["reasoning"] = (f"computed in {dtype}, whose last bits depend on the batch: a float column passes within "
                         f"max(--tolerance {floor:g}, {ROUNDING_UNITS} x {dtype}'s unit roundoff {UNIT_ROUNDOFF[dtype]:.3g}, "
                         f"{SPREAD_FACTOR} x its spread between two batchings of these rows); ids are counted, not judged")
@@ -243,6 +256,45 @@ def _served_engine(cache: Cache, name: str, cfg: AuditConfig):
     return entry, record, False, _recorded_dtype(record), make_backend(path, cfg.server), path
 
 
+def _recorded_batching(cache: Cache, name: str, shard: int) -> dict | None:
+    """The batching a teacher shard's footer records (untrusted: two bounded integers, else None)."""
+    import json
+
+    from opdcache.teacher.scoring import BATCHING_META
+
+    raw = (shards.read_schema(cache.shard_paths(name)[shard]).metadata or {}).get(BATCHING_META)
+    if raw is None or len(raw) > 256:
+        return None
+    try:
+        found = json.loads(raw)
+    except ValueError:
+        return None
+    ok = isinstance(found, dict) and set(found) == {"max_batch_tokens", "threads"} and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in found.values())
+    return found if ok and 1 <= found["max_batch_tokens"] <= 1 << 24 and 1 <= found["threads"] <= 1024 else None
+
+
+def _judge_replay(rep: dict, replayed: dict[str, dict]) -> dict:
+    """The verdict from a replay of the recorded batching (see :data:`REPLAY_AGREEMENT`), over the judged verdict."""
+    values = sum(c["values"] for c in replayed.values())
+    exact = sum(c["exact"] for c in replayed.values())
+    share = exact / values if values else 1.0
+    rep["replay"] = {"values": values, "exact": exact, "columns": replayed}
+    if share < REPLAY_AGREEMENT:
+        rep["reasoning"] += (f"; a replay of the recorded batching reproduced {share:.1%} of the bits here (another machine's "
+                             "kernels or torch): judged within the tolerance")
+        return rep
+    rep["passed"] = exact == values
+    rep["smallest_detectable"] = 0.0
+    rep["how"] += ", replaying each sampled row's shard in its recorded batching"
+    rep["reasoning"] = (f"computed in {rep['dtype']}, whose last bits depend on the batch: replayed each sampled row's shard in "
+                        f"the batching it was written with, and {exact:,} of {values:,} values "
+                        "come back bit for bit" + ("; any change of a value is seen" if rep["passed"] else
+                                                   f"; {values - exact:,} differ from the bits this machine reproduces for "
+                                                   "the rest: they were changed after they were written"))
+    return rep
+
+
 def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
     from opdcache.backends.base import ScoreRequest
     from opdcache.teacher.scoring import score_requests, teacher_columns, teacher_records
@@ -287,8 +339,20 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
         return shards.build_table("teacher", params_no_svd, records)
 
     picks = cache.sample_rows(name, _rows_wanted(cache, name, cfg.rows), cfg.seed)
+    replays = {}
+    if cfg.replay and not exact and not aligned and cfg.server is None and hasattr(backend, "replaying"):
+        replays = {shard: b for shard in picks if (b := _recorded_batching(cache, name, shard)) is not None}
+    replayed: dict[str, list] = {c: [] for c in names}
     for shard, rows in picks.items():
         table = cache.read_shard(name, shard, names).take(rows)
+        if shard in replays:  # the whole shard, as its writer scored it: its sampled rows' bits come back
+            whole = cache.read_shard(base, shard, teacher_columns(params))
+            every = score_requests(whole, params.samples_per_position, seed)
+            with backend.replaying(replays[shard]):
+                scores = backend.score(every, top_k=params.top_k, hidden=want_hidden, hidden_dtype=params.hidden_dtype)
+            built = rescore(whole, every, scores, f"audit of shard {shard}").take(rows)
+            for c in names:
+                replayed[c] += shards.row_values(built[c])
         base_rows = cache.read_shard(base, shard, teacher_columns(params) + (["response_ids"] if aligned else [])).take(rows)
         if aligned:
             stored_rows = cache.read_shard(name, shard, ["teacher_prompt_ids", "align_skip"]).take(rows)
@@ -319,7 +383,13 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
         ", with the table's store settings and encodings" + (" (pi_ref's text aligned to the teacher's tokens afresh)" if aligned else "")
     rep = {"table": name, "exact_claimed": exact, "dtype": dtype, "how": how, "rows": sum(map(len, picks.values())), "columns": columns}
     spreads = {} if exact else {c: _spread(fresh[c], alone[c]) for c in names if "differing" not in columns[c]}
-    return _judge(rep, dtype, cfg.tolerance, spreads)
+    rep = _judge(rep, dtype, cfg.tolerance, spreads)
+    if replays and len(replays) == len(picks):
+        rep = _judge_replay(rep, {c: _compare(stored[c], replayed[c]) for c in names})
+    elif not exact:
+        rep["reasoning"] += "; " + ("some sampled shards record no batching to replay" if replays else
+                                    "no batching recorded to replay (an engine whose batching is not a setting, or an older table)")
+    return rep
 
 
 def audit(cfg: AuditConfig) -> dict:
@@ -343,7 +413,10 @@ def audit(cfg: AuditConfig) -> dict:
 def render(report: dict) -> str:
     lines = []
     for t in report["tables"]:
-        lines.append(f"{t['table']}: {t['rows']} rows {t['how']}: {'PASS' if t['passed'] else 'FAIL'}")
+        verdict = "PASS" if t["passed"] else "FAIL"
+        if t["passed"] and t.get("smallest_detectable"):
+            verdict = f"PASS within tolerance (a change under {t['smallest_detectable']:.3g} in one value cannot be seen)"
+        lines.append(f"{t['table']}: {t['rows']} rows {t['how']}: {verdict}")
         lines.append(f"  {t['reasoning']}")
         lines.append(f"  {'column':<22} {'values':>9} {'exact':>9} {'max |delta|':>12} {'tolerance':>10}  ids differing")
         for name, c in t["columns"].items():

@@ -255,6 +255,10 @@ def _cross_plan(job: ScoreJob, cache: Cache, ref):
     return crossteacher.prepare(cache, job.prompts, tokenizer, ref.name, fingerprint)
 
 
+BATCHING_META = b"opdcache.batching"
+"""A teacher shard's footer key: the engine's batching that decided its last bits (its ``batching()``), when it has one."""
+
+
 def teacher_table_config(info: dict, engine: EngineConfig, backend, enabled=(), job=None) -> dict:
     """What a teacher table's config fingerprint covers: the teacher (``info``: its model record), the engine's
     settings that change numbers and its version, the vocabulary, every store's default entries and the enabled
@@ -344,7 +348,11 @@ def run_score(job: ScoreJob) -> dict:
         rows = shards.read_table(base_paths[index], request_columns)
         scores = backend.score(score_requests(rows, params.samples_per_position, job.sample_seed), top_k=params.top_k, hidden=want_hidden,
                                hidden_dtype=params.hidden_dtype)
-        return teacher_records(rows["id"].to_pylist(), scores, params, prepared, f"shard {index}", backend.vocab_size)
+        records = teacher_records(rows["id"].to_pylist(), scores, params, prepared, f"shard {index}", backend.vocab_size)
+        batching = getattr(backend, "batching", lambda: None)()
+        if batching is not None:  # what audit replays to reproduce this shard's bits
+            records.meta[BATCHING_META] = json.dumps(batching, sort_keys=True).encode()
+        return records
 
     with closing(backend):
         written = run_table_job(table, make_shard, num_workers, worker_index, desc=f"score-teacher {slug}", progress=job.progress, finalize=job.finalize,
