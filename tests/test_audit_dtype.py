@@ -121,7 +121,7 @@ def test_a_tenth_of_a_nat_in_one_value_is_found_at_any_rows(low_precision_cache,
     report = audit(AuditConfig(cache=str(_moved(cache, tmp_path, 0.1, rows)), table="teacher", rows=rows))
     t = report["tables"][0]
     assert not report["passed"] and t["replay"]["values"] - t["replay"]["exact"] == 1, render(report)
-    assert "1 differ from the bits this machine reproduces" in t["reasoning"]
+    assert "1 value differs from the bits this machine reproduces for the rest" in t["reasoning"]
 
 
 def test_without_the_replay_the_report_says_what_it_cannot_see(low_precision_cache):

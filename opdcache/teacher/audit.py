@@ -290,8 +290,8 @@ def _judge_replay(rep: dict, replayed: dict[str, dict]) -> dict:
     rep["reasoning"] = (f"computed in {rep['dtype']}, whose last bits depend on the batch: replayed each sampled row's shard in "
                         f"the batching it was written with, and {exact:,} of {values:,} values "
                         "come back bit for bit" + ("; any change of a value is seen" if rep["passed"] else
-                                                   f"; {values - exact:,} differ from the bits this machine reproduces for "
-                                                   "the rest: they were changed after they were written"))
+                                                   f"; {values - exact:,} {'value differs' if values - exact == 1 else 'values differ'} "
+                                                   "from the bits this machine reproduces for the rest: changed after it was written"))
     return rep
 
 
@@ -387,7 +387,8 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
     if replays and len(replays) == len(picks):
         rep = _judge_replay(rep, {c: _compare(stored[c], replayed[c]) for c in names})
     elif not exact:
-        rep["reasoning"] += "; " + ("some sampled shards record no batching to replay" if replays else
+        rep["reasoning"] += "; " + ("not replayed (--no-replay)" if not cfg.replay else
+                                    "some sampled shards record no batching to replay" if replays else
                                     "no batching recorded to replay (an engine whose batching is not a setting, or an older table)")
     return rep
 
