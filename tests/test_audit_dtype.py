@@ -145,3 +145,24 @@ def test_rows_takes_a_positive_count_or_all(rows):
     with pytest.raises(ConfigError, match="--rows must be a positive number of rows or all"):
         AuditConfig(cache="c", rows=rows)
     assert AuditConfig(cache="c", rows="7").rows == 7 and AuditConfig(cache="c", rows="all").rows == "all"
+
+
+
+@pytest.mark.parametrize("planted", [b"not json", b'{"max_batch_tokens": 1024}', b'{"max_batch_tokens": 1024, "threads": 512}',
+                                     b'{"max_batch_tokens": true, "threads": 1}', b"x" * 300])
+def test_a_planted_batching_is_not_replayed(low_precision_cache, tmp_path, planted):
+    """The footer's batching is untrusted: one that is not two bounded integers (threads within this machine's cores)
+    is not replayed; the table is judged within the tolerance and the report says no batching was recorded."""
+    import shutil
+
+    from opdcache.teacher.scoring import BATCHING_META
+
+    dtype, cache = low_precision_cache
+    root = tmp_path / "cache"
+    shutil.copytree(cache, root)
+    for path in sorted((root / "teachers" / "teacher").glob("*.parquet")):
+        table = pq.read_table(path)
+        pq.write_table(table.replace_schema_metadata({**table.schema.metadata, BATCHING_META: planted}), path)
+    report = audit(AuditConfig(cache=str(root), table="teacher", rows="all"))
+    t = report["tables"][0]
+    assert "replay" not in t and "no batching recorded to replay" in t["reasoning"] and t["smallest_detectable"] > 0

@@ -259,6 +259,7 @@ def _served_engine(cache: Cache, name: str, cfg: AuditConfig):
 def _recorded_batching(cache: Cache, name: str, shard: int) -> dict | None:
     """The batching a teacher shard's footer records (untrusted: two bounded integers, else None)."""
     import json
+    import os
 
     from opdcache.teacher.scoring import BATCHING_META
 
@@ -271,7 +272,10 @@ def _recorded_batching(cache: Cache, name: str, shard: int) -> dict | None:
         return None
     ok = isinstance(found, dict) and set(found) == {"max_batch_tokens", "threads"} and all(
         isinstance(v, int) and not isinstance(v, bool) for v in found.values())
-    return found if ok and 1 <= found["max_batch_tokens"] <= 1 << 24 and 1 <= found["threads"] <= 1024 else None
+    # threads beyond this machine's cores cannot be the writer's here (and are not started for an untrusted number): such
+    # a shard is not replayed, and its values are judged within the tolerance
+    cores = os.cpu_count() or 1
+    return found if ok and 1 <= found["max_batch_tokens"] <= 1 << 24 and 1 <= found["threads"] <= cores else None
 
 
 def _judge_replay(rep: dict, replayed: dict[str, dict]) -> dict:
