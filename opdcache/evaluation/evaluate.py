@@ -7,7 +7,8 @@ temperature 0 is greedy (one response a prompt is enough). Each response is judg
 response), pass@1 .. pass@k by the unbiased estimator 1 - C(n - c, j) / C(n, j) over each prompt's n samples, c of
 them correct (Chen et al. 2021), the mean response length and the share of responses cut at ``max_new_tokens``.
 With a ``teacher`` (one sharing the model's vocabulary): the mean per-token reverse KL(model || teacher), exact over
-the vocabulary at temperature 1, at every position of the model's own responses (:func:`reverse_kl_to_teacher`).
+the vocabulary at temperature 1, at every position of the model's own responses (:func:`reverse_kl_to_teacher`):
+``reverse_kl_to_teacher`` in nats a token, averaged over the ``kl_tokens`` response tokens of every sample.
 Memory: the engine's (build-rollouts'), and the responses' ids; with a teacher, after the engine is closed, both models
 and one sequence's final hidden states a side, through the heads in [rows, chunk] blocks (never [tokens, vocabulary]).
 """
@@ -106,7 +107,7 @@ def check_shared_vocabulary(model_path, tokenizer, teacher_path) -> None:
                           "one vocabulary of one size")
 
 
-def reverse_kl_to_teacher(student, teacher, sequences, chunk: int = 4096) -> tuple[float, int]:
+def reverse_kl_to_teacher(student, teacher, sequences, chunk: int | None = None) -> tuple[float, int]:
     """(mean per-token KL(student || teacher), tokens) over every response position of ``sequences``, (prompt ids,
     response ids) pairs: exact over the vocabulary at temperature 1, each position's distributions those of the
     sequence before it. The final hidden states of each sequence go through both heads in vocabulary slices
@@ -114,7 +115,7 @@ def reverse_kl_to_teacher(student, teacher, sequences, chunk: int = 4096) -> tup
     until the end. Memory: both models, one sequence's hidden states [length, hidden] a side, [rows, chunk] blocks."""
     import torch
 
-    from opdcache.logits.divergence import chunked_divergence
+    from opdcache.logits.divergence import DEFAULT_CHUNK, chunked_divergence
     from opdcache.logits.logprobs import head_transform_of
 
     for model, what in ((student, "model"), (teacher, "teacher")):
@@ -133,7 +134,7 @@ def reverse_kl_to_teacher(student, teacher, sequences, chunk: int = 4096) -> tup
             at = slice(len(prompt) - 1, len(prompt) - 1 + len(response))  # the positions that predict the response
             hs, ht = (getattr(m, m.base_model_prefix)(input_ids=ids, use_cache=False).last_hidden_state[0, at] for m in (student, teacher))
             div = chunked_divergence("rkl", hs, heads[0].weight, ht, heads[1].weight, getattr(heads[0], "bias", None),
-                                     getattr(heads[1], "bias", None), chunk=chunk)
+                                     getattr(heads[1], "bias", None), chunk=chunk or DEFAULT_CHUNK)
             total += div.double().sum()
             tokens += len(response)
     return float(total) / max(tokens, 1), tokens

@@ -40,8 +40,8 @@ DEFINITIONS = {
     "spread": "float columns of non-exact tables: largest |delta| between two re-computations of the same rows in two "
               "batchings (all sampled rows together, each row alone): the arithmetic's own batch-to-batch variation",
     "tolerance": "float columns of non-exact tables: the largest max |delta| that passes (see reasoning)",
-    "smallest_detectable": "the smallest change of one stored value the verdict is sure to see: 0 (any) when the values "
-                           "came back bit for bit, else the largest tolerance",
+    "smallest_detectable": "the smallest change of one stored value the verdict is sure to see, in the columns' units (nats "
+                           "for log-probs): 0 (any) when the values came back bit for bit, else the largest tolerance",
     "replay": "teacher tables: the sampled values re-scored with their whole shards in the batching each shard's footer "
               "records, compared bit for bit (values, exact, per column)",
 }
@@ -357,7 +357,8 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
             built = rescore(whole, every, scores, f"audit of shard {shard}").take(rows)
             for c in names:
                 replayed[c] += shards.row_values(built[c])
-        base_rows = cache.read_shard(base, shard, teacher_columns(params) + (["response_ids"] if aligned else [])).take(rows)
+        base_rows = whole.take(rows) if shard in replays else cache.read_shard(
+            base, shard, teacher_columns(params) + (["response_ids"] if aligned else [])).take(rows)
         if aligned:
             stored_rows = cache.read_shard(name, shard, ["teacher_prompt_ids", "align_skip"]).take(rows)
             rows_aligned = [(align_response(student_tt, teacher_tt, response.tolist()) if len(prompt) else Unaligned("stored", skip),
