@@ -318,9 +318,11 @@ def real(out_path: Path) -> None:
     students = {"w8a8": Model(TransformersBackend(model, dtype="float32", quantize="w8a8"), "w8a8"),
                 "w4a16:g64": Model(TransformersBackend(model, dtype="float32", quantize="w4a16:g64"), "w4a16:g64")}
     settings = default_settings(teacher.hidden_size, int(teacher.W.shape[0]))
-    settings[3:3] = [Setting("topk", k=128, precision="float32", mass=1e-4), Setting("topk", k=128, precision="float16")]
-    settings[7:7] = [Setting("topk", k=128, precision="prob14", mass=1e-4), Setting("topk", k=128, precision="prob14", mass=1e-3)]
-    settings += [Setting("svd", rank=512, dtype="float32")]
+    settings[3:3] = [Setting.of("topk", top_k=128, topk_precision="float32", topk_mass=1e-4),
+                     Setting.of("topk", top_k=128, topk_precision="float16")]
+    settings[7:7] = [Setting.of("topk", top_k=128, topk_precision="prob14", topk_mass=1e-4),
+                     Setting.of("topk", top_k=128, topk_precision="prob14", topk_mass=1e-3)]
+    settings += [Setting.of("svd", svd_rank=512)]
     start = time.perf_counter()
     report = measure(teacher, reqs, ids, settings, students)
     report["seconds"] = time.perf_counter() - start
@@ -330,7 +332,7 @@ def real(out_path: Path) -> None:
     for label, r in report["settings"].items():
         if "mean_entries" in r:
             print(f"  {label:<28} {r['mean_entries']:6.1f} entries  " + "  ".join(
-                f"{n} {st['vs_exact_topk']['max']:.2e} {st['vs_exact_topk']['mean']:.2e}" for n, st in r["students"].items() if "vs_exact_topk" in st))
+                f"{n} {st['vs_exact']['max']:.2e} {st['vs_exact']['mean']:.2e}" for n, st in r["students"].items() if "vs_exact" in st))
     print("\nmean KL(teacher || student) per position: " + ", ".join(f"{k} {v:.3f} nats" for k, v in report["student_distance"].items()))
     report["command"] = "python benchmarks/bench_storage.py"
     out_path.write_text(json.dumps(report, indent=2) + "\n")

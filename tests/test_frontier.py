@@ -30,8 +30,8 @@ def test_frontier_numbers_equal_plain_full_vocabulary_references(hf_cache, demo_
 
     teacher, student = demo_models
     reqs, ids = _requests(hf_cache, 3)
-    settings = [Setting("topk", k=8), Setting("topk", k=8, precision="float16", mass=1e-2), Setting("topk", k=8, precision="prob14", mass=1e-2),
-                Setting("hidden", dtype="bfloat16")]
+    settings = [Setting.of("topk", top_k=8), Setting.of("topk", top_k=8, topk_precision="float16", topk_mass=1e-2),
+                Setting.of("topk", top_k=8, topk_precision="prob14", topk_mass=1e-2), Setting.of("hidden", hidden_dtype="bfloat16")]
     report = measure(teacher, reqs, ids, settings, {"s": student})
     kl = {s.label: [] for s in settings}
     fkl = {s.label: [] for s in settings}
@@ -42,11 +42,11 @@ def test_frontier_numbers_equal_plain_full_vocabulary_references(hf_cache, demo_
         full = (p * (p_lp - s_lp)).sum(-1)
         for s in settings[:3]:
             top_lp, top_ids = p_lp.float().topk(8, -1)
-            if s.mass is None:
+            if s.get("topk_mass") is None:
                 kept_ids, stored = [t.tolist() for t in top_ids], [t.double() for t in top_lp]
                 tails = [float(1 - p[t, top_ids[t]].sum()) for t in range(len(p))]
             else:
-                enc = compact.compact_topk(top_ids.numpy(), top_lp.numpy(), s.precision, s.mass)
+                enc = compact.compact_topk(top_ids.numpy(), top_lp.numpy(), s.get("topk_precision"), s.get("topk_mass"))
                 kept_ids = [row[row != -1].tolist() for row in enc["ids"]]
                 stored = [torch.as_tensor(enc["logprobs"][t][enc["ids"][t] != -1]).double() for t in range(len(p))]
                 tails = enc["tail"].astype(np.float64).tolist()
@@ -72,7 +72,7 @@ def test_frontier_numbers_equal_plain_full_vocabulary_references(hf_cache, demo_
         assert got["students"]["s"]["fkl_error"]["mean"] == pytest.approx(np.mean(fkl[s.label]), rel=1e-3, abs=1e-7)
         assert got["bytes_per_token"] > 0
     assert report["settings"]["top-8 exact"]["kl"]["max"] > 1e-4  # the references are not all ~0
-    codes, half = (report["settings"][f"top-8 {p} mass 0.01"]["students"]["s"]["vs_exact_topk"]["max"] for p in ("prob14", "float16"))
+    codes, half = (report["settings"][f"top-8 {p} mass 0.01"]["students"]["s"]["vs_exact"]["max"] for p in ("prob14", "float16"))
     # each compact store measured against the exact top-8 it encodes: both lose the entries past the 1e-2 mass cut, which
     # dominates their precision's steps (prob14's 2^-15, float16's 2^-11 relative), so the two errors are close, not 0
     assert codes > 0 and half > 0 and abs(codes - half) < 0.05 * max(codes, half)
@@ -80,9 +80,9 @@ def test_frontier_numbers_equal_plain_full_vocabulary_references(hf_cache, demo_
 
 def test_choose_picks_the_cheapest_within_the_error_or_the_best_within_the_bytes():
     frontier = {"settings": {
-        "a": {"store": "topk", "bytes_per_token": 100.0, "kl": {"max": 1e-2}, "flags": "--a", "students": {}},
-        "b": {"store": "topk", "bytes_per_token": 300.0, "kl": {"max": 1e-4}, "flags": "--b", "students": {}},
-        "c": {"store": "sampled", "bytes_per_token": 10.0, "kl": {"max": 1e-6}, "flags": "--c", "students": {}},
+        "a": {"bytes_per_token": 100.0, "kl": {"max": 1e-2}, "kl_is": "divergence", "flags": "--a", "students": {}},
+        "b": {"bytes_per_token": 300.0, "kl": {"max": 1e-4}, "kl_is": "divergence", "flags": "--b", "students": {}},
+        "c": {"bytes_per_token": 10.0, "kl": {"max": 1e-6}, "kl_is": "spread", "flags": "--c", "students": {}},
     }}
     assert choose(frontier, max_error=1e-3)["label"] == "b"  # the sampled store's spread is not an error bound: skipped
     assert choose(frontier, max_error=1e-1)["label"] == "a"
@@ -127,15 +127,18 @@ def test_a_padding_slot_never_touches_token_0():
     must be its stored value, so KL(p || q*) equals the plain sum. (The first version scattered the padding slots too,
     and token 0's entry could lose to one of them.)"""
     from opdcache.stores import compact
-    from opdcache.teacher.frontier import _block_errors
+    from opdcache.stores.base import FrontierBlock
+    from opdcache.teacher.frontier import block_errors
 
     V = 50
     logits = torch.full((1, V), -6.0)
     logits[0, 0], logits[0, 7], logits[0, 3] = 4.0, 3.0, 1.0  # token 0 the most likely; a peaked row keeps few entries
     p_lp = torch.log_softmax(logits, -1)
     tv, ti = p_lp.topk(8, -1)
-    s = Setting("topk", k=8, precision="float32", mass=0.1)
-    kl, _ = _block_errors(s, None, p_lp, None, {}, {"top_ids": [ti], "top_lp": [tv]}, None, None)
+    s = Setting.of("topk", top_k=8, topk_precision="float32", topk_mass=0.1)
+    block = FrontierBlock(p_lp=p_lp.double(), hidden=None, stats={"topk_ids": ti, "topk_logprobs": tv}, log_probs=None)
+    kl, _, spread = block_errors(s, block, {})
+    assert not spread
     enc = compact.compact_topk(ti.numpy(), tv.numpy(), "float32", 0.1)
     kept = enc["ids"][0][enc["ids"][0] != -1]
     assert 0 in kept.tolist() and (enc["ids"][0] == -1).any()  # the case: token 0 kept, padding present

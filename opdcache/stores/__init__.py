@@ -21,7 +21,25 @@ REGISTRY: dict[str, Store] = {s.name: s for s in (
 )}
 """Every teacher store by name, in the order their columns are written."""
 
-__all__ = ["Column", "REGISTRY", "Store", "Violation", "columns", "check_job", "check_params", "gives", "giving", "signal_columns"]
+__all__ = ["Column", "REGISTRY", "Store", "Violation", "always", "columns", "check_job", "check_params", "enabled", "gives",
+           "giving", "needing_own_tokenizer", "signal_columns"]
+
+
+def always() -> tuple[str, ...]:
+    """The stores every teacher table holds, whatever ``--store`` names."""
+    return tuple(name for name, store in REGISTRY.items() if store.always)
+
+
+def enabled(names, own_tokenizer: bool) -> tuple[str, ...]:
+    """The stores a teacher table holds when ``--store`` names ``names``: those always held first, then ``names`` in
+    their order, then those a teacher with its own tokenizer holds (``own_tokenizer``); each once."""
+    mine = tuple(name for name, store in REGISTRY.items() if store.own_tokenizer) if own_tokenizer else ()
+    return tuple(dict.fromkeys(always() + tuple(names) + mine))
+
+
+def needing_own_tokenizer(names) -> list[str]:
+    """Those of ``names`` that only a teacher with its own tokenizer holds."""
+    return [name for name in names if name in REGISTRY and REGISTRY[name].own_tokenizer]
 
 
 def columns() -> tuple[Column, ...]:

@@ -135,6 +135,7 @@ def _card(config, entry) -> list[str]:
 
 STORE = Store(
     name="aligned",
+    own_tokenizer=True,
     gives=("groups",),
     summary="aligned: a teacher with its own tokenizer (score-teacher --prompts), its log-probs per aligned group",
     columns=(

@@ -56,6 +56,75 @@ def _nothing(*_args: Any) -> None:
 
 
 @dataclass(frozen=True)
+class Implied:
+    """The full distribution a store's stored values imply on a block of B positions (``Frontier.implied``), in one of
+    three forms: ``log_q`` alone (a reconstruction of the whole distribution); ``log_q`` with ``kept`` and ``tail`` (a
+    stored support: log q* on it, the tail bin's probability ``tail`` spread over the rest); or ``counts`` with
+    ``spread`` (draws: an unbiased estimate with no q*, reported by its standard error)."""
+
+    log_q: Any = None
+    """[B, V] float64 log q*."""
+    kept: Any = None
+    """[B, V] bool: the stored support."""
+    tail: Any = None
+    """[B] float64: q*'s probability outside the support."""
+    counts: Any = None
+    """[B, V] float64: how often each id was drawn."""
+    spread: Any = None
+    """[B] float64: the standard error of the forward-KL estimate's teacher term, sqrt(Var_p[log p] / m)."""
+
+
+@dataclass(frozen=True)
+class FrontierBlock:
+    """What ``Frontier.implied`` is given for one block of B response positions of one row."""
+
+    p_lp: Any
+    """[B, V] float64: the teacher's exact log-probs."""
+    hidden: Any
+    """[B, H]: the teacher's final hidden states."""
+    stats: Mapping[str, Any]
+    """Engine statistics by name (``opdcache.backends.base.STATISTICS``) at the largest width any setting asks: a
+    setting takes its first columns."""
+    log_probs: Callable[..., Any]
+    """``log_probs(hidden, weight=None, bias=None)``: [B, V] float64 log-probs through the teacher's head (or the given one)."""
+    fitted: Any = None
+    """What ``Frontier.fit`` returned for this setting."""
+
+
+def _always(*_args: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """How ``opdcache plan``'s storage frontier (opdcache/teacher/frontier.py) measures a store: a setting is a dict of
+    its ``schema.StoreParams`` fields, as score-teacher's flags set them."""
+
+    defaults: Callable[[int, int], list]
+    """``defaults(hidden_size, vocab_size)``: the settings plan measures unless told otherwise."""
+    scored: Callable[[Any], list]
+    """``scored(params)``: the settings a table's recorded store parameters are (for a table holding the store)."""
+    label: Callable[[Mapping], str]
+    """A setting's row name in plan's table."""
+    flags: Callable[[Mapping], str]
+    """A setting's score-teacher flags."""
+    implied: Callable[[Mapping, FrontierBlock], Implied]
+    """``implied(setting, block)``: the distribution the setting's stored values imply on the block."""
+    params: Callable[[Mapping, int], Mapping] = lambda setting, hidden_size: setting
+    """``params(setting, hidden_size)``: its StoreParams fields as a table records them."""
+    fits: Callable[[Mapping, int, int], bool] = _always
+    """``fits(setting, hidden_size, vocab_size)``: whether it can be measured on a teacher of these shapes."""
+    fit: Callable[[Mapping, Any, Any], tuple] | None = None
+    """``fit(setting, teacher, calibration)`` -> (what ``implied`` is given as ``block.fitted``, the store encoding rows
+    with it): a store fitted on hidden states [N, H] first (the frontier fits on the first half of the sample and
+    measures on the second). ``teacher`` has ``W`` [V, H] and ``b``."""
+    exact: Callable[[Mapping], "Mapping | None"] = _nothing
+    """``exact(setting)``: the setting whose values this one encodes (its estimates are compared with them), or None."""
+    report: Callable[[Mapping, list], Mapping] = lambda setting, records: {}
+    """``report(setting, records)``: numbers beside its row, from its stored rows."""
+
+
+@dataclass(frozen=True)
 class Store:
     """One teacher store."""
 
@@ -140,6 +209,12 @@ class Store:
     decode its columns from what ``datasets`` returns."""
     info: Callable[[Mapping], str | None] = _nothing
     """``info(params)``: the line ``opdcache info`` prints for a table holding it (None: nothing beyond its bytes)."""
+    always: bool = False
+    """Every teacher table holds it (the scored token's log-prob), whatever ``--store`` names."""
+    own_tokenizer: bool = False
+    """A teacher table holds it exactly when the teacher scores with its own tokenizer (``score-teacher --prompts``)."""
+    frontier: Frontier | None = None
+    """How ``opdcache plan`` measures its bytes and error against the full vocabulary (None: not on the frontier)."""
 
 
 @dataclass

@@ -5,7 +5,7 @@ trainer recomputes the teacher's full distribution."""
 from __future__ import annotations
 
 from opdcache.errors import ConfigError
-from opdcache.stores.base import Column, hidden_to_numpy, Store
+from opdcache.stores.base import Column, Frontier, hidden_to_numpy, Implied, Store
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -67,6 +67,24 @@ def _head(cache, table, params):
     return load_head(path), params.hidden_size, path
 
 
+def _implied(setting, block) -> Implied:
+    """q* = softmax of the logits of the states rounded to the stored dtype."""
+    import torch
+
+    h = block.hidden
+    return Implied(log_q=block.log_probs(h.to(getattr(torch, setting["hidden_dtype"])).to(h.dtype)))
+
+
+FRONTIER = Frontier(
+    defaults=lambda hidden_size, vocab_size: [{"hidden_dtype": d} for d in ("float32", "bfloat16")],
+    scored=lambda p: [{"hidden_dtype": p.hidden_dtype or "float32"}] if (p.hidden_dtype or "float32") in ("float32", "bfloat16") else [],
+    label=lambda setting: f"hidden {setting['hidden_dtype']}",
+    flags=lambda setting: f"--store hidden --hidden-dtype {setting['hidden_dtype']}",
+    implied=_implied,
+    params=lambda setting, hidden_size: {**setting, "hidden_size": hidden_size},
+)
+
+
 STORE = Store(
     name="hidden",
     gives=("vectors",),
@@ -89,4 +107,5 @@ STORE = Store(
     side_tensors=("weight",),  # its shapes are checked where validate loads it to rebuild the log-probs
     card=_card,
     flat=(),
+    frontier=FRONTIER,
 )

@@ -19,6 +19,7 @@ def _encode(sc, params) -> dict:
 
 STORE = Store(
     name="logprob",
+    always=True,
     gives=("sampled_logprob",),
     summary="logprob (always): the teacher's log-prob of each sampled token",
     columns=(

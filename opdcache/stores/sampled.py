@@ -18,7 +18,7 @@ import hashlib
 import numpy as np
 
 from opdcache.errors import ConfigError
-from opdcache.stores.base import Column, PAD_ID, Store
+from opdcache.stores.base import Column, Frontier, Implied, PAD_ID, Store
 from opdcache.stores.rowrules import sampled_rules
 
 MAX_DRAWS = 255
@@ -109,6 +109,28 @@ def _card(config: str, entry: dict) -> list[str]:
             "```python", RECIPE, "```", ""]
 
 
+def _implied(setting, block) -> Implied:
+    """No q*: the draws' counts (the estimate is unbiased) and its spread, sqrt(Var_p[log p] / m)."""
+    import torch
+
+    m = setting["samples_per_position"]
+    p_lp = block.p_lp.double()
+    p = p_lp.exp()
+    var = (p * p_lp * p_lp).sum(-1) - ((p * p_lp).sum(-1)) ** 2
+    ids = block.stats["sampled_ids"][:, :m]
+    counts = torch.zeros_like(p_lp).scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float64))
+    return Implied(counts=counts, spread=torch.sqrt(var.clamp_min(0) / m))
+
+
+FRONTIER = Frontier(
+    defaults=lambda hidden_size, vocab_size: [{"samples_per_position": m} for m in (4, 12, 32)],
+    scored=lambda p: [{"samples_per_position": p.samples_per_position}] if p.samples_per_position else [],
+    label=lambda setting: f"sampled m={setting['samples_per_position']}",
+    flags=lambda setting: f"--store sampled --samples-per-position {setting['samples_per_position']}",
+    implied=_implied,
+)
+
+
 STORE = Store(
     name="sampled",
     gives=("draws",),
@@ -137,4 +159,5 @@ STORE = Store(
     rules=_rules,
     info=_info,
     card=_card,
+    frontier=FRONTIER,
 )

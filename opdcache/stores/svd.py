@@ -5,7 +5,7 @@ module writes its column (the projection is fitted over the whole table first: o
 from __future__ import annotations
 
 from opdcache.errors import ConfigError
-from opdcache.stores.base import Column, Store
+from opdcache.stores.base import Column, Frontier, Implied, Store
 
 
 def _check_job(job, enabled: bool) -> None:
@@ -93,6 +93,36 @@ def _head(cache, table, params):
     return Head(projection.decoder, projection.bias), params.svd_rank, path
 
 
+def _fit(setting, teacher, calibration) -> tuple:
+    """The frontier's projection: the prob-weighted fit of the setting's rank on the calibration states."""
+    from opdcache.stores import svdprojection
+
+    proj = svdprojection.fit(teacher.W, teacher.b, calibration, min(setting["svd_rank"], int(teacher.W.shape[1])), "prob-weighted")
+    return proj, encoding_with(proj, setting.get("svd_dtype") == "bfloat16")
+
+
+def _implied(setting, block) -> Implied:
+    """q* = softmax of the rank-r reconstruction's logits (its codes rounded to the stored dtype)."""
+    import torch
+
+    proj = block.fitted
+    z = proj.encode(block.hidden)
+    if setting.get("svd_dtype") == "bfloat16":
+        z = z.to(torch.bfloat16).float()
+    return Implied(log_q=block.log_probs(z, proj.decoder, proj.bias))
+
+
+FRONTIER = Frontier(
+    defaults=lambda hidden_size, vocab_size: [{"svd_rank": r, "svd_dtype": "bfloat16"} for r in (64, 256, 512) if r < hidden_size],
+    scored=lambda p: [{"svd_rank": p.svd_rank, "svd_dtype": p.svd_dtype}] if p.svd_rank else [],
+    label=lambda setting: f"svd r={setting['svd_rank']} {setting.get('svd_dtype') or 'float32'}",
+    flags=lambda setting: f"--store svd --svd-rank {setting['svd_rank']} --svd-dtype {setting.get('svd_dtype') or 'float32'}",
+    implied=_implied,
+    fits=lambda setting, hidden_size, vocab_size: setting["svd_rank"] < hidden_size,
+    fit=_fit,
+)
+
+
 STORE = Store(
     name="svd",
     gives=("vectors",),
@@ -116,4 +146,5 @@ STORE = Store(
     side_file_problem=_side_file_problem,
     side_record=_side_record,
     flat=(),
+    frontier=FRONTIER,
 )

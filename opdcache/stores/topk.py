@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from opdcache.errors import ConfigError
-from opdcache.stores.base import Column, Store
+from opdcache.stores.base import Column, Frontier, Implied, Store
 
 PRECISIONS = ("float32", "float16", "prob14")
 """Precisions of the compact top-k store's values: float32 or float16 log-probs (v3), or ``prob14`` (v4): each kept
@@ -80,6 +80,88 @@ def _card(config: str, entry: dict) -> list[str]:
             "```python", RECIPES[precision], "```", ""]
 
 
+def _compact(setting) -> bool:
+    return setting.get("topk_precision") is not None or setting.get("topk_mass") is not None
+
+
+def _label(setting) -> str:
+    if not _compact(setting):
+        return f"top-{setting['top_k']} exact"
+    mass = setting.get("topk_mass")
+    return f"top-{setting['top_k']} {setting.get('topk_precision') or 'float32'}" + (f" mass {mass:g}" if mass is not None else "")
+
+
+def _flags(setting) -> str:
+    out = f"--store topk --top-k {setting['top_k']}"
+    if _compact(setting):
+        mass = setting.get("topk_mass")
+        out += f" --topk-precision {setting.get('topk_precision') or 'float32'}" + (f" --topk-mass {mass:g}" if mass is not None else "")
+    return out
+
+
+def _defaults(hidden_size: int, vocab_size: int) -> list:
+    """Top-k widths, and the compact top-128 in float16 at two masses and as prob14 (the smallest top-k store:
+    BENCHMARKS.md)."""
+    k = min(128, vocab_size - 1)
+    return ([{"top_k": w} for w in (20, 128, 512) if w < vocab_size]
+            + [{"top_k": k, "topk_precision": "float16", "topk_mass": mass} for mass in (1e-4, 1e-3)]
+            + [{"top_k": k, "topk_precision": "prob14", "topk_mass": 1e-4}])
+
+
+def _implied(setting, block) -> Implied:
+    """q* = the stored entries renormalised with the tail bin, the tail spread evenly over the rest (the maximum-entropy
+    completion, opdcache/format/fidelity.py); the exact store's tail is the mass outside, summed directly."""
+    import math
+
+    import torch
+
+    from opdcache.stores import compact
+
+    p_lp = block.p_lp.double()
+    k = setting["top_k"]
+    ids, lps = block.stats["topk_ids"][:, :k], block.stats["topk_logprobs"][:, :k]
+    if not _compact(setting):
+        kept_k, stored = torch.ones(ids.shape, dtype=torch.bool), lps
+        outside = torch.ones(p_lp.shape, dtype=torch.bool).scatter_(1, ids.long(), False)
+        tail = (p_lp.exp() * outside).sum(-1)
+    else:
+        enc = compact.compact_topk(ids.numpy(), lps.numpy(), setting.get("topk_precision") or "float32", setting.get("topk_mass"))
+        kept_k = torch.as_tensor(enc["ids"] != -1)
+        ids = torch.as_tensor(enc["ids"]).long().clamp_min(0)
+        stored = torch.as_tensor(enc["logprobs"])
+        tail = torch.as_tensor(enc["tail"]).double()
+    tail = tail.clamp_min(1e-30)  # a tail rounded to 0 while the teacher still has mass there: a finite, large KL
+    B, V = p_lp.shape
+    stored64 = torch.where(kept_k, stored.double(), torch.full_like(stored.double(), -math.inf))
+    z = stored64.exp().sum(-1) + tail
+    r, c = kept_k.nonzero(as_tuple=True)  # only kept slots: a padding slot's id (clamped to 0) must not touch token 0
+    kept = torch.zeros((B, V), dtype=torch.bool)
+    kept[r, ids[r, c]] = True
+    q_star = torch.log((tail / z) / (V - kept_k.sum(-1)).clamp_min(1).double())[:, None].expand(B, V).clone()
+    q_star[r, ids[r, c]] = (stored64 - torch.log(z)[:, None])[r, c]
+    return Implied(log_q=q_star, kept=kept, tail=tail / z)
+
+
+def _report(setting, records) -> dict:
+    import numpy as np
+
+    if not _compact(setting):
+        return {}
+    return {"mean_entries": float(np.mean([(r["topk_ids"] != -1).sum(1).mean() for r in records])) if records else 0.0}
+
+
+FRONTIER = Frontier(
+    defaults=_defaults,
+    scored=lambda p: [{"top_k": p.top_k, "topk_precision": p.topk_precision, "topk_mass": p.topk_mass}] if p.top_k else [],
+    label=_label,
+    flags=_flags,
+    implied=_implied,
+    fits=lambda setting, hidden_size, vocab_size: setting["top_k"] < vocab_size,
+    exact=lambda setting: {"top_k": setting["top_k"]} if _compact(setting) else None,
+    report=_report,
+)
+
+
 STORE = Store(
     name="topk",
     gives=("top_k",),
@@ -98,4 +180,5 @@ STORE = Store(
     needs=("topk_ids", "topk_logprobs"),
     encode=_encode,
     card=_card,
+    frontier=FRONTIER,
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from opdcache.teacher.frontier import choose, default_settings, measure, Model, Setting
+from opdcache.teacher.frontier import choose, default_settings, held_out, measure, Model, scored_settings_of, Setting
 
 DEFAULT_MAX_ERROR = 1e-2  # nats: the error budget plan recommends within when given neither --max-error nor --max-bytes
 
@@ -41,20 +41,6 @@ class PlanConfig:
             raise ConfigError(f"--max-bytes must be positive, got {self.max_bytes}")
 
 
-def _settings_of(params) -> list[Setting]:
-    """The frontier settings a teacher table's stores correspond to."""
-    p, out = params, []
-    if "topk" in p.stores and p.top_k:
-        out.append(Setting("topk", k=p.top_k, precision=p.topk_precision, mass=p.topk_mass))
-    if "sampled" in p.stores and p.samples_per_position:
-        out.append(Setting("sampled", m=p.samples_per_position))
-    if "hidden" in p.stores and (p.hidden_dtype or "float32") in ("float32", "bfloat16"):
-        out.append(Setting("hidden", dtype=p.hidden_dtype or "float32"))
-    if "svd" in p.stores and p.svd_rank:
-        out.append(Setting("svd", rank=p.svd_rank, dtype=p.svd_dtype or "float32"))
-    return out
-
-
 def scored_settings(cache) -> dict[str, tuple[Setting, list[str]]]:
     """The frontier settings of the stores already scored in ``cache``: {label: (setting, [teacher tables])}."""
     from opdcache.format import schema as S
@@ -62,7 +48,7 @@ def scored_settings(cache) -> dict[str, tuple[Setting, list[str]]]:
     out: dict[str, tuple[Setting, list[str]]] = {}
     for table in cache.teachers:
         name = cache.teacher_table(table)
-        for setting in _settings_of(S.StoreParams.from_dict(cache.table(name)["params"])):
+        for setting in scored_settings_of(S.StoreParams.from_dict(cache.table(name)["params"])):
             out.setdefault(setting.label, (setting, []))[1].append(name)
     return out
 
@@ -93,11 +79,10 @@ def run_plan(cfg: PlanConfig, settings: list[Setting] | None = None) -> dict:
         settings = default_settings(teacher.hidden_size, int(teacher.W.shape[0]))
         have = {x.label for x in settings}
         settings += [x for label, (x, _) in scored_settings(cache).items() if label not in have
-                     and (x.k or 0) < teacher.W.shape[0] and (x.rank or 0) < teacher.hidden_size]
+                     and x.fits(teacher.hidden_size, int(teacher.W.shape[0]))]
     from opdcache.progress import bar
 
-    with bar(len(requests) - (len(requests) // 2 if any(s.store == "svd" for s in settings) and len(requests) > 1 else 0),
-             desc="plan", unit="row") as progress:
+    with bar(len(requests) - held_out(settings, len(requests)), desc="plan", unit="row") as progress:
         report = measure(teacher, requests, row_ids, settings, models, cfg.seed, progress.update)
     report["teacher"] = str(cfg.teacher)
     report["scored"] = {label: tables for label, (_, tables) in scored_settings(cache).items() if label in report["settings"]}

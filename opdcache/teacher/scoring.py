@@ -101,9 +101,10 @@ class ScoreJob:
     once first, so every worker reads one projection instead of fitting its own."""
 
     def __post_init__(self) -> None:
-        stores = tuple(dict.fromkeys(("logprob",) + tuple(self.stores) + (("aligned",) if self.prompts else ())))
-        if "aligned" in stores and self.prompts is None:
-            raise ConfigError("--store aligned is written for a teacher with its own tokenizer: pass --prompts with the "
+        stores = store_registry.enabled(self.stores, self.prompts is not None)
+        wrong = store_registry.needing_own_tokenizer(stores) if self.prompts is None else []
+        if wrong:
+            raise ConfigError(f"--store {wrong[0]} is written for a teacher with its own tokenizer: pass --prompts with the "
                               "prompts file the rollouts were built from")
         object.__setattr__(self, "stores", stores)
         unknown = set(stores) - set(S.TEACHER_STORES)
