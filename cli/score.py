@@ -74,24 +74,9 @@ def score_teacher(
     O.save_stage_settings(ctx.params, job.cache, "teachers", result["slug"])
     c = result["consistency"]
     typer.echo(f"teacher consistency: {c['verdict']} ({c['note']})")
-    if result.get("svd"):
-        for method, d in result["svd"]["distortion"].items():
-            typer.echo(f"svd {method:<13} rank {d['rank']}: KL(teacher || rank-{d['rank']} reconstruction) {d['mean_kl']:.2e}"
-                       + (f" ± {d['kl_stderr']:.1e}" if "kl_stderr" in d else "") + " nats/position "
-                       f"(mean over {d['positions']} positions of {result['svd'].get('heldout', 'held-out rows')}, temperature 1), "
-                       f"top-1 agreement {d['top1_agreement']:.1%}")
-    if result.get("topk"):
-        d = result["topk"]["distortion"]
-        typer.echo(f"compact top-k ({result['topk']['precision']}, mass {result['topk']['mass']}): {d['mean_entries']:.1f} entries a "
-                   f"position; |log-prob error| max {d['max_abs_logprob_error']:.2e}; KL(exact top-k || compact) max "
-                   f"{d['max_kl_exact_to_compact']:.2e}; mass moved into the tail max {d['max_moved_mass']:.2e}")
-    if result.get("aligned"):
-        a = result["aligned"]
-        skipped = a["rows"] - a["aligned"]
-        typer.echo(f"aligned with the teacher's tokenizer: {a['aligned']:,} of {a['rows']:,} rows, {a['groups']:,} groups "
-                   f"({a['one_to_one'] / max(a['groups'], 1):.1%} one token to one); {a['teacher_tokens']:,} teacher tokens for "
-                   f"{a['student_tokens']:,} of pi_ref's" + (f"; {skipped:,} rows skipped (never trained): "
-                   + "; ".join(f"{n} x {why}" for why, n in a["skipped"].items()) if skipped else ""))
+    for name, store in REGISTRY.items():  # what each store recorded: the svd fit, the compact top-k, the alignment
+        for line in store.describe(result[name]) if result.get(name) else ():
+            typer.echo(line)
     if result.get("fidelity"):
         from opdcache.format.fidelity import describe
 
@@ -126,10 +111,9 @@ def upgrade(
     from opdcache.teacher.upgrade import run_upgrade
 
     res = run_upgrade(cache, teacher, topk_precision, topk_mass, name, progress)
-    d = res["topk"]["distortion"]
-    typer.echo(f"{res['table']}: {res['topk']['precision']} log-probs, mass {res['topk']['mass']}, {d['mean_entries']:.1f} entries a position "
-               f"(from {res['source']}); |log-prob error| max {d['max_abs_logprob_error']:.2e}, mass moved into the tail max "
-               f"{d['max_moved_mass']:.2e}; wrote shards {res['written'] or 'none (all present)'}")
+    typer.echo(f"{res['table']} (from {res['source']}): wrote shards {res['written'] or 'none (all present)'}")
+    for line in res["describe"]:
+        typer.echo(line)
 
 
 def register(app: typer.Typer) -> None:

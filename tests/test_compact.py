@@ -304,6 +304,7 @@ def test_upgrade_writes_the_same_compact_table_as_scoring_and_leaves_the_source(
     wrote with the same settings, its recorded distortion too, and the source table is unchanged."""
     from opdcache.format.cache import Cache
     from opdcache.errors import ConfigError
+    from opdcache.stores import REGISTRY
     from opdcache.teacher.upgrade import run_upgrade
 
     root, _ = compact_cache
@@ -311,7 +312,9 @@ def test_upgrade_writes_the_same_compact_table_as_scoring_and_leaves_the_source(
     res = run_upgrade(root, "exact16", "float16", 1e-3, name="exact16-up")
     cache = Cache(root)
     assert cache.table("teachers/exact16") == before
-    assert res["topk"] == cache.table("teachers/compact16")["topk"]
+    assert res["records"]["topk"] == cache.table("teachers/compact16")["topk"]
+    assert res["describe"] == REGISTRY["topk"].describe(res["records"]["topk"])
+    assert res["describe"][0].startswith("compact top-k: float16 log-probs, residual mass 0.001")
     for a, b in zip(cache.shard_paths("teachers/exact16-up"), cache.shard_paths("teachers/compact16")):
         ta, tb = shards.read_table(a), shards.read_table(b)
         for col in ("id", "logprobs", "topk_ids", "topk_logprobs", "topk_tail"):

@@ -256,27 +256,11 @@ class TableJob:
                 for name in SIDE_FILE_OF_STORE.values() if (self.dir / name).is_file()}
         if side:  # hashed like shards, checked by validate
             entry["files"] = side
-        if self.params.topk_compact:  # the distortion each shard measured when it was written, merged
-            entry["topk"] = self.topk_record()
         if self.kind == "teacher":
             entry["fidelity"] = self.fidelity_record()
             entry.update(self.store_records())
         entry.update({k: v for k, v in extra.items() if v is not None})
         return entry
-
-    def topk_record(self) -> dict:
-        """A compact top-k table's settings and its measured distortion against the exact top-k (opdcache/stores/compact.py),
-        merged from the sums every shard's footer carries."""
-        from opdcache.stores import compact
-
-        sums = []
-        for i in range(self.num_shards):
-            meta = shards.read_schema(self.shard_path(i)).metadata or {}
-            if compact.DISTORTION_META not in meta:
-                raise ManifestError(f"{self.shard_path(i)} has no recorded top-k distortion; delete it and rerun the job to rewrite it")
-            sums.append(loads(meta[compact.DISTORTION_META], f"{self.table} shard footer", ManifestError))
-        return {"precision": self.params.topk_precision or "float32", "mass": self.params.topk_mass,
-                "distortion": compact.distortion_summary(compact.merge_sums(sums))}
 
     def store_records(self) -> dict:
         """What each enabled store with a manifest record keeps in the table entry, merged from its shards' footers."""
@@ -284,14 +268,14 @@ class TableJob:
 
         out = {}
         for store in REGISTRY.values():
-            if store.record is None or store.name not in self.params.stores:
+            if store.record is None or store.name not in self.params.stores or not store.record_when(self.params):
                 continue
             metas = [shards.read_schema(self.shard_path(i)).metadata or {} for i in range(self.num_shards)]
             missing = [i for i, meta in enumerate(metas) if store.record_meta not in meta]
             if missing:
                 raise ManifestError(f"{self.shard_path(missing[0])} has no {store.name} record in its footer; delete it "
                                     "and rerun the job to rewrite it")
-            out[store.name] = store.record(metas)
+            out[store.name] = store.record(metas, self.params)
         return out
 
     def fidelity_record(self) -> dict:

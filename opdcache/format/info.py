@@ -54,7 +54,7 @@ def summary(root: str | Path) -> dict:
             "engine": "/".join(str(v) for k in ("engine", "dtype", "quantization") if (v := (entry.get("model") or {}).get(k))) or None,
             "consistency": (entry.get("consistency") or {}).get("verdict"),
             "reward_mean": _reward_mean(cache, name) if "task" in entry["params"]["stores"] else None,
-            "topk": entry.get("topk"),
+            "records": {store: entry[store] for store in entry["params"]["stores"] if store in REGISTRY and store in entry},
             "fidelity": entry.get("fidelity") if entry["kind"] == "teacher" else None,
             "samples_per_position": entry["params"].get("samples_per_position"),
             "store_notes": [note for store in entry["params"]["stores"] if store in REGISTRY
@@ -101,13 +101,9 @@ def render(info: dict) -> str:
             lines += _wrap(f"model {t['model']} ({(t['model_fingerprint'] or '')[:16]}){extra}")
             if t.get("engine"):
                 lines += _wrap(f"computed by {t['engine']}")
-        if t.get("topk"):
-            c, d = t["topk"], t["topk"]["distortion"]
-            lines += _wrap(f"compact top-k: {c['precision']} log-probs, residual mass {c['mass']}, {d['mean_entries']:.1f} entries a "
-                           f"position; against the exact top-k: |log-prob error| max {d['max_abs_logprob_error']:.2e} mean "
-                           f"{d['mean_abs_logprob_error']:.2e}, KL(exact || compact) max {d['max_kl_exact_to_compact']:.2e} mean "
-                           f"{d['mean_kl_exact_to_compact']:.2e}, mass moved into the tail max {d['max_moved_mass']:.2e} mean "
-                           f"{d['mean_moved_mass']:.2e}")
+        for store, record in (t.get("records") or {}).items():  # what each store recorded (the compact top-k's distortion, ...)
+            for line in REGISTRY[store].describe(record):
+                lines += _wrap(line)
         if t["kind"] == "teacher":
             from opdcache.format.fidelity import describe
 

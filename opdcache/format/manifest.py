@@ -79,7 +79,6 @@ _TABLE = {
         "shards": {"type": "array", "items": _SHARD},
         "files": {"type": "object", "additionalProperties": _FILE},
         "consistency": {"type": "object"},
-        "svd": {"type": "object"},
         "stats": {"type": "object"},
     },
 }
@@ -96,36 +95,16 @@ _ASYNC = {
 }
 
 
-_TOPK = {
-    "type": "object",
-    "description": "a compact top-k store (format v3): its precision and residual-mass support, and the distortion against the exact top-k measured when each shard was written (opdcache/stores/compact.py)",
-    "required": ["precision", "mass", "distortion"],
-    "properties": {
-        "precision": {"enum": ["float32", "float16"]}, "mass": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
-        "distortion": {"type": "object", "required": ["positions", "mean_entries", "max_abs_logprob_error", "mean_abs_logprob_error",
-                                                      "max_kl_exact_to_compact", "mean_kl_exact_to_compact", "max_moved_mass", "mean_moved_mass"]},
-    },
-}
-
-
-_ALIGNED = {
-    "type": "object",
-    "description": "a teacher with its own tokenizer (format v6): how many rows were aligned and skipped (and why), and the groups the two tokenizations share, counted while scoring",
-    "required": ["rows", "aligned", "groups", "one_to_one", "student_tokens", "teacher_tokens", "skipped"],
-    "properties": {"skipped": {"type": "object", "additionalProperties": {"type": "integer"}}, "examples": {"type": "array"}},
-}
-
-
 def _table(version: int) -> dict:
-    if version < 2:
-        return _TABLE
-    props = {**_TABLE["properties"], "async": _ASYNC}
-    if version >= 3:
-        props["topk"] = _TOPK
-    if version >= 4:  # the prob14 precision
-        props["topk"] = {**_TOPK, "properties": {**_TOPK["properties"], "precision": {"enum": [p for p in S.TOPK_PRECISIONS]}}}
-    if version >= 6:
-        props["aligned"] = _ALIGNED
+    from opdcache.stores import REGISTRY
+
+    props = dict(_TABLE["properties"])
+    if version >= 2:
+        props["async"] = _ASYNC
+    for name, store in REGISTRY.items():  # what a table entry keeps under a store's name (the svd fit, the compact top-k, ...)
+        record = store.record_schema(version)
+        if record is not None:
+            props[name] = record
     if version >= 7:  # a table scored or sampled through a running server records what served it
         props["model"] = {**_MODEL, "properties": {**_MODEL["properties"], "served": _SERVED}}
     return {**_TABLE, "properties": props}

@@ -99,7 +99,7 @@ def footer(counts: dict) -> bytes:
     return json.dumps(counts, sort_keys=True).encode()
 
 
-def _record(metas: list) -> dict:
+def _record(metas: list, params) -> dict:
     """The table's alignment counts, merged from its shards' footers."""
     total = {"rows": 0, "aligned": 0, "groups": 0, "one_to_one": 0, "student_tokens": 0, "teacher_tokens": 0,
              "skipped": {}, "examples": []}
@@ -114,6 +114,22 @@ def _record(metas: list) -> dict:
             total["skipped"][reason] = total["skipped"].get(reason, 0) + int(n)
         total["examples"] = (total["examples"] + part["examples"])[:SKIP_EXAMPLES]
     return total
+
+
+RECORD_SCHEMA = {
+    "type": "object",
+    "description": "a teacher with its own tokenizer (format v6): how many rows were aligned and skipped (and why), and the groups the two tokenizations share, counted while scoring",
+    "required": ["rows", "aligned", "groups", "one_to_one", "student_tokens", "teacher_tokens", "skipped"],
+    "properties": {"skipped": {"type": "object", "additionalProperties": {"type": "integer"}}, "examples": {"type": "array"}},
+}
+
+
+def _describe(a) -> list[str]:
+    skipped = a["rows"] - a["aligned"]
+    return [f"aligned with the teacher's tokenizer: {a['aligned']:,} of {a['rows']:,} rows, {a['groups']:,} groups "
+            f"({a['one_to_one'] / max(a['groups'], 1):.1%} one token to one); {a['teacher_tokens']:,} teacher tokens for "
+            f"{a['student_tokens']:,} of pi_ref's" + (f"; {skipped:,} rows skipped (never trained): "
+            + "; ".join(f"{n} x {why}" for why, n in a["skipped"].items()) if skipped else "")]
 
 
 def _info(params) -> str | None:
@@ -168,6 +184,8 @@ STORE = Store(
     flat=("span_tokens", "span_topk_ids", "span_topk_logprobs", "span_topk_student_ids"),
     record=_record,
     record_meta=META,
+    record_schema=lambda version: RECORD_SCHEMA if version >= 6 else None,  # since the store
+    describe=_describe,
     info=_info,
     card=_card,
 )

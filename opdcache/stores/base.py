@@ -197,11 +197,19 @@ class Store:
     table_rules: Callable[[Any, np.ndarray], list] | None = None
     """``table_rules(table, offsets)``: rules that tie a row's columns together, on a shard's Arrow table with its
     response offsets, as (column, bad rows [rows] bool, message); validate reports them."""
-    record: Callable[[list], dict] | None = None
-    """``record(footers)``: what the manifest's table entry holds under the store's name, merged from every shard's
-    footer key-value metadata (each holding ``record_meta``), e.g. counts measured while scoring."""
+    record: Callable[[list, Any], dict] | None = None
+    """``record(footers, params)``: what the manifest's table entry holds under the store's name, merged from every
+    shard's footer key-value metadata (each holding ``record_meta``; untrusted bytes), e.g. counts measured while
+    scoring, the distortion measured while encoding."""
     record_meta: bytes | None = None
     """The footer key each shard of a table holding the store carries for ``record``."""
+    record_when: Callable[[Any], bool] = _always
+    """``record_when(params)``: whether a table holding the store with these parameters keeps the record."""
+    record_schema: Callable[[int], "dict | None"] = _nothing
+    """``record_schema(version)``: the JSON Schema of what the manifest's table entry keeps under its name at that
+    format version (the record, or the fit ``prepare`` records), or None where the version has none."""
+    describe: Callable[[Mapping], list] = lambda record: []
+    """``describe(record)``: that record as lines, printed by score-teacher when it finishes and by ``opdcache info``."""
     flat: tuple[str, ...] | None = None
     """The columns flat exports (``opdcache export``) carry, decoded to plain numbers (None: all of them)."""
     card: Callable[[str, Mapping], list[str]] = lambda config, entry: []
@@ -209,6 +217,11 @@ class Store:
     decode its columns from what ``datasets`` returns."""
     info: Callable[[Mapping], str | None] = _nothing
     """``info(params)``: the line ``opdcache info`` prints for a table holding it (None: nothing beyond its bytes)."""
+    reencode: Callable[[Any, Mapping, str], Mapping] | None = None
+    """``reencode(params, options, where)``: for ``opdcache upgrade``, which re-encodes a table holding the store beside
+    it without the teacher: the new table's store parameters (StoreParams fields) from the source's and the command's
+    options (by StoreParams field), raising ConfigError (naming the table ``where``) when there is nothing to do. The
+    new rows are encoded from the source's columns as the engine's statistics of the same names (None: not re-encoded)."""
     always: bool = False
     """Every teacher table holds it (the scored token's log-prob), whatever ``--store`` names."""
     own_tokenizer: bool = False

@@ -112,6 +112,14 @@ def _implied(setting, block) -> Implied:
     return Implied(log_q=block.log_probs(z, proj.decoder, proj.bias))
 
 
+def _describe(record) -> list[str]:
+    """The fit's distortion, per method measured (the fitted one and its comparisons)."""
+    return [f"svd {method:<13} rank {d['rank']}: KL(teacher || rank-{d['rank']} reconstruction) {d['mean_kl']:.2e}"
+            + (f" ± {d['kl_stderr']:.1e}" if "kl_stderr" in d else "") + " nats/position "
+            f"(mean over {d['positions']} positions of {record.get('heldout', 'held-out rows')}, temperature 1), "
+            f"top-1 agreement {d['top1_agreement']:.1%}" for method, d in record["distortion"].items()]
+
+
 FRONTIER = Frontier(
     defaults=lambda hidden_size, vocab_size: [{"svd_rank": r, "svd_dtype": "bfloat16"} for r in (64, 256, 512) if r < hidden_size],
     scored=lambda p: [{"svd_rank": p.svd_rank, "svd_dtype": p.svd_dtype}] if p.svd_rank else [],
@@ -145,6 +153,8 @@ STORE = Store(
     side_tensors=("encoder", "decoder"),
     side_file_problem=_side_file_problem,
     side_record=_side_record,
+    record_schema=lambda version: {"type": "object"},  # the fit's record, kept since v1
+    describe=_describe,
     flat=(),
     frontier=FRONTIER,
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from opdcache.errors import ConfigError
 from opdcache.stores.base import Column, Frontier, Implied, Store
+from opdcache.stores.compact import DISTORTION_META
 
 PRECISIONS = ("float32", "float16", "prob14")
 """Precisions of the compact top-k store's values: float32 or float16 log-probs (v3), or ``prob14`` (v4): each kept
@@ -150,6 +151,55 @@ def _report(setting, records) -> dict:
     return {"mean_entries": float(np.mean([(r["topk_ids"] != -1).sum(1).mean() for r in records])) if records else 0.0}
 
 
+def _reencode(params, options, where: str) -> dict:
+    """An exact top-k as a compact one (``opdcache upgrade``)."""
+    if params.topk_compact:
+        raise ConfigError(f"{where} is already a compact top-k ({params.topk_precision}, mass {params.topk_mass}); "
+                          "compact an exact top-k table instead")
+    if options.get("topk_precision") is None and options.get("topk_mass") is None:
+        raise ConfigError("give --topk-precision and/or --topk-mass: the exact top-k is already what the source holds")
+    _check_shape(options.get("topk_precision"), options.get("topk_mass"), True)
+    return {"top_k": params.top_k, "topk_precision": options.get("topk_precision"), "topk_mass": options.get("topk_mass")}
+
+
+def _record(metas: list, params) -> dict:
+    """A compact top-k table's settings and its distortion against the exact top-k, merged from the sums every shard's
+    footer carries (opdcache/stores/compact.py)."""
+    from opdcache.errors import ManifestError
+    from opdcache.stores import compact
+    from opdcache.untrusted import loads
+
+    sums = [loads(meta[DISTORTION_META], "a shard footer's top-k distortion", ManifestError) for meta in metas]
+    return {"precision": params.topk_precision or "float32", "mass": params.topk_mass,
+            "distortion": compact.distortion_summary(compact.merge_sums(sums))}
+
+
+def _record_schema(version: int) -> dict | None:
+    """A compact top-k's record (format v3; v4 added the prob14 precision)."""
+    if version < 3:
+        return None
+    return {
+        "type": "object",
+        "description": "a compact top-k store (format v3): its precision and residual-mass support, and the distortion against the exact top-k measured when each shard was written (opdcache/stores/compact.py)",
+        "required": ["precision", "mass", "distortion"],
+        "properties": {
+            "precision": {"enum": [p for p in PRECISIONS if PRECISION_SINCE[p] <= version]},
+            "mass": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+            "distortion": {"type": "object", "required": ["positions", "mean_entries", "max_abs_logprob_error", "mean_abs_logprob_error",
+                                                          "max_kl_exact_to_compact", "mean_kl_exact_to_compact", "max_moved_mass", "mean_moved_mass"]},
+        },
+    }
+
+
+def _describe(c) -> list[str]:
+    d = c["distortion"]
+    return [f"compact top-k: {c['precision']} log-probs, residual mass {c['mass']}, {d['mean_entries']:.1f} entries a "
+            f"position; against the exact top-k: |log-prob error| max {d['max_abs_logprob_error']:.2e} mean "
+            f"{d['mean_abs_logprob_error']:.2e}, KL(exact || compact) max {d['max_kl_exact_to_compact']:.2e} mean "
+            f"{d['mean_kl_exact_to_compact']:.2e}, mass moved into the tail max {d['max_moved_mass']:.2e} mean "
+            f"{d['mean_moved_mass']:.2e}"]
+
+
 FRONTIER = Frontier(
     defaults=_defaults,
     scored=lambda p: [{"top_k": p.top_k, "topk_precision": p.topk_precision, "topk_mass": p.topk_mass}] if p.top_k else [],
@@ -179,6 +229,12 @@ STORE = Store(
     params=lambda job, facts: {"top_k": job.top_k},
     needs=("topk_ids", "topk_logprobs"),
     encode=_encode,
+    reencode=_reencode,
+    record=_record,
+    record_meta=DISTORTION_META,
+    record_when=lambda params: bool(params.topk_compact),
+    record_schema=_record_schema,
+    describe=_describe,
     card=_card,
     frontier=FRONTIER,
 )

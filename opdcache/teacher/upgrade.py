@@ -23,23 +23,28 @@ from opdcache.format.cache import Cache, run_table_job, TableJob
 
 def run_upgrade(cache_root, teacher: str | None, topk_precision: str | None, topk_mass: float | None, name: str | None = None,
                 progress: bool | None = None) -> dict:
+    """Re-encode the teacher table ``teacher`` (default: the only one) as ``teachers/<name>``: {"source", "table",
+    "written", "records" (what the new table's stores recorded, by store), "describe" (those records as lines)}."""
+    from opdcache.backends.base import Scores, STATISTICS
+    from opdcache.stores import always, REGISTRY
+
+    options = {"topk_precision": topk_precision, "topk_mass": topk_mass}
     cache = Cache(cache_root)
     source = cache.teacher_table(teacher)
     entry, params = cache.table(source), cache.params(source)
-    if "topk" not in params.stores:
-        raise ConfigError(f"{source} has no topk store: nothing to compact (score-teacher --store topk)")
-    if params.topk_compact:
-        raise ConfigError(f"{source} is already a compact top-k ({params.topk_precision}, mass {params.topk_mass}); "
-                          "compact an exact top-k table instead")
-    if topk_precision is None and topk_mass is None:
-        raise ConfigError("give --topk-precision and/or --topk-mass: the exact top-k is already what the source holds")
+    names = [n for n, st in REGISTRY.items() if st.reencode is not None]
+    chosen = [n for n in params.stores if n in names]
+    if not chosen:
+        raise ConfigError(f"{source} has no {' or '.join(names)} store: nothing to compact (score-teacher --store {names[0]})")
+    fields = {}
+    for n in chosen:
+        fields.update(REGISTRY[n].reencode(params, options, source))
     slug = name or f"{source.split('/', 1)[1]}-compact"
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", slug):
         raise ConfigError(f"--name must be letters, digits, '.', '_' or '-', got {slug!r}")
-    new_params = S.StoreParams(stores=tuple(s for s in params.stores if s in ("logprob", "topk")), top_k=params.top_k,
-                               ref_top_k=params.ref_top_k, mc_samples=params.mc_samples, topk_precision=topk_precision,
-                               topk_mass=topk_mass)
-    columns = [c.name for c in S.columns("teacher", params) if c.store in ("base", "logprob", "topk")]  # the exact source's
+    kept = always() + tuple(chosen)
+    new_params = S.StoreParams(stores=kept, ref_top_k=params.ref_top_k, mc_samples=params.mc_samples, **fields)
+    columns = [c.name for c in S.columns("teacher", params) if c.store in ("base",) + kept]  # the exact source's
     config = {k: v for k, v in entry["config"].items() if k not in ("table", "kind", "params", "num_shards", "format_version")}
     config["upgraded_from"] = {"table": source, "config_fingerprint": entry["config_fingerprint"]}
     meta = {k: entry[k] for k in ("model", "consistency", "compute") if k in entry}
@@ -49,19 +54,17 @@ def run_upgrade(cache_root, teacher: str | None, topk_precision: str | None, top
     def make_shard(index: int) -> shards.Records:
         from opdcache.format import fidelity
         from opdcache.teacher.scoring import teacher_records
-        from opdcache.backends.base import Scores
 
         table = cache.read_shard(source, index, columns)
-        values = {c: shards.row_values(table[c]) for c in columns if c != "id"}
-        scores = [Scores(logprobs=values["logprobs"][i], logsumexp=values["logsumexp"][i], topk_ids=values["topk_ids"][i],
-                         topk_logprobs=values["topk_logprobs"][i],
-                         ref_topk_logprobs=values["ref_topk_logprobs"][i] if "ref_topk_logprobs" in values else None,
-                         mc_logprobs=values["mc_logprobs"][i] if "mc_logprobs" in values else None)
-                  for i in range(table.num_rows)]
+        values = {c: shards.row_values(table[c]) for c in columns if c in STATISTICS}  # its columns, as statistics
+        scores = [Scores(**{c: v[i] for c, v in values.items()}) for i in range(table.num_rows)]
         records = teacher_records(table["id"].to_pylist(), scores, new_params, None, f"shard {index}")
         records.meta[fidelity.META] = fidelity.unmeasured("re-encoded by opdcache upgrade without the teacher's full distribution; "
-                                                         "score-teacher --topk-mass records it")
+                                                         "score-teacher records it")
         return records
 
     written = run_table_job(job, make_shard, desc=f"upgrade {source} -> teachers/{slug}", progress=progress, finalize=True)
-    return {"source": source, "table": f"teachers/{slug}", "written": written, "topk": Cache(cache.root).table(f"teachers/{slug}")["topk"]}
+    new_entry = Cache(cache.root).table(f"teachers/{slug}")
+    records = {n: new_entry[n] for n in kept if n in new_entry}
+    return {"source": source, "table": f"teachers/{slug}", "written": written, "records": records,
+            "describe": [line for n, record in records.items() for line in REGISTRY[n].describe(record)]}
