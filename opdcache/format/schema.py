@@ -115,7 +115,7 @@ class StoreParams:
     """Which stores a table holds, and their widths. Together with the kind it fixes the Arrow schema."""
 
     stores: tuple[str, ...]
-    """Enabled stores, e.g. ("base", "ref_topk") for rollouts or ("logprob", "topk") for a teacher."""
+    """Enabled stores, e.g. base and ref_topk for rollouts, or logprob and topk for a teacher (``score-teacher --store``)."""
     top_k: int | None = None
     """Width of the teacher's own top-k store."""
     ref_top_k: int | None = None
@@ -147,7 +147,7 @@ class StoreParams:
     def same_tokenizer(self) -> bool | None:
         """True when the teacher shares pi_ref's tokenizer: every table but an aligned one (None otherwise, for
         Column.requires)."""
-        return None if "aligned" in self.stores else True
+        return None if any(TEACHER_REGISTRY[s].own_tokenizer for s in self.stores if s in TEACHER_REGISTRY) else True
 
     @property
     def has_logsumexp(self) -> bool | None:
@@ -158,7 +158,7 @@ class StoreParams:
     @property
     def topk_compact(self) -> bool | None:
         """True when the top-k store is v3's compact form (None otherwise, for Column.requires)."""
-        return True if "topk" in self.stores and (self.topk_precision is not None or self.topk_mass is not None) else None
+        return True if self.topk_precision is not None or self.topk_mass is not None else None  # refused without the store
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stores", tuple(self.stores))
@@ -219,18 +219,12 @@ def arrow_field(kind: str, col: Column, params: StoreParams) -> pa.Field:
         typ = pa.list_(_scalar_type(col.dtype))
     else:
         width = getattr(params, col.width)
-        if col.dtype == "hidden":
-            elem = hidden_storage_type(params.hidden_dtype)
-            metadata = {FIELD_DTYPE: params.hidden_dtype.encode()}
+        if col.precision is not None:  # its precision a store parameter: 16-bit forms as their raw bits, tagged
+            dtype, tag = col.precision(params)
+            elem = hidden_storage_type(dtype)
+            metadata = {FIELD_DTYPE: tag.encode()} if tag else None
         elif col.dtype == "float16":  # v3 columns kept as float16 bits
             elem, metadata = pa.uint16(), {FIELD_DTYPE: b"float16"}
-        elif col.dtype == "svd":  # v1: float32; v3: bfloat16 as its raw bits
-            elem = hidden_storage_type(params.svd_dtype or "float32")
-            metadata = {FIELD_DTYPE: b"bfloat16"} if params.svd_dtype else None
-        elif col.dtype == "topk":  # v1: float32; v3 compact: float32, or float16 as its raw bits
-            precision = params.topk_precision or "float32"
-            elem = hidden_storage_type(precision)
-            metadata = {FIELD_DTYPE: precision.encode()} if precision in ("float16", "prob14") else None
         else:
             elem = _scalar_type(col.dtype)
         typ = pa.list_(pa.list_(elem, width))
@@ -239,10 +233,8 @@ def arrow_field(kind: str, col: Column, params: StoreParams) -> pa.Field:
 
 def version_of(params: StoreParams) -> int:
     """The lowest format version holding every store of ``params``."""
-    newer = params.topk_compact or ("svd" in params.stores and params.svd_dtype)
-    since = TOPK_PRECISION_SINCE.get(params.topk_precision, 1) if params.topk_compact else 1
-    return max([1, since] + [STORE_SINCE.get(store, 1) for store in params.stores] + [3 if newer else 1]
-               + [7 if params.logsumexp is False else 1])
+    forms = [TEACHER_REGISTRY[store].version(params) for store in params.stores if store in TEACHER_REGISTRY]
+    return max([1] + forms + [STORE_SINCE.get(store, 1) for store in params.stores] + [7 if params.logsumexp is False else 1])
 
 
 def arrow_schema(kind: str, params: StoreParams, config_fingerprint: str = "") -> pa.Schema:
@@ -269,12 +261,10 @@ def describe(version: int = FORMAT_VERSION) -> dict:
 
     def entry(c: Column) -> dict:
         requires = [r for r in c.requires if REQUIRES_SINCE.get(r, 1) <= version]
-        d = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("requires", "since")} | {"requires": requires}
-        if c.dtype == "topk":  # written "float32" before v3 added the float16 form; the same column either way
-            d["dtype"] = ("float32" if version < 3 else "float32, or float16 bits in uint16 (v3 compact, field metadata opdcache.dtype)"
-                          if version < 4 else "float32, or uint16: float16 bits (v3) or prob14 codes (v4), named by field metadata opdcache.dtype")
-        if c.dtype == "svd":
-            d["dtype"] = "float32" if version < 3 else "float32, or bfloat16 bits in uint16 (v3 svd_dtype, field metadata opdcache.dtype)"
+        d = {f.name: getattr(c, f.name) for f in dataclasses.fields(c)
+             if f.name not in ("requires", "since", "precision", "dtype_doc")} | {"requires": requires}
+        if c.dtype_doc is not None:
+            d["dtype"] = c.dtype_doc(version)
         return d
 
     out = {

@@ -49,6 +49,11 @@ class Column:
     requires: tuple[str, ...] = ()  # StoreParams fields that must be set for the column to exist
     nullable: bool = False  # whether a row may hold null (task fields only)
     since: int = 1  # the format version that added the column (a newer column of an older store); not in describe()
+    precision: "Callable[[Any], tuple[str, str | None]] | None" = None
+    """For a vector column whose precision is a store parameter: ``precision(params)`` -> (the element's dtype,
+    "float32", "bfloat16", "float16" or "prob14"; the field's ``opdcache.dtype`` metadata, or None). Not in describe()."""
+    dtype_doc: "Callable[[int], str] | None" = None
+    """What format version N's snapshot says its dtype is, where that changed with the version. Not in describe()."""
 
 
 def _nothing(*_args: Any) -> None:
@@ -222,6 +227,9 @@ class Store:
     it without the teacher: the new table's store parameters (StoreParams fields) from the source's and the command's
     options (by StoreParams field), raising ConfigError (naming the table ``where``) when there is nothing to do. The
     new rows are encoded from the source's columns as the engine's statistics of the same names (None: not re-encoded)."""
+    version: Callable[[Any], int] = lambda params: 1
+    """``version(params)``: the format version a table holding it with these parameters needs (a newer form of the
+    store: the compact top-k, the bfloat16 svd codes)."""
     always: bool = False
     """Every teacher table holds it (the scored token's log-prob), whatever ``--store`` names."""
     own_tokenizer: bool = False

@@ -95,7 +95,8 @@ STORE = Store(
                "Teacher final hidden state after the final norm: the exact input of the unembedding in head.safetensors, so "
                "logits = hidden @ weight.T (+ bias). Stored bit-exact in the teacher's compute dtype: float32 as float32; "
                "bfloat16 and float16 as their raw 16-bit patterns in uint16 (field metadata opdcache.dtype names which).",
-               width="hidden_size", requires=("hidden_size",)),
+               width="hidden_size", requires=("hidden_size",),
+               precision=lambda params: (params.hidden_dtype, params.hidden_dtype)),
     ),
     check_job=_check_job,
     check_params=_check_params,

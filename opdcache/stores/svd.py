@@ -139,12 +139,16 @@ STORE = Store(
     columns=(
         Column("svd", "token_vector", "svd", "svd",
                "Teacher final hidden state projected to rank r by the encoder in svd.safetensors (z = hidden @ encoder); "
-               "approximate logits = z @ decoder.T (+ bias).", width="svd_rank", requires=("svd_rank",)),
+               "approximate logits = z @ decoder.T (+ bias).", width="svd_rank", requires=("svd_rank",),
+               precision=lambda params: (params.svd_dtype or "float32", params.svd_dtype),  # v3: bfloat16 as its raw bits
+               dtype_doc=lambda version: "float32" if version < 3 else
+               "float32, or bfloat16 bits in uint16 (v3 svd_dtype, field metadata opdcache.dtype)"),
     ),
     check_job=_check_job,
     check_params=_check_params,
     check_model=_check_model,
     params=lambda job, facts: {"svd_rank": job.svd_rank, "svd_dtype": "bfloat16" if job.svd_dtype == "bfloat16" else None},
+    version=lambda params: 3 if params.svd_dtype else 1,
     config=lambda job: {"svd_method": job.svd_method},
     config_default={"svd_method": None},  # recorded by every teacher table since the store came
     needs=("hidden",),

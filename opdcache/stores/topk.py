@@ -19,6 +19,21 @@ MAX_K = 1024
 _SHAPES = "--topk-precision and --topk-mass shape the topk store: add --store topk"
 
 
+def _precision(params) -> tuple[str, str | None]:
+    """v1: float32; v3 compact: float32, or float16 bits; v4: prob14 codes."""
+    precision = params.topk_precision or "float32"
+    return precision, (precision if precision != "float32" else None)
+
+
+def _dtype_doc(version: int) -> str:
+    """Written "float32" before v3 added the float16 form; the same column either way."""
+    if version < 3:
+        return "float32"
+    if version < 4:
+        return "float32, or float16 bits in uint16 (v3 compact, field metadata opdcache.dtype)"
+    return "float32, or uint16: float16 bits (v3) or prob14 codes (v4), named by field metadata opdcache.dtype"
+
+
 def _check_shape(precision, mass, enabled: bool) -> None:
     """The compact form's settings: checked alike for a job's options and a table's recorded parameters."""
     if (precision is not None or mass is not None) and not enabled:
@@ -218,7 +233,8 @@ STORE = Store(
     summary="topk: the teacher's own top-k (--top-k; compact with --topk-precision/--topk-mass)",
     columns=(
         Column("topk_ids", "token_vector", "int32", "topk", "Teacher's own k most likely next tokens at temperature 1, most likely first.", width="top_k", requires=("top_k",)),
-        Column("topk_logprobs", "token_vector", "topk", "topk", "Teacher temperature-1 log-probs of topk_ids, descending.", width="top_k", requires=("top_k",)),
+        Column("topk_logprobs", "token_vector", "topk", "topk", "Teacher temperature-1 log-probs of topk_ids, descending.", width="top_k", requires=("top_k",),
+               precision=_precision, dtype_doc=_dtype_doc),
         Column("topk_tail", "token", "float32", "topk",
                "Compact top-k (v3): the teacher's probability outside the kept entries, 1 - sum(exp(topk_logprobs over ids "
                "!= -1)), summed in float64 from the float32 log-probs before any rounding; an estimator with one extra tail "
@@ -229,6 +245,7 @@ STORE = Store(
     params=lambda job, facts: {"top_k": job.top_k},
     needs=("topk_ids", "topk_logprobs"),
     encode=_encode,
+    version=lambda params: PRECISION_SINCE[params.topk_precision or "float32"] if params.topk_compact else 1,
     reencode=_reencode,
     record=_record,
     record_meta=DISTORTION_META,
