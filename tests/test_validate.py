@@ -300,7 +300,15 @@ def test_logprob_and_topk_stores_must_agree(synth_cache):
         k = list(rows[row]["topk_ids"][pos]).index(resp[row][pos])
         rows[row]["logprobs"][pos] = rows[row]["topk_logprobs"][pos][k] - 0.25
     _rewrite_shard(synth_cache, "teachers/synth", 0, damage)
-    assert f"row {row} column logprobs: log-prob of the sampled token disagrees with its top-k entry" in _texts(synth_cache)
+    message = "log-prob of the sampled token disagrees with its top-k entry"
+    assert f"row {row} column logprobs: {message}" in _texts(synth_cache)
+    # the topk store's rule: the loader refuses the same row (it checked the top-k alone)
+    from opdcache.errors import SchemaError
+    from opdcache.training.data import CacheLoader, CacheLoaderConfig
+
+    loader = CacheLoader(CacheLoaderConfig(cache=synth_cache, teacher="synth", stores=("logprob", "topk"), batch_size=4, shuffle=False))
+    with pytest.raises(SchemaError, match=rf"part-00000-of-00003\.parquet: row {row}, column logprobs: {message}"):
+        list(loader)
 
 
 @pytest.mark.parametrize("command", ["validate", "info", "score-teacher", "export"])

@@ -56,7 +56,6 @@ from opdcache.stores import REGISTRY, rowrules
 from opdcache.stores.compact import decode_logprobs
 
 MAX_ROWS_LISTED = 5  # per (file, column, check); the rest are counted
-LOGPROB_TOL = 1e-4  # agreement between two stores of the same float32 log-prob
 
 
 @dataclass(frozen=True)
@@ -354,39 +353,24 @@ def _check_topk(file: str, prefix: str, ids: np.ndarray, lps: np.ndarray, offset
     _report(file, offsets, rowrules.topk_rules(prefix, ids, lps, vocab, tail, tol, order), out)
 
 
-def _check_against_topk(file: str, column: str, sampled: np.ndarray, sampled_lp: np.ndarray, ids: np.ndarray,
-                        lps: np.ndarray, offsets: np.ndarray, out: _Collector, rel_tol: float = 0.0, prob_tol: float | None = None) -> None:
-    """The sampled token's log-prob must equal its top-k entry (within LOGPROB_TOL + rel_tol x |log-prob|: float16
-    storage; with ``prob_tol``, prob14 codes: the probabilities within prob_tol), or lie below the last kept entry when
-    outside top-k."""
-    hit = ids == sampled[:, None]
-    inside = hit.any(axis=1)
-    at = np.where(inside, lps[np.arange(len(ids)), hit.argmax(axis=1)], np.nan)
-    tol = LOGPROB_TOL + (rel_tol * np.abs(np.nan_to_num(sampled_lp)) if rel_tol else 0.0)
-    if prob_tol is not None:  # an entry's probability is stored to within prob_tol, its log-prob to no fixed bound
-        with np.errstate(invalid="ignore"):
-            mismatch = inside & (np.abs(np.exp(at.astype(np.float64)) - np.exp(sampled_lp.astype(np.float64))) > prob_tol)
-        tol = np.maximum(tol, np.log1p(prob_tol / np.maximum(np.exp(sampled_lp.astype(np.float64)), 1e-300)))
-    else:
-        mismatch = inside & (np.abs(at - sampled_lp) > tol)
-    if mismatch.any():
-        out.rows(file, column, _row_of(offsets, np.flatnonzero(mismatch)), "log-prob of the sampled token disagrees with its top-k entry")
-    last = np.where(np.isfinite(lps), lps, np.inf).min(axis=1) if lps.shape[1] else np.full(len(ids), np.inf)
-    above_kth = ~inside & (sampled_lp > last + tol)
-    if above_kth.any():
-        out.rows(file, column, _row_of(offsets, np.flatnonzero(above_kth)), "sampled token is outside the top-k but more likely than the k-th")
+def _stored_dtypes(table: pa.Table) -> dict:
+    """Each column's stored form its field names (``opdcache.dtype``), for the stores' rules."""
+    return {f.name: f.metadata[S.FIELD_DTYPE].decode() for f in table.schema if f.metadata and S.FIELD_DTYPE in f.metadata}
 
 
 def _check_store_rules(file: str, table: pa.Table, params: S.StoreParams, offsets: np.ndarray, vocab: int | None,
-                       out: _Collector, teacher_vocab: int | None = None) -> None:
+                       out: _Collector, teacher_vocab: int | None = None, rollouts: dict | None = None) -> None:
     """The row rules each store declares (opdcache/stores/; the loader refuses the same rows), on decoded values: ids
     of pi_ref's within ``vocab``, the teacher's own within ``teacher_vocab`` (its table's recorded vocabulary; default
-    ``vocab``, as for a teacher of pi_ref's tokenizer)."""
+    ``vocab``, as for a teacher of pi_ref's tokenizer). ``rollouts``: the rollouts' per-token values a rule may read
+    ({"response_ids": [tokens]})."""
     for store in (s for s in REGISTRY.values() if s.name in params.stores):  # its columns this table's parameters hold
         per_token = [c.name for c in S.columns("teacher", params) if c.store == store.name and c.shape != "row"]
         if store.rules is not None and all(n in table.column_names for n in per_token):
-            values = {n: decode_logprobs(shards.token_values(table[n]), table.schema.field(n)) for n in per_token}
-            rule_params = params.to_dict() | {"teacher_vocab_size": teacher_vocab or vocab}
+            values = {n: decode_logprobs(shards.token_values(table[n]), table.schema.field(n))
+                      for n in per_token + [n for n in store.rules_read if n in table.column_names]}
+            values |= {n: v for n, v in (rollouts or {}).items() if n in store.rules_read}
+            rule_params = params.to_dict() | {"teacher_vocab_size": teacher_vocab or vocab, "dtypes": _stored_dtypes(table)}
             _report(file, offsets, [v for v in store.rules(values, vocab, rule_params) if v[1] is not None], out)
         for column, bad_rows, message in (store.table_rules(table, offsets) if store.table_rules else []):
             out.rows(file, column, np.flatnonzero(bad_rows), message)
@@ -415,7 +399,7 @@ def _check_base_rows(file: str, table: pa.Table, entry: dict, out: _Collector):
         ids, lps = shards.token_values(table["ref_topk_ids"]), shards.token_values(table["ref_topk_logprobs"])
         _check_lengths(file, "ref_topk_ids", table, offsets, out)
         _check_topk(file, "ref_topk", ids, lps, offsets, vocab, out)
-        _check_against_topk(file, "ref_logprobs", response, shards.token_values(table["ref_logprobs"]), ids, lps, offsets, out)
+        _report(file, offsets, rowrules.against_topk("ref_logprobs", response, shards.token_values(table["ref_logprobs"]), ids, lps), out)
     if "mc_ids" in table.column_names:
         _check_lengths(file, "mc_ids", table, offsets, out)
         _report(file, offsets, rowrules.ids_in_vocabulary("mc_ids", shards.token_values(table["mc_ids"]), vocab), out)
@@ -457,16 +441,8 @@ def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, par
     if not np.isfinite(lse).all():
         out.rows(file, "logsumexp", _row_of(offsets, np.flatnonzero(~np.isfinite(lse))), "non-finite logsumexp")
     vocab = entry["config"].get("vocab_size")
-    if "topk_ids" in table.column_names:
-        ids_k = shards.token_values(table["topk_ids"])
-        lps_k = decode_logprobs(shards.token_values(table["topk_logprobs"]), table.schema.field("topk_logprobs"))
-        tail = shards.token_values(table["topk_tail"]) if "topk_tail" in table.column_names else None
-        half = params.topk_precision == "float16"
-        tol, order = rowrules.topk_layout(table.schema.field("topk_logprobs"), ids_k.shape[1])
-        _check_topk(file, "topk", ids_k, lps_k, offsets, vocab, out, tail, tol=tol, order=order)
-        _check_against_topk(file, "logprobs", response, logprobs, ids_k, lps_k, offsets, out, rel_tol=2.0 ** -10 if half else 0.0,
-                            prob_tol=S.PROB14_STEP / 2 + 1e-6 if order == "ids" else None)
-    _check_store_rules(file, table, params, offsets, vocab if params.same_tokenizer else student_vocab, out, vocab)
+    _check_store_rules(file, table, params, offsets, vocab if params.same_tokenizer else student_vocab, out, vocab,
+                       {"response_ids": response})
     for name in ("ref_topk_logprobs", "mc_logprobs"):
         if name in table.column_names:
             _check_logprobs(file, name, shards.token_values(table[name]), offsets, out)

@@ -197,8 +197,12 @@ class Store:
     """``rules(values, vocab, params)``: the row rules (Violations) on a shard's decoded per-token values {column:
     [tokens, ...]} of its per-token columns, with pi_ref's vocabulary ``vocab`` (the ids the student trains on) and the
     table's recorded store parameters plus ``teacher_vocab_size``, the teacher's own vocabulary (its table's config:
-    a teacher's own ids, its draws and its entropy's bound are within it); validate reports them and the loader refuses
-    a shard that breaks one."""
+    a teacher's own ids, its draws and its entropy's bound are within it), and ``dtypes``, each column's stored form as
+    its field says (``opdcache.dtype``: "float16", "prob14", ...; absent for plain columns); validate reports them and
+    the loader refuses a shard that breaks one."""
+    rules_read: tuple[str, ...] = ()
+    """Columns beyond its own its ``rules`` read, in ``values`` under their names: another store's (the sampled
+    token's ``logprobs``) or the rollouts' (``response_ids``), decoded alike."""
     table_rules: Callable[[Any, np.ndarray], list] | None = None
     """``table_rules(table, offsets)``: rules that tie a row's columns together, on a shard's Arrow table with its
     response offsets, as (column, bad rows [rows] bool, message); validate reports them."""

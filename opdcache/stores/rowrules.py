@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from opdcache.stores.base import FIELD_DTYPE, PAD_ID, PROB14_STEP, Violation
+from opdcache.stores.base import PAD_ID, PROB14_STEP, Violation
 
 
 BLOCK_ROWS = 8192
@@ -91,14 +91,39 @@ def ids_in_vocabulary(column: str, ids: np.ndarray, vocab: int | None) -> list[V
     return [] if bad is None else [(column, bad, f"token id outside the vocabulary [0, {vocab})")]
 
 
-def topk_layout(field, width: int) -> tuple[float, str]:
-    """(tolerance on kept mass + tail, order) of a top-k log-prob column from its field metadata: float32 1e-3 and
-    float16 1e-2, both most likely first ("logprobs"); prob14 1e-3 + width x 2^-15 (each code rounds by at most
-    2^-15), ids ascending ("ids")."""
-    dtype = field.metadata.get(FIELD_DTYPE) if field.metadata else None
-    if dtype == b"prob14":
+def topk_layout(precision: str | None, width: int) -> tuple[float, str]:
+    """(tolerance on kept mass + tail, order) of a top-k log-prob column stored at ``precision`` (its field's
+    ``opdcache.dtype``; None: float32): float32 1e-3 and float16 1e-2, both most likely first ("logprobs"); prob14
+    1e-3 + width x 2^-15 (each code rounds by at most 2^-15), ids ascending ("ids")."""
+    if precision == "prob14":
         return 1e-3 + width * PROB14_STEP / 2, "ids"
-    return (1e-2 if dtype == b"float16" else 1e-3), "logprobs"
+    return (1e-2 if precision == "float16" else 1e-3), "logprobs"
+
+
+LOGPROB_TOL = 1e-4
+"""Agreement between two stores of the same float32 log-prob."""
+
+
+def against_topk(column: str, sampled: np.ndarray, sampled_lp: np.ndarray, ids: np.ndarray, lps: np.ndarray,
+                 rel_tol: float = 0.0, prob_tol: float | None = None) -> list[Violation]:
+    """The sampled token's log-prob (``column``, [tokens]) must equal its top-k entry (within LOGPROB_TOL + rel_tol x
+    |log-prob|: float16 storage; with ``prob_tol``, prob14 codes: the probabilities within prob_tol), or lie below the
+    last kept entry when outside the top-k ([tokens, k] ``ids``, ``lps``). Only the rules some token breaks."""
+    hit = ids == sampled[:, None]
+    inside = hit.any(axis=1)
+    at = np.where(inside, lps[np.arange(len(ids)), hit.argmax(axis=1)], np.nan)
+    tol = LOGPROB_TOL + (rel_tol * np.abs(np.nan_to_num(sampled_lp)) if rel_tol else 0.0)
+    if prob_tol is not None:  # an entry's probability is stored to within prob_tol, its log-prob to no fixed bound
+        with np.errstate(invalid="ignore"):
+            mismatch = inside & (np.abs(np.exp(at.astype(np.float64)) - np.exp(sampled_lp.astype(np.float64))) > prob_tol)
+        tol = np.maximum(tol, np.log1p(prob_tol / np.maximum(np.exp(sampled_lp.astype(np.float64)), 1e-300)))
+    else:
+        mismatch = inside & (np.abs(at - sampled_lp) > tol)
+    last = np.where(np.isfinite(lps), lps, np.inf).min(axis=1) if lps.shape[1] else np.full(len(ids), np.inf)
+    above_kth = ~inside & (sampled_lp > last + tol)
+    return [(column, bad, message) for bad, message in (
+        (mismatch, "log-prob of the sampled token disagrees with its top-k entry"),
+        (above_kth, "sampled token is outside the top-k but more likely than the k-th")) if bad.any()]
 
 
 def topk_rules(prefix: str, ids: np.ndarray, lps: np.ndarray, vocab: int | None, tail: np.ndarray | None = None,

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from opdcache.errors import ConfigError
-from opdcache.stores.base import Column, Frontier, Implied, Store
+from opdcache.stores.base import Column, Frontier, Implied, PROB14_STEP, Store
 from opdcache.stores.compact import DISTORTION_META
 
 PRECISIONS = ("float32", "float16", "prob14")
@@ -177,6 +177,22 @@ def _reencode(params, options, where: str) -> dict:
     return {"top_k": params.top_k, "topk_precision": options.get("topk_precision"), "topk_mass": options.get("topk_mass")}
 
 
+def _rules(values, vocab: int | None, params) -> list:
+    """The rows' top-k rules (opdcache/stores/rowrules.py) at the layout its precision stores, and the sampled token's
+    log-prob against its top-k entry."""
+    from opdcache.stores import rowrules
+
+    ids, lps = values["topk_ids"], values["topk_logprobs"]
+    precision = (params.get("dtypes") or {}).get("topk_logprobs")  # as the shard stores it
+    tol, order = rowrules.topk_layout(precision, ids.shape[1] if ids.ndim == 2 else 1)
+    out = rowrules.topk_rules("topk", ids, lps, vocab, values.get("topk_tail"), tol, order)
+    if "response_ids" in values and "logprobs" in values and ids.ndim == 2:
+        out += rowrules.against_topk("logprobs", values["response_ids"], values["logprobs"], ids, lps,
+                                     rel_tol=2.0 ** -10 if precision == "float16" else 0.0,
+                                     prob_tol=PROB14_STEP / 2 + 1e-6 if order == "ids" else None)
+    return out
+
+
 def _record(metas: list, params) -> dict:
     """A compact top-k table's settings and its distortion against the exact top-k, merged from the sums every shard's
     footer carries (opdcache/stores/compact.py)."""
@@ -247,6 +263,8 @@ STORE = Store(
     encode=_encode,
     version=lambda params: PRECISION_SINCE[params.topk_precision or "float32"] if params.topk_compact else 1,
     reencode=_reencode,
+    rules=_rules,
+    rules_read=("response_ids", "logprobs"),
     record=_record,
     record_meta=DISTORTION_META,
     record_when=lambda params: bool(params.topk_compact),

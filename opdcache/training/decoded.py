@@ -11,6 +11,7 @@ import numpy as np
 from opdcache import storage
 from opdcache.format import shards
 from opdcache.stores import REGISTRY, rowrules, signal_columns
+from opdcache.stores.base import FIELD_DTYPE
 
 
 def verify_shard(path, entry: dict, root):
@@ -79,8 +80,8 @@ class DecodedShard:
                 refuse(f"per-token column {name} is not as long as the responses")
         self.cols = {name: shards.token_values(r[name]) for name in rollout_cols}
         self.vector_dtypes: dict[str, str | None] = {}  # column: the stored dtype of its vectors (their bits are kept)
+        self.stored_dtypes: dict[str, dict] = {}  # teacher prefix: {column: its field's opdcache.dtype}
         vectors = signal_columns("vectors")
-        self.topk_layout = (1e-3, "logprobs")
         teachers = ([("teacher_", teacher_path, teacher_cols, params)] if teacher_path is not None else []) + list(more)
         for prefix, source, columns, _ in teachers:
             shard = teacher_where.get(prefix, where)
@@ -91,6 +92,9 @@ class DecodedShard:
                 if not np.array_equal(np.diff(shards.list_offsets(t[name])), lengths):
                     refuse(f"teacher column {name} is not as long as the responses (shifted or truncated rows)", shard)
                 values = shards.token_values(t[name])
+                field = t.schema.field(name)
+                if field.metadata and FIELD_DTYPE in field.metadata:  # its stored form, for the stores' rules
+                    self.stored_dtypes.setdefault(prefix, {})[name] = field.metadata[FIELD_DTYPE].decode()
                 if name in vectors:
                     self.vector_dtypes[prefix + name] = shards.hidden_dtype_of(t.schema.field(name))
                 else:  # v3 float16 bits (compact top-k, sampled log-probs) -> float32
@@ -98,8 +102,6 @@ class DecodedShard:
 
                     values = decode_logprobs(values, t.schema.field(name))
                 self.cols[prefix + name] = values
-                if name == "topk_logprobs" and prefix == "teacher_":
-                    self.topk_layout = rowrules.topk_layout(t.schema.field(name), values.shape[1] if values.ndim == 2 else 1)
         if route is not None:
             self.cols["row_teacher"] = np.repeat(_routes(r["metadata"].to_pylist(), *route, refuse), lengths)
         checks = [(where, self._rollout_violations(vocab))]
@@ -122,13 +124,13 @@ class DecodedShard:
     def _teacher_violations(self, vocab: int | None, params: dict | None, prefix: str) -> list:
         """The rules validate applies to the columns of the teacher whose columns carry ``prefix``."""
         c, out = self.cols, []
-        if prefix + "topk_ids" in c:
-            tol, order = self.topk_layout
-            out += rowrules.topk_rules("topk", c[prefix + "topk_ids"], c[prefix + "topk_logprobs"], vocab, c.get(prefix + "topk_tail"), tol, order)
         for store in REGISTRY.values():  # the rules each teacher store declares (opdcache/stores/), on the columns loaded
             names = [col.name for col in store.columns if col.shape != "row" and prefix + col.name in c]
             if store.rules is not None and names:
-                out += [v for v in store.rules({n: c[prefix + n] for n in names}, vocab, params or {}) if v[1] is not None]
+                values = {n: c[prefix + n] for n in names}
+                values |= {n: c[prefix + n] if prefix + n in c else c[n] for n in store.rules_read if prefix + n in c or n in c}
+                rule_params = dict(params or {}) | {"dtypes": self.stored_dtypes.get(prefix, {})}
+                out += [v for v in store.rules(values, vocab, rule_params) if v[1] is not None]
         return out
 
     @property
