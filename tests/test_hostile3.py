@@ -392,7 +392,7 @@ def _rewrite_side_file(cache, name: str, tensors: dict) -> None:
 
 @pytest.mark.parametrize("damage,want", [
     ("nan", "tensor 'weight' holds 1 NaN or infinite values"),
-    ("wide", "head.safetensors holds a [64, 129] matrix where the table's vocabulary and hidden states need [64, 128]"),
+    ("wide", "head.safetensors holds a [64, 129] matrix where the table's vocabulary and its hidden vectors need [64, 128]"),
 ])
 @pytest.mark.parametrize("command", ["validate", "train"])
 def test_a_head_of_nan_or_of_the_wrong_width_is_one_line(cache, tmp_path, weights, damage, want, command):

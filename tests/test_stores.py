@@ -80,8 +80,8 @@ def test_the_entropy_store_lives_in_one_file_and_one_registry_line():
 
 
 FIRST_STORES_NAMED_AT = {
-    "cli/options.py": 1, "cli/score.py": 1, "opdcache/format/hiddencheck.py": 5, "opdcache/format/schema.py": 1,
-    "opdcache/format/validate.py": 2, "opdcache/teacher/audit.py": 4, "opdcache/teacher/crossteacher.py": 1,
+    "cli/options.py": 1, "cli/score.py": 1, "opdcache/format/schema.py": 1,
+    "opdcache/teacher/audit.py": 4, "opdcache/teacher/crossteacher.py": 1,
     "opdcache/teacher/scoring.py": 2, "opdcache/training/data.py": 3,
 }
 """Where the first stores (logprob, topk, hidden, svd, sampled, aligned) are still named outside opdcache/stores/, by

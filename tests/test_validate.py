@@ -116,7 +116,7 @@ def test_hidden_state_reconstruction_is_checked(synth_cache):
         rows[0]["logprobs"][0] -= 0.5
     _rewrite_shard(synth_cache, "teachers/synth", 0, shift)
     text = "\n".join(map(str, validate(synth_cache)))
-    assert "row 0 column hidden: log-prob rebuilt from hidden state and head differs" in text
+    assert "row 0 column hidden: log-prob rebuilt from the hidden vectors and head differs" in text
 
 
 def _cli_all(args, capsys):

@@ -131,10 +131,12 @@ def validate(root: str | Path, quick: bool = False) -> list[Problem]:
                 continue
             if quick:
                 continue
-            # every column but the hidden states, which _check_hidden streams one row group at a time; the footer's sizes
-            # are checked before anything is decoded (opdcache/format/shardcheck.py, check_footer)
+            # every column but the vectors vectorcheck streams one row group at a time (the hidden states); the
+            # footer's sizes are checked before anything is decoded (opdcache/format/shardcheck.py, check_footer)
+            streamed = {c.name for st in REGISTRY.values() if st.rebuilds and st.name in params.stores
+                        for c in st.columns if c.shape == "token_vector"}
             try:
-                table = shards.read_table(path, [c.name for c in S.columns(entry["kind"], params) if c.name != "hidden"],
+                table = shards.read_table(path, [c.name for c in S.columns(entry["kind"], params) if c.name not in streamed],
                                           rows=info["rows"], tokens=info["tokens"], where=info["path"])
             except SchemaError as exc:
                 out.add(info["path"], str(exc).split(": ", 1)[-1])
@@ -432,7 +434,7 @@ def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, par
         return
     offsets = shards.list_offsets(table["logprobs"])
     for name in [c.name for c in S.columns("teacher", params) if c.shape != "row" and c.name in table.column_names]:
-        _check_lengths(file, name, table, base_offsets, out, lengths)  # hidden: by _check_hidden, as it streams
+        _check_lengths(file, name, table, base_offsets, out, lengths)  # a streamed column: by vectorcheck, as it streams
     if not (np.diff(offsets) == lengths).all():
         return
     logprobs = shards.token_values(table["logprobs"])
@@ -446,7 +448,8 @@ def _check_teacher_rows(root: Path, file: str, table: pa.Table, entry: dict, par
     for name in ("ref_topk_logprobs", "mc_logprobs"):
         if name in table.column_names:
             _check_logprobs(file, name, shards.token_values(table[name]), offsets, out)
-    if "hidden" in params.stores:  # _check_file verified the shard's schema is the declared one
-        from opdcache.format.hiddencheck import check_hidden
+    for store in REGISTRY.values():  # _check_file verified the shard's schema is the declared one
+        if store.rebuilds and store.name in params.stores:
+            from opdcache.format.vectorcheck import check_rebuilt
 
-        check_hidden(root, file, entry, response, logprobs, offsets, lengths, out)
+            check_rebuilt(store, root, file, entry, response, logprobs, offsets, lengths, out)

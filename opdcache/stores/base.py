@@ -203,6 +203,10 @@ class Store:
     rules_read: tuple[str, ...] = ()
     """Columns beyond its own its ``rules`` read, in ``values`` under their names: another store's (the sampled
     token's ``logprobs``) or the rollouts' (``response_ids``), decoded alike."""
+    rebuilds: Mapping[str, float] | None = None
+    """For a store whose vectors and side-file head rebuild the stored log-probs (the hidden states): the tolerance of
+    that rebuild per stored dtype, checked by ``opdcache validate`` (opdcache/format/vectorcheck.py), which streams its
+    vector column one row group at a time instead of reading it whole."""
     table_rules: Callable[[Any, np.ndarray], list] | None = None
     """``table_rules(table, offsets)``: rules that tie a row's columns together, on a shard's Arrow table with its
     response offsets, as (column, bad rows [rows] bool, message); validate reports them."""

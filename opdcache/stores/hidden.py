@@ -8,6 +8,9 @@ from opdcache.errors import ConfigError
 from opdcache.stores.base import Column, Frontier, hidden_to_numpy, Implied, Store
 
 DTYPES = ("float32", "bfloat16", "float16")
+REBUILD_TOL = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 1e-1}
+"""The stored log-prob rebuilt from the stored state through the head (a float32 matmul) against the teacher's own
+kernels in its dtype: validate's tolerance per stored dtype."""
 
 
 def _check_job(job, enabled: bool) -> None:
@@ -106,6 +109,7 @@ STORE = Store(
     prepare=_prepare,
     side_file="head.safetensors",
     side_tensors=("weight",),  # its shapes are checked where validate loads it to rebuild the log-probs
+    rebuilds=REBUILD_TOL,
     card=_card,
     flat=(),
     frontier=FRONTIER,
