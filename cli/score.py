@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from opdcache.cli import options as O
-from opdcache.stores import REGISTRY
+from opdcache.stores import ALWAYS, REGISTRY
 
 J = O.Fields("opdcache.teacher.scoring", "ScoreJob")
 STORE_HELP = "Comma-separated teacher stores: " + "; ".join(store.summary for store in REGISTRY.values()) + "."
@@ -18,7 +18,7 @@ def score_teacher(
     ctx: typer.Context,
     cache: O.CachePath,
     teacher: O.TeacherModel, revision: O.ModelRevision = None,
-    store: Annotated[str, typer.Option("--store", help=STORE_HELP)] = "logprob",
+    store: Annotated[str, typer.Option("--store", help=STORE_HELP)] = ",".join(ALWAYS),
     top_k: Annotated[Optional[int], J.option("top_k")] = None,
     topk_precision: Annotated[Optional[str], J.option("topk_precision")] = None,
     topk_mass: Annotated[Optional[float], J.option("topk_mass")] = None,

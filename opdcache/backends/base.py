@@ -53,6 +53,15 @@ class SamplingConfig:
             raise ConfigError(f"--mc-samples must be between 1 and 256, got {self.mc_samples}")
 
 
+def row_uniforms(seed: int, row_id: str, tokens: int, draws: int) -> np.ndarray:
+    """[tokens, draws] float64 uniforms in [0, 1) for one scored row's draws (``ScoreRequest.uniforms``): a function of
+    (seed, row id) only, so the draws are reproducible and batch-invariant."""
+    import hashlib
+
+    key = int.from_bytes(hashlib.sha256(f"{seed}:{row_id}".encode()).digest()[:8], "little")
+    return np.random.default_rng(key).random((tokens, draws))
+
+
 @dataclass(frozen=True)
 class Statistic:
     """One per-position number (or vector) an engine computes for a scored sequence: at every response position t,

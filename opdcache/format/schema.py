@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from opdcache import stores as store_registry
 from opdcache.errors import ConfigError, SchemaError
-from opdcache.stores import hidden as hidden_store, REGISTRY as TEACHER_REGISTRY, topk as topk_store
+from opdcache.stores import REGISTRY as TEACHER_REGISTRY
 from opdcache.stores.base import FIELD_DTYPE, PAD_ID, PROB14_STEP, Column  # noqa: F401 (the format's names, declared with the stores)
 
 FORMAT_NAME = "opdcache"
@@ -46,12 +46,9 @@ REQUIRES_SINCE = {"same_tokenizer": 6, "has_logsumexp": 7}
 TABLE_KINDS = ("sft", "rollouts", "teacher")
 ROLLOUT_STORES = ("base", "ref_topk", "mc", "task", "version")
 TEACHER_STORES = tuple(TEACHER_REGISTRY)
-TOPK_PRECISIONS = topk_store.PRECISIONS
-TOPK_PRECISION_SINCE = topk_store.PRECISION_SINCE
 PADDED_BY = {"topk_ids": ("topk_logprobs",), "sampled_ids": ("sampled_counts", "sampled_logprobs"),
              "span_topk_ids": ("span_topk_logprobs", "span_topk_student_ids")}
 """The v3 id columns whose slots may be padding (PAD_ID), with the columns that share their slots."""
-HIDDEN_DTYPES = hidden_store.DTYPES
 FINISH_REASONS = ("stop", "length")
 
 # Parquet key-value metadata keys carried by every shard, so a lone shard is self-describing.
@@ -276,25 +273,10 @@ def describe(version: int = FORMAT_VERSION) -> dict:
             for kind, cols in _COLUMNS.items()
         },
         "stores": {"rollouts": [s for s in ROLLOUT_STORES if known(s)], "teacher": [s for s in TEACHER_STORES if known(s)]},
-        "hidden_dtypes": list(HIDDEN_DTYPES),
         "finish_reasons": list(FINISH_REASONS),
     }
-    if version >= 3:
-        out["compact_topk"] = {
-            "when": "store parameters topk_precision or topk_mass set (score-teacher --topk-precision / --topk-mass)",
-            "support": "per position, the teacher's most likely entries until the residual mass is at most topk_mass "
-                       "(at least 1, at most top_k), most likely first; the remaining slots hold id -1 and log-prob -inf",
-            "precisions": [p for p in TOPK_PRECISIONS if TOPK_PRECISION_SINCE[p] <= version],
-            "float16": "topk_logprobs holds the IEEE float16 bit pattern in uint16 (field metadata opdcache.dtype = float16); "
-                       "numpy: values.view(np.float16).astype(np.float32)",
-            "tail": "topk_tail = 1 - sum of the kept entries' probabilities, from the float32 log-probs in float64",
-            "distortion": "measured at write time against the exact top-k and recorded in the manifest table entry 'topk'",
-        }
-    if version >= 4:
-        out["compact_topk"]["prob14"] = (
-            "topk_logprobs holds uint16 codes c (field metadata opdcache.dtype = prob14): probability c x 2^-14, log-prob "
-            "log(c) - 14 log 2, 0 at padding; entries with p < 2^-15 are moved into the tail; the kept entries are in "
-            "ascending id order (not most likely first); topk_tail = 1 - the kept entries' exact probabilities")
+    for store in TEACHER_REGISTRY.values():  # what a store adds (its dtypes, the compact top-k's encodings)
+        out.update(store.format_notes(version))
     return out
 
 

@@ -21,13 +21,24 @@ REGISTRY: dict[str, Store] = {s.name: s for s in (
 )}
 """Every teacher store by name, in the order their columns are written."""
 
-__all__ = ["Column", "REGISTRY", "Store", "Violation", "always", "columns", "check_job", "check_params", "enabled", "gives",
-           "giving", "needing_own_tokenizer", "signal_columns"]
+__all__ = ["ALWAYS", "Column", "REGISTRY", "Store", "Violation", "always", "columns", "check_job", "check_params", "enabled", "gives",
+           "giving", "needing_hidden", "needing_own_tokenizer", "signal_columns"]
 
 
 def always() -> tuple[str, ...]:
     """The stores every teacher table holds, whatever ``--store`` names."""
     return tuple(name for name, store in REGISTRY.items() if store.always)
+
+
+ALWAYS = always()
+"""The stores every teacher table holds: ``score-teacher --store``'s and the loader's default."""
+
+
+def needing_hidden(names) -> bool:
+    """Whether any of the stores ``names`` is made from the engine's hidden states (score()'s ``hidden`` argument)."""
+    from opdcache.backends.base import STATISTICS
+
+    return any(STATISTICS[n].source == "hidden_states" for name in names if name in REGISTRY for n in REGISTRY[name].needs)
 
 
 def enabled(names, own_tokenizer: bool) -> tuple[str, ...]:

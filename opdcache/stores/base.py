@@ -238,6 +238,12 @@ class Store:
     version: Callable[[Any], int] = lambda params: 1
     """``version(params)``: the format version a table holding it with these parameters needs (a newer form of the
     store: the compact top-k, the bfloat16 svd codes)."""
+    rescored: bool = True
+    """``opdcache audit`` re-scores its columns and compares them with the stored ones (False: its values come from a
+    fit over the whole table, the svd projection, and are left out of the comparison)."""
+    format_notes: Callable[[int], Mapping] = lambda version: {}
+    """``format_notes(version)``: sections its store adds to the format's description at that version
+    (``schema.describe``, frozen in schemas/format-v<N>.json), e.g. the compact top-k's encodings."""
     always: bool = False
     """Every teacher table holds it (the scored token's log-prob), whatever ``--store`` names."""
     own_tokenizer: bool = False

@@ -110,6 +110,7 @@ STORE = Store(
     side_file="head.safetensors",
     side_tensors=("weight",),  # its shapes are checked where validate loads it to rebuild the log-probs
     rebuilds=REBUILD_TOL,
+    format_notes=lambda version: {"hidden_dtypes": list(DTYPES)},
     card=_card,
     flat=(),
     frontier=FRONTIER,

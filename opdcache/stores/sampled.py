@@ -5,15 +5,13 @@ Why: a top-k store is a biased estimate of the forward KL (the tail is cut), a s
 c_v of m draws, (1/m) sum_v c_v (log p_v - log q_v) has expectation sum_v p_v (log p_v - log q_v) = KL(p || q), and
 its gradient -(1/m) sum_v c_v grad log q_v is the full forward-KL gradient in expectation (losses.sampled_fkl_terms).
 
-Draws are reproducible and batch-invariant: the uniforms of a row come from (seed, row id) alone (:func:`uniforms`),
+Draws are reproducible and batch-invariant: the uniforms of a row come from (seed, row id) alone (``opdcache.backends.base.row_uniforms``),
 and the scorer maps each to a token by inverse CDF over the vocabulary order (backends/streamed.py ``_draw_from_slices``).
 
 This file is the store whole: its columns and checks, and the draws' encoding (:func:`store_columns`).
 """
 
 from __future__ import annotations
-
-import hashlib
 
 import numpy as np
 
@@ -22,12 +20,6 @@ from opdcache.stores.base import Column, Frontier, Implied, PAD_ID, Store
 from opdcache.stores.rowrules import sampled_rules
 
 MAX_DRAWS = 255
-
-
-def uniforms(seed: int, row_id: str, tokens: int, draws: int) -> np.ndarray:
-    """[tokens, draws] float64 uniforms in [0, 1) for one row: a function of (seed, row id) only."""
-    key = int.from_bytes(hashlib.sha256(f"{seed}:{row_id}".encode()).digest()[:8], "little")
-    return np.random.default_rng(key).random((tokens, draws))
 
 
 def store_columns(draw_ids: np.ndarray, draw_lps: np.ndarray) -> dict:

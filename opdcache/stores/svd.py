@@ -149,6 +149,7 @@ STORE = Store(
     check_model=_check_model,
     params=lambda job, facts: {"svd_rank": job.svd_rank, "svd_dtype": "bfloat16" if job.svd_dtype == "bfloat16" else None},
     version=lambda params: 3 if params.svd_dtype else 1,
+    rescored=False,
     config=lambda job: {"svd_method": job.svd_method},
     config_default={"svd_method": None},  # recorded by every teacher table since the store came
     needs=("hidden",),

@@ -34,6 +34,28 @@ def _dtype_doc(version: int) -> str:
     return "float32, or uint16: float16 bits (v3) or prob14 codes (v4), named by field metadata opdcache.dtype"
 
 
+def _format_notes(version: int) -> dict:
+    """The compact top-k's encodings (v3; prob14 since v4)."""
+    if version < 3:
+        return {}
+    notes = {
+        "when": "store parameters topk_precision or topk_mass set (score-teacher --topk-precision / --topk-mass)",
+        "support": "per position, the teacher's most likely entries until the residual mass is at most topk_mass "
+                   "(at least 1, at most top_k), most likely first; the remaining slots hold id -1 and log-prob -inf",
+        "precisions": [p for p in PRECISIONS if PRECISION_SINCE[p] <= version],
+        "float16": "topk_logprobs holds the IEEE float16 bit pattern in uint16 (field metadata opdcache.dtype = float16); "
+                   "numpy: values.view(np.float16).astype(np.float32)",
+        "tail": "topk_tail = 1 - sum of the kept entries' probabilities, from the float32 log-probs in float64",
+        "distortion": "measured at write time against the exact top-k and recorded in the manifest table entry 'topk'",
+    }
+    if version >= 4:
+        notes["prob14"] = (
+            "topk_logprobs holds uint16 codes c (field metadata opdcache.dtype = prob14): probability c x 2^-14, log-prob "
+            "log(c) - 14 log 2, 0 at padding; entries with p < 2^-15 are moved into the tail; the kept entries are in "
+            "ascending id order (not most likely first); topk_tail = 1 - the kept entries' exact probabilities")
+    return {"compact_topk": notes}
+
+
 def _check_shape(precision, mass, enabled: bool) -> None:
     """The compact form's settings: checked alike for a job's options and a table's recorded parameters."""
     if (precision is not None or mass is not None) and not enabled:
@@ -263,6 +285,7 @@ STORE = Store(
     encode=_encode,
     version=lambda params: PRECISION_SINCE[params.topk_precision or "float32"] if params.topk_compact else 1,
     reencode=_reencode,
+    format_notes=_format_notes,
     rules=_rules,
     rules_read=("response_ids", "logprobs"),
     record=_record,

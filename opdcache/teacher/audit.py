@@ -309,19 +309,21 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
         entry, record, exact, dtype, backend, path = _recorded_engine(cache, name, cfg.teacher, "--teacher", cfg.device)
     params = cache.params(name)
     seed = int(entry["config"].get("sample_seed", 0))
-    want_hidden = "hidden" in params.stores
+    import dataclasses
+
+    from opdcache.stores import needing_hidden, REGISTRY
+
+    # a store whose values come from a fit over the whole table (the svd projection) is left out of the comparison
+    unscored = {c.name for st in REGISTRY.values() if st.name in params.stores and not st.rescored for c in st.columns}
+    params_rescored = dataclasses.replace(params, stores=tuple(s for s in params.stores if s not in REGISTRY or REGISTRY[s].rescored))
+    want_hidden = needing_hidden(params_rescored.stores)
     base = cache.base_table
-    names = [c for c in shards.read_schema(cache.shard_paths(name)[0]).names if c not in ("id", "svd")]
+    names = [c for c in shards.read_schema(cache.shard_paths(name)[0]).names if c != "id" and c not in unscored]
     stored: dict[str, list] = {c: [] for c in names}
     fresh: dict[str, list] = {c: [] for c in names}
     alone: dict[str, list] = {c: [] for c in names}
-    params_no_svd = params
-    if params.svd_rank:
-        import dataclasses
 
-        params_no_svd = dataclasses.replace(params, stores=tuple(s for s in params.stores if s != "svd"), svd_rank=None, svd_dtype=None)
-
-    aligned = "aligned" in params.stores  # a teacher with its own tokenizer: its own tokens, stored in the table
+    aligned = not params.same_tokenizer  # a teacher with its own tokenizer: its own tokens, stored in the table
     if aligned:
         from opdcache.teacher import crossteacher
         from opdcache.teacher.alignment import RowAlignment, TokenText, Unaligned, align_response
@@ -339,8 +341,8 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
             records = crossteacher.records(base_rows["id"].to_pylist(), lengths, rows_aligned, scores, None, where,
                                            student_of, params.top_k)
         else:
-            records = teacher_records(base_rows["id"].to_pylist(), scores, params_no_svd, None, where)
-        return shards.build_table("teacher", params_no_svd, records)
+            records = teacher_records(base_rows["id"].to_pylist(), scores, params_rescored, None, where)
+        return shards.build_table("teacher", params_rescored, records)
 
     picks = cache.sample_rows(name, _rows_wanted(cache, name, cfg.rows), cfg.seed)
     replays = {}

@@ -215,7 +215,7 @@ def measure(teacher: Model, requests: list, row_ids: list[str], settings: list[S
     """The frontier on ``requests`` (ScoreRequests of the sample's rows): {label: {bytes_per_token, kl, students, ...}}
     plus the sample's size and the teacher's mean entropy. See the module docstring for what each number means."""
     from opdcache.backends.base import Scores
-    from opdcache.stores.sampled import uniforms
+    from opdcache.backends.base import row_uniforms
     from opdcache.teacher.scoring import teacher_records
 
     students = students or {}
@@ -242,7 +242,7 @@ def measure(teacher: Model, requests: list, row_ids: list[str], settings: list[S
         T = h.shape[0]
         tokens += T
         resp = torch.as_tensor(np.asarray(req.response_ids, np.int64))
-        u = torch.as_tensor(uniforms(seed, row_id, T, widths["sampled_ids"])) if widths.get("sampled_ids") else None
+        u = torch.as_tensor(row_uniforms(seed, row_id, T, widths["sampled_ids"])) if widths.get("sampled_ids") else None
         row: dict[str, list] = {}
         per_block: dict[Setting, list] = {s: [] for s in settings}
         for a in range(0, T, BLOCK_POSITIONS):

@@ -40,8 +40,8 @@ class ScoreJob:
     """The teacher: a local model directory or a Hub id (org/name[@rev])."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) when ``teacher`` is a Hub id."""
-    stores: tuple[str, ...] = ("logprob",)
-    """Teacher stores: logprob (always), topk, hidden, svd."""
+    stores: tuple[str, ...] = store_registry.ALWAYS
+    """Teacher stores (opdcache/stores/): logprob (always), topk, hidden, svd, sampled, entropy, aligned."""
     top_k: int | None = None
     """Width of the teacher's own top-k store. Default: none (required with --store topk)."""
     svd_rank: int | None = None
@@ -163,14 +163,14 @@ def consistency_verdict(cache_lineage: dict, teacher: dict, allow: bool) -> dict
 def score_requests(table, draws: int | None = None, seed: int = 0) -> list[ScoreRequest]:
     """One ScoreRequest per row of a rollout (or sft) table, with pi_ref's top-k and MC ids when the table has them,
     and with ``draws``, each row's uniforms for the sampled store (from the seed and the row id)."""
-    from opdcache.stores.sampled import uniforms
+    from opdcache.backends.base import row_uniforms
 
     response = shards.row_values(table["response_ids"])
     ref = shards.row_values(table["ref_topk_ids"]) if "ref_topk_ids" in table.column_names else None
     mc = shards.row_values(table["mc_ids"]) if "mc_ids" in table.column_names else None
     row_ids = table["id"].to_pylist() if draws else None
     return [ScoreRequest(p, response[i], None if ref is None else ref[i], None if mc is None else mc[i],
-                         None if not draws else uniforms(seed, row_ids[i], len(response[i]), draws))
+                         None if not draws else row_uniforms(seed, row_ids[i], len(response[i]), draws))
             for i, p in enumerate(table["prompt_ids"].to_pylist())]
 
 
@@ -290,7 +290,7 @@ def run_score(job: ScoreJob) -> dict:
     plan = _cross_plan(job, cache, ref)
     teacher_fp_info = model_info(ref)
     verdict = consistency_verdict(cache.manifest["lineage"], teacher_fp_info, job.allow_inconsistent_teacher)
-    want_hidden = any("hidden" in store.needs for store in enabled)  # score()'s hidden argument
+    want_hidden = store_registry.needing_hidden([store.name for store in enabled])  # score()'s hidden argument
     handed = {name: [n for n in store_registry.REGISTRY[name].needs if STATISTICS[n].on_reference] for name in job.stores}
     handed = {name: needs for name, needs in handed.items() if needs}
     engine = job.engine

@@ -32,6 +32,7 @@ from opdcache.format import shards
 
 from opdcache.errors import ConfigError
 from opdcache.format.cache import Cache
+from opdcache.stores import ALWAYS
 from opdcache.training.decoded import DecodedShard, verify_shard
 from opdcache.training.packing import BIT_COLUMNS, collate_packed
 
@@ -51,7 +52,7 @@ class CacheLoaderConfig:
     """A field of the rows' metadata (the prompt's other fields) whose value names each row's teacher, one of
     ``teacher`` and ``more_teachers``: yields ``row_teacher`` [B, T], the index of the row's teacher (0 the first).
     A row whose value names none is refused in one line."""
-    stores: tuple[str, ...] = ("logprob",)
+    stores: tuple[str, ...] = ALWAYS
     """Teacher stores to load (opdcache/stores/: logprob, topk, hidden, svd, sampled, entropy, ...)."""
     rollout_stores: tuple[str, ...] = ("base",)
     """Rollout stores to load besides the base columns: ref_topk, mc."""
