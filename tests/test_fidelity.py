@@ -37,7 +37,7 @@ def test_kl_to_the_maxent_completion_equals_the_full_vocabulary_sum(mass):
     top = np.argsort(-lp, 1)[:, :k]
     top_lp = np.take_along_axis(lp, top, 1).astype(np.float32)
     if mass is None:  # the exact store: tail = 1 - kept mass
-        r, kl = fidelity.kl_maxent(entropy, top_lp, np.ones_like(top_lp, bool), top_lp, None, V)
+        r, kl = compact.kl_maxent(entropy, top_lp, np.ones_like(top_lp, bool), top_lp, None, V)
         for t in range(T):
             tail = 1 - np.exp(top_lp[t].astype(np.float64)).sum()
             assert kl[t] == pytest.approx(_full_kl_to_maxent(lp[t], top[t], top_lp[t].astype(np.float64), tail), abs=2e-6)
@@ -45,7 +45,7 @@ def test_kl_to_the_maxent_completion_equals_the_full_vocabulary_sum(mass):
     else:
         enc = compact.compact_topk(top, top_lp, "float16", mass)
         kept = enc["ids"] != -1
-        r, kl = fidelity.kl_maxent(entropy, enc["exact"], kept, enc["logprobs"], enc["tail"], V)
+        r, kl = compact.kl_maxent(entropy, enc["exact"], kept, enc["logprobs"], enc["tail"], V)
         assert kept.sum(1).min() < k  # the mass threshold dropped entries somewhere
         for t in range(T):
             ids = enc["ids"][t][kept[t]]

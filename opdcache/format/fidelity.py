@@ -33,35 +33,13 @@ import numpy as np
 META = b"opdcache.fidelity"
 """Parquet key-value metadata of a teacher shard: the sums of :func:`row_sums`, merged by finalize."""
 
-QUANTITIES = {  # every one per response position (the next-token distribution there), at temperature 1
-    "topk_tail_mass": "teacher mass outside the stored top-k support",
-    "topk_kl_maxent": "KL(teacher || stored top-k with its tail spread evenly), nats",
-    "sampled_stderr": "standard error of the sampled forward-KL estimate's teacher term, nats",
-    "hidden_rounding_kl": "KL(teacher || teacher rebuilt from the stored hidden states), nats",
-    "entropy": "teacher entropy at temperature 1, nats",
-}
+def quantities() -> dict:
+    """Every quantity a fidelity record may hold, with what it means: each store's (``Store.fidelity_means``), then
+    the teacher's entropy."""
+    from opdcache.stores import REGISTRY
 
-
-def kl_maxent(entropy_T: np.ndarray, exact_lp_TK: np.ndarray, kept_TK: np.ndarray, stored_lp_TK: np.ndarray,
-              stored_tail_T: np.ndarray | None, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per position (r, KL(p || q*)) for a top-k store (module docstring). ``exact_lp_TK``: the exact temperature-1
-    log-probs of the support's candidates (float32, any order, -inf allowed); ``kept_TK``: which of them the store
-    keeps; ``stored_lp_TK``: their stored (decoded) log-probs; ``stored_tail_T``: the stored tail column (None: the
-    exact v1 store, whose tail is 1 - the kept mass)."""
-    lp = exact_lp_TK.astype(np.float64)
-    p = np.where(kept_TK, np.exp(lp), 0.0)
-    r = np.clip(1.0 - p.sum(1), 0.0, 1.0)
-    q_raw = np.where(kept_TK, np.exp(stored_lp_TK.astype(np.float64)), 0.0)
-    r_q = r.copy() if stored_tail_T is None else stored_tail_T.astype(np.float64)
-    z = q_raw.sum(1) + r_q
-    with np.errstate(divide="ignore", invalid="ignore"):
-        log_q = np.log(q_raw) - np.log(z)[:, None]
-        on_support = np.where(kept_TK & (p > 0), p * log_q, 0.0).sum(1)
-        log_rq = np.log(np.maximum(r_q / z, 1e-300))
-        outside = np.maximum(vocab_size - kept_TK.sum(1), 1)
-        tail = np.where(r > 0, r * (np.log(outside) - log_rq), 0.0)
-    kl = -entropy_T.astype(np.float64) - on_support + tail
-    return r, np.maximum(kl, 0.0)
+    out = {key: means for store in REGISTRY.values() for key, means in store.fidelity_means.items()}
+    return out | {"entropy": "teacher entropy at temperature 1, nats"}  # every one per response position, temperature 1
 
 
 def _stat(values: np.ndarray) -> dict:
@@ -69,26 +47,20 @@ def _stat(values: np.ndarray) -> dict:
     return {"sum": float(v.sum()), "max": float(v.max(initial=0.0)), "positions": int(v.size)}
 
 
-def row_sums(scores, enc: dict | None, params, vocab_size: int) -> dict:
-    """One row's sums (``scores``: the engine's Scores with ``entropy``/``variance``; ``enc``: the compact top-k
-    encoding the row was written with, None for the exact store). ``{"unmeasured": why}`` when the engine streamed no
-    full distribution (vLLM returns the top log-probs only)."""
+def row_sums(scores, params, vocab_size: int, encoded: dict | None = None) -> dict:
+    """One row's sums (``scores``: the engine's Scores with ``entropy``/``variance``; ``encoded``: each store's encoding
+    of the row, by store name, from its ``shard_encoder``). ``{"unmeasured": why}`` when the engine streamed no full
+    distribution (vLLM returns the top log-probs only)."""
+    from opdcache.stores import REGISTRY
+
     if getattr(scores, "entropy", None) is None:
         return {"unmeasured": "the engine returns no full distribution (vLLM: top log-probs only); score with --backend transformers to record it"}
-    out = {"entropy": _stat(scores.entropy)}
-    if params.top_k:
-        k = scores.topk_logprobs
-        if enc is None:
-            kept = np.isfinite(k)
-            r, kl = kl_maxent(scores.entropy, k, kept, k, None, vocab_size)
-        else:
-            kept = enc["ids"] != -1
-            r, kl = kl_maxent(scores.entropy, enc["exact"], kept, enc["logprobs"], enc["tail"], vocab_size)
-        out["topk_tail_mass"], out["topk_kl_maxent"] = _stat(r), _stat(kl)
-    if params.samples_per_position:
-        out["sampled_stderr"] = _stat(np.sqrt(scores.variance.astype(np.float64) / params.samples_per_position))
-    if getattr(scores, "rounding_kl", None) is not None:
-        out["hidden_rounding_kl"] = _stat(scores.rounding_kl)
+    out = {}
+    for name in params.stores:
+        if name in REGISTRY:
+            for key, values in REGISTRY[name].fidelity(scores, params, (encoded or {}).get(name), vocab_size).items():
+                out[key] = _stat(values)
+    out["entropy"] = _stat(scores.entropy)
     return out
 
 
@@ -124,8 +96,9 @@ def summary(sums: dict) -> dict:
     if "unmeasured" in sums:
         return {"measured": False, "reason": str(sums["unmeasured"])}
     out = {"measured": True}
+    means = quantities()
     for key, s in sorted(sums.items()):
-        out[key] = {"mean": s["sum"] / max(s["positions"], 1), "max": s["max"], "positions": s["positions"], "means": QUANTITIES.get(key, key)}
+        out[key] = {"mean": s["sum"] / max(s["positions"], 1), "max": s["max"], "positions": s["positions"], "means": means.get(key, key)}
     return out
 
 
@@ -136,7 +109,7 @@ def describe(record: dict) -> list[str]:
     if not record.get("measured"):
         return [f"error against the full vocabulary: not measured ({record.get('reason')})"]
     lines = []
-    for key in ("topk_kl_maxent", "topk_tail_mass", "sampled_stderr", "hidden_rounding_kl", "entropy"):
+    for key in quantities():
         if key in record:
             r = record[key]
             lines.append(f"{r['means']}: mean {r['mean']:.3g}, max {r['max']:.3g} over {r['positions']:,} positions")

@@ -241,6 +241,18 @@ class Store:
     rescored: bool = True
     """``opdcache audit`` re-scores its columns and compares them with the stored ones (False: its values come from a
     fit over the whole table, the svd projection, and are left out of the comparison)."""
+    shard_encoder: Callable[[Any], Any] = _nothing
+    """``shard_encoder(params)``: for a store whose stored form is made with something measured over the shard's rows
+    (the compact top-k and its distortion against the exact top-k), an object with ``pack(scores, row)`` -> (the
+    row's stored columns, the row's encoding, given to ``fidelity``), run after the finiteness check, and ``footer()``
+    -> the shard footer's key-value metadata it writes (its ``record_meta``); None where the parameters need none."""
+    fidelity: Callable[[Any, Any, Any, int], Mapping] = lambda scores, params, encoded, vocab_size: {}
+    """``fidelity(scores, params, encoded, vocab_size)``: its per-position error against the teacher's full
+    distribution, {quantity: [T] values} (the table's fidelity record, opdcache/format/fidelity.py), from the engine's
+    Scores of a row that streamed it (``entropy``, ``variance``, ...) and the row's encoding by ``shard_encoder`` (or
+    None)."""
+    fidelity_means: Mapping[str, str] = field(default_factory=dict)
+    """What each of its ``fidelity`` quantities means (the record's "means", the lines ``info`` prints, in this order)."""
     format_notes: Callable[[int], Mapping] = lambda version: {}
     """``format_notes(version)``: sections its store adds to the format's description at that version
     (``schema.describe``, frozen in schemas/format-v<N>.json), e.g. the compact top-k's encodings."""

@@ -250,6 +250,31 @@ def distortion_summary(sums: dict) -> dict:
             "max_moved_mass": sums["moved_max"], "mean_moved_mass": sums["moved_sum"] / n}
 
 
+def kl_maxent(entropy_T: np.ndarray, exact_lp_TK: np.ndarray, kept_TK: np.ndarray, stored_lp_TK: np.ndarray,
+              stored_tail_T: np.ndarray | None, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per position (r, KL(p || q*)) for a top-k store: r = 1 - the kept entries' exact mass, and KL from the teacher's
+    distribution to q*, its maximum-entropy completion (the stored values renormalised with the tail bin, the tail
+    spread evenly over the rest; opdcache/format/fidelity.py): KL = -H - sum_S p_i log q_i - r log r_q + r log(V - |S|)
+    (r_q the stored tail; float error ~1e-6 nats from float32 log-probs and H in float64). ``exact_lp_TK``: the exact
+    temperature-1 log-probs of the support's candidates (float32, any order, -inf allowed); ``kept_TK``: which of them the store
+    keeps; ``stored_lp_TK``: their stored (decoded) log-probs; ``stored_tail_T``: the stored tail column (None: the
+    exact v1 store, whose tail is 1 - the kept mass)."""
+    lp = exact_lp_TK.astype(np.float64)
+    p = np.where(kept_TK, np.exp(lp), 0.0)
+    r = np.clip(1.0 - p.sum(1), 0.0, 1.0)
+    q_raw = np.where(kept_TK, np.exp(stored_lp_TK.astype(np.float64)), 0.0)
+    r_q = r.copy() if stored_tail_T is None else stored_tail_T.astype(np.float64)
+    z = q_raw.sum(1) + r_q
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_q = np.log(q_raw) - np.log(z)[:, None]
+        on_support = np.where(kept_TK & (p > 0), p * log_q, 0.0).sum(1)
+        log_rq = np.log(np.maximum(r_q / z, 1e-300))
+        outside = np.maximum(vocab_size - kept_TK.sum(1), 1)
+        tail = np.where(r > 0, r * (np.log(outside) - log_rq), 0.0)
+    kl = -entropy_T.astype(np.float64) - on_support + tail
+    return r, np.maximum(kl, 0.0)
+
+
 def decode_logprobs(values: np.ndarray, field) -> np.ndarray:
     """A top-k log-prob column's values (as :func:`opdcache.format.shards.token_values` returns them) -> float32: float16 bits
     (field metadata opdcache.dtype = float16) are decoded, float32 is returned as is."""

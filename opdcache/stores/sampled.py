@@ -151,5 +151,7 @@ STORE = Store(
     rules=_rules,
     info=_info,
     card=_card,
+    fidelity=lambda sc, params, enc, vocab_size: {"sampled_stderr": np.sqrt(sc.variance.astype(np.float64) / params.samples_per_position)},
+    fidelity_means={"sampled_stderr": "standard error of the sampled forward-KL estimate's teacher term, nats"},
     frontier=FRONTIER,
 )

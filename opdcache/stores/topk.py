@@ -215,6 +215,41 @@ def _rules(values, vocab: int | None, params) -> list:
     return out
 
 
+class _CompactEncoder:
+    """A shard's rows in the compact form, and the sums of its distortion against the exact top-k (the footer's)."""
+
+    def __init__(self, params) -> None:
+        self.params, self.sums = params, []
+
+    def pack(self, sc, row) -> tuple[dict, dict]:
+        from opdcache.stores import compact
+
+        enc = compact.compact_topk(sc.topk_ids, sc.topk_logprobs, self.params.topk_precision or "float32", self.params.topk_mass)
+        self.sums.append(compact.distortion_sums(enc))
+        return {"topk_ids": enc["ids"], "topk_logprobs": enc["stored"], "topk_tail": enc["tail"]}, enc
+
+    def footer(self) -> dict:
+        import json
+
+        from opdcache.stores import compact
+
+        return {DISTORTION_META: json.dumps(compact.merge_sums(self.sums), sort_keys=True).encode()}
+
+
+def _fidelity(sc, params, enc, vocab_size: int) -> dict:
+    """The mass outside the stored support and KL(p || q*) to its maximum-entropy completion, per position."""
+    import numpy as np
+
+    from opdcache.stores.compact import kl_maxent
+
+    k = sc.topk_logprobs
+    if enc is None:
+        r, kl = kl_maxent(sc.entropy, k, np.isfinite(k), k, None, vocab_size)
+    else:
+        r, kl = kl_maxent(sc.entropy, enc["exact"], enc["ids"] != -1, enc["logprobs"], enc["tail"], vocab_size)
+    return {"topk_tail_mass": r, "topk_kl_maxent": kl}
+
+
 def _record(metas: list, params) -> dict:
     """A compact top-k table's settings and its distortion against the exact top-k, merged from the sums every shard's
     footer carries (opdcache/stores/compact.py)."""
@@ -286,6 +321,10 @@ STORE = Store(
     version=lambda params: PRECISION_SINCE[params.topk_precision or "float32"] if params.topk_compact else 1,
     reencode=_reencode,
     format_notes=_format_notes,
+    shard_encoder=lambda params: _CompactEncoder(params) if params.topk_compact else None,
+    fidelity=_fidelity,
+    fidelity_means={"topk_kl_maxent": "KL(teacher || stored top-k with its tail spread evenly), nats",
+                    "topk_tail_mass": "teacher mass outside the stored top-k support"},
     rules=_rules,
     rules_read=("response_ids", "logprobs"),
     record=_record,

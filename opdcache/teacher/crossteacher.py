@@ -179,7 +179,7 @@ def records(ids: list[str], response_lengths: list[int], aligned: list, scores: 
         counts["student_tokens"] += length
         counts["teacher_tokens"] += len(row.teacher_ids)
         if vocab_size:
-            errors.append(fidelity.row_sums(sc, None, _NO_STORES, vocab_size))
+            errors.append(fidelity.row_sums(sc, _NO_STORES, vocab_size))
     out.meta[META] = footer(counts | {"skipped": dict(skipped), "examples": examples})
     out.meta[fidelity.META] = fidelity.encode(fidelity.merge(errors)) if vocab_size else fidelity.unmeasured(
         "the engine returns no full distribution")
@@ -188,10 +188,9 @@ def records(ids: list[str], response_lengths: list[int], aligned: list, scores: 
 
 @dataclass(frozen=True)
 class _Params:
-    top_k: None = None
-    samples_per_position: None = None
-    hidden_dtype: None = None
+    stores: tuple = ()
 
 
 _NO_STORES = _Params()
-"""What fidelity.row_sums reads of the store parameters: an aligned table has no top-k, sampled or hidden store."""
+"""What fidelity.row_sums reads of the store parameters: an aligned table's stores record no error against the full
+vocabulary of their own (its group log-probs are the teacher's; only the entropy is recorded)."""

@@ -182,18 +182,15 @@ def teacher_columns(params: S.StoreParams) -> list[str]:
 def teacher_records(ids: list[str], scores, params: S.StoreParams, prepared: dict | None = None, where: str = "",
                     vocab_size: int | None = None) -> shards.Records:
     """A teacher table's rows from the engine's scores of the rollout rows ``ids`` (row-aligned); refuses non-finite
-    values. A compact top-k store's rows are encoded here (opdcache/stores/compact.py) and the shard's distortion against the
-    exact top-k goes into its footer; the sampled store's draws are collapsed into distinct ids and counts. With
+    values. Each store encodes its columns (``Store.encode``, ``pack``; a shard encoder such as the compact top-k's
+    writes what it measured into the footer). With
     ``vocab_size`` and an engine that streams the full distribution, the stores' error against it (opdcache/format/fidelity.py)
     goes into the footer too. ``prepared``: the stores as their ``prepare`` returned them for this job, by name."""
-    import json
-
     from opdcache.format import fidelity
 
-    from opdcache.stores import compact
-
     enabled = [(prepared or {}).get(name) or store_registry.REGISTRY[name] for name in params.stores]
-    records, sums, errors = shards.Records(), [], []
+    encoders = {store.name: e for store in enabled if (e := store.shard_encoder(params)) is not None}
+    records, errors = shards.Records(), []
     for row_id, sc in zip(ids, scores):
         rec = {"id": row_id}
         for store in enabled:
@@ -203,19 +200,18 @@ def teacher_records(ids: list[str], scores, params: S.StoreParams, prepared: dic
         if reason:
             raise SchemaError(f"teacher produced {reason} for rollout row {row_id} ({where}); "
                               "nothing was written for this shard. Check the teacher's dtype (try --dtype float32)")
-        enc = None
-        if params.topk_compact:
-            enc = compact.compact_topk(sc.topk_ids, sc.topk_logprobs, params.topk_precision or "float32", params.topk_mass)
-            rec["topk_ids"], rec["topk_logprobs"], rec["topk_tail"] = enc["ids"], enc["stored"], enc["tail"]
-            sums.append(compact.distortion_sums(enc))
+        encoded = {}
+        for name, encoder in encoders.items():  # the compact top-k, its distortion summed for the footer
+            columns, encoded[name] = encoder.pack(sc, rec)
+            rec.update(columns)
         if vocab_size:
-            errors.append(fidelity.row_sums(sc, enc, params, vocab_size))
+            errors.append(fidelity.row_sums(sc, params, vocab_size, encoded))
         for store in enabled:
             if store.pack is not None:
                 rec.update(store.pack(sc, params, rec))
         records.append(rec)
-    if params.topk_compact:
-        records.meta[compact.DISTORTION_META] = json.dumps(compact.merge_sums(sums), sort_keys=True).encode()
+    for encoder in encoders.values():
+        records.meta.update(encoder.footer())
     if vocab_size:
         records.meta[fidelity.META] = fidelity.encode(fidelity.merge(errors))
     return records
