@@ -105,11 +105,10 @@ def test_lora_settings_changed_on_resume_are_refused(lora_run, hf_cache, weights
     (["--lora-rank", "-1"], "--lora-rank must be a positive integer (0: full fine-tuning), got -1"),
     (["--lora-rank", "8", "--exact"], "--exact with --lora-rank is not supported: the exact arithmetic re-implements"),
     (["--lora-rank", "8", "--fsdp"], "--fsdp with --lora-rank is not supported"),
-    (["--lora-rank", "8", "--rollout-aligned"], "--rollout-aligned with --lora-rank is not supported"),
     (["--lora-rank", "8", "--lora-dropout", "1.5"], "--lora-dropout must be in [0, 1), got 1.5"),
     (["--save", "adapter"], "--save adapter writes a LoRA adapter: train with --lora-rank R, or --save merged"),
     (["--lora-rank", "8", "--save", "both"], "--save must be auto, adapter or merged, got 'both'"),
-], ids=["negative", "exact", "fsdp", "aligned", "dropout", "adapter-without-lora", "save"])
+], ids=["negative", "exact", "fsdp", "dropout", "adapter-without-lora", "save"])
 def test_lora_settings_it_cannot_take_are_one_line_before_anything_loads(tmp_path, capsys, args, want):
     with pytest.raises(SystemExit) as e:
         main(["train", "--model", str(tmp_path / "not-loaded"), "--cache", str(tmp_path / "no-cache"), "--out", str(tmp_path / "run"), *args])

@@ -40,10 +40,10 @@ def w4_cache(tmp_path_factory, weights, opd_prompts):
     return _cache(tmp_path_factory.mktemp("w4") / "cache", weights, opd_prompts, "w4a16:g32")
 
 
-def _student_logprobs(cache, weights, tmp_path, aligned: bool):
+def _student_logprobs(cache, weights, tmp_path, aligned: bool, **settings):
     """The trainer's own forward of pi_ref on one batch of the cache: (its log-probs, the stored sampling log-probs, mask)."""
-    trainer = Trainer(TrainConfig(model=weights / "student", cache=cache, out=tmp_path / f"run-{aligned}", batch_size=8,
-                                  rollout_aligned=aligned, pack=False))
+    trainer = Trainer(TrainConfig(model=weights / "student", cache=cache, out=tmp_path / f"run-{aligned}-{len(settings)}", batch_size=8,
+                                  rollout_aligned=aligned, pack=False, **settings))
     batch = trainer.source.next_batch()
     sel = batch["response_mask"].bool()
     with torch.no_grad():
@@ -86,6 +86,38 @@ def test_the_aligned_learner_reproduces_the_rollout_engine(w4_cache, weights, tm
     assert np.array_equal(stored, stored2) and stored.size > 100
     assert np.abs(aligned - stored).max() <= 1e-5
     assert np.abs(plain - stored).mean() >= 1e-2
+
+
+def test_a_lora_student_aligns_its_frozen_base_and_merges_onto_the_base_itself(w4_cache, weights, tmp_path):
+    """QaRL with LoRA: the frozen base computes in the rollouts' scheme (once, in place), the float32 adapters outside
+    it. Before any update the LoRA learner is the aligned pi_ref (its lora_B are 0), so it reproduces the cached
+    sampling log-probs as the full aligned learner does; it trains on-policy at step 1; and its merged output is the
+    base's own weights plus the adapters (B A, rank <= r), not the quantized weights it trained against."""
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    aligned, stored = _student_logprobs(w4_cache, weights, tmp_path, True, lora_rank=8)
+    assert np.abs(aligned - stored).max() <= 1e-5
+    out = tmp_path / "lora"
+    assert run(["train", "--model", str(weights / "student"), "--cache", str(w4_cache), "--out", str(out), "--steps", "2",
+                "--batch-size", "4", "--loss", "is", "--rollout-aligned", "--lora-rank", "8", "--lr", "1e-2",
+                "--save", "merged", "--no-progress"]) == 0
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["rho_mean"] == pytest.approx(1.0, abs=1e-5)
+    base = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float64)
+    merged = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float64)
+    name = next(n for n, _ in base.named_modules() if n.endswith("layers.0.self_attn.q_proj"))
+    delta = merged.get_submodule(name).weight - base.get_submodule(name).weight
+    s = torch.linalg.svdvals(delta)
+    # rank 8: the 9th singular value is float32 rounding of the merged weights (~1e-7 of them), far below the 8th; a
+    # merge onto the w4 weights would add their rounding, a full-rank error ~1/16 of a weight's group scale
+    assert float(s[0]) > 0 and float(s[8]) < 1e-4 * float(s[0]), s[:10]
+    from opdcache.backends.quant import parse_quantize
+
+    w = base.get_submodule(name).weight.float()
+    onto_w4 = delta + (parse_quantize("w4a16:g32").weight(w) - w).double()  # what a merge onto the trained weights gives
+    s4 = torch.linalg.svdvals(onto_w4)
+    assert float(s4[8]) > 1e-2 * float(s4[0]), s4[:10]
 
 
 def test_mismatch_report_measures_both(w4_cache, tmp_path, capsys):

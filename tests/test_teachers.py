@@ -79,6 +79,25 @@ def test_the_loss_is_the_weighted_sum_of_each_teachers(two_teachers, weights, tm
     assert first_only == pytest.approx(alone["teacher"], rel=1e-6, abs=1e-7)
 
 
+def test_a_lora_student_learns_from_several_teachers_mixed_and_routed(two_teachers, weights, tmp_path):
+    """Before any update a LoRA student is its base (every lora_B starts at 0, and base + 0 is the base's value exactly),
+    so its first loss from two teachers is the full student's; mixed and routed runs then train its adapters."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from opdcache.training.train import TrainConfig, run_train
+
+    mix = dict(teacher="teacher,teacher_carry", teacher_weights=(0.7, 0.3))
+    full = _first_loss(two_teachers, weights, tmp_path / "full", **mix)
+    adapters = _first_loss(two_teachers, weights, tmp_path / "lora", lora_rank=4, **mix)
+    assert adapters == full
+    out = tmp_path / "routed"
+    run_train(TrainConfig(cache=two_teachers, model=weights / "student", out=out, steps=2, batch_size=16, lr=1e-3, lora_rank=4,
+                          teacher="teacher,teacher_carry", teacher_route="domain"))
+    trained = load_file(str(out / "model" / "adapter_model.safetensors"))
+    assert any(float(v.abs().max()) > 0 for k, v in trained.items() if "lora_B" in k)
+
+
 def test_routed_rows_train_on_their_own_teacher(two_teachers, weights, tmp_path):
     import torch
 

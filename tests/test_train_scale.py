@@ -190,6 +190,31 @@ def test_fsdp_on_two_cpu_processes_matches_one_process_and_resumes(hf_cache, wei
         assert abs(a["loss"] - b["loss"]) < FSDP_TOLERANCE, (a, b)
 
 
+@pytest.mark.slow
+def test_ddp_trains_a_lora_student_on_two_cpu_processes_as_one_process_does_and_resumes(hf_cache, weights, tmp_path):
+    """torchrun --nproc-per-node 2 ... train --lora-rank 4 (DDP over the adapters alone: the frozen base takes no
+    gradient and is never reduced): the same per-step losses as one process over the same rows, and a resume."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    args = ["train", "--model", str(weights / "student"), "--cache", str(hf_cache), "--loss", "lightning", "--steps", "4",
+            "--lr", "1e-3", "--deterministic", "--checkpoint-every", "2", "--no-progress", "--lora-rank", "4"]
+    single = _torchrun([*args, "--batch-size", "8", "--out", str(tmp_path / "one")], 1, tmp_path)
+    assert single.returncode == 0, _why(single)
+    first = _torchrun([*args, "--batch-size", "4", "--out", str(tmp_path / "two"), "--stop-after", "2"], 2, tmp_path)
+    assert first.returncode == 0, _why(first)
+    second = _torchrun([*args, "--batch-size", "4", "--out", str(tmp_path / "two")], 2, tmp_path)
+    assert second.returncode == 0, _why(second)
+    assert "4 steps of lightning (resumed from its checkpoint)" in second.stdout
+    one = [json.loads(l) for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    two = [json.loads(l) for l in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in two] == [1, 2, 3, 4]
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) < FSDP_TOLERANCE, (a, b)
+    a, b = (load_file(str(tmp_path / run / "model" / "adapter_model.safetensors")) for run in ("one", "two"))
+    assert a.keys() == b.keys() and not (tmp_path / "two" / "model" / "model.safetensors").exists()  # adapters only
+
+
 def test_label_smoothing_term_equals_the_full_logits_reference(weights):
     """SFT's label smoothing: CE(uniform, p) = lse - mean logit from the fused pass equals -mean log_softmax over the
     full logits, in value and gradient; and SFTConfig(label_smoothing=e) trains on (1 - e) CE(target) + e CE(uniform)."""

@@ -23,8 +23,7 @@ PEFT_RANGE = ">=0.17,<0.22"
 ADAPTER_FILE = "adapter.safetensors"
 """The adapters' float32 weights in a checkpoint (by the student's parameter names)."""
 NOT_WITH_LORA = {"exact": "the exact arithmetic re-implements the decoder's layers, which hold no adapters",
-                 "fsdp": "adapters are not sharded yet: train a LoRA student with DDP (torchrun) instead",
-                 "rollout_aligned": "the rollouts' low-bit scheme would quantize the adapters with the base"}
+                 "fsdp": "adapters are not sharded yet: train a LoRA student with DDP (torchrun) instead"}
 
 
 def check(cfg) -> None:
@@ -97,13 +96,24 @@ def base_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def save_final(wrapped, folder, save: str, dtype: torch.dtype) -> None:
-    """The run's output: a PEFT adapter folder (``adapter``) or the merged model in ``dtype`` (``merged``)."""
+def save_final(wrapped, folder, save: str, dtype: torch.dtype, base=None) -> None:
+    """The run's output: a PEFT adapter folder (``adapter``) or the merged model in ``dtype`` (``merged``). ``base``: a
+    function loading the base the adapters merge into, where the trained one is not it (its linear layers computed in
+    the rollouts' low-bit scheme, ``--rollout-aligned``): the adapters go onto the base's own weights."""
     if save == "adapter":
         wrapped.save_pretrained(folder)
         return
     import copy
 
-    merged = copy.deepcopy(wrapped).merge_and_unload()
+    if base is None:
+        merged = copy.deepcopy(wrapped).merge_and_unload()
+    else:
+        import tempfile
+
+        from peft import PeftModel
+
+        with tempfile.TemporaryDirectory(prefix="opdcache-adapter-", dir=folder) as tmp:
+            wrapped.save_pretrained(tmp)
+            merged = PeftModel.from_pretrained(base(), tmp).merge_and_unload()
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.state_dict().items()}
     merged.save_pretrained(folder, state_dict=state)

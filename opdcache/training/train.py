@@ -97,17 +97,19 @@ class Trainer:
         # float32 master weights whatever --dtype says: autocast computes in bfloat16, AdamW updates in float32; a LoRA
         # student's frozen base in its dtype, its adapters in float32 (opdcache/training/lora.py)
         self.lora = cfg.lora_rank > 0
+        self.scheme = self._rollout_scheme() if cfg.rollout_aligned else None  # refused before the model loads
         self.model = load_causal_lm(self.model_path, lora.base_dtype(self.device) if self.lora else torch.float32).to(self.device)
         check_facts(self.model, facts, self.model_path)
-        self.peft = lora.apply(self.model, cfg) if self.lora else None
+        if self.lora and self.scheme is not None:  # QaRL with LoRA: the frozen base in the rollouts' scheme, once
+            apply_scheme(self.model, self.scheme, "inference")
+        self.peft = lora.apply(self.model, cfg) if self.lora else None  # the adapters, float32, outside the scheme
         self.allocator = None
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
             if self.device.type == "cpu":  # else the recomputed buffers stay in glibc's heap (opdcache/training/allocator.py)
                 self.allocator = map_large_buffers()
         self.model.train()
-        self.scheme = self._rollout_scheme() if cfg.rollout_aligned else None
-        if self.scheme is not None:  # QaRL: the learner computes as the rollout engine did, from float32 masters
+        if self.scheme is not None and not self.lora:  # QaRL: the learner computes as the rollout engine did, from float32 masters
             apply_scheme(self.model, self.scheme, "train")
         # --exact: the decoder and head in the exact arithmetic, in the compute dtype (bfloat16 rounds as the engine's did)
         self.exact_dtype = (self.autocast or torch.float32) if cfg.exact else None
@@ -410,7 +412,8 @@ class Trainer:
         from opdcache.inputs.lineage import read_sft_lineage
 
         if self.lora:
-            lora.save_final(self.peft, tmp, "merged" if self.cfg.save == "merged" else "adapter", dtype)
+            base = None if self.scheme is None else (lambda: load_causal_lm(self.model_path, torch.float32))  # not the quantized one
+            lora.save_final(self.peft, tmp, "merged" if self.cfg.save == "merged" else "adapter", dtype, base)
         else:
             self.model.save_pretrained(tmp, state_dict=state)
         config_path = tmp / "config.json"  # transformers writes the live model's dtype: state the weights'
