@@ -60,6 +60,10 @@ def async_(
     limit: O.Limit = None,
     as_json: O.JsonOut = False,
     report_to: Annotated[Optional[str], T.option("report_to", note="The learner's metrics.", defaults=DEFAULTS)] = None,
+    lora_rank: Annotated[Optional[int], T.option("lora_rank", note="The learner publishes its adapters alone; the rollout worker loads them onto the frozen base.")] = None,
+    lora_alpha: Annotated[Optional[float], T.option("lora_alpha")] = None,
+    lora_dropout: Annotated[Optional[float], T.option("lora_dropout")] = None,
+    lora_targets: Annotated[Optional[str], T.option("lora_targets")] = None,
     progress: Annotated[Optional[bool], T.option("progress", "--progress/--no-progress")] = None,
 ) -> None:
     """Rollout, teacher scoring and learner at once over one cache, K batches stale (AsyncOPD, papers/001).

@@ -128,6 +128,51 @@ def test_logged_importance_weights_equal_pi_theta_over_pi_old_recomputed(tmp_pat
     assert float(rho.std()) > 1e-4  # the student moved: the test would see a wrong weight
 
 
+@pytest.mark.slow
+def test_a_lora_learner_publishes_adapters_alone_and_the_worker_samples_with_them(tmp_path, weights, opd_prompts):
+    """--lora-rank: each snapshot holds the adapters only (a small fraction of a whole student's), the rollout worker
+    samples batch 3 with snapshot v2's adapters on its frozen base (its sampling log-probs are the base plus v2's
+    adapters, recomputed here), and the logged importance weight is pi_v3 / pi_v2 of the adapters."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from opdcache.training import lora
+    from opdcache.training.data import collate
+    from opdcache.training.decoded import DecodedShard
+
+    base = dict(teacher=weights / "teacher", prompts=PromptConfig(opd_prompts), out=tmp_path / "run", staleness=1,
+                sampling=FAST, device="cpu", threads=1, keep_snapshots=True)
+    cfg = AsyncConfig(learner=learner(weights / "student", steps=5, batch_size=4, lr=1e-2, lora_rank=4), **base)
+    run_async(cfg)
+    snap = load_file(str(Q.snapshot_path(cfg.cache_root, 2)))
+    model = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float32)
+    whole = sum(p.numel() for p in model.parameters())
+    assert snap and all(".lora_" in k for k in snap) and sum(t.numel() for t in snap.values()) < 0.1 * whole
+    lora.apply(model, cfg.learner)
+    model.eval()
+    rollout = Path(cfg.cache_root) / "rollouts" / "part-00003-of-00005.parquet"
+    shard = DecodedShard(rollout, None, ["prompt_ids", "response_ids", "sampling_logprobs"], [])
+    batch = collate([shard.row(i) for i in range(4)])
+    mask = batch["response_mask"].bool()
+
+    def logprobs(version):
+        Q.load_snapshot(model, cfg.cache_root, version, adapters=True)
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+        full = torch.log_softmax(logits, -1)
+        rows = torch.arange(full.shape[0])[:, None]
+        return full[rows, batch["logit_positions"], batch["response_ids"]]
+
+    pi_old, pi_theta = logprobs(2), logprobs(3)
+    assert (pi_old - batch["sampling_logprobs"].double())[mask].abs().max() < 1e-4  # sampled with v2's adapters
+    rho = (pi_theta - pi_old).exp()[mask]
+    logged = _metrics(cfg.out)[3]
+    assert logged["student_version"] == 2 and logged["rho_mean"] == pytest.approx(float(rho.mean()), abs=2e-5)
+    assert float(rho.std()) > 1e-4  # the adapters moved: a worker still on the base would fail the first check
+    assert (Path(cfg.out) / "learner" / "model" / "adapter_model.safetensors").is_file()  # the run's output: the adapters
+
+
 def _start(cfg_args, out):
     return subprocess.Popen([sys.executable, "-m", "opdcache.cli.main", "async", *cfg_args, "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -21,9 +21,11 @@ checkpoint every step (a killed learner redoes no update), no KL penalty (a batc
 snapshot's, not pi_ref's) and padded batches (the learner reads each batch as the rollout worker lands it, padded)."""
 
 LEARNER_SETTINGS = ("model", "loss", "steps", "batch_size", "lr", "tau", "ppo_clip", "importance_weights", "max_grad_norm",
-                    "weight_decay", "chunk", "seed", "deterministic", "exact", "checkpoint_every", "progress", "report_to")
+                    "weight_decay", "chunk", "seed", "deterministic", "exact", "checkpoint_every", "progress", "report_to",
+                    "lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 """The learner's settings an async run takes; its others (packing, several teachers, corrections, FSDP, ...) are
-offline training's and stay at train's defaults."""
+offline training's and stay at train's defaults. With ``lora_rank`` the learner trains adapters and publishes them
+alone; the rollout worker loads them onto its copy of the frozen base."""
 
 
 DEFAULT = TrainConfig(model=Path(), cache="", out=Path(), pack=False)  # train's defaults, for what the learner leaves alone
@@ -161,5 +163,6 @@ class AsyncConfig:
         skip = {"progress", "executor", "gpus_per_stage", "ray_address", "threads", "keep_snapshots", "device", "learner"}
         own = {k: v for k, v in self.to_json().items() if k not in skip}
         learner = self.to_json()["learner"]
-        learned = {k: learner[k] for k in LEARNER_SETTINGS if k not in ("progress", "report_to") and (k != "exact" or self.learner.exact)}
-        return {**own, **learned}  # exact is absent when off: runs from before it keep their identity
+        learned = {k: learner[k] for k in LEARNER_SETTINGS if k not in ("progress", "report_to") and (k != "exact" or self.learner.exact)
+                   and (not k.startswith("lora_") or self.learner.lora_rank)}
+        return {**own, **learned}  # exact and LoRA are absent when off: runs from before them keep their identity

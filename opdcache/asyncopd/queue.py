@@ -41,30 +41,55 @@ def snapshot_path(cache_root, version: int):
     return storage.as_path(cache_root) / SNAPSHOTS / f"student-v{version:06d}.safetensors"
 
 
-def publish_snapshot(model: torch.nn.Module, cache_root, version: int) -> None:
-    """Write the model's float32 weights as snapshot ``version``, whole or not at all (tied weights stored once)."""
-    from safetensors.torch import save_model
+def publish_snapshot(model: torch.nn.Module, cache_root, version: int, adapters: bool = False) -> None:
+    """Write the model's float32 weights as snapshot ``version``, whole or not at all (tied weights stored once); with
+    ``adapters``, a LoRA student's trained adapters alone (the base is --model's, frozen)."""
+    from safetensors.torch import save_file, save_model
 
     path = snapshot_path(cache_root, version)
+    meta = {"opdcache.student_version": str(version)}
     with storage.staged(path) as tmp:
-        save_model(model, str(tmp), metadata={"opdcache.student_version": str(version)})
+        if adapters:
+            from opdcache.training.lora import adapter_state
+
+            save_file(adapter_state(model), str(tmp), metadata=meta | {"opdcache.snapshot": "adapters"})
+        else:
+            save_model(model, str(tmp), metadata=meta)
 
 
-def load_snapshot(model: torch.nn.Module, cache_root, version: int) -> None:
+def load_snapshot(model: torch.nn.Module, cache_root, version: int, adapters: bool = False) -> None:
     """Load snapshot ``version`` into ``model`` in place (every parameter must be present: a snapshot of another
-    architecture is refused by safetensors with the missing names)."""
+    architecture is refused by safetensors with the missing names); with ``adapters``, exactly the model's trainable
+    adapters."""
     import tempfile
-
-    from safetensors.torch import load_model
 
     path = snapshot_path(cache_root, version)
     if not storage.is_remote(path):
-        load_model(model, str(path), strict=True)
+        _load(model, path, adapters)
         return
     with tempfile.TemporaryDirectory(prefix="opdcache-snapshot-") as tmp:  # one snapshot on local disk at a time, not one per version
         local = Path(tmp) / path.name
         path.fs.get_file(path.path, str(local))
-        load_model(model, str(local), strict=True)
+        _load(model, local, adapters)
+
+
+def _load(model: torch.nn.Module, path, adapters: bool) -> None:
+    from safetensors.torch import load_file, load_model
+
+    if not adapters:
+        load_model(model, str(path), strict=True)
+        return
+    from opdcache.errors import SchemaError
+
+    state = load_file(str(path))
+    own = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(state) != set(own) or any(state[n].shape != p.shape for n, p in own.items()):
+        missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        raise SchemaError(f"{path} does not hold this run's adapters (missing {missing[:3]}, unexpected {extra[:3]}, or "
+                          "other shapes); it is another run's snapshot: start the run in a new cache")
+    with torch.no_grad():
+        for name, p in own.items():
+            p.copy_(state[name])
 
 
 class Waiter:

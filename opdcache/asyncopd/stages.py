@@ -74,6 +74,12 @@ def rollout_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
     tokenizer = load_tokenizer(ref.path)
     engine = _engine(cfg)
     backend = make_backend(ref.path, engine, max_logprobs=1)
+    adapters = cfg.learner.lora_rank > 0
+    if adapters:  # a LoRA learner publishes its adapters alone: this copy of the frozen base takes the same ones
+        from opdcache.training import lora
+
+        lora.apply(backend.model, cfg.learner)  # every lora_B starts at 0: until a snapshot loads, the base itself
+        backend.model.eval()
     decodable = check_vocab_sizes(tokenizer, backend.vocab_size, ref.name)
     prompts = read_prompts(cfg.prompts, tokenizer, backend.max_length - cfg.sampling.max_new_tokens)
     if not prompts.prompts:
@@ -107,7 +113,7 @@ def rollout_stage(cfg: AsyncConfig, waiter: Q.Waiter, out=None) -> list[int]:
             version = cfg.version_for(b)
             if version != loaded:
                 waiter.for_file(Q.snapshot_path(root, version), f"student snapshot v{version}")
-                Q.load_snapshot(backend.model, root, version)
+                Q.load_snapshot(backend.model, root, version, adapters)
                 loaded = version
             start = time.time()
             idx, seeds = schedule.batch(b)
@@ -237,7 +243,7 @@ class QueueSource:
         with open(self.ledger, "a") as f:
             f.write(json.dumps(entry) + "\n")
         if self.cfg.needed_snapshot(trainer.step):
-            Q.publish_snapshot(trainer.model, self.root, trainer.step)
+            Q.publish_snapshot(trainer.model, self.root, trainer.step, trainer.lora)
         if self.out is not None:
             Q.append_busy(self.out, "learner", self.current["batch"], self.busy_since, time.time())
 
@@ -253,7 +259,7 @@ class QueueSource:
             kept.sort(key=lambda e: e["batch"])
         storage.write_text_atomic(self.ledger, "".join(json.dumps(e) + "\n" for e in kept))
         if self.cfg.needed_snapshot(trainer.step) and not Q.snapshot_path(self.root, trainer.step).is_file():
-            Q.publish_snapshot(trainer.model, self.root, trainer.step)
+            Q.publish_snapshot(trainer.model, self.root, trainer.step, trainer.lora)
 
     def state_dict(self) -> dict:
         return {"next_batch": self.next}
