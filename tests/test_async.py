@@ -173,6 +173,26 @@ def test_a_lora_learner_publishes_adapters_alone_and_the_worker_samples_with_the
     assert (Path(cfg.out) / "learner" / "model" / "adapter_model.safetensors").is_file()  # the run's output: the adapters
 
 
+def test_an_adapter_snapshot_of_other_adapters_is_refused_in_one_line(tmp_path, weights):
+    """A snapshot whose adapters are not this run's (another rank, other targets) is refused naming the file."""
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from opdcache.errors import SchemaError
+    from opdcache.training import lora
+
+    def student(**settings):
+        model = AutoModelForCausalLM.from_pretrained(weights / "student", dtype=torch.float32)
+        lora.apply(model, learner(weights / "student", **settings))
+        return model
+
+    Q.publish_snapshot(student(lora_rank=4), tmp_path, 1, adapters=True)
+    Q.load_snapshot(student(lora_rank=4), tmp_path, 1, adapters=True)  # the same adapters load
+    for other in (dict(lora_rank=2), dict(lora_rank=4, lora_targets="q_proj")):
+        with pytest.raises(SchemaError, match=r"student-v000001\.safetensors does not hold this run's adapters .* start the run in a new cache"):
+            Q.load_snapshot(student(**other), tmp_path, 1, adapters=True)
+
+
 def _start(cfg_args, out):
     return subprocess.Popen([sys.executable, "-m", "opdcache.cli.main", "async", *cfg_args, "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
