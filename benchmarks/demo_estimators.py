@@ -13,6 +13,8 @@ A variant is an estimator name (opdcache/training/estimators.py ESTIMATORS), opt
 
     python benchmarks/demo_estimators.py --root runs/estimators --seeds 0 1 2 \\
         --variants lightning lightning+kl lightning@online full-rkl [--lr 1e-4] [--steps 80] [--kl-coef 0.1]
+    python benchmarks/demo_estimators.py --root runs/estimators --variants lightning lightning:lora8 lightning:lora32 \
+        lightning:lora64 --lora-lr 3e-4      # LoRA students (the demo's layers are 64 wide: rank 64 at most)
 """
 
 from __future__ import annotations
@@ -28,14 +30,17 @@ from opdcache.training.estimators import ESTIMATORS
 
 
 def variant_settings(variant: str, kl_coef: float, teacher_model: Path) -> tuple[str, float, dict]:
-    """(estimator, KL penalty weight, online TrainConfig fields) of a variant name such as ``lightning+kl@online``."""
+    """(estimator, KL penalty weight, TrainConfig fields) of a variant name such as ``lightning+kl@online`` or
+    ``lightning:lora8`` (a LoRA student of rank 8, at ``--lora-lr``)."""
+    variant, _, lora = variant.partition(":lora")
+    fields = {"lora_rank": int(lora)} if lora else {}
     name, online = (variant[: -len("@online")], True) if variant.endswith("@online") else (variant, False)
     loss, kl = (name[: -len("+kl")], True) if name.endswith("+kl") else (name, False)
     if loss not in ESTIMATORS:
         raise SystemExit(f"unknown estimator {loss!r} in variant {variant!r}; choose from {', '.join(ESTIMATORS)}")
     # online: standard OPD, with the demo's rollout settings, sampled live from the current student
     online_fields = {"online": True, "teacher_model": teacher_model, "max_new_tokens": 48, "temperature": 1.0} if online else {}
-    return loss, kl_coef if kl else 0.0, online_fields  # the demo pipeline's penalty uses the k3 estimator
+    return loss, kl_coef if kl else 0.0, online_fields | fields  # the demo pipeline's penalty uses the k3 estimator
 
 
 def main() -> None:
@@ -47,6 +52,7 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=DemoConfig.sft_steps, help="SFT steps of the base student into pi_ref")
     ap.add_argument("--kl-coef", type=float, default=DemoConfig.kl_coef, help="the KL penalty's weight in +kl variants (others: none)")
     ap.add_argument("--tau", type=float, default=DemoConfig.tau, help="lightning's advantage clip (TrainConfig.tau)")
+    ap.add_argument("--lora-lr", type=float, default=None, help="the learning rate of :lora<R> variants (default: --lr)")
     ap.add_argument("--variants", nargs="+", default=list(ESTIMATORS))
     args = ap.parse_args()
     rows: dict[str, list[dict]] = {"pi_ref": []} | {v: [] for v in args.variants}
@@ -57,7 +63,8 @@ def main() -> None:
         rows["pi_ref"].append(report.figures["pi_ref"] | {"k1": 0.0, "is_weight": []})
         for variant in args.variants:
             loss, kl_coef, online_fields = variant_settings(variant, args.kl_coef, p["teacher"])
-            run_cfg = dataclasses.replace(cfg, loss=loss, kl_coef=kl_coef, tau=args.tau)
+            lr = args.lora_lr if "lora_rank" in online_fields and args.lora_lr is not None else args.lr
+            run_cfg = dataclasses.replace(cfg, loss=loss, kl_coef=kl_coef, tau=args.tau, opd_lr=lr)
             run = cfg.workdir / "runs" / f"{variant}-{run_name(run_cfg)}"
             model = train_run(run_cfg, report, p["pi_ref"], p["rollouts"], run, teacher="teacher", **online_fields)
             fig = evaluate(variant, model, p["teacher_model"], cfg, report)
