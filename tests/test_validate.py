@@ -150,6 +150,25 @@ def test_info_reports_stores_and_bytes_per_token(synth_cache, capsys):
     assert 0 < t["bytes_per_token"]["hidden"] <= 32 * 1.2
 
 
+def test_info_shows_each_stores_record_and_says_when_one_is_not_opdcaches(hf_cache, tmp_path, capsys):
+    """info prints what each store recorded (the svd fit) and keeps it under the store's name in --json; a record of
+    another shape planted in the manifest is one line saying so, with no traceback."""
+    import shutil
+
+    cache = tmp_path / "c"
+    shutil.copytree(hf_cache, cache)
+    code, out = _cli(["info", str(cache)], capsys)
+    assert code == 0 and "svd prob-weighted" in out and "reconstruction)" in out, out
+    code, out = _cli(["info", "--json", str(cache)], capsys)
+    t = json.loads(out)["tables"]["teachers/teacher"]
+    assert t["svd"] == Cache(cache).table("teachers/teacher")["svd"]
+    manifest = json.loads((cache / "opdcache.json").read_text())
+    manifest["tables"]["teachers/teacher"]["svd"] = {"distortion": {"prob-weighted": {"rank": "sixteen"}}}
+    (cache / "opdcache.json").write_text(json.dumps(manifest))
+    code, out = _cli(["info", str(cache)], capsys)
+    assert code == 0 and "svd store: its record in the manifest is not one opdcache wrote (nothing to show)" in " ".join(out.split())
+
+
 def test_hidden_rows_of_the_wrong_length_are_found_while_streaming(synth_cache, monkeypatch):
     """The hidden column is read one row group at a time (row groups of 2 rows here); a short row in a later row
     group is reported with its row number in the shard."""

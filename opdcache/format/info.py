@@ -7,7 +7,7 @@ from pathlib import Path
 
 from opdcache.format import schema as S, shards
 from opdcache.format.cache import Cache
-from opdcache.stores import REGISTRY
+from opdcache.stores import describe as store_lines, REGISTRY
 
 
 def store_bytes(cache: Cache, table: str) -> dict[str, int]:
@@ -54,12 +54,14 @@ def summary(root: str | Path) -> dict:
             "engine": "/".join(str(v) for k in ("engine", "dtype", "quantization") if (v := (entry.get("model") or {}).get(k))) or None,
             "consistency": (entry.get("consistency") or {}).get("verdict"),
             "reward_mean": _reward_mean(cache, name) if "task" in entry["params"]["stores"] else None,
-            "records": {store: entry[store] for store in entry["params"]["stores"] if store in REGISTRY and store in entry},
             "fidelity": entry.get("fidelity") if entry["kind"] == "teacher" else None,
             "samples_per_position": entry["params"].get("samples_per_position"),
             "store_notes": [note for store in entry["params"]["stores"] if store in REGISTRY
                             and (note := REGISTRY[store].info(entry["params"])) is not None] if entry["kind"] == "teacher" else [],
         }
+        # what each store recorded, under its name as in the manifest (the compact top-k's distortion, the svd fit, ...)
+        tables[name] |= {store: entry[store] for store in entry["params"]["stores"]
+                         if store in REGISTRY and store in entry and store not in tables[name]}
     out = {
         "path": str(root), "kind": m["kind"], "format_version": m["format_version"], "opdcache_version": m["opdcache_version"],
         "created": m["created"], "tokenizer": m["tokenizer"]["fingerprint"], "lineage": m["lineage"], "tables": tables,
@@ -101,8 +103,8 @@ def render(info: dict) -> str:
             lines += _wrap(f"model {t['model']} ({(t['model_fingerprint'] or '')[:16]}){extra}")
             if t.get("engine"):
                 lines += _wrap(f"computed by {t['engine']}")
-        for store, record in (t.get("records") or {}).items():  # what each store recorded (the compact top-k's distortion, ...)
-            for line in REGISTRY[store].describe(record):
+        for store in (s for s in t["stores"] if s in REGISTRY and t.get(s)):  # what each store recorded
+            for line in store_lines(store, t[store]):
                 lines += _wrap(line)
         if t["kind"] == "teacher":
             from opdcache.format.fidelity import describe

@@ -21,7 +21,7 @@ REGISTRY: dict[str, Store] = {s.name: s for s in (
 )}
 """Every teacher store by name, in the order their columns are written."""
 
-__all__ = ["ALWAYS", "Column", "REGISTRY", "Store", "Violation", "always", "columns", "check_job", "check_params", "enabled", "gives",
+__all__ = ["ALWAYS", "Column", "REGISTRY", "Store", "Violation", "always", "columns", "check_job", "check_params", "describe", "enabled", "gives",
            "giving", "needing_hidden", "needing_own_tokenizer", "signal_columns"]
 
 
@@ -32,6 +32,15 @@ def always() -> tuple[str, ...]:
 
 ALWAYS = always()
 """The stores every teacher table holds: ``score-teacher --store``'s and the loader's default."""
+
+
+def describe(name: str, record) -> list[str]:
+    """The store ``name``'s lines for the record a manifest keeps under its name (``Store.describe``); a record of
+    another shape (a manifest is untrusted input) is one line saying so, never an exception."""
+    try:
+        return [str(line) for line in REGISTRY[name].describe(record)]
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+        return [f"{name} store: its record in the manifest is not one opdcache wrote (nothing to show)"]
 
 
 def needing_hidden(names) -> bool:

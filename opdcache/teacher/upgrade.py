@@ -26,7 +26,7 @@ def run_upgrade(cache_root, teacher: str | None, topk_precision: str | None, top
     """Re-encode the teacher table ``teacher`` (default: the only one) as ``teachers/<name>``: {"source", "table",
     "written", "records" (what the new table's stores recorded, by store), "describe" (those records as lines)}."""
     from opdcache.backends.base import Scores, STATISTICS
-    from opdcache.stores import always, REGISTRY
+    from opdcache.stores import always, describe, REGISTRY
 
     options = {"topk_precision": topk_precision, "topk_mass": topk_mass}
     cache = Cache(cache_root)
@@ -67,4 +67,4 @@ def run_upgrade(cache_root, teacher: str | None, topk_precision: str | None, top
     new_entry = Cache(cache.root).table(f"teachers/{slug}")
     records = {n: new_entry[n] for n in kept if n in new_entry}
     return {"source": source, "table": f"teachers/{slug}", "written": written, "records": records,
-            "describe": [line for n, record in records.items() for line in REGISTRY[n].describe(record)]}
+            "describe": [line for n, record in records.items() for line in describe(n, record)]}
