@@ -206,3 +206,25 @@ def test_sampled_rules_match_the_plain_per_row_rules(damage, block_rows):
     fast = rowrules.sampled_rules(ids, counts, lp, m, V, block_rows=block_rows)
     _same(fast, sampled_reference(ids, counts, lp, m, V))
     assert bool(fast) == (damage is not None)
+
+
+@pytest.mark.parametrize("block_rows", [rowrules.BLOCK_ROWS, 7])
+def test_the_sampled_token_against_its_top_k_entry_is_the_plain_per_token_rule(block_rows):
+    """against_topk in blocks of rows reports exactly the tokens a plain per-token loop finds."""
+    rng = np.random.default_rng(3)
+    T, k = 200, 5
+    lps = np.sort(np.log(rng.dirichlet(np.ones(k + 3), T)[:, :k]), axis=1)[:, ::-1].astype(np.float32)
+    ids = np.stack([rng.permutation(50)[:k] for _ in range(T)]).astype(np.int32)
+    sampled = np.where(rng.random(T) < 0.5, ids[np.arange(T), rng.integers(0, k, T)], 60).astype(np.int32)
+    hit_at = [list(ids[t]).index(sampled[t]) if sampled[t] in ids[t] else None for t in range(T)]
+    sampled_lp = np.array([lps[t, j] if j is not None else lps[t, -1] - 1.0 for t, j in enumerate(hit_at)], np.float32)
+    sampled_lp[[3, 50]] += 0.5  # off its entry when inside, above the k-th when outside
+    sampled_lp[[120, 199]] = 0.0
+    got = {message: np.flatnonzero(bad).tolist()
+           for _, bad, message in rowrules.against_topk("logprobs", sampled, sampled_lp, ids, lps, block_rows=block_rows)}
+    tol = rowrules.LOGPROB_TOL
+    want = {"log-prob of the sampled token disagrees with its top-k entry":
+            [t for t, j in enumerate(hit_at) if j is not None and abs(lps[t, j] - sampled_lp[t]) > tol],
+            "sampled token is outside the top-k but more likely than the k-th":
+            [t for t, j in enumerate(hit_at) if j is None and sampled_lp[t] > lps[t].min() + tol]}
+    assert got == {m: v for m, v in want.items() if v} and all(want.values())

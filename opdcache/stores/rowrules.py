@@ -105,10 +105,17 @@ LOGPROB_TOL = 1e-4
 
 
 def against_topk(column: str, sampled: np.ndarray, sampled_lp: np.ndarray, ids: np.ndarray, lps: np.ndarray,
-                 rel_tol: float = 0.0, prob_tol: float | None = None) -> list[Violation]:
+                 rel_tol: float = 0.0, prob_tol: float | None = None, block_rows: int = BLOCK_ROWS) -> list[Violation]:
     """The sampled token's log-prob (``column``, [tokens]) must equal its top-k entry (within LOGPROB_TOL + rel_tol x
     |log-prob|: float16 storage; with ``prob_tol``, prob14 codes: the probabilities within prob_tol), or lie below the
-    last kept entry when outside the top-k ([tokens, k] ``ids``, ``lps``). Only the rules some token breaks."""
+    last kept entry when outside the top-k ([tokens, k] ``ids``, ``lps``). Only the rules some token breaks; checked
+    ``block_rows`` rows at a time (memory: a few [block_rows, k] arrays)."""
+    return _blocked(lambda s, slp, i, lp: _against_topk_block(column, s, slp, i, lp, rel_tol, prob_tol),
+                    (sampled, sampled_lp, ids, lps), block_rows)
+
+
+def _against_topk_block(column: str, sampled, sampled_lp, ids, lps, rel_tol: float, prob_tol: float | None) -> list:
+    """:func:`against_topk` on one block of rows: both rules, None where no row breaks it."""
     hit = ids == sampled[:, None]
     inside = hit.any(axis=1)
     at = np.where(inside, lps[np.arange(len(ids)), hit.argmax(axis=1)], np.nan)
@@ -121,9 +128,8 @@ def against_topk(column: str, sampled: np.ndarray, sampled_lp: np.ndarray, ids: 
         mismatch = inside & (np.abs(at - sampled_lp) > tol)
     last = np.where(np.isfinite(lps), lps, np.inf).min(axis=1) if lps.shape[1] else np.full(len(ids), np.inf)
     above_kth = ~inside & (sampled_lp > last + tol)
-    return [(column, bad, message) for bad, message in (
-        (mismatch, "log-prob of the sampled token disagrees with its top-k entry"),
-        (above_kth, "sampled token is outside the top-k but more likely than the k-th")) if bad.any()]
+    return [(column, _rows(mismatch), "log-prob of the sampled token disagrees with its top-k entry"),
+            (column, _rows(above_kth), "sampled token is outside the top-k but more likely than the k-th")]
 
 
 def topk_rules(prefix: str, ids: np.ndarray, lps: np.ndarray, vocab: int | None, tail: np.ndarray | None = None,

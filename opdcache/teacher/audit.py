@@ -300,7 +300,10 @@ def _judge_replay(rep: dict, replayed: dict[str, dict]) -> dict:
 
 
 def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
+    import dataclasses
+
     from opdcache.backends.base import ScoreRequest
+    from opdcache.stores import needing_hidden, REGISTRY
     from opdcache.teacher.scoring import score_requests, teacher_columns, teacher_records
 
     if cfg.server is not None:
@@ -309,10 +312,6 @@ def _audit_teacher(cache: Cache, name: str, cfg: AuditConfig) -> dict:
         entry, record, exact, dtype, backend, path = _recorded_engine(cache, name, cfg.teacher, "--teacher", cfg.device)
     params = cache.params(name)
     seed = int(entry["config"].get("sample_seed", 0))
-    import dataclasses
-
-    from opdcache.stores import needing_hidden, REGISTRY
-
     # a store whose values come from a fit over the whole table (the svd projection) is left out of the comparison
     unscored = {c.name for st in REGISTRY.values() if st.name in params.stores and not st.rescored for c in st.columns}
     params_rescored = dataclasses.replace(params, stores=tuple(s for s in params.stores if s not in REGISTRY or REGISTRY[s].rescored))

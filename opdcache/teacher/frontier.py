@@ -183,14 +183,17 @@ def _student_errors(p_lp: torch.Tensor, implied: Implied, s_lp: torch.Tensor) ->
     return (est - full).abs().numpy(), (target - p).abs().sum(-1).numpy(), est.numpy()
 
 
+def _width(s: Setting) -> int | None:
+    """A setting's width: the value it gives its store's vector columns' width field (k, m), None for none."""
+    return next((s.get(c.width) for c in REGISTRY[s.store].columns if c.width and s.get(c.width)), None)
+
+
 def _widths(settings: list[Setting]) -> dict[str, int]:
-    """The largest width each per-position statistic is asked at ({"topk_ids": k, "sampled_ids": m}): a setting's width
-    is its store's vector columns' width field."""
+    """The largest width each per-position statistic is asked at ({"topk_ids": k, "sampled_ids": m})."""
     out: dict[str, int] = {}
     for s in settings:
-        store = REGISTRY[s.store]
-        width = next((s.get(c.width) for c in store.columns if c.width and s.get(c.width)), None)
-        for stat in store.needs:
+        width = _width(s)
+        for stat in REGISTRY[s.store].needs:
             if STATISTICS[stat].source != "hidden_states" and width:
                 out[stat] = max(out.get(stat, 0), int(width))
     return out
@@ -213,9 +216,11 @@ def _block_statistics(p_lp: torch.Tensor, widths: dict, resp: torch.Tensor, u: t
 def measure(teacher: Model, requests: list, row_ids: list[str], settings: list[Setting], students: dict[str, Model] | None = None,
             seed: int = 0, progress=None) -> dict:
     """The frontier on ``requests`` (ScoreRequests of the sample's rows): {label: {bytes_per_token, kl, students, ...}}
-    plus the sample's size and the teacher's mean entropy. See the module docstring for what each number means."""
-    from opdcache.backends.base import Scores
-    from opdcache.backends.base import row_uniforms
+    plus the sample's size and the teacher's mean entropy. See the module docstring for what each number means; beside
+    them, per setting, ``kl_is`` ("divergence": KL(p || q*); "spread": the standard error of an unbiased estimate, for
+    draws) and, for a setting that encodes another (the compact top-k of the exact one), per student ``vs_exact``:
+    |its forward-KL estimate - the encoded setting's| per position (max, mean), and its store's ``report``."""
+    from opdcache.backends.base import row_uniforms, Scores
     from opdcache.teacher.scoring import teacher_records
 
     students = students or {}
@@ -294,8 +299,7 @@ def measure(teacher: Model, requests: list, row_ids: list[str], settings: list[S
 
 def _scores(scores_type, s: Setting, whole: dict, h: torch.Tensor, T: int):
     """The engine's Scores of one row for a setting: the statistics its store needs, at its width."""
-    store = REGISTRY[s.store]
-    width = next((s.get(c.width) for c in store.columns if c.width and s.get(c.width)), None)
+    store, width = REGISTRY[s.store], _width(s)
     sc = scores_type(logprobs=whole["logprobs"].numpy(), logsumexp=np.zeros(T, np.float32))
     for stat in store.needs:
         if STATISTICS[stat].source == "hidden_states":
